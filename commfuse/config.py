@@ -1,0 +1,73 @@
+"""Settings of one commfuse backend: which patterns run, what is excluded, size threshold."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch.nn as nn
+
+#: Names of the rewrites, in the order the graph pass applies them.
+PATTERNS = ("mm_all_reduce", "all_gather_mm")
+
+#: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing.
+DEFAULT_MIN_MNK = 1 << 15
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one configured backend does. Part of the pass's cache key (``key()``)."""
+
+    patterns: tuple[str, ...] = PATTERNS
+    exclude_classes: tuple[type, ...] = ()
+    exclude_names: tuple[str, ...] = ()
+    min_mnk: int = DEFAULT_MIN_MNK
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.patterns) - set(PATTERNS))
+        if unknown:
+            raise ValueError(f"commfuse: unknown pattern(s) {unknown}; known: {list(PATTERNS)}")
+        if self.min_mnk < 0:
+            raise ValueError(f"commfuse: min_mnk must be >= 0, got {self.min_mnk}")
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        patterns: Iterable[str] | None = None,
+        exclude: Iterable[Any] = (),
+        min_mnk: int = DEFAULT_MIN_MNK,
+    ) -> "Settings":
+        """Sort ``exclude`` entries into classes and name patterns; instances are marked in place."""
+        from .exclusion import exclude as exclude_instance
+
+        classes: list[type] = []
+        names: list[str] = []
+        for item in exclude:
+            if isinstance(item, type) and issubclass(item, nn.Module):
+                classes.append(item)
+            elif isinstance(item, str):
+                names.append(item)
+            elif isinstance(item, nn.Module):
+                exclude_instance(item)
+            else:
+                raise TypeError(
+                    "commfuse: exclude entries must be nn.Module subclasses, module instances or "
+                    f"qualified-name patterns (str), got {item!r}"
+                )
+        return cls(
+            patterns=tuple(PATTERNS if patterns is None else patterns),
+            exclude_classes=tuple(classes),
+            exclude_names=tuple(names),
+            min_mnk=int(min_mnk),
+        )
+
+    @property
+    def has_exclusions(self) -> bool:
+        return bool(self.exclude_classes or self.exclude_names)
+
+    def key(self) -> str:
+        """A stable text of every setting that changes what the pass does."""
+        classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
+        return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk))

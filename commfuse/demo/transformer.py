@@ -1,0 +1,179 @@
+"""A small Llama-style decoder stack (RMSNorm, GQA attention, SwiGLU MLP) and two ways to split it
+for tensor parallelism: DTensor plans (optionally sequence-parallel) and gpt-fast-style hooks.
+
+It is the model ``python -m commfuse explain`` traces, and what the tests and examples build on.
+The stack takes hidden states (no embedding), so with sequence parallelism its input and output are
+each rank's sequence shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class Config:
+    dim: int = 256
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 512
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = 1  # set by the parallelize functions: heads per rank = heads / tp
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        hd, heads, kv_heads = self.cfg.head_dim, self.cfg.n_heads // self.tp, self.cfg.n_kv_heads // self.tp
+        q = self.wq(x).view(bsz, seq, heads, hd).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, kv_heads, hd).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, kv_heads, hd).transpose(1, 2)
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, heads * hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _check_divisible(cfg: Config, tp: int) -> None:
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the TP size {tp}")
+
+
+def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = False) -> Transformer:
+    """Megatron-style TP with DTensor: Q/K/V and w1/w3 column-wise, wo and w2 row-wise.
+
+    With ``sequence_parallel`` the norms run on sequence shards (dim 1): an all-gather precedes the
+    column-wise matmuls and a reduce-scatter follows the row-wise ones.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = mesh.size()
+    _check_divisible(model.cfg, tp)
+    for block in model.layers:
+        block.attention.tp = tp
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        else:
+            plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def _shard_linear(linear: nn.Linear, dim: int, rank: int, world: int) -> None:
+    weight = linear.weight.detach().chunk(world, dim=dim)[rank].clone()
+    linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
+    if dim == 0:
+        linear.out_features = weight.shape[0]
+    else:
+        linear.in_features = weight.shape[1]
+
+
+def parallelize_hooks(model: Transformer, group: dist.ProcessGroup | None = None) -> Transformer:
+    """gpt-fast-style TP: shard plain weights in place; wo and w2 all-reduce from a forward hook.
+
+    Compiled, each row-parallel linear becomes exactly mm -> all_reduce -> wait_tensor.
+    """
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    _check_divisible(model.cfg, world)
+
+    def all_reduce_hook(module, inputs, output):
+        return funcol.all_reduce(output, "sum", group)
+
+    for block in model.layers:
+        block.attention.tp = world
+        for lin in (block.attention.wq, block.attention.wk, block.attention.wv,
+                    block.feed_forward.w1, block.feed_forward.w3):
+            _shard_linear(lin, 0, rank, world)
+        for lin in (block.attention.wo, block.feed_forward.w2):
+            _shard_linear(lin, 1, rank, world)
+            lin.register_forward_hook(all_reduce_hook)
+    return model

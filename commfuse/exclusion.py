@@ -1,0 +1,120 @@
+"""Opting modules out of fusion.
+
+Three ways, all resolved against the ``nn_module_stack`` that Dynamo records on every graph node
+(Inductor carries it to the backward graph as ``fwd_nn_module_stack``):
+
+* an instance: ``commfuse.exclude(module)`` gives that one object a marker subclass of its own class
+  (same name, same behaviour, ``isinstance`` unchanged), so graphs traced from it carry the marker;
+* a class: ``commfuse.backend(exclude=[MyAttention])`` skips matmuls inside any instance of it;
+* a qualified-name pattern: ``commfuse.backend(exclude=["layers.0.*"])`` (``fnmatch`` syntax) skips
+  matmuls inside modules whose name, relative to the compiled module, matches.
+
+A match is excluded when any module on its matmul's stack is, so excluding a block excludes
+everything inside it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch.nn as nn
+
+_MARKER_ATTR = "_commfuse_excluded"
+_markers: dict[type, type] = {}
+
+
+def _rebuild(base: type) -> nn.Module:
+    """Unpickling/deepcopy target: a fresh instance of ``base``'s marker class (state set later)."""
+    marker = _marker_class(base)
+    return marker.__new__(marker)
+
+
+def _marker_reduce_ex(self: nn.Module, protocol: int):
+    # Pickle and deepcopy through the real class (the marker is not importable by name).
+    return (_rebuild, (type(self)._commfuse_base,), self.__getstate__())
+
+
+def _marker_class(cls: type) -> type:
+    marker = _markers.get(cls)
+    if marker is None:
+        marker = type(
+            cls.__name__,
+            (cls,),
+            {
+                _MARKER_ATTR: True,
+                "_commfuse_base": cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__reduce_ex__": _marker_reduce_ex,
+            },
+        )
+        _markers[cls] = marker
+    return marker
+
+
+def exclude(module: nn.Module) -> nn.Module:
+    """Keep every matmul inside ``module`` (this instance only) unfused. Returns ``module``.
+
+    Call it before the model is compiled; a compiled model recompiles on its next call.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"commfuse.exclude expects an nn.Module instance, got {type(module).__name__}")
+    if not is_excluded_instance(module):
+        module.__class__ = _marker_class(type(module))
+    return module
+
+
+def include(module: nn.Module) -> nn.Module:
+    """Undo :func:`exclude` on ``module``. Returns ``module``."""
+    if is_excluded_instance(module):
+        module.__class__ = type(module)._commfuse_base
+    return module
+
+
+def is_excluded_instance(module: nn.Module) -> bool:
+    return bool(type(module).__dict__.get(_MARKER_ATTR, False))
+
+
+def any_instance_excluded() -> bool:
+    """Whether ``exclude`` was ever used in this process (it changes what the pass does)."""
+    return bool(_markers)
+
+
+_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def qualified_name(dynamo_path: str) -> str:
+    """``"L['self'].layers[0]._modules['mlp']"`` -> ``"layers.0.mlp"``."""
+    path = _ROOT.sub("", dynamo_path)
+    path = _INDEX.sub(r".\1", path)
+    path = path.replace("._modules.", ".").replace("_modules.", "")
+    return path.strip(".")
+
+
+def module_stack(node) -> list[tuple[str, object]]:
+    """``[(qualified name, module class), ...]`` outermost first, for a forward or backward node."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return [(qualified_name(path), cls) for path, cls in stack.values()]
+
+
+def _class_matches(cls: object, excluded: tuple[type, ...]) -> bool:
+    if isinstance(cls, type):
+        return issubclass(cls, excluded)
+    # Some torch versions store the class as "module.QualName" text.
+    return isinstance(cls, str) and cls in {f"{c.__module__}.{c.__qualname__}" for c in excluded}
+
+
+def excluded_by(node, settings) -> str | None:
+    """Why ``node`` is excluded (a sentence), or None if it may fuse."""
+    for name, cls in module_stack(node):
+        if isinstance(cls, type) and cls.__dict__.get(_MARKER_ATTR, False):
+            return f"module {name or '<root>'} was opted out with commfuse.exclude()"
+        if settings.exclude_classes and _class_matches(cls, settings.exclude_classes):
+            shown = cls.__name__ if isinstance(cls, type) else cls
+            return f"module {name or '<root>'} is a {shown}, an excluded class"
+        for pattern in settings.exclude_names:
+            if name and fnmatch.fnmatchcase(name, pattern):
+                return f"module {name} matches excluded name pattern {pattern!r}"
+    return None

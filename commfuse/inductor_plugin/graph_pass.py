@@ -1,0 +1,119 @@
+"""The post-grad pass that rewrites matched matmul/collective pairs into ``torch.ops.commfuse`` ops.
+
+It runs as Inductor's ``post_grad_custom_post_pass`` (after Inductor's own patterns and
+``_micro_pipeline_tp``), on the functional post-grad graphs of forward and backward. It decides
+from shapes, dtypes, groups and module metadata only, never rank-local state, so every rank
+compiles the same graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import pathlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPassBase
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from .. import kernels  # noqa: F401  (registers torch.ops.commfuse before any rewrite)
+from .. import patterns
+from ..config import Settings
+from ..exclusion import any_instance_excluded, module_stack
+from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
+from ..report import MatchRecord, log, record
+
+_graph_numbers = itertools.count()
+
+
+@functools.lru_cache(1)
+def _source_hash() -> str:
+    """Hash of every source file of the package: any change to the pass invalidates the cache."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _describe(pattern: str, label: str, anchor: fx.Node, mm: fx.Node | None, fused: bool, reason: str) -> MatchRecord:
+    shape = dtype = module = None
+    if mm is not None:
+        try:
+            a, b, _ = matmul_operands(mm)
+            shape, dtype = mnk(a, b), str(val(a).dtype).replace("torch.", "")
+        except Skip:
+            pass
+        stack = module_stack(mm)
+        module = stack[-1][0] if stack else None
+    group = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("group_name")
+    return MatchRecord(pattern, label, anchor.name, mm.name if mm is not None else None,
+                       fused, reason, shape, dtype, str(group), module)
+
+
+def rewrite(graph: fx.Graph, settings: Settings) -> int:
+    """Apply every enabled pattern to ``graph``; record each candidate. Returns the fused count."""
+    label = graph_label(graph, next(_graph_numbers))
+    fused = 0
+    for pattern in patterns.ALL:
+        anchors = [n for n in graph.nodes if n.op == "call_function" and n.target in pattern.ANCHORS]
+        for anchor in anchors:
+            if pattern.NAME not in settings.patterns:
+                reason = f"pattern {pattern.NAME} is disabled in this backend's settings"
+                record(_describe(pattern.NAME, label, anchor, None, False, reason))
+                continue
+            try:
+                match = pattern.MATCH.from_anchor(anchor, settings)
+            except Skip as exc:
+                record(_describe(pattern.NAME, label, anchor, exc.mm, False, str(exc)))
+                continue
+            rec = _describe(pattern.NAME, label, anchor, match.mm, True, "fused")
+            match.replace(graph)
+            record(rec)
+            fused += 1
+    if fused:
+        stable_topological_sort(graph)
+        graph.lint()
+    return fused
+
+
+class CommfusePass(CustomGraphPass):
+    """Inductor post-grad pass: runs ``chained`` (the user's own post pass, if any), then ours."""
+
+    def __init__(self, settings: Settings, chained: Any = None):
+        self.settings = settings
+        if chained is None:
+            self.chained: tuple = ()
+        elif isinstance(chained, (list, tuple)):
+            self.chained = tuple(chained)
+        else:
+            self.chained = (chained,)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for user_pass in self.chained:
+            user_pass(graph)
+        rewrite(graph, self.settings)
+
+    def uuid(self) -> Any:
+        """Package sources + settings + the chained passes' ids; None disables caching.
+
+        Exclusions are resolved from node metadata that Inductor's cache key does not hash (module
+        names and classes are not in the graph's code), so any exclusion opts out of the cache
+        rather than risk reusing a graph fused under other exclusions.
+        """
+        if self.settings.has_exclusions or any_instance_excluded():
+            log.debug("module exclusions are set: FX graph caching is bypassed for commfuse graphs")
+            return None
+        parts = [_source_hash(), self.settings.key(), torch.__version__]
+        for user_pass in self.chained:
+            if not isinstance(user_pass, CustomPassBase):
+                return None
+            uid = user_pass.uuid()
+            if uid is None:
+                return None
+            parts.append(repr(uid))
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()

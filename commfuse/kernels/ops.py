@@ -1,0 +1,116 @@
+"""The ``torch.ops.commfuse`` operator library.
+
+Compiled graphs call these ops by name, so importing this module (which any import of ``commfuse``
+does) must happen before cached compiled code runs. Each op takes its process group as a ``str
+group_name`` resolved at run time, never a hard-coded WORLD. The fake implementations state exact
+shapes, dtypes and (contiguous) strides; the real ones validate their arguments and currently run
+the unfused reference (``reference.py``), which faster device paths must match.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from . import reference
+
+#: Real (non-fake) invocations per op since import; tests use it to prove compiled code calls us.
+CALL_COUNTS: collections.Counter[str] = collections.Counter()
+
+_FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"commfuse.{op}: a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"commfuse.{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    torch._check(a.dtype == b.dtype, lambda: f"commfuse.{op}: a is {a.dtype} but b is {b.dtype}")
+    torch._check(a.dtype in _FUSABLE_DTYPES, lambda: f"commfuse.{op}: dtype {a.dtype} is not one of fp16, bf16, fp32")
+    if bias is not None:
+        torch._check(bias.dtype == a.dtype, lambda: f"commfuse.{op}: bias is {bias.dtype} but a is {a.dtype}")
+        torch._check(bias.dim() <= 2, lambda: f"commfuse.{op}: bias must be 1-D or 2-D, got {tuple(bias.shape)}")
+
+
+def _group_size(op: str, group_name: str) -> int:
+    try:
+        return _resolve_process_group(group_name).size()
+    except Exception as exc:  # a bad name must say which op and which name
+        raise RuntimeError(f"commfuse.{op}: cannot resolve process group {group_name!r}: {exc}") from exc
+
+
+@torch.library.custom_op("commfuse::mm_all_reduce", mutates_args=())
+def mm_all_reduce(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str
+) -> torch.Tensor:
+    """``all_reduce_sum(a @ b + bias)`` over ``group_name``; every rank returns the reduced sum.
+
+    ``bias`` is added on every rank before the sum, exactly like the ``addmm -> all_reduce`` it
+    replaces (DTensor pre-divides a row-parallel bias by the world size for this reason).
+    """
+    _check_matmul_args("mm_all_reduce", a, b, bias)
+    _group_size("mm_all_reduce", group_name)
+    CALL_COUNTS["mm_all_reduce"] += 1
+    return reference.mm_all_reduce(a, b, bias, group_name)
+
+
+@mm_all_reduce.register_fake
+def _(a, b, bias, group_name):
+    _check_matmul_args("mm_all_reduce", a, b, bias)
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _gathered_shape(shard: torch.Tensor, gather_dim: int, world_size: int) -> list:
+    shape = list(shard.shape)
+    shape[gather_dim] = shape[gather_dim] * world_size
+    return shape
+
+
+def _check_gather_args(shard: torch.Tensor, b: torch.Tensor, gather_dim: int, world_size: int) -> None:
+    torch._check(shard.dim() >= 2, lambda: f"commfuse.all_gather_mm: shard must be at least 2-D, got {tuple(shard.shape)}")
+    torch._check(0 <= gather_dim < shard.dim() - 1, lambda: f"commfuse.all_gather_mm: gather_dim {gather_dim} must name a leading dimension of a {shard.dim()}-D shard")
+    torch._check(world_size >= 1, lambda: f"commfuse.all_gather_mm: world_size must be positive, got {world_size}")
+    torch._check(b.dim() == 2 and shard.shape[-1] == b.shape[0], lambda: f"commfuse.all_gather_mm: shard {tuple(shard.shape)} does not multiply b {tuple(b.shape)}")
+
+
+@torch.library.custom_op("commfuse::all_gather_mm", mutates_args=())
+def all_gather_mm(
+    shard: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    gather_dim: int,
+    world_size: int,
+    group_name: str,
+    return_gathered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather ``shard`` along ``gather_dim`` over ``group_name``, flatten the leading dimensions
+    and multiply by ``b`` (plus ``bias``).
+
+    Returns ``(out, gathered)``: ``out`` is ``[prod(gathered.shape[:-1]), N]``; ``gathered`` is the
+    gathered tensor when ``return_gathered`` is set (the graph still uses it, e.g. for backward),
+    otherwise an empty tensor.
+    """
+    _check_gather_args(shard, b, gather_dim, world_size)
+    size = _group_size("all_gather_mm", group_name)
+    if size != world_size:
+        raise RuntimeError(
+            f"commfuse.all_gather_mm: the graph gathers over {world_size} ranks but group "
+            f"{group_name!r} has {size}"
+        )
+    _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias)
+    CALL_COUNTS["all_gather_mm"] += 1
+    out, gathered = reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
+    if not return_gathered:
+        gathered = shard.new_empty((0,))
+    return out, gathered
+
+
+@all_gather_mm.register_fake
+def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
+    _check_gather_args(shard, b, gather_dim, world_size)
+    shape = _gathered_shape(shard, gather_dim, world_size)
+    rows = math.prod(shape[:-1])
+    out = shard.new_empty((rows, b.shape[1]))
+    gathered = shard.new_empty(shape) if return_gathered else shard.new_empty((0,))
+    return out, gathered

@@ -1,0 +1,48 @@
+"""Unfused implementations of the commfuse ops: the matmul, then the functional collective.
+
+These are the semantics every faster path must reproduce. They run on any device and any process
+group that the functional collectives support (gloo, NCCL, the fake test backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_c10d = torch.ops._c10d_functional
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b (+ bias)`` exactly as the matched ``mm``/``addmm`` node computed it."""
+    if bias is None:
+        return torch.mm(a, b)
+    return torch.addmm(bias, a, b)
+
+
+def mm_all_reduce(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str
+) -> torch.Tensor:
+    partial = matmul(a, b, bias)
+    return _c10d.wait_tensor(_c10d.all_reduce(partial, "sum", group_name))
+
+
+def all_gather(shard: torch.Tensor, gather_dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """Gather ``shard`` from every rank and concatenate along ``gather_dim`` (rank order)."""
+    gathered = _c10d.wait_tensor(
+        _c10d.all_gather_into_tensor(shard.contiguous(), world_size, group_name)
+    )
+    if gather_dim != 0:
+        gathered = torch.cat(gathered.chunk(world_size, dim=0), dim=gather_dim)
+    return gathered
+
+
+def all_gather_mm(
+    shard: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    gather_dim: int,
+    world_size: int,
+    group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gathered = all_gather(shard, gather_dim, world_size, group_name)
+    out = matmul(gathered.reshape(-1, gathered.shape[-1]), b, bias)
+    return out, gathered

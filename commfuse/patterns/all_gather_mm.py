@@ -1,0 +1,146 @@
+"""all_gather -> matmul  ==>  commfuse.all_gather_mm
+
+The first half of a column-parallel linear under sequence parallelism (and the input-gradient of a
+row-parallel one under it)::
+
+    before:  ag = all_gather_into_tensor(shard, world, g)
+             w  = wait_tensor(ag)
+             G  = w                                      # gather along dim 0, or DTensor's form
+                | cat(split(w, n, 0)[0..world-1], d)     # for a gather along dim d
+             r  = reshape(G, [-1, K])                    # when G is not 2-D
+             mm = mm(r, b) | addmm(bias, r, b)   -> users
+             (other users of G or r, e.g. saved for backward or the Q/K/V siblings)
+
+    after:   f  = commfuse.all_gather_mm(shard, b, bias, d, world, g, return_gathered)
+             f[0]                                -> users of mm
+             f[1] (the gathered tensor, only when still used) -> other users of G
+
+When several matmuls read the gathered tensor (Q, K and V; w1 and w3), the widest one fuses and
+the others read the returned gathered tensor. Skipped, with the reason recorded: no matmul takes the
+gathered tensor as its left operand, gathers along the last dimension, results read without a
+single wait_tensor, and the common guards (dtype, size threshold, excluded modules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from .common import (
+    MATMUL_OPS,
+    VIEW_OPS,
+    Skip,
+    arg,
+    aten,
+    c10d,
+    check_fusable,
+    insert_call,
+    insert_getitem,
+    is_call,
+    left_operand,
+    matmul_operands,
+    val,
+)
+
+NAME = "all_gather_mm"
+ANCHORS = (c10d.all_gather_into_tensor.default,)
+
+
+def _split_cat(wait: fx.Node, world_size: int) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """DTensor gathers along dim d as cat(split(wait, n, 0), d); return (cat, d, nodes) if so."""
+    if len(wait.users) != 1:
+        return None
+    (split,) = wait.users
+    if not is_call(split, (aten.split.Tensor,)) or arg(split, 2, "dim", 0) != 0:
+        return None
+    items = sorted(split.users, key=lambda n: n.args[1] if n.op == "call_function" else -1)
+    if len(items) != world_size or any(
+        n.target.__name__ != "getitem" or n.args[1] != i or len(n.users) != 1 for i, n in enumerate(items)
+    ):
+        return None
+    (cat,) = items[0].users
+    if not is_call(cat, (aten.cat.default,)) or list(cat.args[0]) != items:
+        return None
+    dim = arg(cat, 1, "dim", 0)
+    dim = dim + val(cat).dim() if dim < 0 else dim
+    return cat, dim, [cat, *items, split]
+
+
+@dataclasses.dataclass
+class AllGatherMmMatch:
+    all_gather: fx.Node
+    wait: fx.Node
+    gathered: fx.Node  # the node holding the gathered tensor in its final layout
+    layout: list[fx.Node]  # split/getitem/cat nodes between wait and gathered (consumers first)
+    gather_dim: int
+    reshape: fx.Node | None  # 2-D view of gathered feeding the matmul
+    mm: fx.Node
+    b: fx.Node
+    bias: fx.Node | None
+    return_gathered: bool
+
+    @property
+    def shard(self) -> fx.Node:
+        return self.all_gather.args[0]
+
+    @classmethod
+    def from_anchor(cls, ag: fx.Node, settings) -> "AllGatherMmMatch":
+        world_size = arg(ag, 1, "group_size")
+        waits = list(ag.users)
+        if len(waits) != 1 or not is_call(waits[0], (c10d.wait_tensor.default,)):
+            raise Skip("all_gather result is not read through a single wait_tensor")
+        wait = waits[0]
+        gathered, dim, layout = _split_cat(wait, world_size) or (wait, 0, [])
+        if dim >= val(gathered).dim() - 1:
+            raise Skip(f"gathers along dim {dim}, the matmul's K dimension")
+        candidates = []  # (mm, reshape or None)
+        for user in gathered.users:
+            if is_call(user, MATMUL_OPS) and left_operand(user) is gathered:
+                candidates.append((user, None))
+            elif is_call(user, VIEW_OPS) and val(user).dim() == 2:
+                candidates += [(mm, user) for mm in user.users
+                               if is_call(mm, MATMUL_OPS) and left_operand(mm) is user]
+        if not candidates:
+            raise Skip("no mm/addmm takes the gathered tensor as its left operand")
+        candidates.sort(key=lambda c: _static_or(val(c[0]).shape[1], 0), reverse=True)
+        first_skip = None
+        for mm, reshape in candidates:
+            try:
+                a, b, bias = matmul_operands(mm)
+                check_fusable(mm, a, b, bias, settings)
+            except Skip as exc:
+                first_skip = first_skip or Skip(str(exc), mm=mm)
+                continue
+            needed = {mm} if reshape is None else {reshape}
+            return_gathered = set(gathered.users) != needed or (
+                reshape is not None and len(reshape.users) > 1
+            )
+            return cls(ag, wait, gathered, layout, dim, reshape, mm, b, bias, return_gathered)
+        raise first_skip
+
+    def replace(self, graph: fx.Graph) -> fx.Node:
+        """Rewrite; leaves users of the gathered tensor that precede the matmul for a topo sort."""
+        ag = self.all_gather
+        fused = insert_call(
+            graph, self.mm, torch.ops.commfuse.all_gather_mm.default,
+            (self.shard, self.b, self.bias, self.gather_dim, arg(ag, 1, "group_size"),
+             arg(ag, 2, "group_name"), self.return_gathered), self.mm,
+        )
+        self.mm.replace_all_uses_with(insert_getitem(graph, fused, 0, self.mm))
+        graph.erase_node(self.mm)
+        if self.reshape is not None and not self.reshape.users:
+            graph.erase_node(self.reshape)
+        if self.return_gathered:
+            self.gathered.replace_all_uses_with(insert_getitem(graph, fused, 1, self.gathered))
+        for node in [*self.layout, self.wait, ag]:
+            graph.erase_node(node)
+        return fused
+
+
+MATCH = AllGatherMmMatch
+
+
+def _static_or(x, default: int) -> int:
+    return x if isinstance(x, int) else default

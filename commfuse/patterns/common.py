@@ -1,0 +1,137 @@
+"""Helpers shared by the pattern modules: reading nodes, the common guards, inserting new nodes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_map
+
+from ..exclusion import excluded_by
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+VIEW_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+MATMUL_OPS = (aten.mm.default, aten.addmm.default)
+FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Meta that says where a node came from; copied onto the nodes that replace it.
+_PROVENANCE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "custom", "seq_nr")
+
+
+class Skip(Exception):
+    """A candidate that stays unfused; the message is the reason users see.
+
+    ``mm`` is the matmul of the candidate when one was found, so the report can name it.
+    """
+
+    def __init__(self, reason: str, mm: fx.Node | None = None):
+        super().__init__(reason)
+        self.mm = mm
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def is_call(node: Any, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def target_name(node: Any) -> str:
+    if not isinstance(node, fx.Node):
+        return type(node).__name__
+    if node.op != "call_function":
+        return f"{node.op} {node.target}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def matmul_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """``(a, b, bias)`` of an ``mm`` or ``addmm`` node; Skip for scaled ``addmm``."""
+    if mm.target is aten.mm.default:
+        return mm.args[0], mm.args[1], None
+    beta, alpha = mm.kwargs.get("beta", 1), mm.kwargs.get("alpha", 1)
+    if beta != 1 or alpha != 1:
+        raise Skip(f"addmm with beta={beta}, alpha={alpha} is not a plain bias add")
+    return mm.args[1], mm.args[2], mm.args[0]
+
+
+def left_operand(mm: fx.Node) -> fx.Node:
+    return mm.args[0] if mm.target is aten.mm.default else mm.args[1]
+
+
+def mnk(a: fx.Node, b: fx.Node) -> tuple:
+    va, vb = val(a), val(b)
+    return (va.shape[0], va.shape[1], vb.shape[1])
+
+
+def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, settings) -> None:
+    """The guards every pattern applies: dtype, size, opt-out. Raises Skip with the reason."""
+    va, vb = val(a), val(b)
+    if va is None or vb is None:
+        raise Skip("matmul operands carry no meta['val'] (not a traced post-grad graph)")
+    if va.dtype not in FUSABLE_DTYPES:
+        raise Skip(f"dtype {va.dtype} is not fp16, bf16 or fp32")
+    if vb.dtype != va.dtype or (bias is not None and val(bias).dtype != va.dtype):
+        raise Skip("matmul operands have mixed dtypes")
+    size = math.prod(mnk(a, b))
+    if statically_known_true(size < settings.min_mnk):
+        raise Skip(f"M*N*K={size} is below the size threshold min_mnk={settings.min_mnk}")
+    reason = excluded_by(mm, settings)
+    if reason:
+        raise Skip(reason)
+
+
+def module_name(node: fx.Node) -> str | None:
+    from ..exclusion import module_stack
+
+    stack = module_stack(node)
+    return stack[-1][0] if stack else None
+
+
+def _fake_value(target, args: tuple) -> Any:
+    vals = tree_map(val, args)
+    flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(flat)
+    if mode is not None:
+        with mode:
+            return target(*vals)
+    return target(*tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, vals))
+
+
+def insert_call(graph: fx.Graph, before: fx.Node, target, args: tuple, like: fx.Node) -> fx.Node:
+    """Insert ``target(*args)`` before ``before``, with meta['val'] and ``like``'s provenance."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    node.meta["val"] = _fake_value(target, args)
+    for key in _PROVENANCE:
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
+
+
+def insert_getitem(graph: fx.Graph, tuple_node: fx.Node, index: int, like: fx.Node) -> fx.Node:
+    import operator
+
+    with graph.inserting_after(tuple_node):
+        node = graph.call_function(operator.getitem, (tuple_node, index))
+    node.meta["val"] = tuple_node.meta["val"][index]
+    for key in _PROVENANCE:
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
+
+
+def graph_label(graph: fx.Graph, number: int) -> str:
+    backward = any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
+    return f"{'backward' if backward else 'forward'}#{number}"

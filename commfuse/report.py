@@ -1,0 +1,95 @@
+"""Every candidate the graph pass looked at, fused or skipped with its reason.
+
+Users' first complaint about fusion passes is that they silently do not fire, so each decision is
+logged under the ``commfuse`` logger and kept as data: ``commfuse.report()`` after a compile.
+Set ``COMMFUSE_LOG=1`` (or ``debug``) in the environment to print decisions to stderr.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+
+log = logging.getLogger("commfuse")
+
+_MAX_RECORDS = 10_000
+_records: collections.deque["MatchRecord"] = collections.deque(maxlen=_MAX_RECORDS)
+
+
+def _configure_from_env() -> None:
+    level = os.environ.get("COMMFUSE_LOG", "").strip().lower()
+    if not level or level in ("0", "off", "false"):
+        return
+    log.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[commfuse] %(message)s"))
+        log.addHandler(handler)
+
+
+_configure_from_env()
+
+
+@dataclasses.dataclass(frozen=True)
+class MatchRecord:
+    pattern: str  # "mm_all_reduce" | "all_gather_mm"
+    graph: str  # "forward" | "backward" and the graph's number in this process
+    collective: str  # name of the collective node
+    matmul: str | None  # name of the matmul node, when one was found
+    fused: bool
+    reason: str  # why it was skipped; "fused" otherwise
+    shape: tuple | None = None  # (M, K, N) of the matmul
+    dtype: str | None = None
+    group: str | None = None
+    module: str | None = None  # qualified name of the module the matmul came from
+
+    def line(self) -> str:
+        what = "FUSED  " if self.fused else "skipped"
+        shape = "x".join(str(s) for s in self.shape) if self.shape else "-"
+        where = f" in {self.module}" if self.module else ""
+        tail = "" if self.fused else f": {self.reason}"
+        return (
+            f"{what} {self.pattern:<14} {self.graph:<12} {self.collective}<-{self.matmul or '?'}"
+            f" MKN={shape} {self.dtype or ''} group={self.group}{where}{tail}"
+        )
+
+
+class Report(list):
+    """A list of :class:`MatchRecord`; ``print(report)`` gives one line per candidate."""
+
+    @property
+    def fused(self) -> list[MatchRecord]:
+        return [r for r in self if r.fused]
+
+    @property
+    def skipped(self) -> list[MatchRecord]:
+        return [r for r in self if not r.fused]
+
+    def summary(self) -> str:
+        reasons = collections.Counter(r.reason for r in self.skipped)
+        lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped"]
+        lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return "\n".join([r.line() for r in self] + [self.summary()])
+
+
+def record(rec: MatchRecord) -> None:
+    _records.append(rec)
+    log.info("%s", rec.line())
+
+
+def report() -> Report:
+    """Decisions from every graph the pass has rewritten in this process (newest last).
+
+    Graphs served from Inductor's FX graph cache skip the pass and add nothing here; ``python -m
+    commfuse explain`` and ``torch._inductor.config.fx_graph_cache = False`` show every decision.
+    """
+    return Report(_records)
+
+
+def clear_report() -> None:
+    _records.clear()

@@ -1,0 +1,27 @@
+"""Compile helpers for the CPU tests."""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import commfuse
+
+
+def compile_code(fn, *args, backend=None, train: bool = False):
+    """Compile ``fn`` with commfuse, run it (and its backward when ``train``); return (out, code)."""
+    compiled = torch.compile(fn, backend=backend or commfuse.backend(min_mnk=0), fullgraph=True)
+
+    def step(*a):
+        out = compiled(*a)
+        if train:
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+        return out
+
+    out, codes = run_and_get_code(step, *args)
+    return out, "\n".join(codes)
+
+
+def calls(code: str, op: str) -> int:
+    """How many times the generated code calls ``op`` (e.g. "commfuse.mm_all_reduce")."""
+    return code.count(f"torch.ops.{op}.default(")

@@ -1,0 +1,159 @@
+"""Opt-out by instance, class and qualified-name pattern, in forward and backward graphs."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+import commfuse
+from helpers import calls
+
+
+class RowLinear(nn.Linear):
+    """A row-parallel linear: local matmul, then all_reduce; column-parallel grads all_reduce too."""
+
+    def forward(self, x):
+        return funcol.all_reduce(super().forward(x), "sum", dist.group.WORLD)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = RowLinear(32, 32, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def run(net, backend, train=False):
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(4, 16, 32, requires_grad=train)
+    compiled = torch.compile(net, backend=backend)
+
+    def step():
+        out = compiled(x)
+        if train:
+            out.sum().backward()
+        return out
+
+    _, codes = run_and_get_code(step)
+    return "\n".join(codes)
+
+
+def fused_modules():
+    return sorted(r.module for r in commfuse.report() if r.fused)
+
+
+def skipped(reason_part):
+    return sorted(r.module for r in commfuse.report() if not r.fused and reason_part in r.reason)
+
+
+def test_nothing_excluded(world2):
+    code = run(Net(), commfuse.backend(min_mnk=0))
+    assert calls(code, "commfuse.mm_all_reduce") == 3
+    assert fused_modules() == ["layers.0.proj", "layers.1.proj", "layers.2.proj"]
+
+
+def test_exclude_instance(world2):
+    net = Net()
+    assert commfuse.exclude(net.layers[1]) is net.layers[1]
+    assert isinstance(net.layers[1], Block) and type(net.layers[1]).__name__ == "Block"
+    code = run(net, commfuse.backend(min_mnk=0))
+    assert calls(code, "commfuse.mm_all_reduce") == 2
+    assert "_c10d_functional.all_reduce" in code
+    assert fused_modules() == ["layers.0.proj", "layers.2.proj"]
+    assert skipped("commfuse.exclude()") == ["layers.1.proj"]
+
+
+def test_exclude_instance_survives_copy_and_pickle(world2):
+    net = Net()
+    commfuse.exclude(net.layers[0])
+    for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert type(clone.layers[0]) is type(net.layers[0])  # still marked
+        assert clone.layers[0].proj.weight is not net.layers[0].proj.weight
+        torch.testing.assert_close(clone.layers[0].proj.weight, net.layers[0].proj.weight)
+    commfuse.include(net.layers[0])
+    assert type(net.layers[0]) is Block
+
+
+def test_exclude_class(world2):
+    code = run(Net(), commfuse.backend(min_mnk=0, exclude=[RowLinear]))
+    assert calls(code, "commfuse.mm_all_reduce") == 0
+    assert skipped("excluded class") == ["layers.0.proj", "layers.1.proj", "layers.2.proj"]
+
+
+@pytest.mark.parametrize("pattern, fused", [
+    ("layers.2.*", ["layers.0.proj", "layers.1.proj"]),
+    ("layers.0", ["layers.1.proj", "layers.2.proj"]),  # a block excludes everything inside it
+    ("*.proj", []),
+])
+def test_exclude_name(world2, pattern, fused):
+    run(Net(), commfuse.backend(min_mnk=0, exclude=[pattern]))
+    assert fused_modules() == fused
+
+
+def test_exclude_applies_to_backward(world2):
+    """A column-parallel linear's input grad is all-reduced in backward; opt-out must hold there."""
+
+    class ColGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return funcol.all_reduce(g, "sum", dist.group.WORLD)
+
+    class Col(nn.Linear):
+        def forward(self, x):
+            return super().forward(ColGrad.apply(x))
+
+    class TwoCols(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Col(32, 32, bias=False), Col(32, 32, bias=False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    net = TwoCols()
+    code = run(net, commfuse.backend(min_mnk=0, exclude=["a"]), train=True)
+    recs = [r for r in commfuse.report() if r.graph.startswith("backward") and r.module]
+    assert {r.module: r.fused for r in recs} == {"b": True, "a": False}, commfuse.report()
+    assert calls(code, "commfuse.mm_all_reduce") == 1
+
+
+def test_exclude_rejects_bad_entries():
+    with pytest.raises(TypeError, match="exclude entries"):
+        commfuse.backend(exclude=[42])
+    with pytest.raises(TypeError, match="nn.Module instance"):
+        commfuse.exclude(nn.Linear)
+    with pytest.raises(ValueError, match="unknown pattern"):
+        commfuse.backend(patterns=["mm_reduce_everything"])
+
+
+def test_qualified_name_normalisation():
+    from commfuse.exclusion import qualified_name
+
+    assert qualified_name("L['self'].layers[0].mlp") == "layers.0.mlp"
+    assert qualified_name("L['self']._modules['layers']._modules['3'].attn") == "layers.3.attn"
+    assert qualified_name("L['mod'].lin") == "lin"
+    assert qualified_name("L['self']") == ""

@@ -1,0 +1,79 @@
+"""The custom ops: schemas, fake implementations (opcheck), validation errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commfuse  # noqa: F401  (registers the ops)
+from conftest import group_name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_opcheck_mm_all_reduce(world2, bias, dtype):
+    a, b = torch.randn(33, 17, dtype=dtype), torch.randn(17, 29, dtype=dtype)
+    args = (a, b, torch.randn(29, dtype=dtype) if bias else None, group_name())
+    torch.library.opcheck(torch.ops.commfuse.mm_all_reduce.default, args)
+
+
+@pytest.mark.parametrize("gather_dim, shard_shape", [(0, (5, 24)), (0, (3, 4, 24)), (1, (2, 3, 24))])
+@pytest.mark.parametrize("return_gathered", [False, True])
+def test_opcheck_all_gather_mm(world, gather_dim, shard_shape, return_gathered):
+    shard, b = torch.randn(shard_shape), torch.randn(24, 7)
+    args = (shard, b, torch.randn(7), gather_dim, world, group_name(), return_gathered)
+    torch.library.opcheck(torch.ops.commfuse.all_gather_mm.default, args)
+
+
+def test_fake_matches_real_layout(world2):
+    """Fake and real outputs agree on shape, dtype and strides (Inductor trusts the fake)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shard, b = torch.randn(2, 3, 24), torch.randn(24, 7).t().contiguous().t()  # b column-major
+    real = torch.ops.commfuse.all_gather_mm(shard, b, None, 1, 2, group_name(), True)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.commfuse.all_gather_mm(mode.from_tensor(shard), mode.from_tensor(b), None, 1, 2, group_name(), True)
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    assert real[0].shape == (2 * 6, 7) and real[1].shape == (2, 6, 24)
+
+    a = torch.randn(8, 5).t()  # a transposed (non-contiguous) left operand
+    real = torch.ops.commfuse.mm_all_reduce(a, torch.randn(8, 3), None, group_name())
+    with FakeTensorMode() as mode:
+        fake = torch.ops.commfuse.mm_all_reduce(mode.from_tensor(a), mode.from_tensor(torch.randn(8, 3)), None, group_name())
+    assert (real.shape, real.stride()) == (fake.shape, fake.stride()) == ((5, 3), (3, 1))
+
+
+def test_reference_semantics(world2):
+    """On the fake group rank 0's collectives are identities: the ops reduce to their matmuls."""
+    a, b, bias = torch.randn(6, 4), torch.randn(4, 5), torch.randn(5)
+    torch.testing.assert_close(torch.ops.commfuse.mm_all_reduce(a, b, bias, group_name()), torch.addmm(bias, a, b))
+    out, gathered = torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), b, None, 0, 2, group_name(), True)
+    torch.testing.assert_close(out, gathered @ b)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3), torch.randn(4, 3), None, g), "inner dimensions"),
+    (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3), torch.randn(3, 2, dtype=torch.float16), None, g), "a is torch.float32 but b is torch.float16"),
+    (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64), None, g), "not one of fp16, bf16, fp32"),
+    (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3), torch.randn(3, 2), None, "no-such-group"), "cannot resolve process group 'no-such-group'"),
+    (lambda g: torch.ops.commfuse.all_gather_mm(torch.randn(4, 3), torch.randn(3, 2), None, 0, 4, g, False), "gathers over 4 ranks but group"),
+    (lambda g: torch.ops.commfuse.all_gather_mm(torch.randn(4, 3), torch.randn(3, 2), None, 1, 2, g, False), "gather_dim 1 must name a leading dimension"),
+])
+def test_errors_name_the_op(world2, call, message):
+    with pytest.raises(RuntimeError, match="commfuse") as info:
+        call(group_name())
+    assert message in str(info.value)
+
+
+def test_group_is_resolved_at_run_time():
+    """A sub-group's name routes the op to that group, not WORLD."""
+    from conftest import init_fake_pg
+
+    init_fake_pg(4)
+    sub = dist.new_group([0, 1])
+    out, gathered = torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), torch.randn(4, 2), None, 0, 2, sub.group_name, True)
+    assert gathered.shape == (6, 4)
+    with pytest.raises(RuntimeError, match="gathers over 4 ranks but group"):
+        torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), torch.randn(4, 2), None, 0, 4, sub.group_name, True)

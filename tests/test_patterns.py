@@ -1,0 +1,276 @@
+"""Each pattern form is rewritten in compiled code, and each skip case stays unfused with its reason.
+
+Fake process groups of 2, 4 and 8 ranks; the generated code is read back with run_and_get_code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+import commfuse
+from helpers import calls, compile_code
+
+AR, AG = "commfuse.mm_all_reduce", "commfuse.all_gather_mm"
+C10D_AR, C10D_AG = "_c10d_functional.all_reduce", "_c10d_functional.all_gather_into_tensor"
+
+
+def _ar(t):
+    return funcol.all_reduce(t, "sum", dist.group.WORLD)
+
+
+def _ag(t, dim=0):
+    return funcol.all_gather_tensor(t, dim, dist.group.WORLD)
+
+
+def _only(pattern: str):
+    recs = [r for r in commfuse.report() if r.pattern == pattern]
+    assert len(recs) == 1, commfuse.report()
+    return recs[0]
+
+
+def assert_fused(code: str, op: str, collective: str, n: int = 1) -> None:
+    assert calls(code, op) == n, code
+    assert collective not in code, code
+
+
+# ---- matmul -> all_reduce ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True], ids=["mm", "addmm"])
+def test_mm_all_reduce_2d(world, bias):
+    a, w = torch.randn(64, 32), torch.randn(32, 48)
+    b = torch.randn(48) if bias else None
+
+    def f(a, w, b):
+        return _ar(torch.addmm(b, a, w) if b is not None else a @ w) * 2
+
+    out, code = compile_code(f, a, w, b)
+    assert_fused(code, AR, C10D_AR)
+    rec = _only("mm_all_reduce")
+    assert rec.fused and rec.shape == (64, 32, 48) and rec.dtype == "float32"
+    # The fake group's all_reduce is the identity on rank 0, so eager is the reference here too.
+    torch.testing.assert_close(out, f(a, w, b))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mm_all_reduce_3d_linear(world, bias):
+    """F.linear on a 3-D input: reshape -> mm(x, permute(W)) -> reshape -> all_reduce."""
+    x, w = torch.randn(4, 16, 32), torch.randn(24, 32)
+    b = torch.randn(24) if bias else None
+
+    def f(x, w, b):
+        return _ar(F.linear(x, w, b)) + 1
+
+    out, code = compile_code(f, x, w, b)
+    assert_fused(code, AR, C10D_AR)
+    assert out.shape == (4, 16, 24)
+    torch.testing.assert_close(out, f(x, w, b))
+
+
+def test_mm_all_reduce_in_place_form(world2):
+    """``all_reduce_`` does not survive functionalization, but a graph that holds it is rewritten."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfuse.inductor_plugin import rewrite
+    from commfuse.config import Settings
+
+    def f(a, w):
+        y = a @ w
+        torch.ops._c10d_functional.all_reduce_(y, "sum", dist.group.WORLD.group_name)
+        return torch.ops._c10d_functional.wait_tensor(y) * 2
+
+    a, w = torch.randn(64, 32), torch.randn(32, 48)
+    gm = make_fx(f, tracing_mode="fake")(a, w)
+    assert any(n.target is torch.ops._c10d_functional.all_reduce_.default for n in gm.graph.nodes)
+    assert rewrite(gm.graph, Settings(min_mnk=0)) == 1
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.commfuse.mm_all_reduce.default in targets
+    assert torch.ops._c10d_functional.all_reduce_.default not in targets
+    torch.testing.assert_close(gm(a, w), f(a, w))
+
+
+def test_mm_all_reduce_training_backward(world2):
+    """Column-parallel linear: the input gradient (mm in backward) is all-reduced and fuses."""
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    w = torch.randn(24, 32, requires_grad=True)
+
+    class ColwiseGrad(torch.autograd.Function):  # identity forward, all_reduce backward
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return _ar(g)
+
+    def f(x, w):
+        return F.linear(ColwiseGrad.apply(x), w)
+
+    _, code = compile_code(f, x, w, train=True)
+    assert_fused(code, AR, C10D_AR)
+    rec = _only("mm_all_reduce")
+    assert rec.graph.startswith("backward") and rec.fused
+
+
+def test_several_row_parallel_linears(world):
+    x = torch.randn(64, 32)
+    ws = [torch.randn(32, 32) for _ in range(3)]
+
+    def f(x, w0, w1, w2):
+        for w in (w0, w1, w2):
+            x = torch.relu(_ar(x @ w))
+        return x
+
+    out, code = compile_code(f, x, *ws)
+    assert_fused(code, AR, C10D_AR, n=3)
+    torch.testing.assert_close(out, f(x, *ws))
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("avg", "reduce op 'avg' is not sum"),
+        ("partial_used", "has other users"),
+        ("fp64", "dtype torch.float64 is not fp16, bf16 or fp32"),
+        ("not_matmul", "not mm/addmm"),
+        ("addmm_beta", "beta=2"),
+    ],
+)
+def test_mm_all_reduce_skips(world2, case, reason):
+    dtype = torch.float64 if case == "fp64" else torch.float32
+    a, w, b = torch.randn(64, 32, dtype=dtype), torch.randn(32, 48, dtype=dtype), torch.randn(48, dtype=dtype)
+
+    def f(a, w, b):
+        if case == "avg":
+            return funcol.all_reduce(a @ w, "avg", dist.group.WORLD)
+        if case == "partial_used":
+            y = a @ w
+            return _ar(y) + y
+        if case == "not_matmul":
+            return _ar(torch.relu(a @ w))
+        if case == "addmm_beta":
+            return _ar(torch.addmm(b, a, w, beta=2))
+        return _ar(a @ w)
+
+    _, code = compile_code(f, a, w, b)
+    assert calls(code, AR) == 0
+    assert C10D_AR in code
+    rec = _only("mm_all_reduce")
+    assert not rec.fused and reason in rec.reason, rec
+
+
+def test_size_threshold(world2):
+    a, w = torch.randn(8, 16), torch.randn(16, 8)
+
+    def f(a, w):
+        return _ar(a @ w)
+
+    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=8 * 16 * 8 + 1))
+    assert calls(code, AR) == 0
+    assert "below the size threshold" in _only("mm_all_reduce").reason
+    torch._dynamo.reset()
+    commfuse.clear_report()
+    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=8 * 16 * 8))
+    assert calls(code, AR) == 1
+
+
+def test_pattern_disabled(world2):
+    a, w = torch.randn(64, 32), torch.randn(32, 48)
+    _, code = compile_code(lambda a, w: _ar(a @ w), a, w,
+                           backend=commfuse.backend(min_mnk=0, patterns=["all_gather_mm"]))
+    assert calls(code, AR) == 0
+    assert "disabled" in _only("mm_all_reduce").reason
+
+
+# ---- all_gather -> matmul ------------------------------------------------------------------------
+
+def test_all_gather_mm_2d(world):
+    shard, w = torch.randn(16, 32), torch.randn(32, 24)
+
+    def f(x, w):
+        return _ag(x) @ w
+
+    out, code = compile_code(f, shard, w)
+    assert_fused(code, AG, C10D_AG)
+    rec = _only("all_gather_mm")
+    assert rec.fused and rec.shape == (16 * world, 32, 24)
+    assert out.shape == (16 * world, 24)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_all_gather_mm_3d_linear(world, bias):
+    """Sequence-first shard [s/world, b, h] -> gather dim 0 -> reshape -> addmm(bias)."""
+    shard, w = torch.randn(8, 4, 32), torch.randn(24, 32)
+    b = torch.randn(24) if bias else None
+
+    def f(x, w, b):
+        return F.linear(_ag(x), w, b)
+
+    out, code = compile_code(f, shard, w, b)
+    assert_fused(code, AG, C10D_AG)
+    assert out.shape == (8 * world, 4, 24)
+
+
+def test_all_gather_mm_dtensor_layout_dim1(world):
+    """Batch-first shard [b, s/world, h] gathered along dim 1 (split + cat in the graph)."""
+    shard, w = torch.randn(2, 8, 32), torch.randn(24, 32)
+
+    def f(x, w):
+        return F.linear(_ag(x, dim=1), w)
+
+    out, code = compile_code(f, shard, w)
+    assert_fused(code, AG, C10D_AG)
+    assert "aten.cat" not in code and out.shape == (2, 8 * world, 24)
+    assert f"{AG}.default(arg0_1, " in code and ", 1, " in code  # gather_dim=1
+
+
+def test_all_gather_mm_gathered_kept_for_other_users(world2):
+    """QKV-style fan-out plus a direct use: the widest matmul fuses, the rest read the gathered."""
+    shard = torch.randn(16, 32)
+    wq, wk, wv = torch.randn(32, 48), torch.randn(32, 16), torch.randn(32, 16)
+
+    def f(x, wq, wk, wv):
+        g = _ag(x)
+        return g @ wq, g @ wk, g @ wv, g.sum()
+
+    out, code = compile_code(f, shard, wq, wk, wv)
+    assert_fused(code, AG, C10D_AG)
+    rec = _only("all_gather_mm")
+    assert rec.shape == (32, 32, 48)  # wq: the widest
+    assert "True)" in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered
+
+
+def test_all_gather_mm_training(world2):
+    """Gathered input saved for backward (weight grad) is returned by the fused op."""
+    shard = torch.randn(2, 8, 32, requires_grad=True)
+    w = torch.randn(24, 32, requires_grad=True)
+
+    def f(x, w):
+        return F.linear(_ag(x, dim=1), w)
+
+    _, code = compile_code(f, shard, w, train=True)
+    assert calls(code, AG) >= 1
+    fused = [r for r in commfuse.report() if r.fused]
+    assert fused and fused[0].graph.startswith("forward")
+
+
+def test_all_gather_skip_right_operand(world2):
+    shard, g = torch.randn(16, 32), torch.randn(32, 24)
+
+    def f(x, g):
+        return g.t() @ _ag(x)  # gathered is the right operand (a weight-gradient shape)
+
+    _, code = compile_code(f, shard, g)
+    assert calls(code, AG) == 0 and C10D_AG in code
+    assert "left operand" in _only("all_gather_mm").reason
+
+
+def test_all_gather_skip_fp64(world2):
+    shard, w = torch.randn(16, 32, dtype=torch.float64), torch.randn(32, 24, dtype=torch.float64)
+    _, code = compile_code(lambda x, w: _ag(x) @ w, shard, w)
+    assert calls(code, AG) == 0
+    assert "float64" in _only("all_gather_mm").reason
