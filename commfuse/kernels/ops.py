@@ -3,8 +3,9 @@
 Compiled graphs call these ops by name, so importing this module (which any import of ``commfuse``
 does) must happen before cached compiled code runs. Each op takes its process group as a ``str
 group_name`` resolved at run time, never a hard-coded WORLD. The fake implementations state exact
-shapes, dtypes and (contiguous) strides; the real ones validate their arguments and currently run
-the unfused reference (``reference.py``), which faster device paths must match.
+shapes, dtypes and (contiguous) strides. The real ones validate their arguments, then run the
+unfused reference (``reference.py``) on any device, or on CUDA the symmetric-memory paths of
+``cuda_paths.py`` where ``dispatch.py`` chooses them.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def mm_all_reduce(
     return reference.mm_all_reduce(a, b, bias, group_name)
 
 
+@mm_all_reduce.register_kernel("cuda")
+def _(a, b, bias, group_name):
+    from . import cuda_paths
+
+    _check_matmul_args("mm_all_reduce", a, b, bias)
+    _group_size("mm_all_reduce", group_name)
+    CALL_COUNTS["mm_all_reduce"] += 1
+    return cuda_paths.mm_all_reduce(a, b, bias, group_name)
+
+
 @mm_all_reduce.register_fake
 def _(a, b, bias, group_name):
     _check_matmul_args("mm_all_reduce", a, b, bias)
@@ -91,6 +102,21 @@ def all_gather_mm(
     gathered tensor when ``return_gathered`` is set (the graph still uses it, e.g. for backward),
     otherwise an empty tensor.
     """
+    _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
+    out, gathered = reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
+    return out, gathered if return_gathered else shard.new_empty((0,))
+
+
+@all_gather_mm.register_kernel("cuda")
+def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
+    from . import cuda_paths
+
+    _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
+    out, gathered = cuda_paths.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
+    return out, gathered if return_gathered else shard.new_empty((0,))
+
+
+def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) -> None:
     _check_gather_args(shard, b, gather_dim, world_size)
     size = _group_size("all_gather_mm", group_name)
     if size != world_size:
@@ -100,10 +126,6 @@ def all_gather_mm(
         )
     _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias)
     CALL_COUNTS["all_gather_mm"] += 1
-    out, gathered = reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
-    if not return_gathered:
-        gathered = shard.new_empty((0,))
-    return out, gathered
 
 
 @all_gather_mm.register_fake

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What the device tool runs on nvidia-h200-x2 (carry .whl): GPU tests, then the ops benchmark.
+# Logs and JSON land in $OUT (or benchmarks/results/h200x2 when OUT is unset).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results/h200x2}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . \
+  || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
+nvidia-smi topo -m | head -5
+STAGE=${1:-all}
+if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
+  timeout 420 torchrun --nproc_per_node=2 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 120 \
+    ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -40
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
+  timeout 400 torchrun --nproc_per_node=2 -m commfuse.bench ops --out "$OUT/ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/ops.log" | tail -45
+fi

@@ -1,0 +1,237 @@
+"""``torchrun --nproc_per_node=N -m commfuse.bench ops``: time commfuse's ops against the unfused
+cuBLAS + NCCL computation and peers, in one run per shape.
+
+For every shape it times (median of CUDA-event timings of back-to-back calls, max over ranks):
+the unfused matmul + NCCL collective, commfuse (default dispatch and each forced path), torch
+symmetric memory's own ops where they exist, and the pieces alone: cuBLAS mm, NCCL collective,
+commfuse's exchange kernels. floor = max(mm alone, fastest exchange alone). Prints a markdown table
+(a progress line per shape on stderr) and writes ``benchmarks/results/<machine>/ops.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+MM_AR_SHAPES = [(m, k, n) for m in (16, 128, 1024, 4096, 8192)
+                for k, n in ((14336, 8192), (4096, 8192), (7168, 4096), (2048, 4096))]
+AG_MM_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (4096, 8192, 5120),
+                (8192, 8192, 28672), (2048, 4096, 7168), (16384, 4096, 7168)]
+
+
+def _commit() -> str:
+    if os.environ.get("COMMFUSE_COMMIT"):
+        return os.environ["COMMFUSE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def time_us(fn, warmup: int = 5, iters: int = 20) -> float:
+    """Median per-call time in µs, max over ranks. Calls run back to back on the stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    med = torch.tensor(statistics.median(s.elapsed_time(e) for s, e in events) * 1000.0, device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return med.item()
+
+
+def _forced(algo: str | None):
+    class _Env:
+        def __enter__(self):
+            self.old = os.environ.get("COMMFUSE_ALGO")
+            if algo:
+                os.environ["COMMFUSE_ALGO"] = algo
+            else:
+                os.environ.pop("COMMFUSE_ALGO", None)
+
+        def __exit__(self, *exc):
+            if self.old is None:
+                os.environ.pop("COMMFUSE_ALGO", None)
+            else:
+                os.environ["COMMFUSE_ALGO"] = self.old
+    return _Env()
+
+
+def _try(fn):
+    try:
+        return time_us(fn)
+    except Exception as exc:  # a peer that fails on this shape is reported, not fatal
+        if dist.get_rank() == 0:
+            print(f"    (peer failed: {type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+def bench_mm_all_reduce(m, k, n, dtype, group):
+    from commfuse.kernels import exchange, symm
+
+    gname, world = group.group_name, group.size()
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    partial = torch.mm(a, b)
+    t = {}
+    t["mm"] = time_us(lambda: torch.mm(a, b))
+    t["nccl_ar"] = time_us(lambda: funcol.wait_tensor(funcol.all_reduce(partial, "sum", group)))
+    t["unfused"] = time_us(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)))
+    ws = symm.workspace(gname, m * n * dtype.itemsize, a.device)
+    out = torch.empty_like(partial)
+    for algo in ("one_shot", "two_shot"):
+        def exch(algo=algo):
+            epoch, parity = ws.next_epoch()
+            exchange.all_reduce(ws, ws.data(parity, (m, n), dtype), out, epoch, algo, 1)
+        t[f"{algo}_ar"] = time_us(exch)
+    for algo in (None, "one_shot", "two_shot"):
+        with _forced(algo):
+            t[f"commfuse_{algo or 'default'}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+    peers = {}
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        sbuf = symm_mem.empty((m, n), dtype=dtype, device="cuda")
+        symm_mem.rendezvous(sbuf, gname)
+
+        def torch_two_shot():
+            torch.mm(a, b, out=sbuf)
+            torch.ops.symm_mem.two_shot_all_reduce_(sbuf, "sum", gname)
+
+        def torch_one_shot():
+            torch.mm(a, b, out=sbuf)
+            return torch.ops.symm_mem.one_shot_all_reduce(sbuf, "sum", gname)
+
+        peers["torch_symm_two_shot"] = _try(torch_two_shot)
+        peers["torch_symm_one_shot"] = _try(torch_one_shot)
+    except Exception as exc:
+        if dist.get_rank() == 0:
+            print(f"    (torch symm_mem peers unavailable: {exc})", file=sys.stderr)
+    best_exchange = min(t["nccl_ar"], t["one_shot_ar"], t["two_shot_ar"])
+    return dict(op="mm_all_reduce", M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=world,
+                unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
+                floor_us=max(t["mm"], best_exchange), parts=t, peers=peers)
+
+
+def bench_all_gather_mm(m, k, n, dtype, group):
+    from commfuse.kernels import exchange, symm
+
+    gname, world = group.group_name, group.size()
+    shard = torch.randn(m // world, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    full = torch.randn(m, k, device="cuda", dtype=dtype)
+    t = {}
+    t["mm"] = time_us(lambda: torch.mm(full, b))
+    t["nccl_ag"] = time_us(lambda: funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)))
+    t["unfused"] = time_us(lambda: torch.mm(funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)), b))
+    ws = symm.workspace(gname, shard.numel() * dtype.itemsize, shard.device)
+    gathered = torch.empty_like(full)
+
+    def exch():
+        epoch, parity = ws.next_epoch()
+        mine = ws.data(parity, shard.shape, dtype)
+        exchange.gather(ws, mine, gathered, 1, shard.numel(), epoch, 2)
+    t["symm_ag"] = time_us(exch)
+    with _forced(None):
+        t["commfuse_default"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
+    with _forced("symm"):
+        t["commfuse_symm"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
+    peers = {}
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        peers["torch_fused_all_gather_matmul"] = _try(
+            lambda: symm_mem.fused_all_gather_matmul(shard, [b], gather_dim=0, group_name=gname))
+    except Exception as exc:
+        if dist.get_rank() == 0:
+            print(f"    (torch symm_mem peer unavailable: {exc})", file=sys.stderr)
+    return dict(op="all_gather_mm", M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=world,
+                unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
+                floor_us=max(t["mm"], min(t["nccl_ag"], t["symm_ag"])), parts=t, peers=peers)
+
+
+def _table(records) -> str:
+    lines = ["| op | M | K | N | unfused µs | commfuse µs | floor µs | speed-up | of floor | best peer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        peers = {k: v for k, v in r["peers"].items() if v}
+        best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
+        best_s = f"{best[0]} {best[1]:.0f} ({r['unfused_us'] / best[1]:.2f}x)" if best else "-"
+        lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {r['unfused_us']:.0f} | "
+                     f"{r['commfuse_us']:.0f} | {r['floor_us']:.0f} | {r['unfused_us'] / r['commfuse_us']:.2f}x | "
+                     f"{r['commfuse_us'] / r['floor_us']:.2f} | {best_s} |")
+    for op in sorted({r["op"] for r in records}):
+        ratios = [r["unfused_us"] / r["commfuse_us"] for r in records if r["op"] == op]
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"\n{op}: geomean speed-up {geo:.3f}x over {len(ratios)} shapes, min {min(ratios):.3f}x, max {max(ratios):.3f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["ops"])
+    p.add_argument("--ops", default="mm_all_reduce,all_gather_mm")
+    p.add_argument("--shapes", choices=["default", "square"], default="default")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json)")
+    args = p.parse_args(argv)
+
+    import commfuse  # noqa: F401
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    group, rank = dist.group.WORLD, dist.get_rank()
+    dtype = getattr(torch, args.dtype)
+    todo = []
+    for op in args.ops.split(","):
+        if args.shapes == "square":
+            shapes = [(s, s, s) for s in range(256, 4097, 128)]
+        else:
+            shapes = MM_AR_SHAPES if op == "mm_all_reduce" else AG_MM_SHAPES
+        shapes = shapes[:args.limit] if args.limit else shapes
+        todo += [(op, s) for s in shapes]
+    records = []
+    for i, (op, (m, k, n)) in enumerate(todo):
+        start = time.time()
+        fn = bench_mm_all_reduce if op == "mm_all_reduce" else bench_all_gather_mm
+        rec = fn(m, k, n, dtype, group)
+        rec["commit"] = _commit()
+        records.append(rec)
+        if rank == 0:
+            print(f"[{i + 1}/{len(todo)}] {op} {m}x{k}x{n}: unfused {rec['unfused_us']:.0f} µs, commfuse "
+                  f"{rec['commfuse_us']:.0f} µs ({rec['unfused_us'] / rec['commfuse_us']:.2f}x), floor "
+                  f"{rec['floor_us']:.0f} µs [{time.time() - start:.1f} s]", file=sys.stderr, flush=True)
+    if rank == 0:
+        machine = f"h200x{dist.get_world_size()}" if "H200" in torch.cuda.get_device_name() else socket.gethostname()
+        out = args.out or os.path.join("benchmarks", "results", machine, "ops.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(records, f, indent=1)
+        print(_table(records))
+        print(f"\nwrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

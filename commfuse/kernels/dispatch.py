@@ -1,0 +1,53 @@
+"""Which implementation runs a call: decided from (op, shape, dtype, world size) alone, so every rank
+of a group takes the same path and enters the same collective.
+
+The thresholds come from the ops benchmark on 2xH200 (``benchmarks/results/``). ``COMMFUSE_ALGO``
+forces a path for benchmarking; it must be set alike on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot")
+ALL_GATHER_MM_ALGOS = ("nccl", "symm")
+
+#: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot.
+ONE_SHOT_MAX_BYTES = 1 << 20
+#: Above this the symmetric workspace would be large; NCCL's ring bandwidth is then competitive.
+SYMM_MAX_BYTES = 1 << 30
+
+
+def _forced(valid: tuple[str, ...]) -> str | None:
+    algo = os.environ.get("COMMFUSE_ALGO", "").strip()
+    if not algo:
+        return None
+    if algo == "symm" and "symm" not in valid:
+        return None  # "symm" forces the symmetric path of the all-gather only
+    if algo not in valid:
+        if algo in MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS:
+            return None
+        raise ValueError(f"COMMFUSE_ALGO={algo!r} is not one of {sorted(set(MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS))}")
+    return algo
+
+
+def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
+    forced = _forced(MM_ALL_REDUCE_ALGOS)
+    if forced:
+        return forced
+    nbytes = m * n * dtype.itemsize
+    if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
+        return "nccl"
+    return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
+
+
+def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
+    forced = _forced(ALL_GATHER_MM_ALGOS)
+    if forced:
+        return forced
+    nbytes = rows * k * dtype.itemsize  # the gathered tensor
+    if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
+        return "nccl"
+    return "symm"

@@ -1,0 +1,131 @@
+"""Triton exchange kernels over a symmetric workspace: all-reduce (one-shot, two-shot) of a partial
+that a GEMM already wrote into symmetric memory, and the pull of peers' shards for an all-gather.
+
+Peers' memory is read with ``iris.load`` against the workspace's heap-bases table; every kernel
+starts with the epoch signal/wait of ``sync.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
+
+BLOCK = 2048
+_sm_count: dict[int, int] = {}
+
+
+def _programs(n: int, max_programs: int) -> int:
+    dev = torch.cuda.current_device()
+    if dev not in _sm_count:
+        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return max(1, min(triton.cdiv(n, BLOCK), max_programs, _sm_count[dev]))
+
+
+@triton.jit
+def _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD: tl.constexpr):
+    acc = tl.zeros(offs.shape, tl.float32)
+    for i in tl.static_range(WORLD):
+        peer = (rank + i) % WORLD
+        acc += iris.load(partial + offs, rank, peer, heap_bases, mask=mask).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def one_shot_kernel(partial, out, n, flags, heap_bases, epoch, rank, err, timeout,
+                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Every rank reads every peer's whole partial and sums: one hop, world x the reads."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD)
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err, timeout,
+                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Reduce-scatter (each rank sums its share, in place), then all-gather the reduced shares.
+
+    Program p handles the same blocks of every share in both phases, so it only waits for program
+    p of each peer.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    step = nprog * BLOCK
+    signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    lo = rank * share
+    hi = tl.minimum(lo + share, n)
+    for start in range(lo + pid * BLOCK, hi, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < hi
+        val = _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD).to(out.dtype.element_ty)
+        tl.store(partial + offs, val, mask=mask)  # my share of my partial: only I read or write it
+        tl.store(out + offs, val, mask=mask)
+    signal_peers(flags, nprog + pid, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, nprog + pid, epoch, rank, err, timeout, OP, WORLD)
+    for i in tl.static_range(1, WORLD):
+        peer = (rank + i) % WORLD
+        plo = peer * share
+        phi = tl.minimum(plo + share, n)
+        for start in range(plo + pid * BLOCK, phi, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < phi
+            tl.store(out + offs, iris.load(partial + offs, rank, peer, heap_bases, mask=mask), mask=mask)
+
+
+@triton.jit
+def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
+                       OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy every rank's shard (``outer x inner`` elements) into ``out``, rank r's at column block r
+    of each outer row: the layout of a gather along any leading dimension."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    n = outer * inner
+    for i in tl.static_range(WORLD):
+        peer = (rank + i) % WORLD
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            val = iris.load(shard + offs, rank, peer, heap_bases, mask=mask)
+            dst = (offs // inner) * (WORLD * inner) + peer * inner + offs % inner
+            tl.store(out + dst, val, mask=mask)
+
+
+def _common(ws, epoch):
+    require_iris()
+    return dict(flags=ws.flags, heap_bases=ws.heap_bases, epoch=epoch, rank=ws.rank,
+                err=ErrorWord.get(), timeout=timeout_ns())
+
+
+def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: str, op_code: int,
+               max_programs: int = 64) -> None:
+    """Sum ``partial`` (in ``ws``, same offset on every rank) over the group into ``out``."""
+    n = partial.numel()
+    if algo == "one_shot":
+        grid = (_programs(n, max_programs),)
+        one_shot_kernel[grid](partial, out, n, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
+                              BLOCK=BLOCK, num_warps=8)
+    elif algo == "two_shot":
+        share = triton.cdiv(triton.cdiv(n, ws.world), BLOCK) * BLOCK
+        grid = (_programs(share, max_programs),)
+        two_shot_kernel[grid](partial, out, n, share, **_common(ws, epoch), OP=op_code,
+                              WORLD=ws.world, BLOCK=BLOCK, num_warps=8)
+    else:
+        raise ValueError(f"commfuse: unknown all-reduce algorithm {algo!r}")
+
+
+def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
+           op_code: int, max_programs: int = 64) -> None:
+    grid = (_programs(outer * inner, max_programs),)
+    pull_gather_kernel[grid](shard, out, outer, inner, **_common(ws, epoch), OP=op_code,
+                             WORLD=ws.world, BLOCK=BLOCK, num_warps=8)

@@ -1,0 +1,141 @@
+"""Symmetric workspaces: one buffer per process group, mapped on every rank, plus a heap-bases table.
+
+Kernels address peers through Iris's RMA primitives, which translate a local pointer to a peer's by
+``ptr - heap_bases[me] + heap_bases[peer]``. Two providers give that table:
+
+* ``torch`` (default): ``torch.distributed._symmetric_memory``; its per-peer buffer pointers are the
+  heap bases.
+* ``iris``: the Iris symmetric heap (``allocator_type="vmem_chunked"`` on NVIDIA), chosen with
+  ``COMMFUSE_SYMM_PROVIDER=iris``.
+
+Layout of a workspace: ``[flags: FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch
+counters that only grow, so they never need resetting; the two data halves alternate between calls,
+which (with the flag wait at the start of every kernel) keeps a fast rank from overwriting data a
+slow peer is still reading. Allocation is collective and slow: it happens lazily on the first call
+for a group, is reused after, and grows only when a larger call arrives (the same on every rank,
+since sizes come from shapes alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ..report import log
+
+FLAG_BYTES = 64 * 1024
+MIN_DATA_BYTES = 16 * 1024 * 1024  # per parity; a first allocation serves many later shapes
+_ALIGN = 256
+
+
+def provider_name() -> str:
+    name = os.environ.get("COMMFUSE_SYMM_PROVIDER", "torch").strip().lower()
+    if name not in ("torch", "iris"):
+        raise ValueError(f"COMMFUSE_SYMM_PROVIDER must be 'torch' or 'iris', got {name!r}")
+    return name
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclasses.dataclass
+class Workspace:
+    group_name: str
+    rank: int
+    world: int
+    buffer: torch.Tensor  # uint8, FLAG_BYTES + 2 * data_bytes, on this rank
+    heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap)
+    data_bytes: int
+    epoch: int = 0
+    _keepalive: object = None  # provider handle (rendezvous handle / Iris context)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.buffer[:FLAG_BYTES].view(torch.int32)
+
+    def next_epoch(self) -> tuple[int, int]:
+        """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""
+        self.epoch += 1
+        return self.epoch, self.epoch % 2
+
+    def data(self, parity: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
+        start = FLAG_BYTES + parity * self.data_bytes + offset_bytes
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if offset_bytes + nbytes > self.data_bytes:
+            raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+
+_workspaces: dict[tuple[str, str], Workspace] = {}
+_lock = threading.Lock()
+
+
+def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        try:
+            symm_mem.enable_symm_mem_for_group(group_name)
+        except Exception:  # already enabled, or not needed on this torch
+            pass
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, group_name)
+    bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    return buf, bases, handle
+
+
+_iris_ctx = None
+
+
+def _allocate_iris(group_name: str, nbytes: int, device: torch.device):
+    global _iris_ctx
+    import iris
+
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    if group.size() != dist.get_world_size():
+        raise RuntimeError("commfuse: the Iris provider supports only the WORLD group; use the torch provider")
+    if _iris_ctx is None:
+        heap = int(os.environ.get("COMMFUSE_IRIS_HEAP_BYTES", str(4 << 30)))
+        _iris_ctx = iris.iris(heap, allocator_type="vmem_chunked")
+    buf = _iris_ctx.zeros(nbytes, dtype=torch.uint8)
+    bases = _iris_ctx.get_heap_bases().to(device=device, dtype=torch.int64)
+    return buf, bases, _iris_ctx
+
+
+def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspace:
+    """The group's workspace with at least ``data_bytes`` per parity. Collective when it allocates."""
+    key = (group_name, provider_name())
+    with _lock:
+        ws = _workspaces.get(key)
+        if ws is not None and ws.data_bytes >= data_bytes:
+            return ws
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group_name)
+        size = _round_up(max(data_bytes, MIN_DATA_BYTES, 0 if ws is None else 2 * ws.data_bytes), _ALIGN)
+        if ws is not None:  # every rank must be done with the old buffer before anyone frees it
+            torch.cuda.synchronize(device)
+            dist.barrier(group=group)
+        alloc = _allocate_iris if key[1] == "iris" else _allocate_torch
+        log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
+                 (FLAG_BYTES + 2 * size) >> 20, group_name, key[1])
+        buf, bases, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
+        buf[:FLAG_BYTES].zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
+        ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, _keepalive=handle)
+        _workspaces[key] = ws
+        return ws
+
+
+def release_all() -> None:
+    """Drop every workspace (tests, teardown). Not collective; call on every rank together."""
+    with _lock:
+        _workspaces.clear()

@@ -1,0 +1,99 @@
+"""Cross-GPU signalling shared by every kernel: epoch flags with system-scope release/acquire, and
+bounded waits that record who did not arrive instead of hanging.
+
+A flag slot holds the epoch (call number) its writer last reached; epochs only grow, so a wait is
+``flag >= epoch`` and nothing is ever reset. A wait that passes ``timeout_ns`` writes
+``[1, op, rank, peer]`` into a pinned host word (``ErrorWord``) and lets the kernel finish; the host
+raises on the next check. Grids are at most one program per SM, so all programs are resident and
+spinning cannot starve a signaller.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+try:
+    import iris
+except Exception as exc:  # pragma: no cover - import failure is reported when a kernel is used
+    iris = None
+    _IRIS_ERROR = exc
+
+OPS = {1: "mm_all_reduce", 2: "all_gather_mm"}
+
+
+def timeout_ns() -> int:
+    """Bound on every cross-GPU wait, from ``COMMFUSE_TIMEOUT_S`` (default 5 seconds)."""
+    return int(float(os.environ.get("COMMFUSE_TIMEOUT_S", "5")) * 1e9)
+
+
+@triton.jit
+def signal_peers(flags, slot, epoch, rank, heap_bases, WORLD: tl.constexpr):
+    """Tell every rank (self included) that this rank's program reached ``epoch`` at ``slot``."""
+    tl.debug_barrier()  # every thread's earlier stores happen before the release below
+    for peer in tl.static_range(WORLD):
+        iris.atomic_xchg(flags + slot * WORLD + rank, epoch, rank, peer, heap_bases,
+                         sem="release", scope="sys")
+
+
+@triton.jit
+def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
+    """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed."""
+    start = globaltimer()
+    for peer in tl.static_range(WORLD):
+        ptr = flags + slot * WORLD + peer
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        late = 0
+        while (seen < epoch) & (late == 0):
+            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+            if globaltimer() - start > timeout:
+                late = 1
+        if late != 0:
+            tl.store(err + 1, OP)
+            tl.store(err + 2, rank)
+            tl.store(err + 3, peer)
+            tl.store(err, 1)
+    tl.debug_barrier()
+
+
+class ErrorWord:
+    """A pinned host int32[4] the kernels write on timeout; read without synchronising the GPU."""
+
+    _word: torch.Tensor | None = None
+
+    @classmethod
+    def get(cls) -> torch.Tensor:
+        if cls._word is None:
+            cls._word = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+        return cls._word
+
+    @classmethod
+    def check(cls, during: str | None = None) -> None:
+        """Raise if any earlier kernel timed out. ``during`` names the op being called now."""
+        word = cls._word
+        if word is None or int(word[0]) == 0:
+            return
+        op, rank, peer = (int(x) for x in word[1:])
+        word.zero_()
+        now = f" (noticed when {during} was called)" if during else ""
+        raise RuntimeError(
+            f"commfuse.{OPS.get(op, op)}: rank {rank} timed out after "
+            f"{timeout_ns() / 1e9:g} s waiting for rank {peer} of its group{now}. The peer did not "
+            "reach the same collective call: a rank that raised, skipped the call or diverged. "
+            "Results of that call are invalid. COMMFUSE_TIMEOUT_S sets the bound."
+        )
+
+
+def check_errors() -> None:
+    """Synchronise the current device and raise if a commfuse wait timed out."""
+    torch.cuda.synchronize()
+    ErrorWord.check()
+
+
+def require_iris() -> None:
+    if iris is None:
+        raise RuntimeError(f"commfuse: the GPU paths need Iris (pip install tokenspeed-iris): {_IRIS_ERROR}")

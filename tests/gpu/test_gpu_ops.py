@@ -1,0 +1,136 @@
+"""The CUDA paths against an fp32 reference of the unfused computation, on fresh random data with
+poisoned outputs, 2 ranks over NCCL + symmetric memory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commfuse
+from commfuse.kernels import symm
+from commfuse.kernels.sync import check_errors
+
+pytestmark = pytest.mark.gpu
+
+
+def _poison():
+    """Fill freed allocator blocks with NaN so an output element nobody writes shows up."""
+    blocks = [torch.full((1 << 26,), float("nan"), device="cuda", dtype=torch.float32) for _ in range(4)]
+    del blocks
+
+
+def _all(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _relerr(got, want):
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(params=["default", "one_shot", "two_shot"])
+def algo(request, monkeypatch):
+    if request.param != "default":
+        monkeypatch.setenv("COMMFUSE_ALGO", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["torch", "iris"])
+def provider(request, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 129, 1000, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
+    k, n = 1003, 771  # not multiples of any tile
+    torch.manual_seed(1000 * dist.get_rank() + m)
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    c = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    _poison()
+    out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
+    ref = sum(x.float() @ y.float() for x, y in zip(_all(a), _all(b)))
+    if bias:
+        ref = ref + sum(t.float() for t in _all(c))
+    check_errors()
+    assert _relerr(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype):
+    torch.manual_seed(7 + dist.get_rank())
+    shard = torch.randn(*shape, device="cuda", dtype=dtype)
+    torch.manual_seed(7)
+    b = torch.randn(shape[-1], 771, device="cuda", dtype=dtype) / shape[-1] ** 0.5
+    _poison()
+    out, gathered = torch.ops.commfuse.all_gather_mm(shard, b, None, gather_dim, 2, nccl.group_name, True)
+    want_gathered = torch.cat(_all(shard), dim=gather_dim)
+    check_errors()
+    assert torch.equal(gathered, want_gathered)
+    ref = want_gathered.float().reshape(-1, shape[-1]) @ b.float()
+    assert _relerr(out, ref) < 1e-2
+
+
+def test_compiled_tp_mlp_matches_eager(nccl):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    mlp = parallelize_module(mlp.cuda().bfloat16(), init_device_mesh("cuda", (2,)),
+                             {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    commfuse.clear_report()
+    with torch.no_grad():
+        got = torch.compile(mlp, backend="commfuse")(x)
+        want = mlp(x)
+    check_errors()
+    assert len(commfuse.report().fused) == 1
+    assert _relerr(got, want) < 1e-2
+
+
+def test_back_to_back_mixed_shapes(nccl):
+    """1000 calls of mixed shapes and ops: no hang, and no drift (checked every 100 calls)."""
+    gen = torch.Generator().manual_seed(5)  # same shape sequence on every rank
+    torch.manual_seed(11 + dist.get_rank())
+    shapes = [(1, 512, 1024), (16, 4096, 1024), (300, 1000, 2000), (2048, 1024, 2048)]
+    for i in range(1000):
+        m, k, n = shapes[int(torch.randint(len(shapes), (1,), generator=gen))]
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        if i % 2:
+            out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+            check = lambda: sum(x.float() @ y.float() for x, y in zip(_all(a), _all(b)))
+        else:
+            out, _ = torch.ops.commfuse.all_gather_mm(a, b, None, 0, 2, nccl.group_name, False)
+            check = lambda: torch.cat(_all(a)).float() @ b.float()
+        if i % 100 in (98, 99):
+            check_errors()
+            assert _relerr(out, check()) < 1e-2, f"call {i}: {m}x{k}x{n}"
+    check_errors()
+
+
+def test_skipped_call_times_out_with_a_clear_error(nccl, monkeypatch):
+    """Rank 1 skips a call: rank 0 raises naming itself and the peer, instead of hanging."""
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
+    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
+    a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # both ranks: creates the workspace
+    check_errors()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        with pytest.raises(RuntimeError, match=r"mm_all_reduce: rank 0 timed out after 1 s waiting for rank 1"):
+            check_errors()
+    dist.barrier()
+    symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
