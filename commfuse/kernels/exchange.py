@@ -29,7 +29,7 @@ def _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD: tl.constexpr):
     acc = tl.zeros(offs.shape, tl.float32)
     for i in tl.static_range(WORLD):
         peer = (rank + i) % WORLD
-        acc += iris.load(partial + offs, rank, peer, heap_bases, mask=mask).to(tl.float32)
+        acc += iris.load(partial + offs, rank, peer, heap_bases, mask=mask, hint=16).to(tl.float32)
     return acc
 
 
@@ -78,27 +78,35 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
         for start in range(plo + pid * BLOCK, phi, step):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < phi
-            tl.store(out + offs, iris.load(partial + offs, rank, peer, heap_bases, mask=mask), mask=mask)
+            val = iris.load(partial + offs, rank, peer, heap_bases, mask=mask, hint=16)
+            tl.store(out + offs, val, mask=mask)
 
 
 @triton.jit
 def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
-                       OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy every rank's shard (``outer x inner`` elements) into ``out``, rank r's at column block r
-    of each outer row: the layout of a gather along any leading dimension."""
+                       OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                       ALIGNED: tl.constexpr):
+    """Copy every rank's shard (``outer`` rows of ``inner`` elements) into ``out``, rank r's row o
+    at ``out[o, r]`` of an ``[outer, WORLD, inner]`` view: a gather along any leading dimension.
+    ``ALIGNED``: rows start on 16-byte boundaries, so peer loads may be vectorised."""
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK
+    nprog = tl.num_programs(0)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
     wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
-    n = outer * inner
+    per_row = tl.cdiv(inner, BLOCK)
     for i in tl.static_range(WORLD):
         peer = (rank + i) % WORLD
-        for start in range(pid * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            val = iris.load(shard + offs, rank, peer, heap_bases, mask=mask)
-            dst = (offs // inner) * (WORLD * inner) + peer * inner + offs % inner
-            tl.store(out + dst, val, mask=mask)
+        for blk in range(pid, outer * per_row, nprog):
+            row = blk // per_row
+            offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < inner
+            src = shard + row.to(tl.int64) * inner + offs
+            if ALIGNED:
+                val = iris.load(src, rank, peer, heap_bases, mask=mask, hint=16)
+            else:
+                val = iris.load(src, rank, peer, heap_bases, mask=mask)
+            dst = out + (row.to(tl.int64) * WORLD + peer) * inner + offs
+            tl.store(dst, val, mask=mask)
 
 
 def _common(ws, epoch):
@@ -127,5 +135,6 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
 def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
            op_code: int, max_programs: int = 64) -> None:
     grid = (_programs(outer * inner, max_programs),)
+    aligned = (inner * shard.element_size()) % 16 == 0 and shard.data_ptr() % 16 == 0
     pull_gather_kernel[grid](shard, out, outer, inner, **_common(ws, epoch), OP=op_code,
-                             WORLD=ws.world, BLOCK=BLOCK, num_warps=8)
+                             WORLD=ws.world, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
