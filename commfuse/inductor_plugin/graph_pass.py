@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPassBase
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+try:  # torch >= 2.12 has a common base for graph and scheduler passes
+    from torch._inductor.custom_graph_pass import CustomPassBase
+except ImportError:  # torch 2.11
+    CustomPassBase = CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import kernels  # noqa: F401  (registers torch.ops.commfuse before any rewrite)
