@@ -11,6 +11,7 @@ export PYTHONPATH=$PWD:/tmp/site
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'GPUs')"
 nvidia-smi topo -m | head -5
 STAGE=${1:-all}
+if [ "$STAGE" = tune ]; then timeout 500 torchrun --nproc_per_node=2 -m commfuse.bench tune 2>&1 | tee "$OUT/tune.log" | grep -v "^W1130" | tail -12; fi
 if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   timeout 420 torchrun --nproc_per_node=2 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 120 \
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -40

@@ -30,6 +30,9 @@ AG_MM_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (409
                 (8192, 8192, 28672), (2048, 4096, 7168), (16384, 4096, 7168)]
 
 
+SLEEP_CYCLES = 40_000_000  # ~20 ms at H200 clocks: covers the host enqueueing 20 calls
+
+
 def _commit() -> str:
     if os.environ.get("COMMFUSE_COMMIT"):
         return os.environ["COMMFUSE_COMMIT"]
@@ -41,11 +44,16 @@ def _commit() -> str:
 
 
 def time_us(fn, warmup: int = 5, iters: int = 20) -> float:
-    """Median per-call time in µs, max over ranks. Calls run back to back on the stream."""
+    """Median per-call GPU time in µs, max over ranks.
+
+    Calls run back to back on the stream behind a GPU sleep long enough for the host to enqueue
+    them all, so the events time the device work, not Python's launch overhead.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
+    torch.cuda._sleep(SLEEP_CYCLES)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
         start.record()
@@ -168,6 +176,40 @@ def bench_all_gather_mm(m, k, n, dtype, group):
                 floor_us=max(t["mm"], min(t["nccl_ag"], t["symm_ag"])), parts=t, peers=peers)
 
 
+def tune(group, dtype) -> None:
+    """Exchange kernels alone over (block, programs, warps) at a few sizes: picks the defaults."""
+    from commfuse.kernels import exchange, symm
+
+    rows = []
+    for mib in (1, 8, 32, 128):
+        n = (mib << 20) // dtype.itemsize
+        ws = symm.workspace(group.group_name, n * dtype.itemsize, torch.device("cuda"))
+        out = torch.empty(n, device="cuda", dtype=dtype)
+        ws.data(0, (n,), dtype).normal_()
+        ws.data(1, (n,), dtype).normal_()
+        nccl_in = torch.randn(n, device="cuda", dtype=dtype)
+        row = {"MiB": mib, "nccl": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(nccl_in, "sum", group)))}
+        for algo in ("one_shot", "two_shot", "gather"):
+            for block in (2048, 4096, 8192):
+                for progs in (32, 66, 132):
+                    for warps in (8, 16):
+                        def call():
+                            epoch, parity = ws.next_epoch()
+                            buf = ws.data(parity, (n,), dtype)
+                            if algo == "gather":
+                                half = buf[: n // group.size()]
+                                exchange.gather(ws, half, out, 1, half.numel(), epoch, 2, block, progs, warps)
+                            else:
+                                exchange.all_reduce(ws, buf, out, epoch, algo, 1, block, progs, warps)
+                        row[f"{algo}/b{block}/p{progs}/w{warps}"] = time_us(call)
+        rows.append(row)
+        if dist.get_rank() == 0:
+            best = {a: min((v, k) for k, v in row.items() if k.startswith(a)) for a in ("one_shot", "two_shot", "gather")}
+            print(f"{mib} MiB: nccl {row['nccl']:.1f} µs; " + "; ".join(f"{v[1]} {v[0]:.1f}" for v in best.values()), flush=True)
+    if dist.get_rank() == 0:
+        print(json.dumps(rows))
+
+
 def _table(records) -> str:
     lines = ["| op | M | K | N | unfused µs | commfuse µs | floor µs | speed-up | of floor | best peer |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -188,7 +230,7 @@ def _table(records) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ops"])
+    p.add_argument("what", choices=["ops", "tune"])
     p.add_argument("--ops", default="mm_all_reduce,all_gather_mm")
     p.add_argument("--shapes", choices=["default", "square"], default="default")
     p.add_argument("--dtype", default="bfloat16")
@@ -202,6 +244,10 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     group, rank = dist.group.WORLD, dist.get_rank()
     dtype = getattr(torch, args.dtype)
+    if args.what == "tune":
+        tune(group, dtype)
+        dist.destroy_process_group()
+        return 0
     todo = []
     for op in args.ops.split(","):
         if args.shapes == "square":

@@ -13,15 +13,16 @@ import triton.language as tl
 
 from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
 
-BLOCK = 2048
+#: Elements per program per step, programs per grid (capped at one per SM), warps per program.
+BLOCK, MAX_PROGRAMS, NUM_WARPS = 4096, 132, 8
 _sm_count: dict[int, int] = {}
 
 
-def _programs(n: int, max_programs: int) -> int:
+def _programs(n: int, block: int, max_programs: int) -> int:
     dev = torch.cuda.current_device()
     if dev not in _sm_count:
         _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return max(1, min(triton.cdiv(n, BLOCK), max_programs, _sm_count[dev]))
+    return max(1, min(triton.cdiv(n, block), max_programs, _sm_count[dev]))
 
 
 @triton.jit
@@ -116,25 +117,26 @@ def _common(ws, epoch):
 
 
 def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: str, op_code: int,
-               max_programs: int = 64) -> None:
+               block: int = BLOCK, max_programs: int = MAX_PROGRAMS, num_warps: int = NUM_WARPS) -> None:
     """Sum ``partial`` (in ``ws``, same offset on every rank) over the group into ``out``."""
     n = partial.numel()
     if algo == "one_shot":
-        grid = (_programs(n, max_programs),)
+        grid = (_programs(n, block, max_programs),)
         one_shot_kernel[grid](partial, out, n, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
-                              BLOCK=BLOCK, num_warps=8)
+                              BLOCK=block, num_warps=num_warps)
     elif algo == "two_shot":
-        share = triton.cdiv(triton.cdiv(n, ws.world), BLOCK) * BLOCK
-        grid = (_programs(share, max_programs),)
+        share = triton.cdiv(triton.cdiv(n, ws.world), block) * block
+        grid = (_programs(share, block, max_programs),)
         two_shot_kernel[grid](partial, out, n, share, **_common(ws, epoch), OP=op_code,
-                              WORLD=ws.world, BLOCK=BLOCK, num_warps=8)
+                              WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     else:
         raise ValueError(f"commfuse: unknown all-reduce algorithm {algo!r}")
 
 
 def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
-           op_code: int, max_programs: int = 64) -> None:
-    grid = (_programs(outer * inner, max_programs),)
+           op_code: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
+           num_warps: int = NUM_WARPS) -> None:
+    grid = (_programs(outer * inner, block, max_programs),)
     aligned = (inner * shard.element_size()) % 16 == 0 and shard.data_ptr() % 16 == 0
     pull_gather_kernel[grid](shard, out, outer, inner, **_common(ws, epoch), OP=op_code,
-                             WORLD=ws.world, BLOCK=BLOCK, ALIGNED=aligned, num_warps=8)
+                             WORLD=ws.world, BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
