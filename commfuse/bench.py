@@ -113,6 +113,12 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
     for algo in (None, "one_shot", "two_shot"):
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+    if m >= 1024 and os.environ.get("COMMFUSE_BENCH_OVERLAP", "1") == "1":
+        for cfg in ("2x32", "4x32", "4x16", "8x32", "4x66"):
+            os.environ["COMMFUSE_OVERLAP"] = cfg
+            with _forced("overlap"):
+                t[f"commfuse_overlap_{cfg}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+            del os.environ["COMMFUSE_OVERLAP"]
     peers = {}
     try:
         import torch.distributed._symmetric_memory as symm_mem

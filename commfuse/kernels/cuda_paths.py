@@ -29,13 +29,44 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     epoch, parity = ws.next_epoch()
     partial = ws.data(parity, (m, n), a.dtype)
-    if bias is None:
-        torch.mm(a, b, out=partial)
-    else:
-        torch.addmm(bias, a, b, out=partial)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if algo == "overlap":
+        _overlapped(ws, a, b, bias, partial, out, epoch)
+        return out
+    _matmul_into(a, b, bias, partial)
     exchange.all_reduce(ws, partial, out, epoch, algo, _OP_MM_ALL_REDUCE)
     return out
+
+
+def _matmul_into(a, b, bias, out) -> None:
+    if bias is None:
+        torch.mm(a, b, out=out)
+    else:
+        torch.addmm(bias, a, b, out=out)
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
+    """cuBLAS per row chunk on the current stream; each finished chunk is reduced one-shot by a
+    few programs on a side stream while the next chunk multiplies. The chunks' kernels reuse the
+    call's epoch in disjoint flag slots, so the call still costs one epoch and one parity."""
+    chunks, programs = dispatch.overlap_config(a.shape[0])
+    dev = a.device.index
+    side = _side_streams.setdefault(dev, torch.cuda.Stream(a.device))
+    main = torch.cuda.current_stream(a.device)
+    side.wait_stream(main)  # out was allocated on main
+    rows = -(-a.shape[0] // chunks)
+    for i, lo in enumerate(range(0, a.shape[0], rows)):
+        hi = min(lo + rows, a.shape[0])
+        _matmul_into(a[lo:hi], b, bias, partial[lo:hi])
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            exchange.all_reduce(ws, partial[lo:hi], out[lo:hi], epoch, "one_shot", _OP_MM_ALL_REDUCE,
+                                block=8192, max_programs=programs, num_warps=16,
+                                slot_base=i * programs)
+    main.wait_stream(side)
 
 
 def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot")
+MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm")
 
 #: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot.
@@ -40,7 +40,18 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str
     nbytes = m * n * dtype.itemsize
     if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
         return "nccl"
+    if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
+        return "one_shot"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
+
+
+def overlap_config(m: int) -> tuple[int, int]:
+    """(row chunks, exchange programs) of the overlapped path; ``COMMFUSE_OVERLAP=CxP`` overrides."""
+    env = os.environ.get("COMMFUSE_OVERLAP")
+    if env:
+        chunks, programs = (int(x) for x in env.lower().split("x"))
+        return chunks, programs
+    return 4, 32
 
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:

@@ -14,7 +14,7 @@ import triton.language as tl
 from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
-BLOCK, MAX_PROGRAMS, NUM_WARPS = 4096, 132, 8
+BLOCK, MAX_PROGRAMS, NUM_WARPS = 8192, 132, 16
 _sm_count: dict[int, int] = {}
 
 
@@ -35,13 +35,13 @@ def _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD: tl.constexpr):
 
 
 @triton.jit
-def one_shot_kernel(partial, out, n, flags, heap_bases, epoch, rank, err, timeout,
+def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout,
                     OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Every rank reads every peer's whole partial and sums: one hop, world x the reads."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
-    signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, slot_base + pid, epoch, rank, err, timeout, OP, WORLD)
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -117,13 +117,19 @@ def _common(ws, epoch):
 
 
 def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: str, op_code: int,
-               block: int = BLOCK, max_programs: int = MAX_PROGRAMS, num_warps: int = NUM_WARPS) -> None:
-    """Sum ``partial`` (in ``ws``, same offset on every rank) over the group into ``out``."""
+               block: int = BLOCK, max_programs: int = MAX_PROGRAMS, num_warps: int = NUM_WARPS,
+               slot_base: int = 0) -> None:
+    """Sum ``partial`` (in ``ws``, same offset on every rank) over the group into ``out``.
+
+    ``slot_base`` offsets the flag slots (one-shot only), for several kernels in one epoch.
+    """
     n = partial.numel()
     if algo == "one_shot":
         grid = (_programs(n, block, max_programs),)
-        one_shot_kernel[grid](partial, out, n, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
-                              BLOCK=block, num_warps=num_warps)
+        if (slot_base + grid[0]) * ws.world > ws.flags.numel():
+            raise RuntimeError("commfuse: not enough flag slots for this launch")
+        one_shot_kernel[grid](partial, out, n, slot_base, **_common(ws, epoch), OP=op_code,
+                              WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     elif algo == "two_shot":
         share = triton.cdiv(triton.cdiv(n, ws.world), block) * block
         grid = (_programs(share, block, max_programs),)
