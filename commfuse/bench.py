@@ -169,14 +169,8 @@ def bench_all_gather_mm(m, k, n, dtype, group):
     with _forced("symm"):
         t["commfuse_symm"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
     peers = {}
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        peers["torch_fused_all_gather_matmul"] = _try(
-            lambda: symm_mem.fused_all_gather_matmul(shard, [b], gather_dim=0, group_name=gname))
-    except Exception as exc:
-        if dist.get_rank() == 0:
-            print(f"    (torch symm_mem peer unavailable: {exc})", file=sys.stderr)
+    peers["torch_fused_all_gather_matmul"] = _try(
+        lambda: torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, gname))
     return dict(op="all_gather_mm", M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=world,
                 unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
                 floor_us=max(t["mm"], min(t["nccl_ag"], t["symm_ag"])), parts=t, peers=peers)
@@ -238,7 +232,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["ops", "tune"])
     p.add_argument("--ops", default="mm_all_reduce,all_gather_mm")
-    p.add_argument("--shapes", choices=["default", "square"], default="default")
+    p.add_argument("--shapes", choices=["default", "square"], default="default",
+                   help="square: M=K=N from 256 to 4096 in steps of 128")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json)")
