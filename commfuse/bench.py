@@ -166,8 +166,9 @@ def bench_all_gather_mm(m, k, n, dtype, group):
     t["symm_ag"] = time_us(exch)
     with _forced(None):
         t["commfuse_default"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
-    with _forced("symm"):
-        t["commfuse_symm"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
+    for algo in ("symm", "overlap"):
+        with _forced(algo):
+            t[f"commfuse_{algo}"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
     peers = {}
     peers["torch_fused_all_gather_matmul"] = _try(
         lambda: torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, gname))

@@ -38,6 +38,34 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     return out
 
 
+def _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch) -> torch.Tensor:
+    """Multiply the local shard at once while the copy engines pull the peers' shards (no SMs)
+    on a side stream; then multiply the peers' rows."""
+    k, rows = shard.shape[-1], shard.numel() // shard.shape[-1]
+    g2 = gathered.view(-1, k)
+    out = torch.empty((g2.shape[0], b.shape[1]), dtype=shard.dtype, device=shard.device)
+    side = _side_stream(shard.device)
+    main = torch.cuda.current_stream(shard.device)
+    side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
+    with torch.cuda.stream(side):
+        exchange.barrier(ws, epoch, _OP_ALL_GATHER_MM)
+        for p, view in enumerate(peers):
+            if p != ws.rank:
+                g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
+    lo, hi = ws.rank * rows, (ws.rank + 1) * rows
+    g2[lo:hi].copy_(shard.view(rows, k))
+    _matmul_into(g2[lo:hi], b, bias, out[lo:hi])
+    main.wait_stream(side)
+    for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
+        if stop > start:
+            _matmul_into(g2[start:stop], b, bias, out[start:stop])
+    return out
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return _side_streams.setdefault(device.index, torch.cuda.Stream(device))
+
+
 def _matmul_into(a, b, bias, out) -> None:
     if bias is None:
         torch.mm(a, b, out=out)
@@ -53,8 +81,7 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
     few programs on a side stream while the next chunk multiplies. The chunks' kernels reuse the
     call's epoch in disjoint flag slots, so the call still costs one epoch and one parity."""
     chunks, programs = dispatch.overlap_config(a.shape[0])
-    dev = a.device.index
-    side = _side_streams.setdefault(dev, torch.cuda.Stream(a.device))
+    side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out was allocated on main
     rows = -(-a.shape[0] // chunks)
@@ -84,6 +111,11 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     shape = list(shard.shape)
     shape[gather_dim] *= world_size
     gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)
+    if algo == "overlap" and gather_dim == 0:
+        peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
+        if all(p is not None for p in peers):
+            out = _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch)
+            return out, gathered
     outer = math.prod(shard.shape[:gather_dim])
     inner = math.prod(shard.shape[gather_dim:])
     exchange.gather(ws, mine, gathered, outer, inner, epoch, _OP_ALL_GATHER_MM)

@@ -12,7 +12,7 @@ import os
 import torch
 
 MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap")
-ALL_GATHER_MM_ALGOS = ("nccl", "symm")
+ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
 
 #: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot.
 ONE_SHOT_MAX_BYTES = 1 << 20
@@ -24,11 +24,9 @@ def _forced(valid: tuple[str, ...]) -> str | None:
     algo = os.environ.get("COMMFUSE_ALGO", "").strip()
     if not algo:
         return None
-    if algo == "symm" and "symm" not in valid:
-        return None  # "symm" forces the symmetric path of the all-gather only
+    if algo not in valid and algo in MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS:
+        return None  # an algorithm of the other op
     if algo not in valid:
-        if algo in MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS:
-            return None
         raise ValueError(f"COMMFUSE_ALGO={algo!r} is not one of {sorted(set(MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS))}")
     return algo
 

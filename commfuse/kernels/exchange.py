@@ -110,6 +110,17 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             tl.store(dst, val, mask=mask)
 
 
+@triton.jit
+def barrier_kernel(flags, heap_bases, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
+    """Signal and wait only: orders a rank's earlier writes before its peers' later reads."""
+    signal_peers(flags, 0, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, 0, epoch, rank, err, timeout, OP, WORLD)
+
+
+def barrier(ws, epoch: int, op_code: int) -> None:
+    barrier_kernel[(1,)](**_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
+
+
 def _common(ws, epoch):
     require_iris()
     return dict(flags=ws.flags, heap_bases=ws.heap_bases, epoch=epoch, rank=ws.rank,

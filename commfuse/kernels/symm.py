@@ -63,6 +63,15 @@ class Workspace:
         self.epoch += 1
         return self.epoch, self.epoch % 2
 
+    def peer_data(self, peer: int, parity: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor aliasing ``peer``'s data half (copy-engine reads), or None if the provider has no
+        such view (Iris)."""
+        get_buffer = getattr(self._keepalive, "get_buffer", None)
+        if get_buffer is None:
+            return None
+        offset = FLAG_BYTES + parity * self.data_bytes
+        return get_buffer(peer, list(shape), dtype, offset // dtype.itemsize)
+
     def data(self, parity: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
         start = FLAG_BYTES + parity * self.data_bytes + offset_bytes
         nbytes = torch.Size(shape).numel() * dtype.itemsize

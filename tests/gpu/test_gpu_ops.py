@@ -66,7 +66,9 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
 
 @pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype):
+@pytest.mark.parametrize("ag_algo", ["symm", "overlap"])
+def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", ag_algo)
     torch.manual_seed(7 + dist.get_rank())
     shard = torch.randn(*shape, device="cuda", dtype=dtype)
     torch.manual_seed(7)
