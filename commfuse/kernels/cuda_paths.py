@@ -101,7 +101,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     ErrorWord.check("all_gather_mm")
     k = shard.shape[-1]
     rows = shard.numel() // k * world_size if k else 0
-    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size)
+    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, gather_dim)
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     ws = symm.workspace(group_name, shard.numel() * shard.element_size(), shard.device)

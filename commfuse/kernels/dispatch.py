@@ -52,11 +52,19 @@ def overlap_config(m: int) -> tuple[int, int]:
     return 4, 32
 
 
-def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
+#: Overlap the all-gather with the local shard's GEMM from this much work per shard (rows*K*N):
+#: below it the split GEMMs and the side stream cost more than the pull they hide.
+OVERLAP_MIN_SHARD_MNK = 1 << 33
+
+
+def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
+    """``rows``: of the gathered tensor (all ranks)."""
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced:
         return forced
     nbytes = rows * k * dtype.itemsize  # the gathered tensor
     if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
         return "nccl"
+    if gather_dim == 0 and (rows // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
+        return "overlap"
     return "symm"

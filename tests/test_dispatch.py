@@ -1,0 +1,94 @@
+"""Dispatch decisions and workspace bookkeeping: the parts of the GPU paths that need no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commfuse.kernels import dispatch, symm
+from commfuse.kernels.sync import ErrorWord
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_mm_all_reduce_choice(world, monkeypatch):
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1) == "nccl"  # nothing to exchange
+    assert dispatch.mm_all_reduce(0, 4096, 8192, BF16, world) == "nccl"
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "one_shot"  # 256 KiB
+    big = dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world)  # 128 MiB
+    assert big == ("one_shot" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(1 << 16, 4096, 16384, BF16, world) == "nccl"  # 2 GiB: past the cap
+
+
+def test_all_gather_mm_choice(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.all_gather_mm(2048, 2048, 2048, BF16, 2) == "symm"  # too little work to hide
+    assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"
+    assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2, gather_dim=1) == "symm"
+    assert dispatch.all_gather_mm(1 << 20, 8192, 1024, BF16, 2) == "nccl"
+
+
+def test_choice_depends_on_shape_only(monkeypatch):
+    """Same inputs, same answer: every rank must enter the same collective."""
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    answers = {dispatch.mm_all_reduce(m, 7168, 4096, BF16, 4) for m in [1024] * 5}
+    assert len(answers) == 1
+
+
+def test_forced_algorithm(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", "two_shot")
+    assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "two_shot"
+    assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"  # not an all-gather algo
+    monkeypatch.setenv("COMMFUSE_ALGO", "nccl")
+    assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "nccl"
+    monkeypatch.setenv("COMMFUSE_ALGO", "fastest")
+    with pytest.raises(ValueError, match="COMMFUSE_ALGO"):
+        dispatch.mm_all_reduce(16, 16, 16, BF16, 2)
+
+
+def test_overlap_config(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_OVERLAP", raising=False)
+    assert dispatch.overlap_config(4096) == (4, 32)
+    monkeypatch.setenv("COMMFUSE_OVERLAP", "8x16")
+    assert dispatch.overlap_config(4096) == (8, 16)
+
+
+def _workspace(data_bytes=1 << 12):
+    buf = torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8)
+    return symm.Workspace("0", 0, 2, buf, torch.zeros(2, dtype=torch.int64), data_bytes)
+
+
+def test_workspace_epochs_and_parity():
+    ws = _workspace()
+    assert [ws.next_epoch() for _ in range(3)] == [(1, 1), (2, 0), (3, 1)]
+    assert ws.flags.numel() == symm.FLAG_BYTES // 4
+
+
+def test_workspace_halves_do_not_overlap():
+    ws = _workspace()
+    a = ws.data(0, (32, 32), torch.float32)
+    b = ws.data(1, (32, 32), torch.float32)
+    a.fill_(1)
+    b.fill_(2)
+    assert a.eq(1).all() and b.eq(2).all() and ws.flags.eq(0).all()
+    with pytest.raises(RuntimeError, match="too small"):
+        ws.data(0, (33, 32), torch.float32)
+
+
+def test_provider_setting(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", "iris")
+    assert symm.provider_name() == "iris"
+    monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", "nvshmem")
+    with pytest.raises(ValueError, match="COMMFUSE_SYMM_PROVIDER"):
+        symm.provider_name()
+
+
+def test_timeout_error_names_op_rank_and_peer(monkeypatch):
+    word = torch.tensor([1, 1, 0, 1], dtype=torch.int32)  # what a timed-out kernel writes
+    monkeypatch.setattr(ErrorWord, "_word", word)
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "2")
+    with pytest.raises(RuntimeError, match=r"commfuse.mm_all_reduce: rank 0 timed out after 2 s waiting for rank 1"):
+        ErrorWord.check("all_gather_mm")
+    ErrorWord.check()  # the word was cleared: the error is raised once
