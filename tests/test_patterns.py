@@ -274,3 +274,15 @@ def test_all_gather_skip_fp64(world2):
     _, code = compile_code(lambda x, w: _ag(x) @ w, shard, w)
     assert calls(code, AG) == 0
     assert "float64" in _only("all_gather_mm").reason
+
+
+def test_workspace_plan(world2, monkeypatch):
+    """The pass sizes the group's symmetric workspace for the graph's largest fused op."""
+    from commfuse.kernels import symm
+
+    monkeypatch.setattr(symm, "_planned", {})
+    x, w1, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48, 40)
+    compile_code(lambda x, w1, w2: _ar(torch.relu(_ag(x) @ w1) @ w2), x, w1, w2)
+    assert len(commfuse.report().fused) == 2
+    # all_gather_mm's shard: 64x32 fp32 = 8 KiB; mm_all_reduce's output: 128x40 fp32 = 20 KiB
+    assert symm._planned == {dist.group.WORLD.group_name: 128 * 40 * 4}

@@ -28,6 +28,7 @@ from .. import kernels  # noqa: F401  (registers torch.ops.commfuse before any r
 from .. import patterns
 from ..config import Settings
 from ..exclusion import any_instance_excluded, module_stack
+from ..kernels import symm
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
 from ..report import MatchRecord, log, record
 
@@ -83,7 +84,28 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     if fused:
         stable_topological_sort(graph)
         graph.lint()
+        for group, nbytes in workspace_plan(graph).items():
+            symm.plan(group, nbytes)
     return fused
+
+
+def workspace_plan(graph: fx.Graph) -> dict[str, int]:
+    """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs.
+
+    Shapes that are symbolic are left out: the workspace then grows on first use instead.
+    """
+    need: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.target is torch.ops.commfuse.mm_all_reduce.default:
+            out, group = node.meta["val"], node.args[3]
+        elif node.target is torch.ops.commfuse.all_gather_mm.default:
+            out, group = val(node.args[0]), node.args[5]
+        else:
+            continue
+        nbytes = out.numel() * out.element_size()
+        if isinstance(nbytes, int):
+            need[group] = max(need.get(group, 0), nbytes)
+    return need
 
 
 class CommfusePass(CustomGraphPass):

@@ -81,7 +81,19 @@ class Workspace:
 
 
 _workspaces: dict[tuple[str, str], Workspace] = {}
+_planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
 _lock = threading.Lock()
+
+
+def plan(group_name: str, data_bytes: int) -> None:
+    """Record that a compiled graph will need ``data_bytes`` per parity on ``group_name``, so the
+    first allocation serves every fused op of the graph (the graph pass calls this)."""
+    with _lock:
+        _planned[group_name] = max(_planned.get(group_name, 0), int(data_bytes))
+
+
+def planned(group_name: str) -> int:
+    return _planned.get(group_name, 0)
 
 
 def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
@@ -128,7 +140,12 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         group = _resolve_process_group(group_name)
-        size = _round_up(max(data_bytes, MIN_DATA_BYTES, 0 if ws is None else 2 * ws.data_bytes), _ALIGN)
+        size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group_name, 0),
+                   0 if ws is None else 2 * ws.data_bytes)
+        # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest.
+        agreed = torch.tensor([size], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        size = _round_up(int(agreed.item()), _ALIGN)
         if ws is not None:  # every rank must be done with the old buffer before anyone frees it
             torch.cuda.synchronize(device)
             dist.barrier(group=group)
