@@ -113,6 +113,14 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
     for algo in (None, "one_shot", "two_shot"):
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+    ws_partial = ws.data(1, (m, n), dtype)
+    t["mm_into_symm"] = time_us(lambda: torch.mm(a, b, out=ws_partial))
+    if m >= 128:
+        for chunks in ("2", "4", "8"):
+            os.environ["COMMFUSE_CE_CHUNKS"] = chunks
+            with _forced("ce_overlap"):
+                t[f"commfuse_ce_overlap_{chunks}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+            del os.environ["COMMFUSE_CE_CHUNKS"]
     if m >= 1024 and os.environ.get("COMMFUSE_BENCH_OVERLAP", "1") == "1":
         for cfg in ("2x32", "4x32", "4x16", "8x32", "4x66"):
             os.environ["COMMFUSE_OVERLAP"] = cfg

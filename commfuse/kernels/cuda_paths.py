@@ -33,6 +33,12 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     if algo == "overlap":
         _overlapped(ws, a, b, bias, partial, out, epoch)
         return out
+    if algo == "ce_overlap":
+        peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
+        if all(p is not None for p in peers):
+            _copy_engine_overlapped(ws, a, b, bias, partial, out, peers, epoch)
+            return out
+        algo = "one_shot"  # the provider has no peer views for the copy engines
     _matmul_into(a, b, bias, partial)
     exchange.all_reduce(ws, partial, out, epoch, algo, _OP_MM_ALL_REDUCE)
     return out
@@ -60,6 +66,30 @@ def _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch) -> torch.Tens
         if stop > start:
             _matmul_into(g2[start:stop], b, bias, out[start:stop])
     return out
+
+
+def _copy_engine_overlapped(ws, a, b, bias, partial, out, peers, epoch) -> None:
+    """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
+    of it on a side stream and one local add sums them, while the next chunk multiplies."""
+    chunks = dispatch.copy_engine_chunks(a.shape[0])
+    side = _side_stream(a.device)
+    main = torch.cuda.current_stream(a.device)
+    recv = torch.empty((ws.world - 1, *out.shape), dtype=out.dtype, device=out.device)
+    side.wait_stream(main)  # out and recv were allocated on main
+    rows = -(-a.shape[0] // chunks)
+    others = [p for p in range(ws.world) if p != ws.rank]
+    for i, lo in enumerate(range(0, a.shape[0], rows)):
+        hi = min(lo + rows, a.shape[0])
+        _matmul_into(a[lo:hi], b, bias, partial[lo:hi])
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            exchange.barrier(ws, epoch, _OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
+            for j, p in enumerate(others):
+                recv[j, lo:hi].copy_(peers[p][lo:hi], non_blocking=True)
+            torch.add(partial[lo:hi], recv[0, lo:hi], out=out[lo:hi])
+            for j in range(1, len(others)):
+                out[lo:hi].add_(recv[j, lo:hi])
+    main.wait_stream(side)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

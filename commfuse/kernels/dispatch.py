@@ -11,7 +11,7 @@ import os
 
 import torch
 
-MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap")
+MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
 
 #: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot.
@@ -55,6 +55,12 @@ def overlap_config(m: int) -> tuple[int, int]:
 #: Overlap the all-gather with the local shard's GEMM from this much work per shard (rows*K*N):
 #: below it the split GEMMs and the side stream cost more than the pull they hide.
 OVERLAP_MIN_SHARD_MNK = 1 << 33
+
+
+def copy_engine_chunks(m: int) -> int:
+    """Row chunks of the copy-engine overlapped all-reduce; ``COMMFUSE_CE_CHUNKS`` overrides."""
+    env = os.environ.get("COMMFUSE_CE_CHUNKS")
+    return max(1, min(int(env) if env else 4, m))
 
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:

@@ -111,14 +111,15 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
 
 
 @triton.jit
-def barrier_kernel(flags, heap_bases, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
+def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.constexpr,
+                   WORLD: tl.constexpr):
     """Signal and wait only: orders a rank's earlier writes before its peers' later reads."""
-    signal_peers(flags, 0, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, 0, epoch, rank, err, timeout, OP, WORLD)
+    signal_peers(flags, slot, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, slot, epoch, rank, err, timeout, OP, WORLD)
 
 
-def barrier(ws, epoch: int, op_code: int) -> None:
-    barrier_kernel[(1,)](**_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
+def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
+    barrier_kernel[(1,)](slot, **_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
 
 
 def _common(ws, epoch):

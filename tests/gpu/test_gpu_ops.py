@@ -33,7 +33,7 @@ def _relerr(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-@pytest.fixture(params=["default", "one_shot", "two_shot", "overlap"])
+@pytest.fixture(params=["default", "one_shot", "two_shot", "overlap", "ce_overlap"])
 def algo(request, monkeypatch):
     if request.param != "default":
         monkeypatch.setenv("COMMFUSE_ALGO", request.param)
