@@ -18,6 +18,9 @@ ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
 ONE_SHOT_MAX_BYTES = 1 << 20
 #: Above this the symmetric workspace would be large; NCCL's ring bandwidth is then competitive.
 SYMM_MAX_BYTES = 1 << 30
+#: From this much GEMM work (M*N*K) the copy-engine overlap hides the exchange behind the GEMM;
+#: below it the chunked GEMMs and per-chunk barriers cost more than they hide.
+CE_OVERLAP_MIN_MNK = 1 << 36
 
 
 def _forced(valid: tuple[str, ...]) -> str | None:
@@ -38,6 +41,8 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str
     nbytes = m * n * dtype.itemsize
     if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
         return "nccl"
+    if m * n * k >= CE_OVERLAP_MIN_MNK and m >= 4 * 1024:
+        return "ce_overlap"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
