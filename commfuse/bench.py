@@ -219,6 +219,39 @@ def tune(group, dtype) -> None:
         print(json.dumps(rows))
 
 
+def bench_mm_reduce_scatter(m, k, n, dtype, group):
+    from commfuse.kernels import exchange, symm
+
+    gname, world = group.group_name, group.size()
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    partial = torch.mm(a, b)
+    t = {}
+    t["mm"] = time_us(lambda: torch.mm(a, b))
+    t["nccl_rs"] = time_us(lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(partial, "sum", 0, group)))
+    t["unfused"] = time_us(lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b), "sum", 0, group)))
+    ws = symm.workspace(gname, m * n * dtype.itemsize, a.device)
+    out = torch.empty(m // world, n, device="cuda", dtype=dtype)
+
+    def exch():
+        epoch, parity = ws.next_epoch()
+        exchange.reduce_scatter(ws, ws.data(parity, (m, n), dtype), out, 1, m * n // world, epoch, 3)
+    t["symm_rs"] = time_us(exch)
+    for algo in (None, "symm", "ce_overlap"):
+        with _forced(algo):
+            t[f"commfuse_{algo or 'default'}"] = time_us(
+                lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, world, gname))
+    peers = {"torch_fused_matmul_reduce_scatter": _try(
+        lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, gname))}
+    return dict(op="mm_reduce_scatter", M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=world,
+                unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
+                floor_us=max(t["mm"], min(t["nccl_rs"], t["symm_rs"])), parts=t, peers=peers)
+
+
+BENCHES = {"mm_all_reduce": bench_mm_all_reduce, "all_gather_mm": bench_all_gather_mm,
+           "mm_reduce_scatter": bench_mm_reduce_scatter}
+
+
 def _table(records) -> str:
     lines = ["| op | M | K | N | unfused µs | commfuse µs | floor µs | speed-up | of floor | best peer |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -240,7 +273,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["ops", "tune"])
-    p.add_argument("--ops", default="mm_all_reduce,all_gather_mm")
+    p.add_argument("--ops", default="mm_all_reduce,all_gather_mm,mm_reduce_scatter")
     p.add_argument("--shapes", choices=["default", "square"], default="default",
                    help="square: M=K=N from 256 to 4096 in steps of 128")
     p.add_argument("--dtype", default="bfloat16")
@@ -263,14 +296,13 @@ def main(argv=None) -> int:
         if args.shapes == "square":
             shapes = [(s, s, s) for s in range(256, 4097, 128)]
         else:
-            shapes = MM_AR_SHAPES if op == "mm_all_reduce" else AG_MM_SHAPES
+            shapes = MM_AR_SHAPES if op == "mm_all_reduce" else AG_MM_SHAPES  # RS mirrors AG
         shapes = shapes[:args.limit] if args.limit else shapes
         todo += [(op, s) for s in shapes]
     records = []
     for i, (op, (m, k, n)) in enumerate(todo):
         start = time.time()
-        fn = bench_mm_all_reduce if op == "mm_all_reduce" else bench_all_gather_mm
-        rec = fn(m, k, n, dtype, group)
+        rec = BENCHES[op](m, k, n, dtype, group)
         rec["commit"] = _commit()
         records.append(rec)
         if rank == 0:

@@ -9,7 +9,7 @@ from typing import Any
 import torch.nn as nn
 
 #: Names of the rewrites, in the order the graph pass applies them.
-PATTERNS = ("mm_all_reduce", "all_gather_mm")
+PATTERNS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 
 #: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing.
 DEFAULT_MIN_MNK = 1 << 15

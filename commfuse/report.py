@@ -51,7 +51,7 @@ class MatchRecord:
         where = f" in {self.module}" if self.module else ""
         tail = "" if self.fused else f": {self.reason}"
         return (
-            f"{what} {self.pattern:<14} {self.graph:<12} {self.collective}<-{self.matmul or '?'}"
+            f"{what} {self.pattern:<17} {self.graph:<12} {self.collective}<-{self.matmul or '?'}"
             f" MKN={shape} {self.dtype or ''} group={self.group}{where}{tail}"
         )
 

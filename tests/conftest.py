@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse
+from helpers import init_fake_pg
 
 
 def _gpu_available() -> bool:
@@ -21,14 +20,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def init_fake_pg(world_size: int) -> None:
-    if dist.is_initialized():
-        if dist.get_world_size() == world_size and dist.get_backend() == "fake":
-            return
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
 @pytest.fixture(params=[2, 4, 8], ids=lambda w: f"world{w}")
@@ -50,7 +41,3 @@ def clean_state():
     with torch._inductor.config.patch(fx_graph_cache=False):
         yield
     torch._dynamo.reset()
-
-
-def group_name() -> str:
-    return dist.group.WORLD.group_name

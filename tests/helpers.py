@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse
+
+
+def init_fake_pg(world_size: int) -> None:
+    """A single-process fake process group of ``world_size`` ranks (this process is rank 0)."""
+    if dist.is_initialized():
+        if dist.get_world_size() == world_size and dist.get_backend() == "fake":
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def group_name() -> str:
+    return dist.group.WORLD.group_name
 
 
 def compile_code(fn, *args, backend=None, train: bool = False):

@@ -93,3 +93,14 @@ def test_timeout_error_names_op_rank_and_peer(monkeypatch):
     with pytest.raises(RuntimeError, match=r"commfuse.mm_all_reduce: rank 0 timed out after 2 s waiting for rank 1"):
         ErrorWord.check("all_gather_mm")
     ErrorWord.check()  # the word was cleared: the error is raised once
+
+
+def test_mm_reduce_scatter_choice(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.mm_reduce_scatter(2048, 2048, 2048, BF16, 2) == "symm"
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "ce_overlap"
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2, scatter_dim=1) == "symm"
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 1) == "nccl"
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    assert dispatch.mm_reduce_scatter(16, 16, 16, BF16, 2) == "ce_overlap"
+    assert dispatch.all_gather_mm(16, 16, 16, BF16, 2) == "symm"  # not an all-gather algorithm

@@ -70,10 +70,15 @@ def test_sequence_parallel_mlp(world):
     model = parallelize_module(MLP(), mesh, plan)
     code = _train_step(model, torch.randn(4, 32 // world, 64, requires_grad=True))
     assert calls(code, "commfuse.all_gather_mm") == 2
+    assert calls(code, "commfuse.mm_reduce_scatter") == 2
     assert "_c10d_functional.all_gather_into_tensor" not in code
-    groups = _by_graph()
-    assert groups[("all_gather_mm", "forward", True)] == ["up"]
-    assert groups[("all_gather_mm", "backward", True)] == ["down"]  # gathered grad -> down's input grad
+    assert "_c10d_functional.reduce_scatter_tensor" not in code
+    assert _by_graph() == {
+        ("all_gather_mm", "forward", True): ["up"],
+        ("mm_reduce_scatter", "forward", True): ["down"],  # row-parallel output, sequence-sharded
+        ("all_gather_mm", "backward", True): ["down"],  # gathered grad -> down's input grad
+        ("mm_reduce_scatter", "backward", True): ["up"],  # column-parallel input grad
+    }
 
 
 def test_transformer_stack_exclusion(world2):

@@ -78,6 +78,16 @@ def _worker(rank: int, init_file: str) -> None:
         reference = F.linear(torch.cat(_gather_all(x.detach().double()), dim=gather_dim), w.detach().double())
         fused = _compare(f"all_gather_mm dim={gather_dim} {shape}", fn, [x, w], reference)
         assert any(r.pattern == "all_gather_mm" for r in fused)
+
+    # matmul -> reduce_scatter along dim 0 (sequence-first) and dim 1 (DTensor's layout).
+    for scatter_dim, shape in [(0, (16, 32)), (0, (8, 4, 32)), (1, (2, 8, 32))]:
+        x = torch.randn(*shape, requires_grad=True)
+        w = torch.randn(24, 32, requires_grad=True)
+        fn = lambda x, w: funcol.reduce_scatter_tensor(F.linear(x, w), "sum", scatter_dim, group)
+        total = sum(_gather_all(F.linear(x.detach().double(), w.detach().double())))
+        reference = total.chunk(WORLD, dim=scatter_dim)[rank]
+        fused = _compare(f"mm_reduce_scatter dim={scatter_dim} {shape}", fn, [x, w], reference)
+        assert any(r.pattern == "mm_reduce_scatter" for r in fused)
     dist.destroy_process_group()
 
 

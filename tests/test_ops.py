@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse  # noqa: F401  (registers the ops)
-from conftest import group_name
+from helpers import group_name
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -58,7 +58,7 @@ def test_reference_semantics(world2):
     (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3), torch.randn(3, 2, dtype=torch.float16), None, g), "a is torch.float32 but b is torch.float16"),
     (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64), None, g), "not one of fp16, bf16, fp32"),
     (lambda g: torch.ops.commfuse.mm_all_reduce(torch.randn(4, 3), torch.randn(3, 2), None, "no-such-group"), "cannot resolve process group 'no-such-group'"),
-    (lambda g: torch.ops.commfuse.all_gather_mm(torch.randn(4, 3), torch.randn(3, 2), None, 0, 4, g, False), "gathers over 4 ranks but group"),
+    (lambda g: torch.ops.commfuse.all_gather_mm(torch.randn(4, 3), torch.randn(3, 2), None, 0, 4, g, False), "collective spans 4 ranks but group"),
     (lambda g: torch.ops.commfuse.all_gather_mm(torch.randn(4, 3), torch.randn(3, 2), None, 1, 2, g, False), "gather_dim 1 must name a leading dimension"),
 ])
 def test_errors_name_the_op(world2, call, message):
@@ -69,11 +69,37 @@ def test_errors_name_the_op(world2, call, message):
 
 def test_group_is_resolved_at_run_time():
     """A sub-group's name routes the op to that group, not WORLD."""
-    from conftest import init_fake_pg
+    from helpers import init_fake_pg
 
     init_fake_pg(4)
     sub = dist.new_group([0, 1])
     out, gathered = torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), torch.randn(4, 2), None, 0, 2, sub.group_name, True)
     assert gathered.shape == (6, 4)
-    with pytest.raises(RuntimeError, match="gathers over 4 ranks but group"):
+    with pytest.raises(RuntimeError, match="collective spans 4 ranks but group"):
         torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), torch.randn(4, 2), None, 0, 4, sub.group_name, True)
+
+
+@pytest.mark.parametrize("shape, scatter_dim", [([8, 6], 0), ([4, 2, 6], 0), ([2, 4, 6], 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_mm_reduce_scatter(world2, shape, scatter_dim, bias):
+    m = shape[0] * (shape[1] if len(shape) == 3 else 1)
+    args = (torch.randn(m, 5), torch.randn(5, 6), torch.randn(6) if bias else None, shape, scatter_dim, 2, group_name())
+    torch.library.opcheck(torch.ops.commfuse.mm_reduce_scatter.default, args)
+
+
+def test_mm_reduce_scatter_reference_on_rank0(world2):
+    """On the fake group reduce_scatter returns rank 0's block: share 0 of the local product."""
+    a, b = torch.randn(2 * 8, 5), torch.randn(5, 6)
+    out = torch.ops.commfuse.mm_reduce_scatter(a, b, None, [2, 8, 6], 1, 2, group_name())
+    assert out.shape == (2, 4, 6)
+    torch.testing.assert_close(out, (a @ b).view(2, 8, 6)[:, :4])
+
+
+@pytest.mark.parametrize("shape, scatter_dim, message", [
+    ([8, 7], 0, "is not a view of"),
+    ([3, 6], 0, "does not split into 2 shares"),
+    ([8, 6], 1, "must name a leading dimension"),
+])
+def test_mm_reduce_scatter_errors(world2, shape, scatter_dim, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.commfuse.mm_reduce_scatter(torch.randn(shape[0], 5), torch.randn(5, 6), None, shape, scatter_dim, 2, group_name())

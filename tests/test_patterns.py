@@ -286,3 +286,63 @@ def test_workspace_plan(world2, monkeypatch):
     assert len(commfuse.report().fused) == 2
     # all_gather_mm's shard: 64x32 fp32 = 8 KiB; mm_all_reduce's output: 128x40 fp32 = 20 KiB
     assert symm._planned == {dist.group.WORLD.group_name: 128 * 40 * 4}
+
+
+# ---- matmul -> reduce_scatter --------------------------------------------------------------------
+
+RS, C10D_RS = "commfuse.mm_reduce_scatter", "_c10d_functional.reduce_scatter_tensor"
+
+
+def _rs(t, dim=0):
+    return funcol.reduce_scatter_tensor(t, "sum", dim, dist.group.WORLD)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mm_reduce_scatter_2d(world, bias):
+    a, w = torch.randn(16 * world, 32), torch.randn(32, 24)
+    b = torch.randn(24) if bias else None
+
+    def f(a, w, b):
+        return _rs(torch.addmm(b, a, w) if b is not None else a @ w)
+
+    out, code = compile_code(f, a, w, b)
+    assert_fused(code, RS, C10D_RS)
+    rec = _only("mm_reduce_scatter")
+    assert rec.fused and rec.shape == (16 * world, 32, 24)
+    assert out.shape == (16, 24)
+    torch.testing.assert_close(out, f(a, w, b))
+
+
+def test_mm_reduce_scatter_3d_seq_first(world):
+    x, w = torch.randn(8 * world, 2, 32), torch.randn(24, 32)
+    out, code = compile_code(lambda x, w: _rs(F.linear(x, w)), x, w)
+    assert_fused(code, RS, C10D_RS)
+    assert out.shape == (8, 2, 24)
+
+
+def test_mm_reduce_scatter_dtensor_layout_dim1(world):
+    """Batch-first [b, s, h] scattered along the sequence (split + cat in the graph)."""
+    x, w = torch.randn(2, 8 * world, 32), torch.randn(24, 32)
+
+    def f(x, w):
+        return _rs(F.linear(x, w), dim=1)
+
+    out, code = compile_code(f, x, w)
+    assert_fused(code, RS, C10D_RS)
+    assert "aten.cat" not in code and out.shape == (2, 8, 24)
+    torch.testing.assert_close(out, f(x, w))  # rank 0 of the fake group keeps block 0
+
+
+@pytest.mark.parametrize("case, reason", [("max", "reduce op 'max' is not sum"), ("partial_used", "other users")])
+def test_mm_reduce_scatter_skips(world2, case, reason):
+    a, w = torch.randn(64, 32), torch.randn(32, 24)
+
+    def f(a, w):
+        y = a @ w
+        if case == "max":
+            return funcol.reduce_scatter_tensor(y, "max", 0, dist.group.WORLD)
+        return _rs(y).sum() + y.sum()
+
+    _, code = compile_code(f, a, w)
+    assert calls(code, RS) == 0 and C10D_RS in code
+    assert reason in _only("mm_reduce_scatter").reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
 import pathlib
 from typing import Any
 
@@ -56,7 +57,7 @@ def _describe(pattern: str, label: str, anchor: fx.Node, mm: fx.Node | None, fus
             pass
         stack = module_stack(mm)
         module = stack[-1][0] if stack else None
-    group = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("group_name")
+    group = anchor.kwargs.get("group_name", anchor.args[-1])  # the last argument of every anchor
     return MatchRecord(pattern, label, anchor.name, mm.name if mm is not None else None,
                        fused, reason, shape, dtype, str(group), module)
 
@@ -89,6 +90,10 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     return fused
 
 
+def _nbytes(shape, node: fx.Node):
+    return math.prod(shape) * val(node.args[0]).dtype.itemsize
+
+
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs.
 
@@ -96,13 +101,14 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """
     need: dict[str, int] = {}
     for node in graph.nodes:
-        if node.target is torch.ops.commfuse.mm_all_reduce.default:
-            out, group = node.meta["val"], node.args[3]
-        elif node.target is torch.ops.commfuse.all_gather_mm.default:
-            out, group = val(node.args[0]), node.args[5]
+        if node.target is torch.ops.commfuse.mm_all_reduce.default:  # the partial
+            nbytes, group = _nbytes(node.meta["val"].shape, node), node.args[3]
+        elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard
+            nbytes, group = _nbytes(val(node.args[0]).shape, node), node.args[5]
+        elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial
+            nbytes, group = _nbytes(node.args[3], node), node.args[6]
         else:
             continue
-        nbytes = out.numel() * out.element_size()
         if isinstance(nbytes, int):
             need[group] = max(need.get(group, 0), nbytes)
     return need

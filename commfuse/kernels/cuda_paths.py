@@ -16,7 +16,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import dispatch, exchange, reference, symm
 from .sync import ErrorWord
 
-_OP_MM_ALL_REDUCE, _OP_ALL_GATHER_MM = 1, 2
+_OP_MM_ALL_REDUCE, _OP_ALL_GATHER_MM, _OP_MM_REDUCE_SCATTER = 1, 2, 3
 
 
 def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
@@ -150,3 +150,53 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     inner = math.prod(shard.shape[gather_dim:])
     exchange.gather(ws, mine, gathered, outer, inner, epoch, _OP_ALL_GATHER_MM)
     return reference.matmul(gathered.view(-1, k), b, bias), gathered
+
+
+def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list[int],
+                      scatter_dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    ErrorWord.check("mm_reduce_scatter")
+    m, n = a.shape[0], b.shape[1]
+    algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, scatter_dim)
+    if algo == "nccl":
+        return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
+    epoch, parity = ws.next_epoch()
+    partial = ws.data(parity, (m, n), a.dtype)
+    out_shape = list(shape)
+    out_shape[scatter_dim] //= world_size
+    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
+    if algo == "ce_overlap" and scatter_dim == 0:
+        peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
+        if all(p is not None for p in peers):
+            _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), peers, epoch)
+            return out
+    _matmul_into(a, b, bias, partial)
+    outer = math.prod(shape[:scatter_dim])
+    exchange.reduce_scatter(ws, partial, out, outer, m * n // outer // world_size, epoch,
+                            _OP_MM_REDUCE_SCATTER)
+    return out
+
+
+def _scatter_overlapped(ws, a, b, bias, partial, out, peers, epoch) -> None:
+    """Multiply the peers' shares of the rows first, each in turn; as share p lands, rank p's copy
+    engines pull it on their side stream while this rank multiplies the next share, its own last.
+    Then one local add sums this rank's share with what it pulled."""
+    world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world
+    side = _side_stream(a.device)
+    main = torch.cuda.current_stream(a.device)
+    recv = torch.empty((world - 1, rows, out.shape[1]), dtype=out.dtype, device=out.device)
+    side.wait_stream(main)  # out and recv were allocated on main
+    mine = slice(rank * rows, (rank + 1) * rows)
+    for step in range(1, world):
+        p = (rank + step) % world
+        _matmul_into(a[p * rows:(p + 1) * rows], b, bias, partial[p * rows:(p + 1) * rows])
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            exchange.barrier(ws, epoch, _OP_MM_REDUCE_SCATTER, slot=step)
+            q = (rank - step) % world  # at this step rank q multiplied this rank's share
+            recv[step - 1].copy_(peers[q][mine], non_blocking=True)
+    _matmul_into(a[mine], b, bias, partial[mine])
+    main.wait_stream(side)
+    torch.add(partial[mine], recv[0], out=out)
+    for j in range(1, world - 1):
+        out.add_(recv[j])

@@ -1,8 +1,8 @@
 """Which implementation runs a call: decided from (op, shape, dtype, world size) alone, so every rank
 of a group takes the same path and enters the same collective.
 
-The thresholds come from the ops benchmark on 2xH200 (``benchmarks/results/``). ``COMMFUSE_ALGO``
-forces a path for benchmarking; it must be set alike on every rank.
+The thresholds come from the ops benchmark on 2xH200 (``benchmarks/results/h200x2``).
+``COMMFUSE_ALGO`` forces a path for benchmarking and tests; it must be set alike on every rank.
 """
 
 from __future__ import annotations
@@ -13,25 +13,32 @@ import torch
 
 MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
+MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap")
 
-#: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot.
+#: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot (above 2 ranks).
 ONE_SHOT_MAX_BYTES = 1 << 20
 #: Above this the symmetric workspace would be large; NCCL's ring bandwidth is then competitive.
 SYMM_MAX_BYTES = 1 << 30
-#: From this much GEMM work (M*N*K) the copy-engine overlap hides the exchange behind the GEMM;
+#: From this much GEMM work (M*N*K) the copy-engine overlap hides the all-reduce behind the GEMM;
 #: below it the chunked GEMMs and per-chunk barriers cost more than they hide.
 CE_OVERLAP_MIN_MNK = 1 << 36
+#: Overlap an all-gather / reduce-scatter with one shard's GEMM from this much work per shard
+#: (rows/world * K * N): below it the split GEMMs and the side stream cost more than they hide.
+OVERLAP_MIN_SHARD_MNK = 1 << 33
 
 
 def _forced(valid: tuple[str, ...]) -> str | None:
     algo = os.environ.get("COMMFUSE_ALGO", "").strip()
     if not algo:
         return None
-    if algo not in valid and algo in MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS:
-        return None  # an algorithm of the other op
-    if algo not in valid:
-        raise ValueError(f"COMMFUSE_ALGO={algo!r} is not one of {sorted(set(MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS))}")
-    return algo
+    known = set(MM_ALL_REDUCE_ALGOS + ALL_GATHER_MM_ALGOS + MM_REDUCE_SCATTER_ALGOS)
+    if algo not in known:
+        raise ValueError(f"COMMFUSE_ALGO={algo!r} is not one of {sorted(known)}")
+    return algo if algo in valid else None  # another op's algorithm leaves this op alone
+
+
+def _symmetric_possible(nbytes: int, world: int) -> bool:
+    return world > 1 and 0 < nbytes <= SYMM_MAX_BYTES
 
 
 def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
@@ -39,7 +46,7 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str
     if forced:
         return forced
     nbytes = m * n * dtype.itemsize
-    if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
+    if not _symmetric_possible(nbytes, world):
         return "nccl"
     if m * n * k >= CE_OVERLAP_MIN_MNK and m >= 4 * 1024:
         return "ce_overlap"
@@ -49,17 +56,12 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str
 
 
 def overlap_config(m: int) -> tuple[int, int]:
-    """(row chunks, exchange programs) of the overlapped path; ``COMMFUSE_OVERLAP=CxP`` overrides."""
+    """(row chunks, exchange programs) of the SM-overlapped all-reduce; ``COMMFUSE_OVERLAP=CxP``."""
     env = os.environ.get("COMMFUSE_OVERLAP")
     if env:
         chunks, programs = (int(x) for x in env.lower().split("x"))
         return chunks, programs
     return 4, 32
-
-
-#: Overlap the all-gather with the local shard's GEMM from this much work per shard (rows*K*N):
-#: below it the split GEMMs and the side stream cost more than the pull they hide.
-OVERLAP_MIN_SHARD_MNK = 1 << 33
 
 
 def copy_engine_chunks(m: int) -> int:
@@ -73,9 +75,19 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced:
         return forced
-    nbytes = rows * k * dtype.itemsize  # the gathered tensor
-    if world == 1 or nbytes == 0 or nbytes > SYMM_MAX_BYTES:
+    if not _symmetric_possible(rows * k * dtype.itemsize, world):  # the gathered tensor
         return "nccl"
     if gather_dim == 0 and (rows // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "overlap"
+    return "symm"
+
+
+def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, scatter_dim: int = 0) -> str:
+    forced = _forced(MM_REDUCE_SCATTER_ALGOS)
+    if forced:
+        return forced
+    if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
+        return "nccl"
+    if scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
+        return "ce_overlap"
     return "symm"

@@ -26,11 +26,19 @@ def _programs(n: int, block: int, max_programs: int) -> int:
 
 
 @triton.jit
-def _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD: tl.constexpr):
-    acc = tl.zeros(offs.shape, tl.float32)
+def _load(ptr, rank, peer, heap_bases, mask, ALIGNED: tl.constexpr):
+    """A peer's elements; vectorised 16-byte loads when the caller knows ``ptr`` is aligned."""
+    if ALIGNED:
+        return iris.load(ptr, rank, peer, heap_bases, mask=mask, hint=16)
+    else:
+        return iris.load(ptr, rank, peer, heap_bases, mask=mask)
+
+
+@triton.jit
+def _sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, ALIGNED: tl.constexpr):
+    acc = tl.zeros(ptr.shape, tl.float32)
     for i in tl.static_range(WORLD):
-        peer = (rank + i) % WORLD
-        acc += iris.load(partial + offs, rank, peer, heap_bases, mask=mask, hint=16).to(tl.float32)
+        acc += _load(ptr, rank, (rank + i) % WORLD, heap_bases, mask, ALIGNED).to(tl.float32)
     return acc
 
 
@@ -45,7 +53,7 @@ def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, 
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD)
+        acc = _sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, True)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -67,7 +75,7 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
     for start in range(lo + pid * BLOCK, hi, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        val = _sum_over_peers(partial, offs, mask, rank, heap_bases, WORLD).to(out.dtype.element_ty)
+        val = _sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, True).to(out.dtype.element_ty)
         tl.store(partial + offs, val, mask=mask)  # my share of my partial: only I read or write it
         tl.store(out + offs, val, mask=mask)
     signal_peers(flags, nprog + pid, epoch, rank, heap_bases, WORLD)
@@ -79,8 +87,7 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
         for start in range(plo + pid * BLOCK, phi, step):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < phi
-            val = iris.load(partial + offs, rank, peer, heap_bases, mask=mask, hint=16)
-            tl.store(out + offs, val, mask=mask)
+            tl.store(out + offs, _load(partial + offs, rank, peer, heap_bases, mask, True), mask=mask)
 
 
 @triton.jit
@@ -101,13 +108,29 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             row = blk // per_row
             offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < inner
-            src = shard + row.to(tl.int64) * inner + offs
-            if ALIGNED:
-                val = iris.load(src, rank, peer, heap_bases, mask=mask, hint=16)
-            else:
-                val = iris.load(src, rank, peer, heap_bases, mask=mask)
+            val = _load(shard + row.to(tl.int64) * inner + offs, rank, peer, heap_bases, mask, ALIGNED)
             dst = out + (row.to(tl.int64) * WORLD + peer) * inner + offs
             tl.store(dst, val, mask=mask)
+
+
+@triton.jit
+def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
+                          OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                          ALIGNED: tl.constexpr):
+    """``out[o] = sum over peers of partial[o, rank]`` for ``partial`` viewed ``[outer, WORLD,
+    inner]``: this rank's share of a sum scattered along any leading dimension."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
+    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    per_row = tl.cdiv(inner, BLOCK)
+    for blk in range(pid, outer * per_row, nprog):
+        row = blk // per_row
+        offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < inner
+        src = partial + (row.to(tl.int64) * WORLD + rank) * inner + offs
+        acc = _sum_over_peers(src, mask, rank, heap_bases, WORLD, ALIGNED)
+        tl.store(out + row.to(tl.int64) * inner + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -116,6 +139,15 @@ def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.co
     """Signal and wait only: orders a rank's earlier writes before its peers' later reads."""
     signal_peers(flags, slot, epoch, rank, heap_bases, WORLD)
     wait_peers(flags, slot, epoch, rank, err, timeout, OP, WORLD)
+
+
+def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
+                   op_code: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
+                   num_warps: int = NUM_WARPS) -> None:
+    grid = (_programs(outer * inner, block, max_programs),)
+    aligned = (inner * partial.element_size()) % 16 == 0 and partial.data_ptr() % 16 == 0
+    reduce_scatter_kernel[grid](partial, out, outer, inner, **_common(ws, epoch), OP=op_code,
+                                WORLD=ws.world, BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
 
 
 def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:

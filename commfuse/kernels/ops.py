@@ -50,9 +50,7 @@ def mm_all_reduce(
     ``bias`` is added on every rank before the sum, exactly like the ``addmm -> all_reduce`` it
     replaces (DTensor pre-divides a row-parallel bias by the world size for this reason).
     """
-    _check_matmul_args("mm_all_reduce", a, b, bias)
-    _group_size("mm_all_reduce", group_name)
-    CALL_COUNTS["mm_all_reduce"] += 1
+    _validate_mm_all_reduce(a, b, bias, group_name)
     return reference.mm_all_reduce(a, b, bias, group_name)
 
 
@@ -60,10 +58,14 @@ def mm_all_reduce(
 def _(a, b, bias, group_name):
     from . import cuda_paths
 
+    _validate_mm_all_reduce(a, b, bias, group_name)
+    return cuda_paths.mm_all_reduce(a, b, bias, group_name)
+
+
+def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
     _check_matmul_args("mm_all_reduce", a, b, bias)
     _group_size("mm_all_reduce", group_name)
     CALL_COUNTS["mm_all_reduce"] += 1
-    return cuda_paths.mm_all_reduce(a, b, bias, group_name)
 
 
 @mm_all_reduce.register_fake
@@ -116,14 +118,18 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
-def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) -> None:
-    _check_gather_args(shard, b, gather_dim, world_size)
-    size = _group_size("all_gather_mm", group_name)
+def _check_world(op: str, group_name: str, world_size: int) -> None:
+    size = _group_size(op, group_name)
     if size != world_size:
         raise RuntimeError(
-            f"commfuse.all_gather_mm: the graph gathers over {world_size} ranks but group "
+            f"commfuse.{op}: the graph's collective spans {world_size} ranks but group "
             f"{group_name!r} has {size}"
         )
+
+
+def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) -> None:
+    _check_gather_args(shard, b, gather_dim, world_size)
+    _check_world("all_gather_mm", group_name, world_size)
     _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias)
     CALL_COUNTS["all_gather_mm"] += 1
 
@@ -136,3 +142,59 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     out = shard.new_empty((rows, b.shape[1]))
     gathered = shard.new_empty(shape) if return_gathered else shard.new_empty((0,))
     return out, gathered
+
+
+def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
+    op = "commfuse.mm_reduce_scatter"
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"{op}: a and b must be 2-D")
+    torch._check(len(shape) >= 2 and math.prod(shape) == a.shape[0] * b.shape[1] and shape[-1] == b.shape[1],
+                 lambda: f"{op}: shape {list(shape)} is not a view of the {a.shape[0]}x{b.shape[1]} product")
+    torch._check(0 <= scatter_dim < len(shape) - 1,
+                 lambda: f"{op}: scatter_dim {scatter_dim} must name a leading dimension of {list(shape)}")
+    torch._check(world_size >= 1 and shape[scatter_dim] % world_size == 0,
+                 lambda: f"{op}: dim {scatter_dim} of {list(shape)} does not split into {world_size} shares")
+
+
+def _scattered_shape(shape, scatter_dim: int, world_size: int) -> list:
+    out = list(shape)
+    out[scatter_dim] = out[scatter_dim] // world_size
+    return out
+
+
+@torch.library.custom_op("commfuse::mm_reduce_scatter", mutates_args=())
+def mm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    shape: list[int],
+    scatter_dim: int,
+    world_size: int,
+    group_name: str,
+) -> torch.Tensor:
+    """``(a @ b + bias)`` viewed as ``shape``, summed over ``group_name`` and split along
+    ``scatter_dim``: rank r returns share r of the sum (``shape`` with that dim divided by the
+    world size), as the ``mm -> reduce_scatter`` it replaces did."""
+    _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+
+
+@mm_reduce_scatter.register_kernel("cuda")
+def _(a, b, bias, shape, scatter_dim, world_size, group_name):
+    from . import cuda_paths
+
+    _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return cuda_paths.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+
+
+def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name) -> None:
+    _check_matmul_args("mm_reduce_scatter", a, b, bias)
+    _check_scatter_args(a, b, shape, scatter_dim, world_size)
+    _check_world("mm_reduce_scatter", group_name, world_size)
+    CALL_COUNTS["mm_reduce_scatter"] += 1
+
+
+@mm_reduce_scatter.register_fake
+def _(a, b, bias, shape, scatter_dim, world_size, group_name):
+    _check_matmul_args("mm_reduce_scatter", a, b, bias)
+    _check_scatter_args(a, b, shape, scatter_dim, world_size)
+    return a.new_empty(_scattered_shape(shape, scatter_dim, world_size))

@@ -46,3 +46,18 @@ def all_gather_mm(
     gathered = all_gather(shard, gather_dim, world_size, group_name)
     out = matmul(gathered.reshape(-1, gathered.shape[-1]), b, bias)
     return out, gathered
+
+
+def mm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    shape: list[int],
+    scatter_dim: int,
+    world_size: int,
+    group_name: str,
+) -> torch.Tensor:
+    partial = matmul(a, b, bias).view(shape)
+    if scatter_dim != 0:  # rank r's share along scatter_dim must be the r-th block along dim 0
+        partial = torch.cat(partial.chunk(world_size, dim=scatter_dim), dim=0)
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(partial.contiguous(), "sum", world_size, group_name))

@@ -23,7 +23,7 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
     iris = None
     _IRIS_ERROR = exc
 
-OPS = {1: "mm_all_reduce", 2: "all_gather_mm"}
+OPS = {1: "mm_all_reduce", 2: "all_gather_mm", 3: "mm_reduce_scatter"}
 
 
 def timeout_ns() -> int:

@@ -41,6 +41,8 @@ from .common import (
     is_call,
     left_operand,
     matmul_operands,
+    normalize_dim,
+    split_then_cat,
     val,
 )
 
@@ -55,17 +57,12 @@ def _split_cat(wait: fx.Node, world_size: int) -> tuple[fx.Node, int, list[fx.No
     (split,) = wait.users
     if not is_call(split, (aten.split.Tensor,)) or arg(split, 2, "dim", 0) != 0:
         return None
-    items = sorted(split.users, key=lambda n: n.args[1] if n.op == "call_function" else -1)
-    if len(items) != world_size or any(
-        n.target.__name__ != "getitem" or n.args[1] != i or len(n.users) != 1 for i, n in enumerate(items)
-    ):
+    getitems = list(split.users)
+    cat = next(iter(getitems[0].users), None) if getitems else None
+    if not split_then_cat(split, cat, world_size):
         return None
-    (cat,) = items[0].users
-    if not is_call(cat, (aten.cat.default,)) or list(cat.args[0]) != items:
-        return None
-    dim = arg(cat, 1, "dim", 0)
-    dim = dim + val(cat).dim() if dim < 0 else dim
-    return cat, dim, [cat, *items, split]
+    dim = normalize_dim(arg(cat, 1, "dim", 0), cat)
+    return cat, dim, [cat, *getitems, split]
 
 
 @dataclasses.dataclass

@@ -66,6 +66,46 @@ def matmul_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     return mm.args[1], mm.args[2], mm.args[0]
 
 
+def matmul_through_views(x: Any, collective: str) -> tuple[fx.Node, list[fx.Node]]:
+    """The mm/addmm that produced ``x`` through views only, with those views (nearest ``x``
+    first); each must have no other user, or the matmul's partial result would be lost."""
+    views: list[fx.Node] = []
+    while is_call(x, VIEW_OPS):
+        views.append(x)
+        x = x.args[0]
+    if not is_call(x, MATMUL_OPS):
+        raise Skip(f"{collective} input comes from {target_name(x)}, not mm/addmm (through views)")
+    for producer in [x, *views]:
+        if len(producer.users) != 1:
+            raise Skip(f"the partial {producer.name} has other users", mm=x)
+    return x, views
+
+
+def split_then_cat(split: Any, cat: Any, world: int) -> bool:
+    """Whether ``cat`` concatenates all ``world`` pieces of ``split``, in order, and nothing else
+    reads them: DTensor's way of moving a shard dimension to dim 0 and back."""
+    if not (is_call(split, (aten.split.Tensor,)) and is_call(cat, (aten.cat.default,))):
+        return False
+    items = sorted(split.users, key=lambda n: n.args[1] if n.op == "call_function" else -1)
+    if len(items) != world or any(
+        getattr(n.target, "__name__", "") != "getitem" or n.args[1] != i or list(n.users) != [cat]
+        for i, n in enumerate(items)
+    ):
+        return False
+    return list(cat.args[0]) == items
+
+
+def normalize_dim(dim: int, node: fx.Node) -> int:
+    return dim + val(node).dim() if dim < 0 else dim
+
+
+def single_wait_users(collective: fx.Node, what: str) -> list[fx.Node]:
+    waits = list(collective.users)
+    if not waits or not all(is_call(w, (c10d.wait_tensor.default,)) for w in waits):
+        raise Skip(f"{what} result is used without wait_tensor")
+    return waits
+
+
 def left_operand(mm: fx.Node) -> fx.Node:
     return mm.args[0] if mm.target is aten.mm.default else mm.args[1]
 

@@ -25,16 +25,14 @@ import torch
 import torch.fx as fx
 
 from .common import (
-    MATMUL_OPS,
-    VIEW_OPS,
     Skip,
     arg,
     c10d,
     check_fusable,
     insert_call,
-    is_call,
     matmul_operands,
-    target_name,
+    matmul_through_views,
+    single_wait_users,
 )
 
 NAME = "mm_all_reduce"
@@ -58,21 +56,10 @@ class MmAllReduceMatch:
         reduce_op = arg(ar, 1, "reduceOp")
         if str(reduce_op).lower() != "sum":
             raise Skip(f"reduce op {reduce_op!r} is not sum")
-        views: list[fx.Node] = []
-        x = ar.args[0]
-        while is_call(x, VIEW_OPS):
-            views.append(x)
-            x = x.args[0]
-        if not is_call(x, MATMUL_OPS):
-            raise Skip(f"all_reduce input comes from {target_name(x)}, not mm/addmm (through views)")
+        x, views = matmul_through_views(ar.args[0], "all_reduce")
         try:
             a, b, bias = matmul_operands(x)
-            for producer in [x, *views]:
-                if len(producer.users) != 1:
-                    raise Skip(f"the partial {producer.name} has other users")
-            waits = list(ar.users)
-            if not waits or not all(is_call(w, (c10d.wait_tensor.default,)) for w in waits):
-                raise Skip("all_reduce result is used without wait_tensor")
+            waits = single_wait_users(ar, "all_reduce")
             check_fusable(x, a, b, bias, settings)
         except Skip as exc:
             raise Skip(str(exc), mm=x) from None

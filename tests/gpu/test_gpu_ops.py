@@ -1,5 +1,8 @@
 """The CUDA paths against an fp32 reference of the unfused computation, on fresh random data with
-poisoned outputs, 2 ranks over NCCL + symmetric memory."""
+poisoned outputs, 2 ranks over NCCL + symmetric memory.
+
+Run under ``torchrun --nproc_per_node=2 -m pytest -m gpu tests/gpu``; every rank runs the same
+tests in the same order (they are collective). Without torchrun or GPUs they skip."""
 
 from __future__ import annotations
 
@@ -14,6 +17,16 @@ from commfuse.kernels import symm
 from commfuse.kernels.sync import check_errors
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="session")
+def nccl():
+    if "RANK" not in os.environ or not torch.cuda.is_available():
+        pytest.skip("GPU tests run under torchrun with one GPU per rank")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    yield dist.group.WORLD
 
 
 def _poison():
@@ -80,6 +93,26 @@ def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkey
     assert torch.equal(gathered, want_gathered)
     ref = want_gathered.float().reshape(-1, shape[-1]) @ b.float()
     assert _relerr(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("scatter_dim, shape", [(0, (2, 771)), (0, (14, 771)), (0, (258, 771)), (0, (2000, 771)),
+                                                (0, (8, 3, 771)), (1, (2, 500, 771))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rs_algo", ["symm", "ce_overlap"])
+def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", rs_algo)
+    k, n = 1003, shape[-1]
+    m = shape[0] * (shape[1] if len(shape) == 3 else 1)
+    torch.manual_seed(31 + dist.get_rank())
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    c = torch.randn(n, device="cuda", dtype=dtype)
+    _poison()
+    out = torch.ops.commfuse.mm_reduce_scatter(a, b, c, list(shape), scatter_dim, 2, nccl.group_name)
+    total = sum((x.float() @ y.float() + z.float()).view(shape) for x, y, z in zip(_all(a), _all(b), _all(c)))
+    check_errors()
+    assert out.shape == total.chunk(2, dim=scatter_dim)[0].shape
+    assert _relerr(out, total.chunk(2, dim=scatter_dim)[dist.get_rank()]) < 1e-2
 
 
 def test_compiled_tp_mlp_matches_eager(nccl):
