@@ -103,3 +103,12 @@ def test_mm_reduce_scatter_reference_on_rank0(world2):
 def test_mm_reduce_scatter_errors(world2, shape, scatter_dim, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.commfuse.mm_reduce_scatter(torch.randn(shape[0], 5), torch.randn(5, 6), None, shape, scatter_dim, 2, group_name())
+
+
+def test_mm_reduce_scatter_dynamic_dim_as_minus_one(world2):
+    a, b = torch.randn(2 * 8, 5), torch.randn(5, 6)
+    out = torch.ops.commfuse.mm_reduce_scatter(a, b, None, [2, -1, 6], 1, 2, group_name())
+    assert out.shape == (2, 4, 6)
+    torch.library.opcheck(torch.ops.commfuse.mm_reduce_scatter.default, (a, b, None, [-1, 8, 6], 1, 2, group_name()))
+    with pytest.raises(RuntimeError, match="more than one -1"):
+        torch.ops.commfuse.mm_reduce_scatter(a, b, None, [-1, -1, 6], 1, 2, group_name())

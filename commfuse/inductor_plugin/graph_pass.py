@@ -106,7 +106,8 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
         elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard
             nbytes, group = _nbytes(val(node.args[0]).shape, node), node.args[5]
         elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial
-            nbytes, group = _nbytes(node.args[3], node), node.args[6]
+            a, b = val(node.args[0]), val(node.args[1])
+            nbytes, group = _nbytes((a.shape[0], b.shape[1]), node), node.args[6]
         else:
             continue
         if isinstance(nbytes, int):

@@ -154,8 +154,11 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
 def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list[int],
                       scatter_dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    from .ops import resolve_shape
+
     ErrorWord.check("mm_reduce_scatter")
     m, n = a.shape[0], b.shape[1]
+    shape = resolve_shape(shape, m * n)
     algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, scatter_dim)
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

@@ -144,9 +144,19 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     return out, gathered
 
 
+def resolve_shape(shape, numel) -> list:
+    """``shape`` with its one ``-1`` (a dynamic size, as in ``view``) worked out from ``numel``."""
+    if -1 not in shape:
+        return list(shape)
+    known = math.prod(s for s in shape if s != -1)
+    return [numel // known if s == -1 else s for s in shape]
+
+
 def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
     op = "commfuse.mm_reduce_scatter"
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"{op}: a and b must be 2-D")
+    torch._check(list(shape).count(-1) <= 1, lambda: f"{op}: shape {list(shape)} has more than one -1")
+    shape = resolve_shape(shape, a.shape[0] * b.shape[1])
     torch._check(len(shape) >= 2 and math.prod(shape) == a.shape[0] * b.shape[1] and shape[-1] == b.shape[1],
                  lambda: f"{op}: shape {list(shape)} is not a view of the {a.shape[0]}x{b.shape[1]} product")
     torch._check(0 <= scatter_dim < len(shape) - 1,
@@ -155,8 +165,8 @@ def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
                  lambda: f"{op}: dim {scatter_dim} of {list(shape)} does not split into {world_size} shares")
 
 
-def _scattered_shape(shape, scatter_dim: int, world_size: int) -> list:
-    out = list(shape)
+def _scattered_shape(shape, scatter_dim: int, world_size: int, numel) -> list:
+    out = resolve_shape(shape, numel)
     out[scatter_dim] = out[scatter_dim] // world_size
     return out
 
@@ -171,9 +181,9 @@ def mm_reduce_scatter(
     world_size: int,
     group_name: str,
 ) -> torch.Tensor:
-    """``(a @ b + bias)`` viewed as ``shape``, summed over ``group_name`` and split along
-    ``scatter_dim``: rank r returns share r of the sum (``shape`` with that dim divided by the
-    world size), as the ``mm -> reduce_scatter`` it replaces did."""
+    """``(a @ b + bias)`` viewed as ``shape`` (one ``-1`` allowed, as in ``view``), summed over
+    ``group_name`` and split along ``scatter_dim``: rank r returns share r of the sum (``shape``
+    with that dim divided by the world size), as the ``mm -> reduce_scatter`` it replaces did."""
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
     return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
 
@@ -197,4 +207,4 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
 def _(a, b, bias, shape, scatter_dim, world_size, group_name):
     _check_matmul_args("mm_reduce_scatter", a, b, bias)
     _check_scatter_args(a, b, shape, scatter_dim, world_size)
-    return a.new_empty(_scattered_shape(shape, scatter_dim, world_size))
+    return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]))

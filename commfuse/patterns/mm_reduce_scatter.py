@@ -74,7 +74,10 @@ class MmReduceScatterMatch:
         mm, views = matmul_through_views(x, "reduce_scatter")
         try:
             a, b, bias = matmul_operands(mm)
-            shape = list(val(x).shape)
+            # Symbolic sizes must not enter the graph as raw SymInts: one becomes -1 (as in view).
+            shape = [size if isinstance(size, int) else -1 for size in val(x).shape]
+            if shape.count(-1) > 1:
+                raise Skip("the scattered view has more than one dynamic dimension")
             if dim >= len(shape) - 1:
                 raise Skip(f"scatters along dim {dim}, the matmul's N dimension")
             waits = single_wait_users(rs, "reduce_scatter")

@@ -1,0 +1,83 @@
+"""Reliability cases that need no GPU: dynamic shapes, TP sub-groups of a 2-D mesh, odd inputs."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import commfuse
+from helpers import calls, compile_code, init_fake_pg
+
+
+def test_dynamic_token_dimension_compiles_once(world2):
+    """One graph serves every M >= 2 (Dynamo specialises M=1 on its own)."""
+    g = dist.group.WORLD
+    w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
+
+    def f(x, w1, w2):
+        h = F.linear(funcol.all_gather_tensor(x, 0, g), w1)
+        return (funcol.all_reduce(F.linear(torch.relu(h), w2), "sum", g),
+                funcol.reduce_scatter_tensor(F.linear(h, w2), "sum", 0, g))
+
+    compiled = torch.compile(f, backend=commfuse.backend(min_mnk=0))
+    counters.clear()
+    for m in (2, 7, 16, 100, 1000, 4096):
+        x = torch.randn(m, 32)
+        torch._dynamo.mark_dynamic(x, 0)
+        ar, rs = compiled(x, w1, w2)
+        assert ar.shape == (2 * m, 32) and rs.shape == (m, 32)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(commfuse.report().fused) == 3  # the three patterns, compiled once
+    assert all(not isinstance(r.shape[0], int) for r in commfuse.report().fused)  # M stayed symbolic
+
+
+def test_tp_subgroup_of_a_2d_mesh():
+    """TP x DP = 2 x 2 on 4 fake ranks: fused ops name the TP group, not WORLD."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    init_fake_pg(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    mlp = parallelize_module(mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(mlp, backend=commfuse.backend(min_mnk=0))
+    _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16, 64, requires_grad=True)).sum().backward())
+    code = "\n".join(codes)
+    tp_name = mesh["tp"].get_group().group_name
+    assert tp_name != dist.group.WORLD.group_name
+    fused = commfuse.report().fused
+    assert len(fused) == 2 and {r.group for r in fused} == {tp_name}
+    assert calls(code, "commfuse.mm_all_reduce") == 2 and f"'{tp_name}')" in code
+
+
+def test_integer_matmul_stays_unfused(world2):
+    a, w = torch.randint(-5, 5, (64, 32)), torch.randint(-5, 5, (32, 48))
+    out, code = compile_code(lambda a, w: funcol.all_reduce(a @ w, "sum", dist.group.WORLD), a, w)
+    assert calls(code, "commfuse.mm_all_reduce") == 0
+    assert "torch.int64 is not fp16, bf16 or fp32" in commfuse.report()[0].reason
+    torch.testing.assert_close(out, a @ w)
+
+
+def test_transposed_operands_fuse_and_match(world2):
+    """A transposed view on the left (a weight-gradient-like layout) and a column-major right."""
+    at, w = torch.randn(32, 64), torch.randn(48, 32)
+
+    def f(at, w):
+        return funcol.all_reduce(at.t() @ w.t(), "sum", dist.group.WORLD)
+
+    out, code = compile_code(f, at, w)
+    assert calls(code, "commfuse.mm_all_reduce") == 1
+    torch.testing.assert_close(out, at.t() @ w.t())
+
+
+def test_one_row_input(world2):
+    x, w = torch.randn(1, 1, 32), torch.randn(24, 32)
+    out, code = compile_code(lambda x, w: funcol.all_reduce(F.linear(x, w), "sum", dist.group.WORLD), x, w)
+    assert calls(code, "commfuse.mm_all_reduce") == 1
+    torch.testing.assert_close(out, F.linear(x, w))
