@@ -92,6 +92,23 @@ def _try(fn):
         return None
 
 
+def _iris_peer(a, b):
+    try:
+        from commfuse.kernels.symm import iris_context
+
+        ctx = iris_context()
+        ia = ctx.zeros(a.shape, dtype=a.dtype)
+        ib = ctx.zeros(b.shape, dtype=b.dtype)
+        ic = ctx.zeros((a.shape[0], b.shape[1]), dtype=a.dtype)
+        ia.copy_(a)
+        ib.copy_(b)
+    except Exception as exc:
+        if dist.get_rank() == 0:
+            print(f"    (iris peer unavailable: {type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
+        return None
+    return _try(lambda: ctx.ops.matmul_all_reduce(ic, ia, ib))
+
+
 def bench_mm_all_reduce(m, k, n, dtype, group):
     from commfuse.kernels import exchange, symm
 
@@ -147,6 +164,8 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
     except Exception as exc:
         if dist.get_rank() == 0:
             print(f"    (torch symm_mem peers unavailable: {exc})", file=sys.stderr)
+    if os.environ.get("COMMFUSE_BENCH_IRIS") == "1":  # Iris's own fused op on its heap
+        peers["iris_matmul_all_reduce"] = _iris_peer(a, b)
     best_exchange = min(t["nccl_ar"], t["one_shot_ar"], t["two_shot_ar"])
     return dict(op="mm_all_reduce", M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=world,
                 unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
@@ -269,10 +288,36 @@ def _table(records) -> str:
     return "\n".join(lines)
 
 
+def plot(json_path: str, png_path: str) -> None:
+    """Speed-up over unfused per shape (and the floor's bound), one bar group per op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        records = json.load(f)
+    ops = list(dict.fromkeys(r["op"] for r in records))
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        rs = [r for r in records if r["op"] == op]
+        x = range(len(rs))
+        ax.bar(x, [r["unfused_us"] / r["commfuse_us"] for r in rs], label="speed-up (unfused / commfuse)")
+        ax.plot(x, [r["unfused_us"] / r["floor_us"] for r in rs], "k_", markersize=14, label="floor bound")
+        ax.axhline(1.0, color="red", linewidth=0.8)
+        ax.set_xticks(list(x), [f"{r['M']}x{r['K']}x{r['N']}" for r in rs], rotation=60, fontsize=7)
+        ax.set_ylabel("speed-up")
+        ax.set_title(f"{op} (world {rs[0]['world']}, {rs[0]['dtype']}, commit {rs[0].get('commit')})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ops", "tune"])
+    p.add_argument("what", choices=["ops", "tune", "plot"])
+    p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG")
     p.add_argument("--ops", default="mm_all_reduce,all_gather_mm,mm_reduce_scatter")
     p.add_argument("--shapes", choices=["default", "square"], default="default",
                    help="square: M=K=N from 256 to 4096 in steps of 128")
@@ -280,6 +325,11 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json)")
     args = p.parse_args(argv)
+    if args.what == "plot":
+        if len(args.files) != 2:
+            p.error("plot takes OPS_JSON OUT_PNG")
+        plot(*args.files)
+        return 0
 
     import commfuse  # noqa: F401
 

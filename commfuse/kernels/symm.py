@@ -113,21 +113,27 @@ def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
 _iris_ctx = None
 
 
-def _allocate_iris(group_name: str, nbytes: int, device: torch.device):
+def iris_context():
+    """The process's Iris heap (collective on first use): ``COMMFUSE_IRIS_HEAP_BYTES``, default 4 GiB."""
     global _iris_ctx
-    import iris
+    if _iris_ctx is None:
+        import iris
 
+        heap = int(os.environ.get("COMMFUSE_IRIS_HEAP_BYTES", str(4 << 30)))
+        _iris_ctx = iris.iris(heap, allocator_type="vmem_chunked")
+    return _iris_ctx
+
+
+def _allocate_iris(group_name: str, nbytes: int, device: torch.device):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
     if group.size() != dist.get_world_size():
         raise RuntimeError("commfuse: the Iris provider supports only the WORLD group; use the torch provider")
-    if _iris_ctx is None:
-        heap = int(os.environ.get("COMMFUSE_IRIS_HEAP_BYTES", str(4 << 30)))
-        _iris_ctx = iris.iris(heap, allocator_type="vmem_chunked")
-    buf = _iris_ctx.zeros(nbytes, dtype=torch.uint8)
-    bases = _iris_ctx.get_heap_bases().to(device=device, dtype=torch.int64)
-    return buf, bases, _iris_ctx
+    ctx = iris_context()
+    buf = ctx.zeros(nbytes, dtype=torch.uint8)
+    bases = ctx.get_heap_bases().to(device=device, dtype=torch.int64)
+    return buf, bases, ctx
 
 
 def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspace:
