@@ -109,17 +109,22 @@ def _iris_peer(a, b):
     return _try(lambda: ctx.ops.matmul_all_reduce(ic, ia, ib))
 
 
+def _matmul_then(m, k, n, dtype, name, collective):
+    """Operands, and the times of mm alone, the NCCL collective alone and the two in sequence."""
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    partial = torch.mm(a, b)
+    t = {"mm": time_us(lambda: torch.mm(a, b))}
+    t[name] = time_us(lambda: funcol.wait_tensor(collective(partial)))
+    t["unfused"] = time_us(lambda: funcol.wait_tensor(collective(torch.mm(a, b))))
+    return a, b, partial, t
+
+
 def bench_mm_all_reduce(m, k, n, dtype, group):
     from commfuse.kernels import exchange, symm
 
     gname, world = group.group_name, group.size()
-    a = torch.randn(m, k, device="cuda", dtype=dtype)
-    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
-    partial = torch.mm(a, b)
-    t = {}
-    t["mm"] = time_us(lambda: torch.mm(a, b))
-    t["nccl_ar"] = time_us(lambda: funcol.wait_tensor(funcol.all_reduce(partial, "sum", group)))
-    t["unfused"] = time_us(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)))
+    a, b, partial, t = _matmul_then(m, k, n, dtype, "nccl_ar", lambda x: funcol.all_reduce(x, "sum", group))
     ws = symm.workspace(gname, m * n * dtype.itemsize, a.device)
     out = torch.empty_like(partial)
     for algo in ("one_shot", "two_shot"):
@@ -242,13 +247,8 @@ def bench_mm_reduce_scatter(m, k, n, dtype, group):
     from commfuse.kernels import exchange, symm
 
     gname, world = group.group_name, group.size()
-    a = torch.randn(m, k, device="cuda", dtype=dtype)
-    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
-    partial = torch.mm(a, b)
-    t = {}
-    t["mm"] = time_us(lambda: torch.mm(a, b))
-    t["nccl_rs"] = time_us(lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(partial, "sum", 0, group)))
-    t["unfused"] = time_us(lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b), "sum", 0, group)))
+    a, b, _, t = _matmul_then(m, k, n, dtype, "nccl_rs",
+                              lambda x: funcol.reduce_scatter_tensor(x, "sum", 0, group))
     ws = symm.workspace(gname, m * n * dtype.itemsize, a.device)
     out = torch.empty(m // world, n, device="cuda", dtype=dtype)
 

@@ -1,9 +1,13 @@
-"""CUDA implementations of the ops through a symmetric workspace.
+"""CUDA implementations of the ops through a symmetric workspace (``dispatch.py`` picks the path).
 
-``mm_all_reduce``: cuBLAS writes the partial straight into the workspace, then one Triton kernel
-reduces it over the peers (one-shot or two-shot). ``all_gather_mm``: the shard is copied into the
-workspace (one copy), one Triton kernel pulls every rank's shard into the gathered tensor, then
-cuBLAS multiplies. Every rank returns the reduced / gathered result, never its own partial.
+``mm_all_reduce``: cuBLAS writes the partial straight into the workspace, then a Triton kernel
+reduces it over the peers (one-shot or two-shot); or, for large GEMMs, cuBLAS in row chunks while
+the copy engines pull each finished chunk from the peers (``ce_overlap``). ``all_gather_mm``: the
+shard is copied into the workspace (one copy); a Triton kernel pulls every shard, then cuBLAS
+multiplies; or the local shard multiplies while the copy engines pull the others (``overlap``).
+``mm_reduce_scatter``: the same two shapes of path, pulling only this rank's share. Every rank
+returns the reduced / gathered result, never its own partial. Side-stream work is joined back to
+the caller's stream before returning.
 """
 
 from __future__ import annotations
@@ -17,6 +21,17 @@ from . import dispatch, exchange, reference, symm
 from .sync import ErrorWord
 
 _OP_MM_ALL_REDUCE, _OP_ALL_GATHER_MM, _OP_MM_REDUCE_SCATTER = 1, 2, 3
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index not in _side_streams:
+        _side_streams[device.index] = torch.cuda.Stream(device)
+    return _side_streams[device.index]
+
+
+def _matmul_into(a, b, bias, out) -> None:
+    reference.matmul(a, b, bias, out=out)
 
 
 def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
@@ -92,20 +107,6 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, peers, epoch) -> None:
     main.wait_stream(side)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return _side_streams.setdefault(device.index, torch.cuda.Stream(device))
-
-
-def _matmul_into(a, b, bias, out) -> None:
-    if bias is None:
-        torch.mm(a, b, out=out)
-    else:
-        torch.addmm(bias, a, b, out=out)
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
 def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
     """cuBLAS per row chunk on the current stream; each finished chunk is reduced one-shot by a
     few programs on a side stream while the next chunk multiplies. The chunks' kernels reuse the
@@ -154,11 +155,9 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
 def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list[int],
                       scatter_dim: int, world_size: int, group_name: str) -> torch.Tensor:
-    from .ops import resolve_shape
-
     ErrorWord.check("mm_reduce_scatter")
     m, n = a.shape[0], b.shape[1]
-    shape = resolve_shape(shape, m * n)
+    shape = reference.resolve_shape(shape, m * n)
     algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, scatter_dim)
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

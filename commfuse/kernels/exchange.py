@@ -141,13 +141,21 @@ def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.co
     wait_peers(flags, slot, epoch, rank, err, timeout, OP, WORLD)
 
 
+def _launch_rowwise(kernel, ws, src: torch.Tensor, out: torch.Tensor, outer: int, inner: int,
+                    epoch: int, op_code: int, block: int, max_programs: int, num_warps: int) -> None:
+    """Launch a kernel that walks ``outer`` rows of ``inner`` elements (gather, reduce-scatter)."""
+    grid = (_programs(outer * inner, block, max_programs),)
+    aligned = (inner * src.element_size()) % 16 == 0 and src.data_ptr() % 16 == 0
+    kernel[grid](src, out, outer, inner, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
+                 BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
+
+
 def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
                    op_code: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
                    num_warps: int = NUM_WARPS) -> None:
-    grid = (_programs(outer * inner, block, max_programs),)
-    aligned = (inner * partial.element_size()) % 16 == 0 and partial.data_ptr() % 16 == 0
-    reduce_scatter_kernel[grid](partial, out, outer, inner, **_common(ws, epoch), OP=op_code,
-                                WORLD=ws.world, BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
+    """This rank's share of the sum of ``partial`` (viewed ``[outer, world, inner]``) into ``out``."""
+    _launch_rowwise(reduce_scatter_kernel, ws, partial, out, outer, inner, epoch, op_code, block,
+                    max_programs, num_warps)
 
 
 def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
@@ -186,7 +194,6 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
 def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
            op_code: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
            num_warps: int = NUM_WARPS) -> None:
-    grid = (_programs(outer * inner, block, max_programs),)
-    aligned = (inner * shard.element_size()) % 16 == 0 and shard.data_ptr() % 16 == 0
-    pull_gather_kernel[grid](shard, out, outer, inner, **_common(ws, epoch), OP=op_code,
-                             WORLD=ws.world, BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
+    """Every rank's ``shard`` (``outer`` rows of ``inner``) into ``out`` viewed ``[outer, world, inner]``."""
+    _launch_rowwise(pull_gather_kernel, ws, shard, out, outer, inner, epoch, op_code, block,
+                    max_programs, num_warps)

@@ -144,19 +144,11 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     return out, gathered
 
 
-def resolve_shape(shape, numel) -> list:
-    """``shape`` with its one ``-1`` (a dynamic size, as in ``view``) worked out from ``numel``."""
-    if -1 not in shape:
-        return list(shape)
-    known = math.prod(s for s in shape if s != -1)
-    return [numel // known if s == -1 else s for s in shape]
-
-
 def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
     op = "commfuse.mm_reduce_scatter"
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"{op}: a and b must be 2-D")
     torch._check(list(shape).count(-1) <= 1, lambda: f"{op}: shape {list(shape)} has more than one -1")
-    shape = resolve_shape(shape, a.shape[0] * b.shape[1])
+    shape = reference.resolve_shape(shape, a.shape[0] * b.shape[1])
     torch._check(len(shape) >= 2 and math.prod(shape) == a.shape[0] * b.shape[1] and shape[-1] == b.shape[1],
                  lambda: f"{op}: shape {list(shape)} is not a view of the {a.shape[0]}x{b.shape[1]} product")
     torch._check(0 <= scatter_dim < len(shape) - 1,
@@ -166,7 +158,7 @@ def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
 
 
 def _scattered_shape(shape, scatter_dim: int, world_size: int, numel) -> list:
-    out = resolve_shape(shape, numel)
+    out = reference.resolve_shape(shape, numel)
     out[scatter_dim] = out[scatter_dim] // world_size
     return out
 

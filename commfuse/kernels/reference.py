@@ -6,16 +6,19 @@ group that the functional collectives support (gloo, NCCL, the fake test backend
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _c10d = torch.ops._c10d_functional
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``a @ b (+ bias)`` exactly as the matched ``mm``/``addmm`` node computed it."""
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` exactly as the matched ``mm``/``addmm`` node computed it (into ``out``)."""
     if bias is None:
-        return torch.mm(a, b)
-    return torch.addmm(bias, a, b)
+        return torch.mm(a, b, out=out)
+    return torch.addmm(bias, a, b, out=out)
 
 
 def mm_all_reduce(
@@ -46,6 +49,14 @@ def all_gather_mm(
     gathered = all_gather(shard, gather_dim, world_size, group_name)
     out = matmul(gathered.reshape(-1, gathered.shape[-1]), b, bias)
     return out, gathered
+
+
+def resolve_shape(shape, numel) -> list:
+    """``shape`` with its one ``-1`` (a dynamic size, as in ``view``) worked out from ``numel``."""
+    if -1 not in shape:
+        return list(shape)
+    known = math.prod(s for s in shape if s != -1)
+    return [numel // known if s == -1 else s for s in shape]
 
 
 def mm_reduce_scatter(
