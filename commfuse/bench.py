@@ -272,15 +272,17 @@ BENCHES = {"mm_all_reduce": bench_mm_all_reduce, "all_gather_mm": bench_all_gath
 
 
 def _table(records) -> str:
-    lines = ["| op | M | K | N | unfused µs | commfuse µs | floor µs | speed-up | of floor | best peer |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | M | K | N | unfused µs | commfuse µs | floor µs | speed-up | of floor | best peer | best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         peers = {k: v for k, v in r["peers"].items() if v}
         best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
         best_s = f"{best[0]} {best[1]:.0f} ({r['unfused_us'] / best[1]:.2f}x)" if best else "-"
+        fastest = min({"unfused": r["unfused_us"], "commfuse": r["commfuse_us"], **peers}.items(),
+                      key=lambda kv: kv[1])[0]
         lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {r['unfused_us']:.0f} | "
                      f"{r['commfuse_us']:.0f} | {r['floor_us']:.0f} | {r['unfused_us'] / r['commfuse_us']:.2f}x | "
-                     f"{r['commfuse_us'] / r['floor_us']:.2f} | {best_s} |")
+                     f"{r['commfuse_us'] / r['floor_us']:.2f} | {best_s} | {fastest} |")
     for op in sorted({r["op"] for r in records}):
         ratios = [r["unfused_us"] / r["commfuse_us"] for r in records if r["op"] == op]
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
@@ -313,11 +315,16 @@ def plot(json_path: str, png_path: str) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+def table(json_path: str) -> str:
+    with open(json_path) as f:
+        return _table(json.load(f))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ops", "tune", "plot"])
-    p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG")
+    p.add_argument("what", choices=["ops", "tune", "plot", "table"])
+    p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG; table: OPS_JSON")
     p.add_argument("--ops", default="mm_all_reduce,all_gather_mm,mm_reduce_scatter")
     p.add_argument("--shapes", choices=["default", "square"], default="default",
                    help="square: M=K=N from 256 to 4096 in steps of 128")
@@ -329,6 +336,11 @@ def main(argv=None) -> int:
         if len(args.files) != 2:
             p.error("plot takes OPS_JSON OUT_PNG")
         plot(*args.files)
+        return 0
+    if args.what == "table":
+        if len(args.files) != 1:
+            p.error("table takes OPS_JSON")
+        print(table(args.files[0]))
         return 0
 
     import commfuse  # noqa: F401

@@ -74,7 +74,7 @@ def _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch) -> torch.Tens
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
     lo, hi = ws.rank * rows, (ws.rank + 1) * rows
-    g2[lo:hi].copy_(shard.view(rows, k))
+    g2[lo:hi].copy_(shard.reshape(rows, k))  # the shard may be a strided view
     _matmul_into(g2[lo:hi], b, bias, out[lo:hi])
     main.wait_stream(side)
     for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs

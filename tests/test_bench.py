@@ -1,0 +1,31 @@
+"""The benchmark's report (table, geomean, fastest backend) from records, without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+from commfuse import bench
+
+
+def _rec(op, m, unfused, commfuse, peers):
+    return dict(op=op, M=m, K=64, N=64, dtype="bfloat16", world=2, unfused_us=unfused,
+                commfuse_us=commfuse, floor_us=min(unfused, commfuse) / 2, parts={}, peers=peers, commit="x")
+
+
+def test_table_reports_speedups_and_the_fastest_backend(tmp_path):
+    records = [
+        _rec("mm_all_reduce", 16, 100.0, 50.0, {"torch_symm_two_shot": 80.0}),
+        _rec("mm_all_reduce", 32, 100.0, 200.0, {"torch_symm_two_shot": 90.0, "broken_peer": None}),
+    ]
+    path = tmp_path / "ops.json"
+    path.write_text(json.dumps(records))
+    text = bench.table(str(path))
+    rows = [line for line in text.splitlines() if line.startswith("| mm_all_reduce")]
+    assert rows[0].endswith("| commfuse |") and "2.00x" in rows[0]
+    assert rows[1].endswith("| torch_symm_two_shot |") and "0.50x" in rows[1]
+    assert "geomean speed-up 1.000x over 2 shapes, min 0.500x, max 2.000x" in text
+
+
+def test_shape_sets_match_the_baselines():
+    assert len(bench.MM_AR_SHAPES) == 20 and (8192, 2048, 4096) in bench.MM_AR_SHAPES
+    assert len(bench.AG_MM_SHAPES) == 7 and (16384, 4096, 7168) in bench.AG_MM_SHAPES
