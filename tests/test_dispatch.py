@@ -104,3 +104,18 @@ def test_mm_reduce_scatter_choice(monkeypatch):
     monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
     assert dispatch.mm_reduce_scatter(16, 16, 16, BF16, 2) == "ce_overlap"
     assert dispatch.all_gather_mm(16, 16, 16, BF16, 2) == "symm"  # not an all-gather algorithm
+
+
+def test_cuda_graph_capture_takes_nccl(monkeypatch, caplog):
+    """Epochs are host state a graph replay would not advance: capture must not use them."""
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(dispatch, "_warned_capture", [])
+    with caplog.at_level("WARNING", logger="commfuse"):
+        assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, 2) == "nccl"
+        assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "nccl"
+        assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "nccl"
+    assert "CUDA-graph capture" in caplog.text
+    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")  # even a forced path must not run in capture
+    assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "nccl"

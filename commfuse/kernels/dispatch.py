@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from ..report import log
+
 MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
 MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap")
@@ -25,6 +27,20 @@ CE_OVERLAP_MIN_MNK = 1 << 36
 #: Overlap an all-gather / reduce-scatter with one shard's GEMM from this much work per shard
 #: (rows/world * K * N): below it the split GEMMs and the side stream cost more than they hide.
 OVERLAP_MIN_SHARD_MNK = 1 << 33
+
+
+def _capturing() -> bool:
+    """Inside CUDA-graph capture the symmetric paths are unsafe (their epochs are host state that a
+    replay would not advance), so calls there take NCCL, which captures correctly."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not _warned_capture:
+            _warned_capture.append(True)
+            log.warning("commfuse: CUDA-graph capture: fused ops run the unfused NCCL path inside graphs")
+        return True
+    return False
+
+
+_warned_capture: list[bool] = []
 
 
 def _forced(valid: tuple[str, ...]) -> str | None:
@@ -42,6 +58,8 @@ def _symmetric_possible(nbytes: int, world: int) -> bool:
 
 
 def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
+    if _capturing():
+        return "nccl"
     forced = _forced(MM_ALL_REDUCE_ALGOS)
     if forced:
         return forced
@@ -72,6 +90,8 @@ def copy_engine_chunks(m: int) -> int:
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
     """``rows``: of the gathered tensor (all ranks)."""
+    if _capturing():
+        return "nccl"
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced:
         return forced
@@ -83,6 +103,8 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
 
 
 def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, scatter_dim: int = 0) -> str:
+    if _capturing():
+        return "nccl"
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
     if forced:
         return forced
