@@ -323,7 +323,7 @@ def table(json_path: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ops", "tune", "plot", "table"])
+    p.add_argument("what", choices=["ops", "model", "tune", "plot", "table"])
     p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG; table: OPS_JSON")
     p.add_argument("--ops", default="mm_all_reduce,all_gather_mm,mm_reduce_scatter")
     p.add_argument("--shapes", choices=["default", "square"], default="default",
@@ -331,7 +331,19 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json)")
+    p.add_argument("--models", default="dtensor,sp,hooks", help="model: which TP splits")
+    p.add_argument("--modes", default="prefill,train", help="model: which modes")
+    p.add_argument("--backends", default="eager,inductor,inductor_mptp,commfuse,floor")
+    p.add_argument("--layers", type=int, default=4, help="model: decoder layers")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--small", action="store_true", help="model: small sizes (the default on CPU)")
     args = p.parse_args(argv)
+    if args.what == "model":
+        from commfuse import bench_model
+
+        return bench_model.main(args)
     if args.what == "plot":
         if len(args.files) != 2:
             p.error("plot takes OPS_JSON OUT_PNG")

@@ -29,3 +29,27 @@ def test_table_reports_speedups_and_the_fastest_backend(tmp_path):
 def test_shape_sets_match_the_baselines():
     assert len(bench.MM_AR_SHAPES) == 20 and (8192, 2048, 4096) in bench.MM_AR_SHAPES
     assert len(bench.AG_MM_SHAPES) == 7 and (16384, 4096, 7168) in bench.AG_MM_SHAPES
+
+
+def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
+    """The model benchmark on 2 gloo ranks, tiny sizes: every backend timed, commfuse fused and
+    equal to eager. (CPU times mean nothing; the GPU run is what the numbers come from.)"""
+    import subprocess
+    import sys
+
+    out = tmp_path / "model.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
+           "model", "--models", "sp,hooks", "--modes", "prefill,train", "--layers", "1", "--batch", "2",
+           "--seq", "32", "--iters", "2", "--backends", "eager,inductor,commfuse,floor", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert [(r["model"], r["mode"]) for r in records] == [
+        ("sp", "prefill"), ("sp", "train"), ("hooks", "prefill"), ("hooks", "train")]
+    for r in records:
+        assert set(r["ms"]) == {"eager", "inductor", "commfuse", "floor"}
+        assert r["fused"] > 0 and r["skipped"] >= 0
+        assert "speedup_vs_inductor" in r
+    for r in records:
+        if r["mode"] == "prefill":
+            assert r["commfuse_rel_err"] < 1e-5

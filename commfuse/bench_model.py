@@ -1,0 +1,175 @@
+"""``torchrun --nproc_per_node=N -m commfuse.bench model``: the bundled Llama-style stack, split for
+tensor parallelism three ways (DTensor, sequence-parallel DTensor, gpt-fast-style hooks), timed in
+one run per (model, mode) for every backend:
+
+* ``eager``; ``inductor``; ``inductor_mptp`` (Inductor's ``_micro_pipeline_tp``, sequence-parallel
+  only, on CUDA); ``commfuse``; ``floor``: Inductor with the collectives replaced by local stand-ins
+  (compute only, wrong values by design).
+
+Modes: ``prefill`` (forward of batch x seq tokens under no_grad) and ``train`` (forward, backward,
+SGD step). Reported: median step time (max over ranks), tokens/s, speed-up over Inductor, the share
+of Inductor's communication time commfuse hides, ``(inductor - commfuse) / (inductor - floor)``,
+first-call (compile) time, the fused-match count, and commfuse's error against eager (prefill).
+Decode with a KV cache and CUDA-graph variants are not in this version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
+MODES = ("prefill", "train")
+MODELS = ("dtensor", "sp", "hooks")
+
+
+def _build(kind: str, cfg, device, dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commfuse.demo import transformer as demo
+
+    torch.manual_seed(0)  # identical weights on every rank and for every backend
+    model = demo.Transformer(cfg).to(device=device, dtype=dtype)
+    if kind == "hooks":
+        return demo.parallelize_hooks(model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return demo.parallelize_dtensor(model, mesh, sequence_parallel=kind == "sp")
+
+
+def _compile(backend: str, model):
+    import commfuse
+    from commfuse.inductor_plugin.floor import floor_backend
+
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model)
+    if backend == "inductor_mptp":
+        return torch.compile(model, options={"_micro_pipeline_tp": True})
+    if backend == "commfuse":
+        return torch.compile(model, backend=commfuse.backend())
+    if backend == "floor":
+        return torch.compile(model, backend=floor_backend)
+    raise ValueError(backend)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(step, device, iters: int) -> float:
+    """Median wall time of ``step`` in ms over ``iters`` synchronised calls, max over ranks."""
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    med = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return med.item()
+
+
+def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int) -> dict:
+    import commfuse
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_seq = seq // world if kind == "sp" else seq
+    torch.manual_seed(100 + (rank if kind == "sp" else 0))  # SP: each rank holds its own shard
+    x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
+    rec = {"model": kind, "mode": mode, "batch": batch, "seq": seq, "world": world,
+           "dtype": str(dtype).replace("torch.", ""), "ms": {}, "compile_s": {}}
+    outputs = {}
+    for backend in backends:
+        if backend == "inductor_mptp" and (kind != "sp" or device.type != "cuda"):
+            continue
+        torch._dynamo.reset()
+        model = _build(kind, cfg, device, dtype)
+        compiled = _compile(backend, model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4) if mode == "train" else None
+
+        def step():
+            if mode == "prefill":
+                with torch.no_grad():
+                    return compiled(x)
+            opt.zero_grad(set_to_none=True)
+            loss = compiled(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        commfuse.clear_report()
+        _sync(device)
+        start = time.perf_counter()
+        out = step()
+        _sync(device)
+        rec["compile_s"][backend] = time.perf_counter() - start
+        if backend == "commfuse":
+            rec["fused"] = len(commfuse.report().fused)
+            rec["skipped"] = len(commfuse.report().skipped)
+        if mode == "prefill":
+            outputs[backend] = out.float()
+        step()  # warm-up
+        rec["ms"][backend] = _time(step, device, iters)
+    ms = rec["ms"]
+    if "inductor" in ms and "commfuse" in ms:
+        rec["speedup_vs_inductor"] = ms["inductor"] / ms["commfuse"]
+        if "floor" in ms and ms["inductor"] > ms["floor"]:
+            rec["hidden_share"] = (ms["inductor"] - ms["commfuse"]) / (ms["inductor"] - ms["floor"])
+    if "eager" in outputs and "commfuse" in outputs:
+        ref = outputs["eager"]
+        rec["commfuse_rel_err"] = ((outputs["commfuse"] - ref).norm() / ref.norm()).item()
+    tokens = batch * seq
+    rec["tokens_per_s"] = {b: tokens / (t / 1e3) for b, t in ms.items()}
+    return rec
+
+
+def _line(rec: dict) -> str:
+    ms = " ".join(f"{b}={t:.2f}" for b, t in rec["ms"].items())
+    extra = ""
+    if "speedup_vs_inductor" in rec:
+        extra += f" commfuse/inductor {rec['speedup_vs_inductor']:.3f}x"
+    if "hidden_share" in rec:
+        extra += f", hides {100 * rec['hidden_share']:.0f}% of the communication"
+    if "commfuse_rel_err" in rec:
+        extra += f", rel err vs eager {rec['commfuse_rel_err']:.1e}"
+    return f"{rec['model']:>7} {rec['mode']:<7} ms: {ms};{extra}; fused {rec.get('fused')}"
+
+
+def main(args) -> int:
+    from commfuse.demo import transformer as demo
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    world = dist.get_world_size()
+    if args.small or not cuda:
+        cfg = demo.Config(dim=256, n_layers=args.layers, n_heads=8, n_kv_heads=max(4, world), ffn_dim=512)
+    else:
+        cfg = demo.Config(dim=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    backends = [b for b in args.backends.split(",") if b]
+    records = []
+    for kind in args.models.split(","):
+        for mode in args.modes.split(","):
+            rec = run_case(kind, mode, cfg, args.batch, args.seq, device, dtype, backends, args.iters)
+            records.append(rec)
+            if dist.get_rank() == 0:
+                print(_line(rec), file=sys.stderr, flush=True)
+    if dist.get_rank() == 0 and args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
