@@ -6,11 +6,12 @@ one run per (model, mode) for every backend:
   only, on CUDA); ``commfuse``; ``floor``: Inductor with the collectives replaced by local stand-ins
   (compute only, wrong values by design).
 
-Modes: ``prefill`` (forward of batch x seq tokens under no_grad) and ``train`` (forward, backward,
-SGD step). Reported: median step time (max over ranks), tokens/s, speed-up over Inductor, the share
+Modes: ``prefill`` (forward of batch x seq tokens under no_grad), ``train`` (forward, backward,
+SGD step) and ``decode`` (one token per sequence against a KV cache of ``--context`` positions that
+grows by one every step; for each ``--decode-batches``; not for the sequence-parallel split). Reported: median step time (max over ranks), tokens/s, speed-up over Inductor, the share
 of Inductor's communication time commfuse hides, ``(inductor - commfuse) / (inductor - floor)``,
 first-call (compile) time, the fused-match count, and commfuse's error against eager (prefill).
-Decode with a KV cache and CUDA-graph variants are not in this version.
+CUDA-graph variants of decode are not in this version.
 """
 
 from __future__ import annotations
@@ -78,14 +79,17 @@ def _time(step, device, iters: int) -> float:
     return med.item()
 
 
-def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int) -> dict:
+def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int,
+             context: int = 0) -> dict:
     import commfuse
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    local_seq = seq // world if kind == "sp" else seq
+    decode = mode == "decode"
+    local_seq = 1 if decode else (seq // world if kind == "sp" else seq)
     torch.manual_seed(100 + (rank if kind == "sp" else 0))  # SP: each rank holds its own shard
     x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
-    rec = {"model": kind, "mode": mode, "batch": batch, "seq": seq, "world": world,
+    rec = {"model": kind, "mode": f"decode_b{batch}" if decode else mode, "batch": batch,
+           "seq": context if decode else seq, "world": world,
            "dtype": str(dtype).replace("torch.", ""), "ms": {}, "compile_s": {}}
     outputs = {}
     for backend in backends:
@@ -93,10 +97,18 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
             continue
         torch._dynamo.reset()
         model = _build(kind, cfg, device, dtype)
+        if decode:
+            model.setup_cache(batch, context + iters + 8, device, dtype)
+            pos = torch.tensor([context], device=device)
         compiled = _compile(backend, model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4) if mode == "train" else None
 
         def step():
+            if decode:
+                with torch.no_grad():
+                    out = compiled(x, pos)
+                pos.add_(1)  # the cache grows by one token a step; same shapes, no recompile
+                return out
             if mode == "prefill":
                 with torch.no_grad():
                     return compiled(x)
@@ -115,7 +127,7 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
         if backend == "commfuse":
             rec["fused"] = len(commfuse.report().fused)
             rec["skipped"] = len(commfuse.report().skipped)
-        if mode == "prefill":
+        if mode != "train":
             outputs[backend] = out.float()
         step()  # warm-up
         rec["ms"][backend] = _time(step, device, iters)
@@ -127,7 +139,7 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
     if "eager" in outputs and "commfuse" in outputs:
         ref = outputs["eager"]
         rec["commfuse_rel_err"] = ((outputs["commfuse"] - ref).norm() / ref.norm()).item()
-    tokens = batch * seq
+    tokens = batch * (1 if decode else seq)
     rec["tokens_per_s"] = {b: tokens / (t / 1e3) for b, t in ms.items()}
     return rec
 
@@ -162,10 +174,17 @@ def main(args) -> int:
     records = []
     for kind in args.models.split(","):
         for mode in args.modes.split(","):
-            rec = run_case(kind, mode, cfg, args.batch, args.seq, device, dtype, backends, args.iters)
-            records.append(rec)
-            if dist.get_rank() == 0:
-                print(_line(rec), file=sys.stderr, flush=True)
+            if mode == "decode":
+                if kind == "sp":
+                    continue  # one token per sequence cannot be split along the sequence
+                cases = [(b, dict(context=args.context)) for b in map(int, args.decode_batches.split(","))]
+            else:
+                cases = [(args.batch, {})]
+            for batch, extra in cases:
+                rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters, **extra)
+                records.append(rec)
+                if dist.get_rank() == 0:
+                    print(_line(rec), file=sys.stderr, flush=True)
     if dist.get_rank() == 0 and args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -39,17 +39,19 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
 
     out = tmp_path / "model.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
-           "model", "--models", "sp,hooks", "--modes", "prefill,train", "--layers", "1", "--batch", "2",
-           "--seq", "32", "--iters", "2", "--backends", "eager,inductor,commfuse,floor", "--out", str(out)]
+           "model", "--models", "sp,hooks", "--modes", "prefill,decode,train", "--layers", "1", "--batch", "2",
+           "--seq", "32", "--iters", "2", "--decode-batches", "2", "--context", "16",
+           "--backends", "eager,inductor,commfuse,floor", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
-    assert [(r["model"], r["mode"]) for r in records] == [
-        ("sp", "prefill"), ("sp", "train"), ("hooks", "prefill"), ("hooks", "train")]
+    assert [(r["model"], r["mode"]) for r in records] == [  # no decode for the sequence-parallel split
+        ("sp", "prefill"), ("sp", "train"), ("hooks", "prefill"), ("hooks", "decode_b2"), ("hooks", "train")]
     for r in records:
         assert set(r["ms"]) == {"eager", "inductor", "commfuse", "floor"}
         assert r["fused"] > 0 and r["skipped"] >= 0
         assert "speedup_vs_inductor" in r
     for r in records:
-        if r["mode"] == "prefill":
+        if r["mode"] != "train":
             assert r["commfuse_rel_err"] < 1e-5
+    assert next(r for r in records if r["mode"] == "decode_b2")["seq"] == 16

@@ -51,16 +51,31 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.register_buffer("k_cache", None, persistent=False)  # set by setup_cache
+        self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def setup_cache(self, batch: int, max_seq: int, device, dtype) -> None:
+        """KV cache for decoding, this rank's heads only (call after parallelizing)."""
+        shape = (batch, self.cfg.n_kv_heads // self.tp, max_seq, self.cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         hd, heads, kv_heads = self.cfg.head_dim, self.cfg.n_heads // self.tp, self.cfg.n_kv_heads // self.tp
         q = self.wq(x).view(bsz, seq, heads, hd).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, kv_heads, hd).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, kv_heads, hd).transpose(1, 2)
+        mask, causal = None, True
+        if input_pos is not None:  # write this step's keys/values, attend over the cache so far
+            self.k_cache.index_copy_(2, input_pos, k)
+            self.v_cache.index_copy_(2, input_pos, v)
+            k, v = self.k_cache, self.v_cache
+            positions = torch.arange(k.shape[2], device=x.device)
+            mask, causal = positions[None, :] <= input_pos[:, None], False
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, heads * hd))
 
 
@@ -83,8 +98,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        # (positional input_pos only when decoding: DTensor's PrepareModuleInput counts inputs)
+        attn_in = (self.attention_norm(x),) if input_pos is None else (self.attention_norm(x), input_pos)
+        h = x + self.attention(*attn_in)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -94,9 +111,14 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def setup_cache(self, batch: int, max_seq: int, device, dtype) -> None:
         for layer in self.layers:
-            x = layer(x)
+            layer.attention.setup_cache(batch, max_seq, device, dtype)
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_pos``: positions of ``x``'s tokens in the KV cache (decoding), or None."""
+        for layer in self.layers:
+            x = layer(x, input_pos)
         return x
 
 
