@@ -10,7 +10,7 @@ Modes: ``prefill`` (forward of batch x seq tokens under no_grad), ``train`` (for
 SGD step) and ``decode`` (one token per sequence against a KV cache of ``--context`` positions that
 grows by one every step; for each ``--decode-batches``; not for the sequence-parallel split). Reported: median step time (max over ranks), tokens/s, speed-up over Inductor, the share
 of Inductor's communication time commfuse hides, ``(inductor - commfuse) / (inductor - floor)``,
-first-call (compile) time, the fused-match count, and commfuse's error against eager (prefill).
+first-call (compile) time with Inductor's caches off, the fused-match count, and commfuse's error against eager (prefill).
 CUDA-graph variants of decode are not in this version.
 """
 
@@ -159,6 +159,10 @@ def _line(rec: dict) -> str:
 def main(args) -> int:
     from commfuse.demo import transformer as demo
 
+    # Cold compiles for every backend: comparable compile times, and commfuse's pass really runs
+    # (a cache hit would skip it and leave the fused count empty).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

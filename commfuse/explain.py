@@ -79,7 +79,9 @@ def run(args: argparse.Namespace):
                                min_mnk=DEFAULT_MIN_MNK if args.min_mnk is None else args.min_mnk)
     compiled = torch.compile(model, backend=backend)
     commfuse.clear_report()
-    with torch._inductor.config.patch(fx_graph_cache=False):
+    # Caches off: a cached graph skips the pass and would leave its decisions out of the report.
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         if args.inference:
             with torch.no_grad():
                 compiled(x)
