@@ -346,3 +346,60 @@ def test_mm_reduce_scatter_skips(world2, case, reason):
     _, code = compile_code(f, a, w)
     assert calls(code, RS) == 0 and C10D_RS in code
     assert reason in _only("mm_reduce_scatter").reason
+
+
+# ---- graph forms that must stay unfused, not break the compile -----------------------------------
+
+@pytest.mark.parametrize("case, pattern, reason", [
+    ("gather_flatten", "all_gather_mm", "left operand"),  # [B,S,K] -> flatten(1) is not a row view
+    ("gram", "all_gather_mm", "computed from the gathered tensor"),  # g @ g
+    ("weight_from_gathered", "all_gather_mm", "computed from the gathered tensor"),
+    ("rs_of_cat_of_inputs", "mm_reduce_scatter", "not mm/addmm"),
+    ("rs_view_changes_n", "mm_reduce_scatter", "does not keep the matmul's N"),
+])
+def test_unusual_forms_stay_unfused_and_correct(world2, case, pattern, reason):
+    g = dist.group.WORLD
+    x3, x2, w = torch.randn(4, 8, 16), torch.randn(32, 32), torch.randn(32, 32)
+
+    def f(x3, x2, w):
+        if case == "gather_flatten":
+            return _ag(x3).flatten(1) @ torch.ones(128, 32)
+        if case == "gram":
+            gathered = _ag(x2[:16])  # [32, 32]
+            return gathered @ gathered
+        if case == "weight_from_gathered":
+            gathered = _ag(x2[:16])
+            return gathered @ (gathered.t() @ gathered + w)
+        if case == "rs_of_cat_of_inputs":
+            return funcol.reduce_scatter_tensor(torch.cat([x2, w]), "sum", 0, g)
+        return funcol.reduce_scatter_tensor((x2 @ w).view(8, -1), "sum", 0, g)
+
+    out, code = compile_code(f, x3, x2, w)
+    rec = _only(pattern)
+    assert not rec.fused and reason in rec.reason, rec
+    torch.testing.assert_close(out, f(x3, x2, w))
+
+
+def test_full_size_2d_bias_fuses(world2):
+    a, w, c = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 48)
+
+    def f(a, w, c):
+        return _ar(torch.addmm(c, a, w))
+
+    out, code = compile_code(f, a, w, c)
+    assert calls(code, AR) == 1
+    torch.testing.assert_close(out, f(a, w, c))
+
+
+def test_analysis_errors_leave_the_match_unfused(world2, monkeypatch):
+    """An unforeseen failure inside a matcher is recorded and the graph compiles unfused."""
+    from commfuse.patterns import mm_all_reduce
+
+    def broken(cls, anchor, settings):
+        raise IndexError("unforeseen")
+
+    monkeypatch.setattr(mm_all_reduce.MmAllReduceMatch, "from_anchor", classmethod(broken))
+    a, w = torch.randn(64, 32), torch.randn(32, 48)
+    out, code = compile_code(lambda a, w: _ar(a @ w), a, w)
+    assert calls(code, AR) == 0 and C10D_AR in code
+    assert "could not analyse this graph form (IndexError: unforeseen)" in _only("mm_all_reduce").reason

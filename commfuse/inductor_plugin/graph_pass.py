@@ -78,6 +78,12 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             except Skip as exc:
                 record(_describe(pattern.NAME, label, anchor, exc.mm, False, str(exc)))
                 continue
+            except Exception as exc:  # a graph form the matcher did not foresee: leave it unfused
+                log.warning("commfuse: could not analyse %s at %s (%s: %s); left unfused",
+                            pattern.NAME, anchor.name, type(exc).__name__, exc)
+                reason = f"commfuse could not analyse this graph form ({type(exc).__name__}: {exc})"
+                record(_describe(pattern.NAME, label, anchor, None, False, reason))
+                continue
             rec = _describe(pattern.NAME, label, anchor, match.mm, True, "fused")
             match.replace(graph)
             record(rec)

@@ -28,6 +28,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from .common import (
     MATMUL_OPS,
     VIEW_OPS,
@@ -36,6 +38,7 @@ from .common import (
     aten,
     c10d,
     check_fusable,
+    depends_on,
     insert_call,
     insert_getitem,
     is_call,
@@ -92,11 +95,13 @@ class AllGatherMmMatch:
         gathered, dim, layout = _split_cat(wait, world_size) or (wait, 0, [])
         if dim >= val(gathered).dim() - 1:
             raise Skip(f"gathers along dim {dim}, the matmul's K dimension")
+        k = val(gathered).shape[-1]
         candidates = []  # (mm, reshape or None)
         for user in gathered.users:
             if is_call(user, MATMUL_OPS) and left_operand(user) is gathered:
                 candidates.append((user, None))
-            elif is_call(user, VIEW_OPS) and val(user).dim() == 2:
+            elif (is_call(user, VIEW_OPS) and val(user).dim() == 2
+                  and statically_known_true(val(user).shape[1] == k)):  # flattens leading dims only
                 candidates += [(mm, user) for mm in user.users
                                if is_call(mm, MATMUL_OPS) and left_operand(mm) is user]
         if not candidates:
@@ -106,6 +111,8 @@ class AllGatherMmMatch:
         for mm, reshape in candidates:
             try:
                 a, b, bias = matmul_operands(mm)
+                if depends_on([b, bias], {wait, gathered}):
+                    raise Skip("the matmul's right operand or bias is computed from the gathered tensor")
                 check_fusable(mm, a, b, bias, settings)
             except Skip as exc:
                 first_skip = first_skip or Skip(str(exc), mm=mm)

@@ -81,6 +81,20 @@ def matmul_through_views(x: Any, collective: str) -> tuple[fx.Node, list[fx.Node
     return x, views
 
 
+def depends_on(nodes, targets: set) -> bool:
+    """Whether any of ``nodes`` is, or is computed from, one of ``targets``."""
+    seen: set = set()
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in targets:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return False
+
+
 def split_then_cat(split: Any, cat: Any, world: int) -> bool:
     """Whether ``cat`` concatenates all ``world`` pieces of ``split``, in order, and nothing else
     reads them: DTensor's way of moving a shard dimension to dim 0 and back."""

@@ -24,12 +24,16 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from .common import (
     Skip,
     arg,
+    aten,
     c10d,
     check_fusable,
     insert_call,
+    is_call,
     matmul_operands,
     matmul_through_views,
     normalize_dim,
@@ -44,10 +48,14 @@ ANCHORS = (c10d.reduce_scatter_tensor.default,)
 
 def _unsplit(x: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]]:
     """(tensor before DTensor's split/cat, scatter dim, the split/cat nodes) or (x, 0, [])."""
-    if len(x.users) == 1 and x.args and isinstance(x.args[0], (list, tuple)) and x.args[0]:
-        split = x.args[0][0].args[0] if isinstance(x.args[0][0], fx.Node) else None
-        if split is not None and split_then_cat(split, x, world) and arg(x, 1, "dim", 0) == 0:
-            return split.args[0], normalize_dim(arg(split, 2, "dim", 0), split.args[0]), [x, *x.args[0], split]
+    if is_call(x, (aten.cat.default,)) and len(x.users) == 1 and arg(x, 1, "dim", 0) == 0:
+        pieces = x.args[0]
+        first = pieces[0] if isinstance(pieces, (list, tuple)) and pieces else None
+        if isinstance(first, fx.Node) and first.op == "call_function" and first.args:
+            split = first.args[0]
+            if split_then_cat(split, x, world):
+                dim = normalize_dim(arg(split, 2, "dim", 0), split.args[0])
+                return split.args[0], dim, [x, *pieces, split]
     return x, 0, []
 
 
@@ -80,6 +88,8 @@ class MmReduceScatterMatch:
                 raise Skip("the scattered view has more than one dynamic dimension")
             if dim >= len(shape) - 1:
                 raise Skip(f"scatters along dim {dim}, the matmul's N dimension")
+            if not statically_known_true(val(x).shape[-1] == val(b).shape[1]):
+                raise Skip("the scattered view does not keep the matmul's N as its last dimension")
             waits = single_wait_users(rs, "reduce_scatter")
             check_fusable(mm, a, b, bias, settings)
         except Skip as exc:
