@@ -57,6 +57,7 @@ def test_overlap_config(monkeypatch):
 
 
 def _workspace(data_bytes=1 << 12):
+    """A workspace over plain CPU memory (group "0" is the fake WORLD when one is initialised)."""
     buf = torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8)
     return symm.Workspace("0", 0, 2, buf, torch.zeros(2, dtype=torch.int64), data_bytes)
 
@@ -119,3 +120,34 @@ def test_cuda_graph_capture_takes_nccl(monkeypatch, caplog):
     assert "CUDA-graph capture" in caplog.text
     monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")  # even a forced path must not run in capture
     assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "nccl"
+
+
+def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, monkeypatch):
+    ws = _workspace()
+    monkeypatch.setattr(symm, "EPOCH_LIMIT", 3)
+    ws.flags[:8] = 3  # what peers' signals leave behind
+    assert [ws.next_epoch()[0] for _ in range(3)] == [1, 2, 3]
+    assert ws.next_epoch() == (1, 1)  # restarted, flags zeroed on every rank (fake group: this one)
+    assert ws.flags.eq(0).all()
+
+
+def test_a_failed_call_blocks_the_workspace(monkeypatch):
+    """Once a call fails after its epoch began, ranks may disagree: refuse, with a remedy."""
+    from commfuse.kernels.cuda_paths import _exchange
+
+    ws = _workspace()
+    with pytest.raises(MemoryError):
+        with _exchange(ws, "mm_all_reduce"):
+            raise MemoryError("out of memory")
+    with pytest.raises(RuntimeError, match=r"mm_all_reduce: an earlier call on group '0' failed .*release_all"):
+        ws.next_epoch()
+
+
+def test_bias_must_broadcast(world2):
+    from helpers import group_name
+
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    for bias in (torch.randn(6), torch.randn(1, 6), torch.randn(8, 6), torch.randn(8, 1)):
+        torch.ops.commfuse.mm_all_reduce(a, b, bias, group_name())
+    with pytest.raises(RuntimeError, match=r"bias \(5, 6\) does not broadcast to \(8, 6\)"):
+        torch.ops.commfuse.mm_all_reduce(a, b, torch.randn(5, 6), group_name())

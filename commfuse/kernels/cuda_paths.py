@@ -12,6 +12,7 @@ the caller's stream before returning.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -34,6 +35,36 @@ def _matmul_into(a, b, bias, out) -> None:
     reference.matmul(a, b, bias, out=out)
 
 
+def _rows(bias, lo: int, hi: int):
+    """The bias for output rows lo:hi (a per-row 2-D bias is sliced; a broadcast one is not)."""
+    if bias is None or bias.dim() < 2 or bias.shape[0] == 1:
+        return bias
+    return bias[lo:hi]
+
+
+def _sum_rank_order(parts: list, out) -> None:
+    """``out = parts[0] + parts[1] + ...`` in rank order, rounding like the Triton kernels."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+
+
+@contextlib.contextmanager
+def _exchange(ws, op: str):
+    """Start a call's epoch; if anything fails once it has begun, the ranks' call counters may
+    differ, so the workspace refuses further calls instead of pairing up mismatched epochs."""
+    epoch, parity = ws.next_epoch()
+    try:
+        yield epoch, parity
+    except BaseException as exc:
+        ws.broken = (
+            f"commfuse.{op}: an earlier call on group {ws.group_name!r} failed after its exchange "
+            f"began ({type(exc).__name__}: {exc}); the ranks' call counters may differ. Call "
+            "commfuse.kernels.symm.release_all() on every rank to start over."
+        )
+        raise
+
+
 def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
     ErrorWord.check("mm_all_reduce")
     group = _resolve_process_group(group_name)
@@ -42,29 +73,29 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     if algo == "nccl":
         return reference.mm_all_reduce(a, b, bias, group_name)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
-    epoch, parity = ws.next_epoch()
-    partial = ws.data(parity, (m, n), a.dtype)
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    if algo == "overlap":
-        _overlapped(ws, a, b, bias, partial, out, epoch)
-        return out
-    if algo == "ce_overlap":
-        peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
-        if all(p is not None for p in peers):
-            _copy_engine_overlapped(ws, a, b, bias, partial, out, peers, epoch)
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
+    recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
+    with _exchange(ws, "mm_all_reduce") as (epoch, parity):
+        partial = ws.data(parity, (m, n), a.dtype)
+        if algo == "overlap":
+            _overlapped(ws, a, b, bias, partial, out, epoch)
             return out
-        algo = "one_shot"  # the provider has no peer views for the copy engines
-    _matmul_into(a, b, bias, partial)
-    exchange.all_reduce(ws, partial, out, epoch, algo, _OP_MM_ALL_REDUCE)
-    return out
+        if algo == "ce_overlap":
+            peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
+            if all(p is not None for p in peers):
+                _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch)
+                return out
+            algo = "one_shot"  # the provider has no peer views for the copy engines
+        _matmul_into(a, b, bias, partial)
+        exchange.all_reduce(ws, partial, out, epoch, algo, _OP_MM_ALL_REDUCE)
+        return out
 
 
-def _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch) -> torch.Tensor:
+def _gather_overlapped(ws, shard, b, bias, gathered, out, peers, epoch) -> None:
     """Multiply the local shard at once while the copy engines pull the peers' shards (no SMs)
     on a side stream; then multiply the peers' rows."""
     k, rows = shard.shape[-1], shard.numel() // shard.shape[-1]
     g2 = gathered.view(-1, k)
-    out = torch.empty((g2.shape[0], b.shape[1]), dtype=shard.dtype, device=shard.device)
     side = _side_stream(shard.device)
     main = torch.cuda.current_stream(shard.device)
     side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
@@ -75,35 +106,33 @@ def _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch) -> torch.Tens
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
     lo, hi = ws.rank * rows, (ws.rank + 1) * rows
     g2[lo:hi].copy_(shard.reshape(rows, k))  # the shard may be a strided view
-    _matmul_into(g2[lo:hi], b, bias, out[lo:hi])
+    _matmul_into(g2[lo:hi], b, _rows(bias, lo, hi), out[lo:hi])
     main.wait_stream(side)
     for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
         if stop > start:
-            _matmul_into(g2[start:stop], b, bias, out[start:stop])
-    return out
+            _matmul_into(g2[start:stop], b, _rows(bias, start, stop), out[start:stop])
 
 
-def _copy_engine_overlapped(ws, a, b, bias, partial, out, peers, epoch) -> None:
+def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies."""
     chunks = dispatch.copy_engine_chunks(a.shape[0])
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
-    recv = torch.empty((ws.world - 1, *out.shape), dtype=out.dtype, device=out.device)
     side.wait_stream(main)  # out and recv were allocated on main
     rows = -(-a.shape[0] // chunks)
     others = [p for p in range(ws.world) if p != ws.rank]
     for i, lo in enumerate(range(0, a.shape[0], rows)):
         hi = min(lo + rows, a.shape[0])
-        _matmul_into(a[lo:hi], b, bias, partial[lo:hi])
+        _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
         side.wait_stream(main)
         with torch.cuda.stream(side):
             exchange.barrier(ws, epoch, _OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
             for j, p in enumerate(others):
                 recv[j, lo:hi].copy_(peers[p][lo:hi], non_blocking=True)
-            torch.add(partial[lo:hi], recv[0, lo:hi], out=out[lo:hi])
-            for j in range(1, len(others)):
-                out[lo:hi].add_(recv[j, lo:hi])
+            parts = [partial[lo:hi] if p == ws.rank else recv[others.index(p), lo:hi]
+                     for p in range(ws.world)]
+            _sum_rank_order(parts, out[lo:hi])
     main.wait_stream(side)
 
 
@@ -118,7 +147,7 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
     rows = -(-a.shape[0] // chunks)
     for i, lo in enumerate(range(0, a.shape[0], rows)):
         hi = min(lo + rows, a.shape[0])
-        _matmul_into(a[lo:hi], b, bias, partial[lo:hi])
+        _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
         side.wait_stream(main)
         with torch.cuda.stream(side):
             exchange.all_reduce(ws, partial[lo:hi], out[lo:hi], epoch, "one_shot", _OP_MM_ALL_REDUCE,
@@ -136,21 +165,23 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     ws = symm.workspace(group_name, shard.numel() * shard.element_size(), shard.device)
-    epoch, parity = ws.next_epoch()
-    mine = ws.data(parity, shard.shape, shard.dtype)
-    mine.copy_(shard)
     shape = list(shard.shape)
     shape[gather_dim] *= world_size
-    gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)
-    if algo == "overlap" and gather_dim == 0:
-        peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
-        if all(p is not None for p in peers):
-            out = _gather_overlapped(ws, shard, b, bias, gathered, peers, epoch)
-            return out, gathered
-    outer = math.prod(shard.shape[:gather_dim])
-    inner = math.prod(shard.shape[gather_dim:])
-    exchange.gather(ws, mine, gathered, outer, inner, epoch, _OP_ALL_GATHER_MM)
-    return reference.matmul(gathered.view(-1, k), b, bias), gathered
+    gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
+    out = torch.empty((rows, b.shape[1]), dtype=shard.dtype, device=shard.device)
+    with _exchange(ws, "all_gather_mm") as (epoch, parity):
+        mine = ws.data(parity, shard.shape, shard.dtype)
+        mine.copy_(shard)
+        if algo == "overlap" and gather_dim == 0:
+            peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
+            if all(p is not None for p in peers):
+                _gather_overlapped(ws, shard, b, bias, gathered, out, peers, epoch)
+                return out, gathered
+        outer = math.prod(shard.shape[:gather_dim])
+        inner = math.prod(shard.shape[gather_dim:])
+        exchange.gather(ws, mine, gathered, outer, inner, epoch, _OP_ALL_GATHER_MM)
+        _matmul_into(gathered.view(-1, k), b, bias, out)
+        return out, gathered
 
 
 def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list[int],
@@ -162,43 +193,45 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
-    epoch, parity = ws.next_epoch()
-    partial = ws.data(parity, (m, n), a.dtype)
     out_shape = list(shape)
     out_shape[scatter_dim] //= world_size
-    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)
-    if algo == "ce_overlap" and scatter_dim == 0:
-        peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
-        if all(p is not None for p in peers):
-            _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), peers, epoch)
-            return out
-    _matmul_into(a, b, bias, partial)
-    outer = math.prod(shape[:scatter_dim])
-    exchange.reduce_scatter(ws, partial, out, outer, m * n // outer // world_size, epoch,
-                            _OP_MM_REDUCE_SCATTER)
-    return out
+    out = torch.empty(out_shape, dtype=a.dtype, device=a.device)  # allocations before the epoch
+    overlap = algo == "ce_overlap" and scatter_dim == 0
+    recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
+    with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
+        partial = ws.data(parity, (m, n), a.dtype)
+        if overlap:
+            peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
+            if all(p is not None for p in peers):
+                _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, peers, epoch)
+                return out
+        _matmul_into(a, b, bias, partial)
+        outer = math.prod(shape[:scatter_dim])
+        exchange.reduce_scatter(ws, partial, out, outer, m * n // outer // world_size, epoch,
+                                _OP_MM_REDUCE_SCATTER)
+        return out
 
 
-def _scatter_overlapped(ws, a, b, bias, partial, out, peers, epoch) -> None:
+def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
     """Multiply the peers' shares of the rows first, each in turn; as share p lands, rank p's copy
     engines pull it on their side stream while this rank multiplies the next share, its own last.
     Then one local add sums this rank's share with what it pulled."""
     world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
-    recv = torch.empty((world - 1, rows, out.shape[1]), dtype=out.dtype, device=out.device)
     side.wait_stream(main)  # out and recv were allocated on main
     mine = slice(rank * rows, (rank + 1) * rows)
     for step in range(1, world):
         p = (rank + step) % world
-        _matmul_into(a[p * rows:(p + 1) * rows], b, bias, partial[p * rows:(p + 1) * rows])
+        _matmul_into(a[p * rows:(p + 1) * rows], b, _rows(bias, p * rows, (p + 1) * rows),
+                     partial[p * rows:(p + 1) * rows])
         side.wait_stream(main)
         with torch.cuda.stream(side):
             exchange.barrier(ws, epoch, _OP_MM_REDUCE_SCATTER, slot=step)
             q = (rank - step) % world  # at this step rank q multiplied this rank's share
             recv[step - 1].copy_(peers[q][mine], non_blocking=True)
-    _matmul_into(a[mine], b, bias, partial[mine])
+    _matmul_into(a[mine], b, _rows(bias, mine.start, mine.stop), partial[mine])
     main.wait_stream(side)
-    torch.add(partial[mine], recv[0], out=out)
-    for j in range(1, world - 1):
-        out.add_(recv[j])
+    # recv[step - 1] came from rank (rank - step) % world: put the parts in rank order
+    parts = [partial[mine] if q == rank else recv[(rank - q) % world - 1] for q in range(world)]
+    _sum_rank_order(parts, out)

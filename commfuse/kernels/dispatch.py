@@ -85,7 +85,7 @@ def overlap_config(m: int) -> tuple[int, int]:
 def copy_engine_chunks(m: int) -> int:
     """Row chunks of the copy-engine overlapped all-reduce; ``COMMFUSE_CE_CHUNKS`` overrides."""
     env = os.environ.get("COMMFUSE_CE_CHUNKS")
-    return max(1, min(int(env) if env else 4, m))
+    return max(1, min(int(env) if env else 4, m, 256))  # one barrier flag slot per chunk
 
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:

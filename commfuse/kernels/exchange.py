@@ -15,14 +15,12 @@ from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
 BLOCK, MAX_PROGRAMS, NUM_WARPS = 8192, 132, 16
-_sm_count: dict[int, int] = {}
 
 
-def _programs(n: int, block: int, max_programs: int) -> int:
-    dev = torch.cuda.current_device()
-    if dev not in _sm_count:
-        _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return max(1, min(triton.cdiv(n, block), max_programs, _sm_count[dev]))
+def _programs(ws, n: int, block: int, max_programs: int) -> int:
+    """At most one program per SM of the group's smallest GPU, so all are resident and spin
+    safely, and every rank launches the same grid (program p waits for program p of each peer)."""
+    return max(1, min(triton.cdiv(n, block), max_programs, ws.max_programs))
 
 
 @triton.jit
@@ -36,9 +34,10 @@ def _load(ptr, rank, peer, heap_bases, mask, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, ALIGNED: tl.constexpr):
+    """Sum in rank order 0..WORLD-1 on every rank, so every rank rounds the same way."""
     acc = tl.zeros(ptr.shape, tl.float32)
-    for i in tl.static_range(WORLD):
-        acc += _load(ptr, rank, (rank + i) % WORLD, heap_bases, mask, ALIGNED).to(tl.float32)
+    for peer in tl.static_range(WORLD):
+        acc += _load(ptr, rank, peer, heap_bases, mask, ALIGNED).to(tl.float32)
     return acc
 
 
@@ -144,7 +143,7 @@ def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.co
 def _launch_rowwise(kernel, ws, src: torch.Tensor, out: torch.Tensor, outer: int, inner: int,
                     epoch: int, op_code: int, block: int, max_programs: int, num_warps: int) -> None:
     """Launch a kernel that walks ``outer`` rows of ``inner`` elements (gather, reduce-scatter)."""
-    grid = (_programs(outer * inner, block, max_programs),)
+    grid = (_programs(ws, outer * inner, block, max_programs),)
     aligned = (inner * src.element_size()) % 16 == 0 and src.data_ptr() % 16 == 0
     kernel[grid](src, out, outer, inner, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
                  BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
@@ -159,6 +158,8 @@ def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inn
 
 
 def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
+    if slot >= ws.flags.numel() // ws.world:
+        raise RuntimeError(f"commfuse: flag slot {slot} is past the workspace's flag area")
     barrier_kernel[(1,)](slot, **_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
 
 
@@ -177,14 +178,14 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
     """
     n = partial.numel()
     if algo == "one_shot":
-        grid = (_programs(n, block, max_programs),)
+        grid = (_programs(ws, n, block, max_programs),)
         if (slot_base + grid[0]) * ws.world > ws.flags.numel():
             raise RuntimeError("commfuse: not enough flag slots for this launch")
         one_shot_kernel[grid](partial, out, n, slot_base, **_common(ws, epoch), OP=op_code,
                               WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     elif algo == "two_shot":
         share = triton.cdiv(triton.cdiv(n, ws.world), block) * block
-        grid = (_programs(share, block, max_programs),)
+        grid = (_programs(ws, share, block, max_programs),)
         two_shot_kernel[grid](partial, out, n, share, **_common(ws, epoch), OP=op_code,
                               WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     else:

@@ -32,6 +32,9 @@ def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     if bias is not None:
         torch._check(bias.dtype == a.dtype, lambda: f"commfuse.{op}: bias is {bias.dtype} but a is {a.dtype}")
         torch._check(bias.dim() <= 2, lambda: f"commfuse.{op}: bias must be 1-D or 2-D, got {tuple(bias.shape)}")
+        rows_ok = bias.dim() < 2 or bias.shape[0] == 1 or bias.shape[0] == a.shape[0]
+        cols_ok = bias.dim() == 0 or bias.shape[-1] == 1 or bias.shape[-1] == b.shape[1]
+        torch._check(rows_ok and cols_ok, lambda: f"commfuse.{op}: bias {tuple(bias.shape)} does not broadcast to ({a.shape[0]}, {b.shape[1]})")
 
 
 def _group_size(op: str, group_name: str) -> int:

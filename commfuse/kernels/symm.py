@@ -28,6 +28,8 @@ import torch.distributed as dist
 from ..report import log
 
 FLAG_BYTES = 64 * 1024
+#: Flags are int32: epochs restart (collectively, flags zeroed) well before they could overflow.
+EPOCH_LIMIT = 1 << 30
 MIN_DATA_BYTES = 16 * 1024 * 1024  # per parity; a first allocation serves many later shapes
 _ALIGN = 256
 
@@ -51,7 +53,9 @@ class Workspace:
     buffer: torch.Tensor  # uint8, FLAG_BYTES + 2 * data_bytes, on this rank
     heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap)
     data_bytes: int
+    max_programs: int = 132  # the smallest SM count of the group: every rank launches the same grid
     epoch: int = 0
+    broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
     _keepalive: object = None  # provider handle (rendezvous handle / Iris context)
 
     @property
@@ -60,8 +64,26 @@ class Workspace:
 
     def next_epoch(self) -> tuple[int, int]:
         """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        if self.epoch >= EPOCH_LIMIT:
+            self._restart_epochs()
         self.epoch += 1
         return self.epoch, self.epoch % 2
+
+    def _restart_epochs(self) -> None:
+        """Collective (every rank reaches the same call count): zero the flags, count from 0."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(self.group_name)
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+        dist.barrier(group=group)  # nobody still reads or signals old epochs
+        self.flags.zero_()
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+        dist.barrier(group=group)  # nobody signals before every rank zeroed its flags
+        self.epoch = 0
 
     def peer_data(self, peer: int, parity: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor aliasing ``peer``'s data half (copy-engine reads), or None if the provider has no
@@ -148,10 +170,12 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         group = _resolve_process_group(group_name)
         size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group_name, 0),
                    0 if ws is None else 2 * ws.data_bytes)
-        # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest.
-        agreed = torch.tensor([size], dtype=torch.int64, device=device)
+        # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest
+        # size, and on the smallest SM count so every rank launches the same grids.
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        agreed = torch.tensor([size, -sms], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        size = _round_up(int(agreed.item()), _ALIGN)
+        size, sms = _round_up(int(agreed[0]), _ALIGN), -int(agreed[1])
         if ws is not None:  # every rank must be done with the old buffer before anyone frees it
             torch.cuda.synchronize(device)
             dist.barrier(group=group)
@@ -162,7 +186,8 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         buf[:FLAG_BYTES].zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
-        ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, _keepalive=handle)
+        ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, max_programs=sms,
+                       _keepalive=handle)
         _workspaces[key] = ws
         return ws
 

@@ -26,9 +26,13 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
 OPS = {1: "mm_all_reduce", 2: "all_gather_mm", 3: "mm_reduce_scatter"}
 
 
+#: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone.
+DEFAULT_TIMEOUT_S = 600.0
+
+
 def timeout_ns() -> int:
-    """Bound on every cross-GPU wait, from ``COMMFUSE_TIMEOUT_S`` (default 5 seconds)."""
-    return int(float(os.environ.get("COMMFUSE_TIMEOUT_S", "5")) * 1e9)
+    """Bound on every cross-GPU wait, from ``COMMFUSE_TIMEOUT_S`` (default 600 s, as NCCL's)."""
+    return int(float(os.environ.get("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)) * 1e9)
 
 
 @triton.jit
