@@ -1,0 +1,131 @@
+"""The CUDA paths' data movement, simulated on the CPU for 2 ranks.
+
+The Triton exchange kernels and the CUDA streams are replaced by stand-ins that read the peer's
+workspace directly (the peer's data is put there beforehand, as its GEMM or copy would have), so
+the index arithmetic of every path (chunking, shares, rank order, per-row bias slicing, gather
+layouts) is checked against the unfused computation without a GPU. Synchronisation itself is
+covered by the GPU suite (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from commfuse.kernels import cuda_paths, exchange, symm
+
+WORLD = 2
+
+
+class _Buffers:
+    """Both ranks' workspaces; ``mine`` is the one the call under test runs on."""
+
+    def __init__(self, rank: int, data_bytes: int = 1 << 16):
+        self.bufs = [torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(WORLD)]
+        self.mine = symm.Workspace("0", rank, WORLD, self.bufs[rank], torch.zeros(WORLD, dtype=torch.int64),
+                                   data_bytes, _keepalive=self)
+
+    def get_buffer(self, peer, shape, dtype, offset):  # the torch provider's peer views
+        start = offset * dtype.itemsize
+        return self.bufs[peer][start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+
+    def at(self, peer: int, like: torch.Tensor) -> torch.Tensor:
+        """``peer``'s tensor at the same workspace offset as ``like`` (what iris.load translates to)."""
+        off = like.data_ptr() - self.mine.buffer.data_ptr()
+        raw = self.bufs[peer][off:off + like.numel() * like.element_size()]
+        return raw.view(like.dtype).view(like.shape)
+
+
+@pytest.fixture(params=[0, 1], ids=["rank0", "rank1"])
+def sim(request, monkeypatch, world2):
+    bufs = _Buffers(request.param)
+    ws = bufs.mine
+
+    def all_reduce(ws_, partial, out, epoch, algo, op_code, **_):
+        out.copy_(sum(bufs.at(p, partial).float() for p in range(WORLD)))
+
+    def gather(ws_, mine, out, outer, inner, epoch, op_code, **_):
+        view = out.view(outer, WORLD, inner)
+        for p in range(WORLD):
+            view[:, p] = bufs.at(p, mine).reshape(outer, inner)
+
+    def reduce_scatter(ws_, partial, out, outer, inner, epoch, op_code, **_):
+        total = sum(bufs.at(p, partial).float() for p in range(WORLD)).view(outer, WORLD, inner)
+        out.copy_(total[:, ws.rank].reshape(out.shape))
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(exchange, "all_reduce", all_reduce)
+    monkeypatch.setattr(exchange, "gather", gather)
+    monkeypatch.setattr(exchange, "reduce_scatter", reduce_scatter)
+    monkeypatch.setattr(exchange, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(symm, "workspace", lambda *a, **k: ws)
+    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    return bufs
+
+
+def _inputs(m, k, n, bias_kind):
+    torch.manual_seed(3)
+    a = [torch.randn(m, k) for _ in range(WORLD)]
+    b = [torch.randn(k, n) for _ in range(WORLD)]
+    bias = [None if bias_kind is None else torch.randn(*((n,) if bias_kind == "1d" else (m, n)))
+            for _ in range(WORLD)]
+    return a, b, bias
+
+
+def _partial(a, b, bias):
+    return a @ b if bias is None else torch.addmm(bias, a, b)
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap", "overlap"])
+@pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
+def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
+    monkeypatch.setenv("COMMFUSE_ALGO", algo)
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")  # uneven chunks
+    a, b, bias = _inputs(10, 6, 7, bias_kind)
+    r, peer = sim.mine.rank, 1 - sim.mine.rank
+    parity = (sim.mine.epoch + 1) % 2
+    sim.get_buffer(peer, (10, 7), torch.float32, (symm.FLAG_BYTES + parity * sim.mine.data_bytes) // 4) \
+        .copy_(_partial(a[peer], b[peer], bias[peer]))  # what the peer's GEMM wrote
+    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    want = _partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1])
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("algo, gather_dim, shape", [
+    ("symm", 0, (4, 6)), ("symm", 1, (2, 3, 6)), ("overlap", 0, (4, 6)), ("overlap", 0, (2, 2, 6))])
+@pytest.mark.parametrize("bias_kind", [None, "1d"])
+def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind):
+    monkeypatch.setenv("COMMFUSE_ALGO", algo)
+    torch.manual_seed(4)
+    shards = [torch.randn(*shape) for _ in range(WORLD)]
+    b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
+    r, peer = sim.mine.rank, 1 - sim.mine.rank
+    parity = (sim.mine.epoch + 1) % 2
+    sim.get_buffer(peer, shape, torch.float32, (symm.FLAG_BYTES + parity * sim.mine.data_bytes) // 4) \
+        .copy_(shards[peer])  # the peer's shard, copied into its workspace
+    out, gathered = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, WORLD, "0")
+    want_gathered = torch.cat(shards, dim=gather_dim)
+    torch.testing.assert_close(gathered, want_gathered)
+    torch.testing.assert_close(out, _partial(want_gathered.reshape(-1, 6), b, bias))
+
+
+@pytest.mark.parametrize("algo, shape, scatter_dim", [
+    ("symm", [8, 7], 0), ("symm", [2, 4, 7], 1), ("ce_overlap", [8, 7], 0), ("ce_overlap", [4, 2, 7], 0)])
+@pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
+def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, shape, scatter_dim, bias_kind):
+    monkeypatch.setenv("COMMFUSE_ALGO", algo)
+    a, b, bias = _inputs(8, 6, 7, bias_kind)
+    r, peer = sim.mine.rank, 1 - sim.mine.rank
+    parity = (sim.mine.epoch + 1) % 2
+    sim.get_buffer(peer, (8, 7), torch.float32, (symm.FLAG_BYTES + parity * sim.mine.data_bytes) // 4) \
+        .copy_(_partial(a[peer], b[peer], bias[peer]))
+    out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, WORLD, "0")
+    total = (_partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1])).view(shape)
+    torch.testing.assert_close(out, total.chunk(WORLD, dim=scatter_dim)[r])
