@@ -66,6 +66,13 @@ def matmul_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     return mm.args[1], mm.args[2], mm.args[0]
 
 
+def require_sum(collective: fx.Node) -> None:
+    """Only a sum reduces partial matmul results into the matmul of the whole."""
+    reduce_op = arg(collective, 1, "reduceOp")
+    if str(reduce_op).lower() != "sum":
+        raise Skip(f"reduce op {reduce_op!r} is not sum")
+
+
 def matmul_through_views(x: Any, collective: str) -> tuple[fx.Node, list[fx.Node]]:
     """The mm/addmm that produced ``x`` through views only, with those views (nearest ``x``
     first); each must have no other user, or the matmul's partial result would be lost."""

@@ -32,6 +32,7 @@ from .common import (
     insert_call,
     matmul_operands,
     matmul_through_views,
+    require_sum,
     single_wait_users,
 )
 
@@ -53,9 +54,7 @@ class MmAllReduceMatch:
     @classmethod
     def from_anchor(cls, ar: fx.Node, settings) -> "MmAllReduceMatch":
         """The match rooted at the all_reduce ``ar``, or Skip with the reason."""
-        reduce_op = arg(ar, 1, "reduceOp")
-        if str(reduce_op).lower() != "sum":
-            raise Skip(f"reduce op {reduce_op!r} is not sum")
+        require_sum(ar)
         x, views = matmul_through_views(ar.args[0], "all_reduce")
         try:
             a, b, bias = matmul_operands(x)

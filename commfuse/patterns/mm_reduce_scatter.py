@@ -36,6 +36,7 @@ from .common import (
     is_call,
     matmul_operands,
     matmul_through_views,
+    require_sum,
     normalize_dim,
     single_wait_users,
     split_then_cat,
@@ -74,9 +75,7 @@ class MmReduceScatterMatch:
 
     @classmethod
     def from_anchor(cls, rs: fx.Node, settings) -> "MmReduceScatterMatch":
-        reduce_op = arg(rs, 1, "reduceOp")
-        if str(reduce_op).lower() != "sum":
-            raise Skip(f"reduce op {reduce_op!r} is not sum")
+        require_sum(rs)
         world = arg(rs, 2, "group_size")
         x, dim, layout = _unsplit(rs.args[0], world)
         mm, views = matmul_through_views(x, "reduce_scatter")
