@@ -114,10 +114,6 @@ def plan(group_name: str, data_bytes: int) -> None:
         _planned[group_name] = max(_planned.get(group_name, 0), int(data_bytes))
 
 
-def planned(group_name: str) -> int:
-    return _planned.get(group_name, 0)
-
-
 def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
     import torch.distributed._symmetric_memory as symm_mem
 

@@ -153,13 +153,6 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
         raise Skip(reason)
 
 
-def module_name(node: fx.Node) -> str | None:
-    from ..exclusion import module_stack
-
-    stack = module_stack(node)
-    return stack[-1][0] if stack else None
-
-
 def _fake_value(target, args: tuple) -> Any:
     vals = tree_map(val, args)
     flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
