@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the device tool runs on nvidia-h200-x2 (carry .whl): GPU tests, the ops benchmark (stages
-# tests|bench|all), the exchange tuning (tune) and the model benchmark (model, not yet run).
+# tests|bench|all), the exchange tuning (tune) and the model benchmark (model).
 # Logs and JSON land in $OUT (or benchmarks/results/h200x2 when OUT is unset).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,8 +17,9 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
   timeout 420 torchrun --nproc_per_node=2 -m pytest -m gpu tests/gpu -q -p no:cacheprovider --timeout 120 \
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE "^\s*$" | tail -40
 fi
-if [ "$STAGE" = model ]; then
-  timeout 560 torchrun --nproc_per_node=2 -m commfuse.bench model --out "$OUT/model.json" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/model.log" | grep -v "^W1130" | tail -20
+if [ "$STAGE" = model ]; then  # MODEL_NAME: file names, so runs of several parts do not overwrite
+  NAME=${MODEL_NAME:-model}
+  timeout ${MODEL_TIMEOUT:-560} torchrun --nproc_per_node=2 -m commfuse.bench model --out "$OUT/$NAME.json" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/$NAME.log" | grep -v "^W1130" | tail -20
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
   timeout 400 torchrun --nproc_per_node=2 -m commfuse.bench ops --out "$OUT/ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/ops.log" | tail -45

@@ -7,11 +7,15 @@ one run per (model, mode) for every backend:
   (compute only, wrong values by design).
 
 Modes: ``prefill`` (forward of batch x seq tokens under no_grad), ``train`` (forward, backward,
-SGD step) and ``decode`` (one token per sequence against a KV cache of ``--context`` positions that
-grows by one every step; for each ``--decode-batches``; not for the sequence-parallel split). Reported: median step time (max over ranks), tokens/s, speed-up over Inductor, the share
-of Inductor's communication time commfuse hides, ``(inductor - commfuse) / (inductor - floor)``,
-first-call (compile) time with Inductor's caches off, the fused-match count, and commfuse's error against eager (prefill).
-CUDA-graph variants of decode are not in this version.
+SGD step), ``decode`` (one token per sequence against a KV cache of ``--context`` positions that
+grows by one every step; for each ``--decode-batches``; not for the sequence-parallel split) and
+``decode_cg``, the same under CUDA graphs (``mode="reduce-overhead"`` for every compiled backend;
+eager is left out). All backends of a case stay compiled and are timed in alternating rounds.
+Reported: median step time (wall clock, synchronised, max over ranks), tokens/s, speed-up over
+Inductor, the share of Inductor's communication time commfuse hides,
+``(inductor - commfuse) / (inductor - floor)``, first-call (compile) time with Inductor's caches
+off and its ratio to Inductor's, the fused-match count, and commfuse's error against eager (or
+against Inductor where eager is not run).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
-MODES = ("prefill", "train")
+MODES = ("prefill", "train", "decode", "decode_cg")
 MODELS = ("dtensor", "sp", "hooks")
 
 
@@ -43,20 +47,22 @@ def _build(kind: str, cfg, device, dtype):
     return demo.parallelize_dtensor(model, mesh, sequence_parallel=kind == "sp")
 
 
-def _compile(backend: str, model):
+def _compile(backend: str, model, cudagraphs: bool = False):
+    """``cudagraphs``: Inductor's ``mode="reduce-overhead"`` for every compiled backend."""
     import commfuse
-    from commfuse.inductor_plugin.floor import floor_backend
+    from commfuse.inductor_plugin.floor import make_floor_backend
 
+    mode = "reduce-overhead" if cudagraphs else None
     if backend == "eager":
         return model
     if backend == "inductor":
-        return torch.compile(model)
+        return torch.compile(model, mode=mode)
     if backend == "inductor_mptp":
-        return torch.compile(model, options={"_micro_pipeline_tp": True})
+        return torch.compile(model, options={"_micro_pipeline_tp": True, "triton.cudagraphs": cudagraphs})
     if backend == "commfuse":
-        return torch.compile(model, backend=commfuse.backend())
+        return torch.compile(model, backend=commfuse.backend(mode=mode))
     if backend == "floor":
-        return torch.compile(model, backend=floor_backend)
+        return torch.compile(model, backend=make_floor_backend(**{"triton.cudagraphs": cudagraphs}))
     raise ValueError(backend)
 
 
@@ -65,18 +71,36 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _time(step, device, iters: int) -> float:
-    """Median wall time of ``step`` in ms over ``iters`` synchronised calls, max over ranks."""
+def _step_times(step, device, n: int) -> list[float]:
+    """Wall time in ms of each of ``n`` synchronised calls of ``step`` (the host is part of a step)."""
     times = []
-    for _ in range(iters):
+    for _ in range(n):
         _sync(device)
         start = time.perf_counter()
         step()
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    med = torch.tensor([statistics.median(times)], device=device)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return med.item()
+    return times
+
+
+def _max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+#: Timed steps are split into rounds that alternate between the backends, so drift of the host
+#: (the step is partly launch-bound) or of the GPU clocks spreads over all of them alike.
+ROUNDS = 3
+WARMUP = 3
+
+
+def _allow_many_compiles() -> None:
+    """All backends stay compiled at once (interleaved timing): one code object, several entries."""
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 256)
 
 
 def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int,
@@ -84,40 +108,33 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
     import commfuse
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    decode = mode == "decode"
+    decode = mode.startswith("decode")
+    graphs = mode == "decode_cg"
     local_seq = 1 if decode else (seq // world if kind == "sp" else seq)
     torch.manual_seed(100 + (rank if kind == "sp" else 0))  # SP: each rank holds its own shard
     x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
-    rec = {"model": kind, "mode": f"decode_b{batch}" if decode else mode, "batch": batch,
-           "seq": context if decode else seq, "world": world,
+    label = (f"decode_cg_b{batch}" if graphs else f"decode_b{batch}") if decode else mode
+    rec = {"model": kind, "mode": label, "batch": batch, "seq": context if decode else seq,
+           "world": world, "layers": cfg.n_layers, "dim": cfg.dim,
            "dtype": str(dtype).replace("torch.", ""), "ms": {}, "compile_s": {}}
-    outputs = {}
+    outputs, steps = {}, {}
+    torch._dynamo.reset()
+    _allow_many_compiles()
     for backend in backends:
         if backend == "inductor_mptp" and (kind != "sp" or device.type != "cuda"):
             continue
-        torch._dynamo.reset()
+        if graphs and (backend == "eager" or device.type != "cuda"):
+            continue
         model = _build(kind, cfg, device, dtype)
+        pos = None
         if decode:
-            model.setup_cache(batch, context + iters + 8, device, dtype)
+            model.setup_cache(batch, context + iters + WARMUP + 16, device, dtype)
             pos = torch.tensor([context], device=device)
-        compiled = _compile(backend, model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4) if mode == "train" else None
-
-        def step():
-            if decode:
-                with torch.no_grad():
-                    out = compiled(x, pos)
-                pos.add_(1)  # the cache grows by one token a step; same shapes, no recompile
-                return out
-            if mode == "prefill":
-                with torch.no_grad():
-                    return compiled(x)
-            opt.zero_grad(set_to_none=True)
-            loss = compiled(x).float().pow(2).mean()
-            loss.backward()
-            opt.step()
-            return loss
-
+        base, _, algo = backend.partition("@")  # "commfuse@one_shot": a forced path (COMMFUSE_ALGO)
+        compiled = _compile(base, model, cudagraphs=graphs)
+        # foreach=False: the DTensor split mixes DTensor and plain (norm) parameters
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False) if mode == "train" else None
+        steps[backend] = step = _with_algo(algo, _make_step(mode, compiled, x, pos, opt, graphs))
         commfuse.clear_report()
         _sync(device)
         start = time.perf_counter()
@@ -128,20 +145,70 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
             rec["fused"] = len(commfuse.report().fused)
             rec["skipped"] = len(commfuse.report().skipped)
         if mode != "train":
-            outputs[backend] = out.float()
-        step()  # warm-up
-        rec["ms"][backend] = _time(step, device, iters)
+            outputs[backend] = out.float().clone()
+        for _ in range(WARMUP):
+            step()
+    times: dict[str, list[float]] = {b: [] for b in steps}
+    for _ in range(ROUNDS):
+        for backend, step in steps.items():
+            times[backend] += _step_times(step, device, max(1, iters // ROUNDS))
+    for backend, ts in times.items():
+        rec["ms"][backend] = _max_over_ranks(statistics.median(ts), device)
+        if rank == 0:
+            print(f"  {kind} {label} {backend}: first call {rec['compile_s'][backend]:.1f} s, "
+                  f"step {rec['ms'][backend]:.3f} ms", file=sys.stderr, flush=True)
     ms = rec["ms"]
     if "inductor" in ms and "commfuse" in ms:
         rec["speedup_vs_inductor"] = ms["inductor"] / ms["commfuse"]
         if "floor" in ms and ms["inductor"] > ms["floor"]:
             rec["hidden_share"] = (ms["inductor"] - ms["commfuse"]) / (ms["inductor"] - ms["floor"])
-    if "eager" in outputs and "commfuse" in outputs:
-        ref = outputs["eager"]
+        rec["compile_ratio"] = rec["compile_s"]["commfuse"] / rec["compile_s"]["inductor"]
+    ref = outputs.get("eager", outputs.get("inductor"))
+    if ref is not None and "commfuse" in outputs:
         rec["commfuse_rel_err"] = ((outputs["commfuse"] - ref).norm() / ref.norm()).item()
+        rec["rel_err_against"] = "eager" if "eager" in outputs else "inductor"
     tokens = batch * (1 if decode else seq)
     rec["tokens_per_s"] = {b: tokens / (t / 1e3) for b, t in ms.items()}
     return rec
+
+
+def _with_algo(algo: str, step):
+    if not algo:
+        return step
+
+    def forced():
+        old = os.environ.get("COMMFUSE_ALGO")
+        os.environ["COMMFUSE_ALGO"] = algo
+        try:
+            return step()
+        finally:
+            if old is None:
+                del os.environ["COMMFUSE_ALGO"]
+            else:
+                os.environ["COMMFUSE_ALGO"] = old
+
+    return forced
+
+
+def _make_step(mode: str, compiled, x, pos, opt, graphs: bool):
+    def step():
+        if graphs:  # a new step: the previous replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        if pos is not None:
+            with torch.no_grad():
+                out = compiled(x, pos)
+            pos.add_(1)  # the cache grows by one token a step; same shapes, no recompile
+            return out
+        if mode == "prefill":
+            with torch.no_grad():
+                return compiled(x)
+        opt.zero_grad(set_to_none=True)
+        loss = compiled(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
 
 
 def _line(rec: dict) -> str:
@@ -154,6 +221,13 @@ def _line(rec: dict) -> str:
     if "commfuse_rel_err" in rec:
         extra += f", rel err vs eager {rec['commfuse_rel_err']:.1e}"
     return f"{rec['model']:>7} {rec['mode']:<7} ms: {ms};{extra}; fused {rec.get('fused')}"
+
+
+def _write(path: str | None, records: list) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
 
 
 def main(args) -> int:
@@ -178,7 +252,11 @@ def main(args) -> int:
     records = []
     for kind in args.models.split(","):
         for mode in args.modes.split(","):
-            if mode == "decode":
+            if mode not in MODES:
+                raise SystemExit(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
+            if mode == "decode_cg" and not cuda:
+                continue  # CUDA graphs need CUDA
+            if mode.startswith("decode"):
                 if kind == "sp":
                     continue  # one token per sequence cannot be split along the sequence
                 cases = [(b, dict(context=args.context)) for b in map(int, args.decode_batches.split(","))]
@@ -189,10 +267,8 @@ def main(args) -> int:
                 records.append(rec)
                 if dist.get_rank() == 0:
                     print(_line(rec), file=sys.stderr, flush=True)
+                    _write(args.out, records)  # after every case: a run cut short keeps its data
     if dist.get_rank() == 0 and args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
         print(f"wrote {args.out}")
     dist.destroy_process_group()
     return 0

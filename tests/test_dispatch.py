@@ -90,6 +90,7 @@ def test_provider_setting(monkeypatch):
 def test_timeout_error_names_op_rank_and_peer(monkeypatch):
     word = torch.tensor([1, 1, 0, 1], dtype=torch.int32)  # what a timed-out kernel writes
     monkeypatch.setattr(ErrorWord, "_word", word)
+    monkeypatch.setattr(ErrorWord, "_host", word.numpy())  # shares the memory, as get() sets it up
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "2")
     with pytest.raises(RuntimeError, match=r"commfuse.mm_all_reduce: rank 0 timed out after 2 s waiting for rank 1"):
         ErrorWord.check("all_gather_mm")
@@ -107,19 +108,37 @@ def test_mm_reduce_scatter_choice(monkeypatch):
     assert dispatch.all_gather_mm(16, 16, 16, BF16, 2) == "symm"  # not an all-gather algorithm
 
 
-def test_cuda_graph_capture_takes_nccl(monkeypatch, caplog):
-    """Epochs are host state a graph replay would not advance: capture must not use them."""
+def test_cuda_graph_capture_takes_the_graph_lane_or_nccl(monkeypatch, caplog):
+    """Host epochs are state a graph replay would not advance: inside a capture, mm_all_reduce
+    takes the graph lane (device epochs) when the output fits it, else NCCL; the others NCCL."""
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(dispatch, "_warned_capture", [])
+    monkeypatch.setattr(dispatch, "_warned_capture", set())
+    monkeypatch.setenv("COMMFUSE_GRAPH_BYTES", str(1 << 20))
+    assert dispatch.mm_all_reduce(64, 4096, 8192, BF16, 2) == "graph"  # exactly 1 MiB
+    assert dispatch.mm_all_reduce(64, 4096, 8192, BF16, 1) == "nccl"
     with caplog.at_level("WARNING", logger="commfuse"):
-        assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, 2) == "nccl"
+        assert dispatch.mm_all_reduce(65, 4096, 8192, BF16, 2) == "nccl"
         assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "nccl"
         assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "nccl"
-    assert "CUDA-graph capture" in caplog.text
-    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")  # even a forced path must not run in capture
-    assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "nccl"
+    assert "COMMFUSE_GRAPH_BYTES" in caplog.text and "no graph-lane path" in caplog.text
+    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")  # even a forced host-epoch path must not run in capture
+    assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "graph"
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "nccl"
+
+
+def test_exchange_kernels_do_not_specialise_on_epochs_or_slots():
+    """An epoch divisible by 16 would otherwise compile and load a new kernel variant mid-run."""
+    from commfuse.kernels import exchange
+
+    for kernel in (exchange.one_shot_kernel, exchange.two_shot_kernel, exchange.pull_gather_kernel,
+                   exchange.reduce_scatter_kernel, exchange.barrier_kernel):
+        names = [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize]
+        assert "epoch" in names, kernel.fn.__name__
+    assert "slot" in [exchange.barrier_kernel.arg_names[i] if isinstance(i, int) else i
+                      for i in exchange.barrier_kernel.do_not_specialize]
 
 
 def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, monkeypatch):

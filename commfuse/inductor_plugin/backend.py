@@ -49,6 +49,7 @@ def backend(
     exclude: Iterable[Any] = (),
     patterns: Iterable[str] | None = None,
     min_mnk: int = DEFAULT_MIN_MNK,
+    mode: str | None = None,
     inductor_config: dict[str, Any] | None = None,
 ) -> CommfuseBackend:
     """A commfuse backend with settings, for ``torch.compile(model, backend=...)``.
@@ -58,10 +59,18 @@ def backend(
             to the compiled module, e.g. ``"layers.0.*"``) whose matmuls stay unfused.
         patterns: which rewrites run, from ``commfuse.PATTERNS`` (default: all).
         min_mnk: matmuls with M*N*K below this stay unfused.
-        inductor_config: extra ``torch._inductor.config`` settings for this compile.
+        mode: an Inductor mode, as ``torch.compile(mode=...)`` takes for Inductor (which it
+            refuses for other backends): ``"reduce-overhead"`` runs the graphs as CUDA graphs, where
+            ``mm_all_reduce`` uses the graph lane (device-side epochs).
+        inductor_config: extra ``torch._inductor.config`` settings for this compile (they win over
+            ``mode``'s).
     """
+    from torch._inductor import list_mode_options
+
     settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk)
-    return CommfuseBackend(settings, inductor_config)
+    config = dict(list_mode_options(mode)) if mode else {}
+    config.update(inductor_config or {})
+    return CommfuseBackend(settings, config)
 
 
 #: What ``backend="commfuse"`` resolves to: default settings.

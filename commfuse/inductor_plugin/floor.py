@@ -63,8 +63,17 @@ class FloorPass(CustomGraphPass):
         return hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()
 
 
-def floor_backend(gm: torch.fx.GraphModule, example_inputs):
-    """``torch.compile(model, backend=floor_backend)``: Inductor without communication."""
-    from torch._inductor.compile_fx import compile_fx
+def make_floor_backend(**inductor_config):
+    """A floor backend with extra Inductor settings (e.g. ``{"triton.cudagraphs": True}``)."""
 
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": FloorPass()})
+    def floor(gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(inductor_config, post_grad_custom_post_pass=FloorPass())
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return floor
+
+
+#: ``torch.compile(model, backend=floor_backend)``: Inductor without communication.
+floor_backend = make_floor_backend()

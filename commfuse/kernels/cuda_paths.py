@@ -70,6 +70,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     group = _resolve_process_group(group_name)
     m, n = a.shape[0], b.shape[1]
     algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size())
+    if algo == "graph":
+        return _graph_lane_all_reduce(a, b, bias, group_name)
     if algo == "nccl":
         return reference.mm_all_reduce(a, b, bias, group_name)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
@@ -89,6 +91,24 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         _matmul_into(a, b, bias, partial)
         exchange.all_reduce(ws, partial, out, epoch, algo, _OP_MM_ALL_REDUCE)
         return out
+
+
+def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
+    """cuBLAS into a local buffer, then the staged one-shot kernel over the graph lane, whose
+    epochs live on the device: what runs inside CUDA graphs (and, forced, outside them)."""
+    nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
+    lane = symm.graph_lane(group_name)
+    if lane is None and not dispatch.capturing():  # allocation is collective: never in a capture
+        symm.workspace(group_name, nbytes, a.device)
+        lane = symm.graph_lane(group_name)
+    if lane is None or nbytes > lane.data_bytes:
+        dispatch._capture_fallback("mm_all_reduce", "no graph lane yet: the group's first call "
+                                   "was captured" if lane is None else "larger than the graph lane")
+        return reference.mm_all_reduce(a, b, bias, group_name)
+    partial = reference.matmul(a, b, bias)
+    out = torch.empty_like(partial)
+    exchange.staged_all_reduce(lane, partial, out, _OP_MM_ALL_REDUCE)
+    return out
 
 
 def _gather_overlapped(ws, shard, b, bias, gathered, out, peers, epoch) -> None:

@@ -12,8 +12,9 @@ import os
 import torch
 
 from ..report import log
+from . import symm
 
-MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap")
+MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
 MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap")
 
@@ -29,18 +30,20 @@ CE_OVERLAP_MIN_MNK = 1 << 36
 OVERLAP_MIN_SHARD_MNK = 1 << 33
 
 
-def _capturing() -> bool:
-    """Inside CUDA-graph capture the symmetric paths are unsafe (their epochs are host state that a
-    replay would not advance), so calls there take NCCL, which captures correctly."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        if not _warned_capture:
-            _warned_capture.append(True)
-            log.warning("commfuse: CUDA-graph capture: fused ops run the unfused NCCL path inside graphs")
-        return True
-    return False
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-_warned_capture: list[bool] = []
+def _capture_fallback(op: str, why: str) -> str:
+    """Inside CUDA-graph capture the host-epoch paths are unsafe (a replay would not advance their
+    epochs), so a call there takes NCCL, which captures correctly; logged once per op and reason."""
+    if (op, why) not in _warned_capture:
+        _warned_capture.add((op, why))
+        log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, why)
+    return "nccl"
+
+
+_warned_capture: set[tuple[str, str]] = set()
 
 
 def _forced(valid: tuple[str, ...]) -> str | None:
@@ -58,12 +61,15 @@ def _symmetric_possible(nbytes: int, world: int) -> bool:
 
 
 def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
-    if _capturing():
-        return "nccl"
+    nbytes = m * n * dtype.itemsize
+    if capturing():  # the graph lane keeps its epochs on the device: replays need no host step
+        if world > 1 and 0 < nbytes <= symm.graph_data_bytes():
+            return "graph"
+        return _capture_fallback("mm_all_reduce", f"in a CUDA-graph capture, {nbytes} bytes is past "
+                                 "the graph lane's COMMFUSE_GRAPH_BYTES" if nbytes else "empty output")
     forced = _forced(MM_ALL_REDUCE_ALGOS)
     if forced:
         return forced
-    nbytes = m * n * dtype.itemsize
     if not _symmetric_possible(nbytes, world):
         return "nccl"
     if m * n * k >= CE_OVERLAP_MIN_MNK and m >= 4 * 1024:
@@ -90,8 +96,8 @@ def copy_engine_chunks(m: int) -> int:
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
     """``rows``: of the gathered tensor (all ranks)."""
-    if _capturing():
-        return "nccl"
+    if capturing():
+        return _capture_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced:
         return forced
@@ -103,8 +109,8 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
 
 
 def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, scatter_dim: int = 0) -> str:
-    if _capturing():
-        return "nccl"
+    if capturing():
+        return _capture_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
     if forced:
         return forced

@@ -14,6 +14,8 @@ import triton.language as tl
 from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
+#: Epochs and flag slots change every call, so no kernel specialises on them: Triton would compile
+#: and load a new variant (stalling the host) each time one became divisible by 16.
 BLOCK, MAX_PROGRAMS, NUM_WARPS = 8192, 132, 16
 
 
@@ -41,7 +43,7 @@ def _sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, ALIGNED: t
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_base", "epoch"])
 def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout,
                     OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Every rank reads every peer's whole partial and sums: one hop, world x the reads."""
@@ -57,6 +59,48 @@ def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, 
 
 
 @triton.jit
+def _poison(out, start, n, step, BLOCK: tl.constexpr):
+    """NaN into this program's blocks of ``out``: a call whose peer never came must not look valid."""
+    for s in range(start, n, step):
+        offs = s + tl.arange(0, BLOCK)
+        tl.store(out + offs, tl.full((BLOCK,), float("nan"), tl.float32).to(out.dtype.element_ty),
+                 mask=offs < n)
+
+
+@triton.jit
+def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_bases, rank, err,
+                           timeout, OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                           SLOTS: tl.constexpr):
+    """One-shot all-reduce of a local ``src`` through the graph lane, with the epoch on the device:
+    program p reads it from ``counter[p]``, stages its blocks of ``src`` into this rank's data half
+    of that epoch's parity, signals, sums every rank's half, and stores the new epoch into every
+    counter slot it owns (p, p + grid, ...), so all slots agree whatever the next call's grid is.
+    No host state changes between calls: a CUDA graph can replay the launch. A late peer leaves NaN
+    in ``out`` (and the error word set), since no host code runs between replays to raise."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    step = nprog * BLOCK
+    epoch = tl.load(counter + pid) + 1
+    half = data + (epoch % 2) * half_elems
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(half + offs, tl.load(src + offs, mask=mask), mask=mask)
+    signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
+    late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    if late != 0:
+        _poison(out, pid * BLOCK, n, step, BLOCK)
+    else:
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            acc = _sum_over_peers(half + offs, mask, rank, heap_bases, WORLD, True)
+            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    for slot in range(pid, SLOTS, nprog):
+        tl.store(counter + slot, epoch)
+
+
+@triton.jit(do_not_specialize=["epoch"])
 def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err, timeout,
                     OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Reduce-scatter (each rank sums its share, in place), then all-gather the reduced shares.
@@ -89,7 +133,7 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
             tl.store(out + offs, _load(partial + offs, rank, peer, heap_bases, mask, True), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
                        OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                        ALIGNED: tl.constexpr):
@@ -112,7 +156,7 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             tl.store(dst, val, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
                           OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                           ALIGNED: tl.constexpr):
@@ -132,7 +176,7 @@ def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, 
         tl.store(out + row.to(tl.int64) * inner + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot", "epoch"])
 def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.constexpr,
                    WORLD: tl.constexpr):
     """Signal and wait only: orders a rank's earlier writes before its peers' later reads."""
@@ -190,6 +234,19 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
                               WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     else:
         raise ValueError(f"commfuse: unknown all-reduce algorithm {algo!r}")
+
+
+def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int,
+                      block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+    """Sum the local contiguous ``src`` over the group into ``out`` through the graph lane: safe to
+    capture in a CUDA graph (the lane must exist before the capture; ``src`` fits one half)."""
+    require_iris()
+    n = src.numel()
+    grid = (max(1, min(triton.cdiv(n, block), lane.max_programs)),)
+    staged_one_shot_kernel[grid](src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
+                                 lane.flags, lane.counter, lane.heap_bases, lane.rank, ErrorWord.get(),
+                                 timeout_ns(), OP=op_code, WORLD=lane.world, BLOCK=block,
+                                 SLOTS=lane.counter.numel(), num_warps=num_warps)
 
 
 def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,

@@ -8,6 +8,9 @@ Kernels address peers through Iris's RMA primitives, which translate a local poi
 * ``iris``: the Iris symmetric heap (``allocator_type="vmem_chunked"`` on NVIDIA), chosen with
   ``COMMFUSE_SYMM_PROVIDER=iris``.
 
+Each group also gets a *graph lane* (``GraphLane``), a second, fixed-size buffer that CUDA-graph
+replays use: its epochs live on the device, so a replay needs no host step (see ``exchange.py``).
+
 Layout of a workspace: ``[flags: FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch
 counters that only grow, so they never need resetting; the two data halves alternate between calls,
 which (with the flag wait at the start of every kernel) keeps a fast rank from overwriting data a
@@ -102,7 +105,49 @@ class Workspace:
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
 
 
+#: Graph-lane flags are int64 (epochs never wrap); one slot per program per rank.
+GRAPH_FLAG_BYTES = 16 * 1024
+#: Per-program epoch counters of the graph lane: at least the largest grid (one program per SM).
+GRAPH_SLOTS = 256
+
+
+def graph_data_bytes() -> int:
+    """Per-parity bytes of the graph lane: calls captured in CUDA graphs up to this size use it
+    (``COMMFUSE_GRAPH_BYTES``, default 4 MiB: decode batches of 64 at hidden size 16384)."""
+    return _round_up(int(os.environ.get("COMMFUSE_GRAPH_BYTES", str(4 << 20))), _ALIGN)
+
+
+@dataclasses.dataclass
+class GraphLane:
+    """A fixed-size symmetric buffer ``[int64 flags][data parity 0][data parity 1]`` plus a local
+    ``counter`` of the lane's epoch per program. Kernels read the epoch from ``counter`` and advance
+    it themselves, so the same launch can be captured once and replayed any number of times. It is
+    never grown or freed while the process runs: captured graphs hold its addresses."""
+
+    group_name: str
+    rank: int
+    world: int
+    buffer: torch.Tensor
+    heap_bases: torch.Tensor
+    counter: torch.Tensor  # int64 [GRAPH_SLOTS], local
+    data_bytes: int
+    max_programs: int
+    _keepalive: object = None
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.buffer[:GRAPH_FLAG_BYTES].view(torch.int64)
+
+    def data(self, dtype: torch.dtype) -> torch.Tensor:
+        """Both parities, as one flat tensor of ``dtype`` (parity p starts at p * half_elems)."""
+        return self.buffer[GRAPH_FLAG_BYTES:].view(dtype)
+
+    def half_elems(self, dtype: torch.dtype) -> int:
+        return self.data_bytes // dtype.itemsize
+
+
 _workspaces: dict[tuple[str, str], Workspace] = {}
+_lanes: dict[tuple[str, str], GraphLane] = {}
 _planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
 _lock = threading.Lock()
 
@@ -180,6 +225,13 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
                  (FLAG_BYTES + 2 * size) >> 20, group_name, key[1])
         buf, bases, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
         buf[:FLAG_BYTES].zero_()
+        if key not in _lanes:  # with the first workspace, so it exists before any capture
+            lane_bytes = graph_data_bytes()
+            lbuf, lbases, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
+            lbuf[:GRAPH_FLAG_BYTES].zero_()
+            counter = torch.zeros(GRAPH_SLOTS, dtype=torch.int64, device=device)
+            _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf, lbases, counter,
+                                    lane_bytes, min(sms, GRAPH_SLOTS), _keepalive=lhandle)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
         ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, max_programs=sms,
@@ -188,7 +240,14 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         return ws
 
 
+def graph_lane(group_name: str) -> GraphLane | None:
+    """The group's graph lane, or None before the group's first symmetric call allocated it."""
+    return _lanes.get((group_name, provider_name()))
+
+
 def release_all() -> None:
-    """Drop every workspace (tests, teardown). Not collective; call on every rank together."""
+    """Drop every workspace and graph lane (tests, teardown). Not collective; call on every rank
+    together, and never replay a CUDA graph captured before (it holds the lanes' addresses)."""
     with _lock:
         _workspaces.clear()
+        _lanes.clear()

@@ -46,8 +46,10 @@ def signal_peers(flags, slot, epoch, rank, heap_bases, WORLD: tl.constexpr):
 
 @triton.jit
 def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
-    """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed."""
+    """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed.
+    Returns nonzero if a peer was late (the error word names it)."""
     start = globaltimer()
+    any_late = 0
     for peer in tl.static_range(WORLD):
         ptr = flags + slot * WORLD + peer
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
@@ -61,25 +63,29 @@ def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: 
             tl.store(err + 2, rank)
             tl.store(err + 3, peer)
             tl.store(err, 1)
+            any_late = 1
     tl.debug_barrier()
+    return any_late
 
 
 class ErrorWord:
     """A pinned host int32[4] the kernels write on timeout; read without synchronising the GPU."""
 
     _word: torch.Tensor | None = None
+    _host = None  # a numpy view of the same memory: reading it costs no tensor op (every call checks)
 
     @classmethod
     def get(cls) -> torch.Tensor:
         if cls._word is None:
             cls._word = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+            cls._host = cls._word.numpy()
         return cls._word
 
     @classmethod
     def check(cls, during: str | None = None) -> None:
         """Raise if any earlier kernel timed out. ``during`` names the op being called now."""
         word = cls._word
-        if word is None or int(word[0]) == 0:
+        if word is None or cls._host[0] == 0:
             return
         op, rank, peer = (int(x) for x in word[1:])
         word.zero_()

@@ -6,7 +6,6 @@ tests in the same order (they are collective). Without torchrun or GPUs they ski
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,42 +14,12 @@ import torch.distributed as dist
 import commfuse
 from commfuse.kernels import symm
 from commfuse.kernels.sync import check_errors
+from gpu_util import gather_all, poison, relerr
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="session")
-def nccl():
-    if "RANK" not in os.environ or not torch.cuda.is_available():
-        pytest.skip("GPU tests run under torchrun with one GPU per rank")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    # cuBLAS may otherwise reduce split-K partial sums in bf16/fp16 for small M, an error of the
-    # GEMM itself (the unfused graph has it too) that would hide or mimic ours.
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    yield dist.group.WORLD
-
-
-def _poison():
-    """Fill freed allocator blocks with NaN so an output element nobody writes shows up."""
-    blocks = [torch.full((1 << 26,), float("nan"), device="cuda", dtype=torch.float32) for _ in range(4)]
-    del blocks
-
-
-def _all(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return out
-
-
-def _relerr(got, want):
-    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
-    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
-
-
-@pytest.fixture(params=["default", "one_shot", "two_shot", "overlap", "ce_overlap"])
+@pytest.fixture(params=["default", "one_shot", "two_shot", "overlap", "ce_overlap", "graph"])
 def algo(request, monkeypatch):
     if request.param != "default":
         monkeypatch.setenv("COMMFUSE_ALGO", request.param)
@@ -72,13 +41,13 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
     c = torch.randn(n, device="cuda", dtype=dtype) if bias else None
-    _poison()
+    poison()
     out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
-    ref = sum(x.float() @ y.float() for x, y in zip(_all(a), _all(b)))
+    ref = sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
     if bias:
-        ref = ref + sum(t.float() for t in _all(c))
+        ref = ref + sum(t.float() for t in gather_all(c))
     check_errors()
-    assert _relerr(out, ref) < 1e-2
+    assert relerr(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003))])
@@ -90,13 +59,13 @@ def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkey
     shard = torch.randn(*shape, device="cuda", dtype=dtype)
     torch.manual_seed(7)
     b = torch.randn(shape[-1], 771, device="cuda", dtype=dtype) / shape[-1] ** 0.5
-    _poison()
+    poison()
     out, gathered = torch.ops.commfuse.all_gather_mm(shard, b, None, gather_dim, 2, nccl.group_name, True)
-    want_gathered = torch.cat(_all(shard), dim=gather_dim)
+    want_gathered = torch.cat(gather_all(shard), dim=gather_dim)
     check_errors()
     assert torch.equal(gathered, want_gathered)
     ref = want_gathered.float().reshape(-1, shape[-1]) @ b.float()
-    assert _relerr(out, ref) < 1e-2
+    assert relerr(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("scatter_dim, shape", [(0, (2, 771)), (0, (14, 771)), (0, (258, 771)), (0, (2000, 771)),
@@ -111,12 +80,12 @@ def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, m
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
     c = torch.randn(n, device="cuda", dtype=dtype)
-    _poison()
+    poison()
     out = torch.ops.commfuse.mm_reduce_scatter(a, b, c, list(shape), scatter_dim, 2, nccl.group_name)
-    total = sum((x.float() @ y.float() + z.float()).view(shape) for x, y, z in zip(_all(a), _all(b), _all(c)))
+    total = sum((x.float() @ y.float() + z.float()).view(shape) for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
     check_errors()
     assert out.shape == total.chunk(2, dim=scatter_dim)[0].shape
-    assert _relerr(out, total.chunk(2, dim=scatter_dim)[dist.get_rank()]) < 1e-2
+    assert relerr(out, total.chunk(2, dim=scatter_dim)[dist.get_rank()]) < 1e-2
 
 
 def test_compiled_tp_mlp_matches_eager(nccl):
@@ -134,7 +103,7 @@ def test_compiled_tp_mlp_matches_eager(nccl):
         want = mlp(x)
     check_errors()
     assert len(commfuse.report().fused) == 1
-    assert _relerr(got, want) < 1e-2
+    assert relerr(got, want) < 1e-2
 
 
 def test_back_to_back_mixed_shapes(nccl):
@@ -148,13 +117,13 @@ def test_back_to_back_mixed_shapes(nccl):
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         if i % 2:
             out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
-            check = lambda: sum(x.float() @ y.float() for x, y in zip(_all(a), _all(b)))
+            check = lambda: sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
         else:
             out, _ = torch.ops.commfuse.all_gather_mm(a, b, None, 0, 2, nccl.group_name, False)
-            check = lambda: torch.cat(_all(a)).float() @ b.float()
+            check = lambda: torch.cat(gather_all(a)).float() @ b.float()
         if i % 100 in (98, 99):
             check_errors()
-            assert _relerr(out, check()) < 1e-2, f"call {i}: {m}x{k}x{n}"
+            assert relerr(out, check()) < 1e-2, f"call {i}: {m}x{k}x{n}"
     check_errors()
 
 

@@ -1,0 +1,103 @@
+"""CUDA graphs: ``mm_all_reduce`` captured once and replayed uses the graph lane, whose epochs live
+on the device, and stays correct over 1000 replays mixed with eager calls of both lanes.
+
+Run under ``torchrun --nproc_per_node=2 -m pytest -m gpu tests/gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commfuse
+from commfuse.kernels import exchange, symm
+from commfuse.kernels.sync import check_errors
+from gpu_util import gather_all, relerr
+
+pytestmark = pytest.mark.gpu
+
+
+def _reference(a, b):
+    return sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
+
+
+def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch):
+    m, k, n = 16, 1003, 771
+    torch.manual_seed(7 + dist.get_rank())
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # eager: creates the lanes
+    launched = []
+    real = exchange.staged_all_reduce
+    monkeypatch.setattr(exchange, "staged_all_reduce", lambda *x, **kw: launched.append(1) or real(*x, **kw))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # warm-up (not captured: one-shot)
+        with torch.cuda.graph(graph, stream=stream):
+            out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert len(launched) == 1, "the capture did not take the graph lane"
+    other = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
+    for i in range(1000):
+        a.copy_(torch.randn_like(a))  # fresh data every replay
+        graph.replay()
+        if i % 7 == 3:  # eager calls of the host-epoch lane in between
+            monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
+            got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
+            monkeypatch.delenv("COMMFUSE_ALGO")
+            if i % 100 == 3:
+                assert relerr(got, _reference(other, w)) < 1e-2
+        if i % 11 == 5:  # and eager calls of the graph lane itself
+            monkeypatch.setenv("COMMFUSE_ALGO", "graph")
+            torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
+            monkeypatch.delenv("COMMFUSE_ALGO")
+        if i % 100 == 99:
+            check_errors()
+            assert relerr(out, _reference(a, b)) < 1e-2, f"replay {i}"
+    check_errors()
+
+
+def test_reduce_overhead_compile_matches_eager(nccl):
+    """``commfuse.backend(mode="reduce-overhead")`` on a DTensor TP MLP: fused, graph-replayed,
+    equal to eager on fresh inputs for 50 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+    mlp = parallelize_module(mlp.cuda().bfloat16(), init_device_mesh("cuda", (2,)),
+                             {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    commfuse.clear_report()
+    compiled = torch.compile(mlp, backend=commfuse.backend(mode="reduce-overhead"))
+    torch.manual_seed(1)  # the same inputs on both ranks (the MLP's input is replicated)
+    with torch.no_grad():
+        for step in range(50):
+            x = torch.randn(4, 8, 1024, device="cuda", dtype=torch.bfloat16)
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x).clone()
+            assert relerr(got, mlp(x)) < 1e-2, f"step {step}"
+    check_errors()
+    assert len(commfuse.report().fused) == 1
+
+
+def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch):
+    """No host code runs between replays to raise: a graph-lane call whose peer never comes
+    leaves NaN in its output and the error word set."""
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
+    monkeypatch.setenv("COMMFUSE_ALGO", "graph")
+    a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+    check_errors()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        torch.cuda.synchronize()
+        assert torch.isnan(out).all()
+        with pytest.raises(RuntimeError, match=r"mm_all_reduce: rank 0 timed out after 1 s waiting for rank 1"):
+            check_errors()
+    dist.barrier()
+    symm.release_all()  # the lanes' epochs now differ between ranks: start over
