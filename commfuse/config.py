@@ -14,6 +14,19 @@ PATTERNS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 #: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing.
 DEFAULT_MIN_MNK = 1 << 15
 
+#: Without CUDA graphs, matmuls whose output is at most this many bytes stay unfused: they are
+#: launch-bound (decode), and the fused op's host cost (Python dispatch, a Triton launch) exceeds
+#: the few microseconds of GPU time it saves. Measured on 2xH200: decode steps 0.82-0.85x of
+#: Inductor when fused without graphs, faster than Inductor with them (benchmarks/results/h200x2).
+DEFAULT_LAUNCH_BOUND_BYTES = 1 << 20
+
+
+def default_launch_bound_bytes() -> int:
+    """``COMMFUSE_LAUNCH_BOUND_BYTES`` if set (0 fuses every size), else the default."""
+    import os
+
+    return int(os.environ.get("COMMFUSE_LAUNCH_BOUND_BYTES", DEFAULT_LAUNCH_BOUND_BYTES))
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -23,6 +36,7 @@ class Settings:
     exclude_classes: tuple[type, ...] = ()
     exclude_names: tuple[str, ...] = ()
     min_mnk: int = DEFAULT_MIN_MNK
+    launch_bound_bytes: int | None = None  # None: default_launch_bound_bytes() when the pass runs
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.patterns) - set(PATTERNS))
@@ -38,6 +52,7 @@ class Settings:
         patterns: Iterable[str] | None = None,
         exclude: Iterable[Any] = (),
         min_mnk: int = DEFAULT_MIN_MNK,
+        launch_bound_bytes: int | None = None,
     ) -> "Settings":
         """Sort ``exclude`` entries into classes and name patterns; instances are marked in place."""
         from .exclusion import exclude as exclude_instance
@@ -61,6 +76,7 @@ class Settings:
             exclude_classes=tuple(classes),
             exclude_names=tuple(names),
             min_mnk=int(min_mnk),
+            launch_bound_bytes=None if launch_bound_bytes is None else int(launch_bound_bytes),
         )
 
     @property
@@ -70,4 +86,8 @@ class Settings:
     def key(self) -> str:
         """A stable text of every setting that changes what the pass does."""
         classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
-        return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk))
+        return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk,
+                     self.launch_bound()))
+
+    def launch_bound(self) -> int:
+        return default_launch_bound_bytes() if self.launch_bound_bytes is None else self.launch_bound_bytes

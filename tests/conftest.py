@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# The tests' shapes are small: fuse them even without CUDA graphs (the launch-bound rule has its own
+# tests, which set the bound explicitly). Subprocesses inherit this.
+os.environ.setdefault("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
+
 import pytest
 import torch
 

@@ -17,9 +17,14 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1) == "nccl"  # nothing to exchange
     assert dispatch.mm_all_reduce(0, 4096, 8192, BF16, world) == "nccl"
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "one_shot"  # 256 KiB
-    mid = dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world)  # 32 MiB, too little GEMM to hide it
+    mid = dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world)  # 32 MiB
     assert mid == ("one_shot" if world == 2 else "two_shot")
+    # the copy-engine overlap lost inside models (launch-bound steps): only taken when forced
+    big = dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world)
+    assert big == ("one_shot" if world == 2 else "two_shot")
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "ce_overlap"
+    monkeypatch.delenv("COMMFUSE_ALGO")
     assert dispatch.mm_all_reduce(1 << 16, 4096, 16384, BF16, world) == "nccl"  # 2 GiB: past the cap
 
 

@@ -178,6 +178,34 @@ def test_size_threshold(world2):
     assert calls(code, AR) == 1
 
 
+def test_launch_bound_sizes_stay_unfused_without_cuda_graphs(world2):
+    """Decode-sized outputs: the fused op's host cost exceeds its GPU saving unless the graph runs
+    as a CUDA graph, so they fuse only with cudagraphs on (or a bound of 0)."""
+    a, w = torch.randn(8, 16), torch.randn(16, 8)  # output 8 x 8 fp32 = 256 bytes
+
+    def f(a, w):
+        return _ar(a @ w)
+
+    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=0, launch_bound_bytes=256))
+    assert calls(code, AR) == 0
+    assert "launch-bound without CUDA graphs" in _only("mm_all_reduce").reason
+    for backend in (commfuse.backend(min_mnk=0, launch_bound_bytes=255),
+                    commfuse.backend(min_mnk=0, launch_bound_bytes=256,
+                                     inductor_config={"triton.cudagraphs": True})):
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        _, code = compile_code(f, a, w, backend=backend)
+        assert calls(code, AR) == 1
+
+
+def test_backend_mode_sets_inductor_options():
+    assert commfuse.backend(mode="reduce-overhead").inductor_config == {"triton.cudagraphs": True}
+    assert commfuse.backend(mode="reduce-overhead", inductor_config={"triton.cudagraphs": False}) \
+        .inductor_config == {"triton.cudagraphs": False}  # explicit settings win
+    with pytest.raises(RuntimeError, match="Unrecognized mode"):
+        commfuse.backend(mode="fastest")
+
+
 def test_pattern_disabled(world2):
     a, w = torch.randn(64, 32), torch.randn(32, 48)
     _, code = compile_code(lambda a, w: _ar(a @ w), a, w,

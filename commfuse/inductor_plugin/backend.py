@@ -49,6 +49,7 @@ def backend(
     exclude: Iterable[Any] = (),
     patterns: Iterable[str] | None = None,
     min_mnk: int = DEFAULT_MIN_MNK,
+    launch_bound_bytes: int | None = None,
     mode: str | None = None,
     inductor_config: dict[str, Any] | None = None,
 ) -> CommfuseBackend:
@@ -59,6 +60,10 @@ def backend(
             to the compiled module, e.g. ``"layers.0.*"``) whose matmuls stay unfused.
         patterns: which rewrites run, from ``commfuse.PATTERNS`` (default: all).
         min_mnk: matmuls with M*N*K below this stay unfused.
+        launch_bound_bytes: without CUDA graphs, matmuls whose output has at most this many bytes
+            stay unfused (launch-bound: the fused op's host cost outweighs its GPU saving); 0 fuses
+            them too. Default: ``COMMFUSE_LAUNCH_BOUND_BYTES`` or 1 MiB. With
+            ``mode="reduce-overhead"`` they fuse.
         mode: an Inductor mode, as ``torch.compile(mode=...)`` takes for Inductor (which it
             refuses for other backends): ``"reduce-overhead"`` runs the graphs as CUDA graphs, where
             ``mm_all_reduce`` uses the graph lane (device-side epochs).
@@ -67,7 +72,8 @@ def backend(
     """
     from torch._inductor import list_mode_options
 
-    settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk)
+    settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk,
+                              launch_bound_bytes=launch_bound_bytes)
     config = dict(list_mode_options(mode)) if mode else {}
     config.update(inductor_config or {})
     return CommfuseBackend(settings, config)

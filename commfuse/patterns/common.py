@@ -148,9 +148,23 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
     size = math.prod(mnk(a, b))
     if statically_known_true(size < settings.min_mnk):
         raise Skip(f"M*N*K={size} is below the size threshold min_mnk={settings.min_mnk}")
+    m, _, n = mnk(a, b)
+    out_bytes = m * n * va.dtype.itemsize
+    bound = settings.launch_bound()
+    if not _cudagraphs() and statically_known_true(out_bytes <= bound):
+        raise Skip(f"output of {out_bytes} bytes is launch-bound without CUDA graphs (at most "
+                   f"launch_bound_bytes={bound}): the unfused ops cost less host "
+                   'time; mode="reduce-overhead" fuses it')
     reason = excluded_by(mm, settings)
     if reason:
         raise Skip(reason)
+
+
+def _cudagraphs() -> bool:
+    """Whether this compile runs its graphs as CUDA graphs (``mode="reduce-overhead"``)."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
 
 
 def _fake_value(target, args: tuple) -> Any:
