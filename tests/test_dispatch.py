@@ -70,7 +70,7 @@ def _workspace(data_bytes=1 << 12):
 def test_workspace_epochs_and_parity():
     ws = _workspace()
     assert [ws.next_epoch() for _ in range(3)] == [(1, 1), (2, 0), (3, 1)]
-    assert ws.flags.numel() == symm.FLAG_BYTES // 4
+    assert ws.flags.numel() == (symm.FLAG_BYTES - symm.BASES_BYTES) // 4
 
 
 def test_workspace_halves_do_not_overlap():

@@ -11,7 +11,12 @@ Kernels address peers through Iris's RMA primitives, which translate a local poi
 Each group also gets a *graph lane* (``GraphLane``), a second, fixed-size buffer that CUDA-graph
 replays use: its epochs live on the device, so a replay needs no host step (see ``exchange.py``).
 
-Layout of a workspace: ``[flags: FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch
+Every device tensor a workspace or lane keeps (flags, heap bases, epoch counters) lives inside its
+symmetric buffer, never in PyTorch's caching allocator: the first call of a group may run inside a
+CUDA-graph warm-up, whose allocations come from the graph's private pool and are reused by later
+captures (a heap-bases table there was overwritten: illegal addresses).
+
+Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch
 counters that only grow, so they never need resetting; the two data halves alternate between calls,
 which (with the flag wait at the start of every kernel) keeps a fast rank from overwriting data a
 slow peer is still reading. Allocation is collective and slow: it happens lazily on the first call
@@ -31,6 +36,8 @@ import torch.distributed as dist
 from ..report import log
 
 FLAG_BYTES = 64 * 1024
+#: The last bytes of each header hold the heap-bases table (int64 per rank): up to 128 ranks.
+BASES_BYTES = 1024
 #: Flags are int32: epochs restart (collectively, flags zeroed) well before they could overflow.
 EPOCH_LIMIT = 1 << 30
 MIN_DATA_BYTES = 16 * 1024 * 1024  # per parity; a first allocation serves many later shapes
@@ -54,7 +61,7 @@ class Workspace:
     rank: int
     world: int
     buffer: torch.Tensor  # uint8, FLAG_BYTES + 2 * data_bytes, on this rank
-    heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap)
+    heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap), in ``buffer``
     data_bytes: int
     max_programs: int = 132  # the smallest SM count of the group: every rank launches the same grid
     epoch: int = 0
@@ -63,7 +70,7 @@ class Workspace:
 
     @property
     def flags(self) -> torch.Tensor:
-        return self.buffer[:FLAG_BYTES].view(torch.int32)
+        return self.buffer[:FLAG_BYTES - BASES_BYTES].view(torch.int32)
 
     def next_epoch(self) -> tuple[int, int]:
         """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""
@@ -105,10 +112,12 @@ class Workspace:
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
 
 
-#: Graph-lane flags are int64 (epochs never wrap); one slot per program per rank.
+#: Graph-lane header: int64 flags (epochs never wrap; one slot per program per rank), then the
+#: per-program epoch counters, then the heap bases.
 GRAPH_FLAG_BYTES = 16 * 1024
 #: Per-program epoch counters of the graph lane: at least the largest grid (one program per SM).
 GRAPH_SLOTS = 256
+_LANE_COUNTER_AT = GRAPH_FLAG_BYTES - BASES_BYTES - GRAPH_SLOTS * 8
 
 
 def graph_data_bytes() -> int:
@@ -129,14 +138,18 @@ class GraphLane:
     world: int
     buffer: torch.Tensor
     heap_bases: torch.Tensor
-    counter: torch.Tensor  # int64 [GRAPH_SLOTS], local
     data_bytes: int
     max_programs: int
     _keepalive: object = None
 
     @property
     def flags(self) -> torch.Tensor:
-        return self.buffer[:GRAPH_FLAG_BYTES].view(torch.int64)
+        return self.buffer[:_LANE_COUNTER_AT].view(torch.int64)
+
+    @property
+    def counter(self) -> torch.Tensor:
+        """int64 [GRAPH_SLOTS]: this rank's epoch per program (only this rank reads or writes it)."""
+        return self.buffer[_LANE_COUNTER_AT:GRAPH_FLAG_BYTES - BASES_BYTES].view(torch.int64)
 
     def data(self, dtype: torch.dtype) -> torch.Tensor:
         """Both parities, as one flat tensor of ``dtype`` (parity p starts at p * half_elems)."""
@@ -169,8 +182,7 @@ def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
             pass
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, group_name)
-    bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-    return buf, bases, handle
+    return buf, list(handle.buffer_ptrs), handle
 
 
 _iris_ctx = None
@@ -195,8 +207,18 @@ def _allocate_iris(group_name: str, nbytes: int, device: torch.device):
         raise RuntimeError("commfuse: the Iris provider supports only the WORLD group; use the torch provider")
     ctx = iris_context()
     buf = ctx.zeros(nbytes, dtype=torch.uint8)
-    bases = ctx.get_heap_bases().to(device=device, dtype=torch.int64)
-    return buf, bases, ctx
+    return buf, [int(x) for x in ctx.get_heap_bases().tolist()], ctx
+
+
+def _header(buf: torch.Tensor, header_bytes: int, ptrs: list[int]) -> torch.Tensor:
+    """Zero a buffer's header (flags, counters) and write the heap bases at its end; returns them
+    as an int64 view of the buffer (no allocation: see the module docstring)."""
+    if 8 * len(ptrs) > BASES_BYTES:
+        raise RuntimeError(f"commfuse: groups of more than {BASES_BYTES // 8} ranks are not supported")
+    buf[:header_bytes].zero_()
+    bases = buf[header_bytes - BASES_BYTES:header_bytes - BASES_BYTES + 8 * len(ptrs)].view(torch.int64)
+    bases.copy_(torch.tensor(ptrs, dtype=torch.int64))
+    return bases
 
 
 def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspace:
@@ -223,15 +245,14 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         alloc = _allocate_iris if key[1] == "iris" else _allocate_torch
         log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
                  (FLAG_BYTES + 2 * size) >> 20, group_name, key[1])
-        buf, bases, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
-        buf[:FLAG_BYTES].zero_()
+        buf, ptrs, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
+        bases = _header(buf, FLAG_BYTES, ptrs)
         if key not in _lanes:  # with the first workspace, so it exists before any capture
             lane_bytes = graph_data_bytes()
-            lbuf, lbases, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
-            lbuf[:GRAPH_FLAG_BYTES].zero_()
-            counter = torch.zeros(GRAPH_SLOTS, dtype=torch.int64, device=device)
-            _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf, lbases, counter,
-                                    lane_bytes, min(sms, GRAPH_SLOTS), _keepalive=lhandle)
+            lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
+            _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf,
+                                    _header(lbuf, GRAPH_FLAG_BYTES, lptrs), lane_bytes,
+                                    min(sms, GRAPH_SLOTS), _keepalive=lhandle)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
         ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, max_programs=sms,

@@ -101,3 +101,33 @@ def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch):
             check_errors()
     dist.barrier()
     symm.release_all()  # the lanes' epochs now differ between ranks: start over
+
+
+def test_first_call_inside_a_graph_warm_up_and_two_graphed_models(nccl):
+    """The group's first symmetric call happens inside a CUDA-graph warm-up (allocations there come
+    from the graph's private pool, which later captures reuse): the lanes' tables must not live
+    there. Two graphed models then alternate, each equal to eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    symm.release_all()
+    assert symm.graph_lane(nccl.group_name) is None
+    mesh = init_device_mesh("cuda", (2,))
+    models = []
+    for width in (2048, 4096):
+        torch.manual_seed(width)
+        mlp = torch.nn.Sequential(torch.nn.Linear(1024, width), torch.nn.GELU(), torch.nn.Linear(width, 1024))
+        mlp = parallelize_module(mlp.cuda().bfloat16(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        models.append((mlp, torch.compile(mlp, backend=commfuse.backend(mode="reduce-overhead"))))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for step in range(40):
+            mlp, compiled = models[step % 2]
+            x = torch.randn(4, 8, 1024, device="cuda", dtype=torch.bfloat16)
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x).clone()
+            assert relerr(got, mlp(x)) < 1e-2, f"step {step}"
+    check_errors()
+    assert symm.graph_lane(nccl.group_name) is not None
