@@ -175,3 +175,40 @@ def test_bias_must_broadcast(world2):
         torch.ops.commfuse.mm_all_reduce(a, b, bias, group_name())
     with pytest.raises(RuntimeError, match=r"bias \(5, 6\) does not broadcast to \(8, 6\)"):
         torch.ops.commfuse.mm_all_reduce(a, b, torch.randn(5, 6), group_name())
+
+
+def test_workspace_allocation_runs_off_the_callers_thread(world2, monkeypatch):
+    """A CUDA-graph warm-up sends its thread's allocations to the graph's pool, which captures
+    reuse: allocation happens on a helper thread, and the tables live inside the buffers."""
+    import threading
+    from types import SimpleNamespace
+
+    from helpers import group_name
+
+    threads, buffers = [], []
+
+    def fake_alloc(name, nbytes, device):
+        threads.append(threading.get_ident())
+        buffers.append(torch.zeros(nbytes, dtype=torch.uint8))
+        return buffers[-1], [1000 * len(buffers), 1000 * len(buffers) + 1], None
+
+    monkeypatch.setattr(symm, "_allocate_torch", fake_alloc)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.delenv("COMMFUSE_SYMM_PROVIDER", raising=False)
+    symm.release_all()
+    try:
+        ws = symm.workspace(group_name(), 1024, torch.device("cpu"))
+        lane = symm.graph_lane(group_name())
+        assert len(threads) == 2 and threading.get_ident() not in threads  # workspace, then lane
+        for holder, buf, ptrs in ((ws, buffers[0], [1000, 1001]), (lane, buffers[1], [2000, 2001])):
+            assert holder.heap_bases.tolist() == ptrs
+            assert holder.heap_bases.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert lane.counter.untyped_storage().data_ptr() == buffers[1].untyped_storage().data_ptr()
+        assert lane.counter.eq(0).all() and lane.counter.numel() == symm.GRAPH_SLOTS
+        assert symm.workspace(group_name(), 1024, torch.device("cpu")) is ws  # no second allocation
+        monkeypatch.setattr(symm, "_allocate_torch", lambda *a: (_ for _ in ()).throw(RuntimeError("no memory")))
+        with pytest.raises(RuntimeError, match="no memory"):  # the helper thread's error reaches the caller
+            symm.workspace(group_name(), 1 << 30, torch.device("cpu"))
+    finally:
+        symm.release_all()

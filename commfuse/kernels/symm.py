@@ -228,37 +228,64 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         ws = _workspaces.get(key)
         if ws is not None and ws.data_bytes >= data_bytes:
             return ws
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        _outside_graph_pools(device, _allocate, key, data_bytes, device, ws)
+        return _workspaces[key]
 
-        group = _resolve_process_group(group_name)
-        size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group_name, 0),
-                   0 if ws is None else 2 * ws.data_bytes)
-        # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest
-        # size, and on the smallest SM count so every rank launches the same grids.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        agreed = torch.tensor([size, -sms], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        size, sms = _round_up(int(agreed[0]), _ALIGN), -int(agreed[1])
-        if ws is not None:  # every rank must be done with the old buffer before anyone frees it
-            torch.cuda.synchronize(device)
-            dist.barrier(group=group)
-        alloc = _allocate_iris if key[1] == "iris" else _allocate_torch
-        log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
-                 (FLAG_BYTES + 2 * size) >> 20, group_name, key[1])
-        buf, ptrs, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
-        bases = _header(buf, FLAG_BYTES, ptrs)
-        if key not in _lanes:  # with the first workspace, so it exists before any capture
-            lane_bytes = graph_data_bytes()
-            lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
-            _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf,
-                                    _header(lbuf, GRAPH_FLAG_BYTES, lptrs), lane_bytes,
-                                    min(sms, GRAPH_SLOTS), _keepalive=lhandle)
+
+def _outside_graph_pools(device: torch.device, fn, *args) -> None:
+    """Run ``fn`` on a helper thread. A CUDA-graph warm-up (Inductor's ``reduce-overhead``) sends
+    every allocation of *its* thread to the graph's private pool, which later captures reuse: the
+    allocation's temporaries (and anything a provider allocates) must not land there."""
+    failure: list[BaseException] = []
+
+    def target():
+        try:
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
+            fn(*args)
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="commfuse-symm-alloc")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: Workspace | None) -> None:
+    """Collective: a (larger) workspace for ``key``, and the group's graph lane on first use."""
+    group_name = key[0]
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group_name, 0),
+               0 if ws is None else 2 * ws.data_bytes)
+    # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest
+    # size, and on the smallest SM count so every rank launches the same grids.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    agreed = torch.tensor([size, -sms], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    size, sms = _round_up(int(agreed[0]), _ALIGN), -int(agreed[1])
+    if ws is not None:  # every rank must be done with the old buffer before anyone frees it
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
-        ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, max_programs=sms,
-                       _keepalive=handle)
-        _workspaces[key] = ws
-        return ws
+        dist.barrier(group=group)
+    alloc = _allocate_iris if key[1] == "iris" else _allocate_torch
+    log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
+             (FLAG_BYTES + 2 * size) >> 20, group_name, key[1])
+    buf, ptrs, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
+    bases = _header(buf, FLAG_BYTES, ptrs)
+    if key not in _lanes:  # with the first workspace, so it exists before any capture
+        lane_bytes = graph_data_bytes()
+        lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
+        _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf,
+                                _header(lbuf, GRAPH_FLAG_BYTES, lptrs), lane_bytes,
+                                min(sms, GRAPH_SLOTS), _keepalive=lhandle)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
+    ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, max_programs=sms,
+                   _keepalive=handle)
+    _workspaces[key] = ws
 
 
 def graph_lane(group_name: str) -> GraphLane | None:
