@@ -223,6 +223,25 @@ def _line(rec: dict) -> str:
     return f"{rec['model']:>7} {rec['mode']:<7} ms: {ms};{extra}; fused {rec.get('fused')}"
 
 
+def table(paths: list[str]) -> str:
+    """A markdown table of model-benchmark JSON files (one row per model and mode)."""
+    rows = ["| model | mode | inductor ms | commfuse ms | floor ms | commfuse / inductor | comm. hidden "
+            "| compile vs inductor | fused | commit |", "|" + "---|" * 10]
+    for path in paths:
+        with open(path) as f:
+            records = json.load(f)
+        commit = os.path.basename(path).rsplit("_", 1)[-1].removesuffix(".json")
+        for r in records:
+            ms = r["ms"]
+            get = lambda b: f"{ms[b]:.2f}" if b in ms else "-"  # noqa: E731
+            speed = f"{r['speedup_vs_inductor']:.3f}x" if "speedup_vs_inductor" in r else "-"
+            hidden = f"{100 * r['hidden_share']:.0f}%" if "hidden_share" in r else "-"
+            comp = f"{r['compile_ratio']:.2f}x" if "compile_ratio" in r else "-"
+            rows.append(f"| {r['model']} | {r['mode']} | {get('inductor')} | {get('commfuse')} | "
+                        f"{get('floor')} | {speed} | {hidden} | {comp} | {r.get('fused', '-')} | {commit} |")
+    return "\n".join(rows)
+
+
 def _write(path: str | None, records: list) -> None:
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -175,11 +175,6 @@ def plan(group_name: str, data_bytes: int) -> None:
 def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
     import torch.distributed._symmetric_memory as symm_mem
 
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        try:
-            symm_mem.enable_symm_mem_for_group(group_name)
-        except Exception:  # already enabled, or not needed on this torch
-            pass
     buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, group_name)
     return buf, list(handle.buffer_ptrs), handle
