@@ -32,13 +32,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=None,
                    help="key/value heads (default: 4, or the world size if larger)")
     p.add_argument("--ffn-dim", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64, help="full sequence length (sharded under --model sp)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512,
+                   help="full sequence length (sharded under --model sp); with --batch, the token count M "
+                   "(at the defaults 4096 tokens: outputs above the launch-bound size)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--inference", action="store_true", help="forward only, under torch.no_grad()")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="qualified-name pattern to opt out, e.g. 'layers.0.*' (repeatable)")
     p.add_argument("--min-mnk", type=int, default=None, help="size threshold (default: the backend's)")
+    p.add_argument("--launch-bound-bytes", type=int, default=None,
+                   help="outputs up to this size stay unfused without CUDA graphs (default: the backend's)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help='decide as a mode="reduce-overhead" compile would (launch-bound sizes fuse)')
     return p
 
 
@@ -76,7 +82,9 @@ def run(args: argparse.Namespace):
         seq //= world
     x = torch.randn(args.batch, seq, cfg.dim, dtype=dtype, requires_grad=not args.inference)
     backend = commfuse.backend(exclude=args.exclude,
-                               min_mnk=DEFAULT_MIN_MNK if args.min_mnk is None else args.min_mnk)
+                               min_mnk=DEFAULT_MIN_MNK if args.min_mnk is None else args.min_mnk,
+                               launch_bound_bytes=args.launch_bound_bytes,
+                               inductor_config={"triton.cudagraphs": True} if args.cuda_graphs else None)
     compiled = torch.compile(model, backend=backend)
     commfuse.clear_report()
     # Caches off: a cached graph skips the pass and would leave its decisions out of the report.

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def _explain(*args: str) -> str:
+def _explain(*args: str, env: dict | None = None) -> str:
     proc = subprocess.run([sys.executable, "-m", "commfuse", "explain", *args],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -37,6 +38,18 @@ def test_explain_hooks_inference_threshold():
     out = _explain("--model", "hooks", "--inference", "--min-mnk", str(10**12))
     assert "commfuse: 0 fused, 4 skipped" in out, out
     assert "below the size threshold" in out
+
+
+@pytest.mark.slow
+def test_explain_launch_bound_decode_sizes_fuse_only_with_cuda_graphs():
+    """With the real default bound (the suite sets it to 0), a decode-sized step stays unfused
+    unless compiled for CUDA graphs; the demo's default sizes are above it."""
+    env = {k: v for k, v in os.environ.items() if k != "COMMFUSE_LAUNCH_BOUND_BYTES"}
+    small = ("--layers", "1", "--batch", "2", "--seq", "64", "--inference")
+    out = _explain(*small, env=env)
+    assert "commfuse: 0 fused, 2 skipped" in out and "launch-bound without CUDA graphs" in out, out
+    assert "commfuse: 2 fused, 0 skipped" in _explain(*small, "--cuda-graphs", env=env)
+    assert "commfuse: 7 fused, 0 skipped" in _explain("--layers", "1", env=env)
 
 
 def test_explain_bad_sizes_are_clear_errors():
