@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -35,25 +38,55 @@ def test_dynamic_token_dimension_compiles_once(world2):
     assert all(not isinstance(r.shape[0], int) for r in commfuse.report().fused)  # M stayed symbolic
 
 
-def test_tp_subgroup_of_a_2d_mesh():
-    """TP x DP = 2 x 2 on 4 fake ranks: fused ops name the TP group, not WORLD."""
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2), (2, 1), (4, 2), (2, 4)])
+def test_tp_subgroup_of_a_2d_mesh(dp, tp):
+    """TP x DP meshes on fake ranks (2 GPUs as 1x2 and 2x1; 4; 8): fused ops name the TP group,
+    not WORLD; a TP group of one rank has nothing to exchange and nothing fuses."""
+    from torch._inductor.utils import run_and_get_code
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    init_fake_pg(4)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    init_fake_pg(dp * tp)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    ref = copy.deepcopy(mlp)
     mlp = parallelize_module(mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    from torch._inductor.utils import run_and_get_code
-
     compiled = torch.compile(mlp, backend=commfuse.backend(min_mnk=0))
-    _, codes = run_and_get_code(lambda: compiled(torch.randn(4, 16, 64, requires_grad=True)).sum().backward())
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    out = {}
+    _, codes = run_and_get_code(lambda: out.setdefault("y", compiled(x)).sum().backward())
     code = "\n".join(codes)
-    tp_name = mesh["tp"].get_group().group_name
-    assert tp_name != dist.group.WORLD.group_name
     fused = commfuse.report().fused
+    if tp == 1:
+        assert not fused and calls(code, "commfuse.mm_all_reduce") == 0
+        torch.testing.assert_close(out["y"], ref(x))  # one rank: the fake group's sums are exact
+        return
+    tp_name = mesh["tp"].get_group().group_name
+    assert (tp_name != dist.group.WORLD.group_name) == (dp > 1)
     assert len(fused) == 2 and {r.group for r in fused} == {tp_name}
     assert calls(code, "commfuse.mm_all_reduce") == 2 and f"'{tp_name}')" in code
+
+
+def test_two_tp_groups_in_one_graph():
+    """Two different groups in one graph: each fused op carries its own group's name."""
+    init_fake_pg(4)
+    ga, gb = dist.new_group([0, 1]), dist.new_group([0, 2])
+    a, b, w = torch.randn(64, 32), torch.randn(64, 32), torch.randn(32, 48)
+
+    def f(a, b, w):
+        return funcol.all_reduce(a @ w, "sum", ga) + funcol.all_reduce(b @ w, "sum", gb)
+
+    _, code = compile_code(f, a, b, w)
+    assert calls(code, "commfuse.mm_all_reduce") == 2
+    assert {r.group for r in commfuse.report().fused} == {ga.group_name, gb.group_name}
+
+
+def test_zero_row_input(world2):
+    x, w = torch.randn(0, 32), torch.randn(32, 24)
+    out, code = compile_code(lambda x, w: funcol.all_reduce(x @ w, "sum", dist.group.WORLD), x, w)
+    assert out.shape == (0, 24)
+    assert calls(code, "commfuse.mm_all_reduce") == 1  # fused; at run time an empty output takes NCCL
 
 
 def test_integer_matmul_stays_unfused(world2):

@@ -151,7 +151,7 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
     m, _, n = mnk(a, b)
     out_bytes = m * n * va.dtype.itemsize
     bound = settings.launch_bound()
-    if not _cudagraphs() and statically_known_true(out_bytes <= bound):
+    if bound > 0 and not _cudagraphs() and statically_known_true(out_bytes <= bound):
         raise Skip(f"output of {out_bytes} bytes is launch-bound without CUDA graphs (at most "
                    f"launch_bound_bytes={bound}): the unfused ops cost less host "
                    'time; mode="reduce-overhead" fuses it')
