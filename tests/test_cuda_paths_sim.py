@@ -1,4 +1,4 @@
-"""The CUDA paths' data movement, simulated on the CPU for 2 ranks.
+"""The CUDA paths' data movement, simulated on the CPU for 2, 4 and 8 ranks.
 
 The Triton exchange kernels and the CUDA streams are replaced by stand-ins that read the peer's
 workspace directly (the peer's data is put there beforehand, as its GEMM or copy would have), so
@@ -15,17 +15,26 @@ import pytest
 import torch
 
 from commfuse.kernels import cuda_paths, exchange, symm
-
-WORLD = 2
+from helpers import init_fake_pg
 
 
 class _Buffers:
-    """Both ranks' workspaces; ``mine`` is the one the call under test runs on."""
+    """Every rank's workspace; ``mine`` is the one the call under test runs on."""
 
-    def __init__(self, rank: int, data_bytes: int = 1 << 16):
-        self.bufs = [torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(WORLD)]
-        self.mine = symm.Workspace("0", rank, WORLD, self.bufs[rank], torch.zeros(WORLD, dtype=torch.int64),
+    def __init__(self, rank: int, world: int, data_bytes: int = 1 << 16):
+        self.world = world
+        self.bufs = [torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+        self.mine = symm.Workspace("0", rank, world, self.bufs[rank], torch.zeros(world, dtype=torch.int64),
                                    data_bytes, _keepalive=self)
+
+    def peer_data(self, peer: int, shape) -> torch.Tensor:
+        """``peer``'s data half of the next call's parity (where its GEMM or copy writes)."""
+        parity = (self.mine.epoch + 1) % 2
+        return self.get_buffer(peer, shape, torch.float32,
+                               (symm.FLAG_BYTES + parity * self.mine.data_bytes) // 4)
+
+    def peers(self):
+        return [p for p in range(self.world) if p != self.mine.rank]
 
     def get_buffer(self, peer, shape, dtype, offset):  # the torch provider's peer views
         start = offset * dtype.itemsize
@@ -38,10 +47,13 @@ class _Buffers:
         return raw.view(like.dtype).view(like.shape)
 
 
-@pytest.fixture(params=[0, 1], ids=["rank0", "rank1"])
-def sim(request, monkeypatch, world2):
-    bufs = _Buffers(request.param)
+@pytest.fixture(params=[(2, 0), (2, 1), (4, 2), (8, 5)], ids=lambda p: f"world{p[0]}-rank{p[1]}")
+def sim(request, monkeypatch):
+    world, rank = request.param
+    init_fake_pg(world)
+    bufs = _Buffers(rank, world)
     ws = bufs.mine
+    WORLD = world
 
     def all_reduce(ws_, partial, out, epoch, algo, op_code, **_):
         out.copy_(sum(bufs.at(p, partial).float() for p in range(WORLD)))
@@ -70,12 +82,12 @@ def sim(request, monkeypatch, world2):
     return bufs
 
 
-def _inputs(m, k, n, bias_kind):
+def _inputs(world, m, k, n, bias_kind):
     torch.manual_seed(3)
-    a = [torch.randn(m, k) for _ in range(WORLD)]
-    b = [torch.randn(k, n) for _ in range(WORLD)]
+    a = [torch.randn(m, k) for _ in range(world)]
+    b = [torch.randn(k, n) for _ in range(world)]
     bias = [None if bias_kind is None else torch.randn(*((n,) if bias_kind == "1d" else (m, n)))
-            for _ in range(WORLD)]
+            for _ in range(world)]
     return a, b, bias
 
 
@@ -88,13 +100,12 @@ def _partial(a, b, bias):
 def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
     monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")  # uneven chunks
-    a, b, bias = _inputs(10, 6, 7, bias_kind)
-    r, peer = sim.mine.rank, 1 - sim.mine.rank
-    parity = (sim.mine.epoch + 1) % 2
-    sim.get_buffer(peer, (10, 7), torch.float32, (symm.FLAG_BYTES + parity * sim.mine.data_bytes) // 4) \
-        .copy_(_partial(a[peer], b[peer], bias[peer]))  # what the peer's GEMM wrote
+    a, b, bias = _inputs(sim.world, 10, 6, 7, bias_kind)
+    r = sim.mine.rank
+    for p in sim.peers():
+        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))  # what the peer's GEMM wrote
     out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
-    want = _partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1])
+    want = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world))
     torch.testing.assert_close(out, want)
 
 
@@ -104,28 +115,29 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
 def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
     torch.manual_seed(4)
-    shards = [torch.randn(*shape) for _ in range(WORLD)]
+    shards = [torch.randn(*shape) for _ in range(sim.world)]
     b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
-    r, peer = sim.mine.rank, 1 - sim.mine.rank
-    parity = (sim.mine.epoch + 1) % 2
-    sim.get_buffer(peer, shape, torch.float32, (symm.FLAG_BYTES + parity * sim.mine.data_bytes) // 4) \
-        .copy_(shards[peer])  # the peer's shard, copied into its workspace
-    out, gathered = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, WORLD, "0")
+    r = sim.mine.rank
+    for p in sim.peers():
+        sim.peer_data(p, shape).copy_(shards[p])  # the peer's shard, copied into its workspace
+    out, gathered = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, sim.world, "0")
     want_gathered = torch.cat(shards, dim=gather_dim)
     torch.testing.assert_close(gathered, want_gathered)
     torch.testing.assert_close(out, _partial(want_gathered.reshape(-1, 6), b, bias))
 
 
-@pytest.mark.parametrize("algo, shape, scatter_dim", [
-    ("symm", [8, 7], 0), ("symm", [2, 4, 7], 1), ("ce_overlap", [8, 7], 0), ("ce_overlap", [4, 2, 7], 0)])
+@pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
+    ("symm", 4, lambda w: [4 * w, 7], 0), ("symm", 4, lambda w: [2, 2 * w, 7], 1),
+    ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0)])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, shape, scatter_dim, bias_kind):
+def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
-    a, b, bias = _inputs(8, 6, 7, bias_kind)
-    r, peer = sim.mine.rank, 1 - sim.mine.rank
-    parity = (sim.mine.epoch + 1) % 2
-    sim.get_buffer(peer, (8, 7), torch.float32, (symm.FLAG_BYTES + parity * sim.mine.data_bytes) // 4) \
-        .copy_(_partial(a[peer], b[peer], bias[peer]))
-    out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, WORLD, "0")
-    total = (_partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1])).view(shape)
-    torch.testing.assert_close(out, total.chunk(WORLD, dim=scatter_dim)[r])
+    m = rows_per_rank * sim.world
+    shape = shape_of(sim.world)
+    a, b, bias = _inputs(sim.world, m, 6, 7, bias_kind)
+    r = sim.mine.rank
+    for p in sim.peers():
+        sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
+    out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
+    total = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)).view(shape)
+    torch.testing.assert_close(out, total.chunk(sim.world, dim=scatter_dim)[r])

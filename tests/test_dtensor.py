@@ -45,7 +45,7 @@ def _by_graph():
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4], indirect=True, ids=["world2", "world4"])
+@pytest.mark.parametrize("world", [2, 4, 8], indirect=True, ids=["world2", "world4", "world8"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_colwise_rowwise_mlp(world, bias):
     mesh = init_device_mesh("cpu", (world,))
@@ -59,7 +59,7 @@ def test_colwise_rowwise_mlp(world, bias):
     }
 
 
-@pytest.mark.parametrize("world", [2, 4], indirect=True, ids=["world2", "world4"])
+@pytest.mark.parametrize("world", [2, 4, 8], indirect=True, ids=["world2", "world4", "world8"])
 def test_sequence_parallel_mlp(world):
     mesh = init_device_mesh("cpu", (world,))
     plan = {
