@@ -32,6 +32,9 @@ def test_all_gather_mm_choice(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     assert dispatch.all_gather_mm(2048, 2048, 2048, BF16, 2) == "symm"  # too little work to hide
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"
+    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "overlap"
+    # GEMM-bound (the gather is a few % of the GEMM): nothing worth the split, unfused
+    assert dispatch.all_gather_mm(8192, 8192, 28672, BF16, 2) == "nccl"
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2, gather_dim=1) == "symm"
     assert dispatch.all_gather_mm(1 << 20, 8192, 1024, BF16, 2) == "nccl"
 
@@ -46,7 +49,10 @@ def test_choice_depends_on_shape_only(monkeypatch):
 def test_forced_algorithm(monkeypatch):
     monkeypatch.setenv("COMMFUSE_ALGO", "two_shot")
     assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "two_shot"
-    assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"  # not an all-gather algo
+    assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"
+    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "overlap"
+    # GEMM-bound (the gather is a few % of the GEMM): nothing worth the split, unfused
+    assert dispatch.all_gather_mm(8192, 8192, 28672, BF16, 2) == "nccl"  # not an all-gather algo
     monkeypatch.setenv("COMMFUSE_ALGO", "nccl")
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "nccl"
     monkeypatch.setenv("COMMFUSE_ALGO", "fastest")

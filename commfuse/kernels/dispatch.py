@@ -93,6 +93,13 @@ def copy_engine_chunks(m: int) -> int:
     return max(1, min(int(env) if env else 4, m, 256))  # one barrier flag slot per chunk
 
 
+#: Each gathered element feeds 2N flops, so from N = 16384 the gather is under ~6% of the GEMM on
+#: H200 (~350 GB/s of NVLink reads against ~700 TFLOP/s): what fusion could save is within the GEMM's
+#: own run-to-run noise (±2%), and splitting the GEMM costs about that much (8192x8192x28672: 0.99-1.04x
+#: over five runs). Such calls take the unfused path.
+AG_GEMM_BOUND_N = 16384
+
+
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
     """``rows``: of the gathered tensor (all ranks)."""
     if capturing():
@@ -100,7 +107,7 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced:
         return forced
-    if not _symmetric_possible(rows * k * dtype.itemsize, world):  # the gathered tensor
+    if not _symmetric_possible(rows * k * dtype.itemsize, world) or n >= AG_GEMM_BOUND_N:
         return "nccl"
     if gather_dim == 0 and (rows // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "overlap"
