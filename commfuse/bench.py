@@ -331,7 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json)")
-    p.add_argument("--models", default="dtensor,sp,hooks", help="model: which TP splits")
+    p.add_argument("--models", default="dtensor,sp,hooks",
+                   help="model: which TP splits (also: hf, transformers' LlamaForCausalLM)")
     p.add_argument("--modes", default="prefill,decode,decode_cg,train",
                    help="model: which modes (decode_cg: decode under CUDA graphs, GPUs only)")
     p.add_argument("--decode-batches", default="4,32", help="model: decode batch sizes")

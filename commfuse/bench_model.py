@@ -1,6 +1,7 @@
 """``torchrun --nproc_per_node=N -m commfuse.bench model``: the bundled Llama-style stack, split for
-tensor parallelism three ways (DTensor, sequence-parallel DTensor, gpt-fast-style hooks), timed in
-one run per (model, mode) for every backend:
+tensor parallelism three ways (DTensor, sequence-parallel DTensor, gpt-fast-style hooks), and
+transformers' ``LlamaForCausalLM`` split by its own TP plan (``hf``: prefill and train only, token ids
+in, logits out; needs transformers), timed in one run per (model, mode) for every backend:
 
 * ``eager``; ``inductor``; ``inductor_mptp`` (Inductor's ``_micro_pipeline_tp``, sequence-parallel
   only, on CUDA); ``commfuse``; ``floor``: Inductor with the collectives replaced by local stand-ins
@@ -31,7 +32,11 @@ import torch.distributed as dist
 
 BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
 MODES = ("prefill", "train", "decode", "decode_cg")
-MODELS = ("dtensor", "sp", "hooks")
+MODELS = ("dtensor", "sp", "hooks", "hf")
+
+
+def _vocab(cfg) -> int:
+    return 32000 if cfg.dim >= 1024 else 1024
 
 
 def _build(kind: str, cfg, device, dtype):
@@ -39,11 +44,17 @@ def _build(kind: str, cfg, device, dtype):
 
     from commfuse.demo import transformer as demo
 
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if kind == "hf":  # transformers' LlamaForCausalLM, split by its own TP plan: ids -> logits
+        from commfuse.demo import hf_llama
+
+        lm = hf_llama.build(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim,
+                            _vocab(cfg), device, dtype)
+        return hf_llama.Logits(hf_llama.parallelize_by_own_plan(lm, mesh))
     torch.manual_seed(0)  # identical weights on every rank and for every backend
     model = demo.Transformer(cfg).to(device=device, dtype=dtype)
     if kind == "hooks":
         return demo.parallelize_hooks(model)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return demo.parallelize_dtensor(model, mesh, sequence_parallel=kind == "sp")
 
 
@@ -112,7 +123,10 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
     graphs = mode == "decode_cg"
     local_seq = 1 if decode else (seq // world if kind == "sp" else seq)
     torch.manual_seed(100 + (rank if kind == "sp" else 0))  # SP: each rank holds its own shard
-    x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
+    if kind == "hf":
+        x = torch.randint(0, _vocab(cfg), (batch, local_seq), device=device)
+    else:
+        x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
     label = (f"decode_cg_b{batch}" if graphs else f"decode_b{batch}") if decode else mode
     rec = {"model": kind, "mode": label, "batch": batch, "seq": context if decode else seq,
            "world": world, "layers": cfg.n_layers, "dim": cfg.dim,
@@ -282,6 +296,8 @@ def main(args) -> int:
             if mode.startswith("decode"):
                 if kind == "sp":
                     continue  # one token per sequence cannot be split along the sequence
+                if kind == "hf":
+                    continue  # decoding the transformers model needs its own cache classes: not here
                 cases = [(b, dict(context=args.context)) for b in map(int, args.decode_batches.split(","))]
             else:
                 cases = [(args.batch, {})]
