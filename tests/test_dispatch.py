@@ -218,3 +218,31 @@ def test_workspace_allocation_runs_off_the_callers_thread(world2, monkeypatch):
             symm.workspace(group_name(), 1 << 30, torch.device("cpu"))
     finally:
         symm.release_all()
+
+
+def test_eager_calls_join_the_graph_lane_once_graphs_replay_it(monkeypatch):
+    """A rank that re-warms its CUDA graphs (eager) while its peer replays them must use the same
+    lane: once captured graphs use it, eager calls that fit it take it too (forcing still wins)."""
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 2) == "one_shot"
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 2, lane_bytes=1 << 22) == "graph"
+    assert dispatch.mm_all_reduce(512, 4096, 8192, BF16, 2, lane_bytes=1 << 22) == "one_shot"  # 8 MiB
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1, lane_bytes=1 << 22) == "nccl"
+    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 2, lane_bytes=1 << 22) == "one_shot"
+
+
+def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(monkeypatch):
+    from commfuse.kernels.sync import GRAPH_LANE_OP
+
+    word = torch.tensor([1, GRAPH_LANE_OP, 1, 0], dtype=torch.int32)
+    monkeypatch.setattr(ErrorWord, "_word", word)
+    monkeypatch.setattr(ErrorWord, "_host", word.numpy())
+    try:
+        with pytest.raises(RuntimeError, match=r"mm_all_reduce \(graph lane\): rank 1 timed out"):
+            ErrorWord.check()
+        with pytest.raises(RuntimeError, match="graph lanes are out of step.*release_all"):
+            symm.graph_lane("0")
+    finally:
+        symm.release_all()
+    assert symm.graph_lane("0") is None

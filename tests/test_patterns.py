@@ -431,3 +431,29 @@ def test_analysis_errors_leave_the_match_unfused(world2, monkeypatch):
     out, code = compile_code(lambda a, w: _ar(a @ w), a, w)
     assert calls(code, AR) == 0 and C10D_AR in code
     assert "could not analyse this graph form (IndexError: unforeseen)" in _only("mm_all_reduce").reason
+
+
+def test_launch_bound_gather_and_scatter_stay_unfused_even_under_cuda_graphs(world2):
+    """Inside CUDA graphs only mm_all_reduce has a graph-lane path; the other two would run NCCL,
+    so their launch-bound sizes are left to Inductor with or without graphs."""
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+
+    def f(x, w):
+        return _ag(x) @ w
+
+    for config in (None, {"triton.cudagraphs": True}):
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        _, code = compile_code(f, x, w, backend=commfuse.backend(min_mnk=0, launch_bound_bytes=1 << 20,
+                                                              inductor_config=config))
+        assert calls(code, "commfuse.all_gather_mm") == 0
+        reason = _only("all_gather_mm").reason
+        assert "launch-bound" in reason and ("no graph-lane path" in reason) == bool(config), reason
+        assert 'reduce-overhead' not in reason
+
+
+def test_gemm_bound_all_gather_stays_unfused(world2):
+    shard, w = torch.randn(4, 8), torch.randn(8, 16384)
+    _, code = compile_code(lambda x, w: _ag(x) @ w, shard, w)
+    assert calls(code, "commfuse.all_gather_mm") == 0
+    assert "the GEMM dwarfs the gather" in _only("all_gather_mm").reason

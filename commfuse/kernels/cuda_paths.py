@@ -19,7 +19,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import dispatch, exchange, reference, symm
-from .sync import ErrorWord
+from .sync import GRAPH_LANE_OP, ErrorWord
 
 _OP_MM_ALL_REDUCE, _OP_ALL_GATHER_MM, _OP_MM_REDUCE_SCATTER = 1, 2, 3
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -69,7 +69,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     ErrorWord.check("mm_all_reduce")
     group = _resolve_process_group(group_name)
     m, n = a.shape[0], b.shape[1]
-    algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size())
+    algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
     if algo == "nccl":
@@ -105,9 +105,11 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
         dispatch._capture_fallback("mm_all_reduce", "no graph lane yet: the group's first call "
                                    "was captured" if lane is None else "larger than the graph lane")
         return reference.mm_all_reduce(a, b, bias, group_name)
+    if dispatch.capturing():
+        symm.mark_replayed(group_name)
     partial = reference.matmul(a, b, bias)
     out = torch.empty_like(partial)
-    exchange.staged_all_reduce(lane, partial, out, _OP_MM_ALL_REDUCE)
+    exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP)
     return out
 
 

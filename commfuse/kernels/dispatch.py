@@ -61,18 +61,22 @@ def _symmetric_possible(nbytes: int, world: int) -> bool:
     return world > 1 and 0 < nbytes <= SYMM_MAX_BYTES
 
 
-def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str:
+def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_bytes: int = 0) -> str:
+    """``lane_bytes``: the group's graph-lane size once captured graphs replay it, else 0."""
     nbytes = m * n * dtype.itemsize
     if capturing():  # the graph lane keeps its epochs on the device: replays need no host step
         if world > 1 and 0 < nbytes <= symm.graph_data_bytes():
             return "graph"
-        return _capture_fallback("mm_all_reduce", f"in a CUDA-graph capture, {nbytes} bytes is past "
-                                 "the graph lane's COMMFUSE_GRAPH_BYTES" if nbytes else "empty output")
+        why = ("one rank" if world <= 1 else "empty output" if not nbytes else
+               f"{nbytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES")
+        return _capture_fallback("mm_all_reduce", f"in a CUDA-graph capture: {why}")
     forced = _forced(MM_ALL_REDUCE_ALGOS)
     if forced:
         return forced
     if not _symmetric_possible(nbytes, world):
         return "nccl"
+    if nbytes <= lane_bytes:  # replays use the lane; a rank re-warming its graphs must meet them
+        return "graph"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"

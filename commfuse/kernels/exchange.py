@@ -229,7 +229,8 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
                               WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     elif algo == "two_shot":
         share = triton.cdiv(triton.cdiv(n, ws.world), block) * block
-        grid = (_programs(ws, share, block, max_programs),)
+        # two phases, one flag slot per program per rank each
+        grid = (max(1, min(_programs(ws, share, block, max_programs), ws.flags.numel() // (2 * ws.world))),)
         two_shot_kernel[grid](partial, out, n, share, **_common(ws, epoch), OP=op_code,
                               WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     else:
@@ -242,7 +243,8 @@ def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int,
     capture in a CUDA graph (the lane must exist before the capture; ``src`` fits one half)."""
     require_iris()
     n = src.numel()
-    grid = (max(1, min(triton.cdiv(n, block), lane.max_programs)),)
+    # one flag slot per program per rank: at large world sizes the flag area bounds the grid
+    grid = (max(1, min(triton.cdiv(n, block), lane.max_programs, lane.flags.numel() // lane.world)),)
     staged_one_shot_kernel[grid](src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
                                  lane.flags, lane.counter, lane.heap_bases, lane.rank, ErrorWord.get(),
                                  timeout_ns(), OP=op_code, WORLD=lane.world, BLOCK=block,

@@ -284,13 +284,44 @@ def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: W
 
 
 def graph_lane(group_name: str) -> GraphLane | None:
-    """The group's graph lane, or None before the group's first symmetric call allocated it."""
+    """The group's graph lane, or None before the group's first symmetric call allocated it.
+    Raises once a graph-lane call timed out (``fail_lanes``)."""
+    if _lane_failure:
+        raise RuntimeError(
+            f"commfuse: the graph lanes are out of step after an earlier failure ({_lane_failure}). "
+            "Call commfuse.kernels.symm.release_all() on every rank and capture the graphs again.")
     return _lanes.get((group_name, provider_name()))
+
+
+_replayed: set[tuple[str, str]] = set()
+_lane_failure: str | None = None
+
+
+def mark_replayed(group_name: str) -> None:
+    """A CUDA-graph capture launched the group's lane: its replays will keep using it."""
+    _replayed.add((group_name, provider_name()))
+
+
+def replayed_lane_bytes(group_name: str) -> int:
+    """The lane's per-parity bytes once captured graphs use it, else 0. Eager calls that fit then
+    take the lane too: a rank whose graph tree re-warms (eager) must meet a peer that replays."""
+    key = (group_name, provider_name())
+    lane = _lanes.get(key)
+    return lane.data_bytes if lane is not None and key in _replayed else 0
+
+
+def fail_lanes(reason: str) -> None:
+    """A graph-lane wait timed out: the ranks' device-side epochs now differ, for good."""
+    global _lane_failure
+    _lane_failure = reason
 
 
 def release_all() -> None:
     """Drop every workspace and graph lane (tests, teardown). Not collective; call on every rank
     together, and never replay a CUDA graph captured before (it holds the lanes' addresses)."""
+    global _lane_failure
     with _lock:
         _workspaces.clear()
         _lanes.clear()
+        _replayed.clear()
+        _lane_failure = None

@@ -23,7 +23,8 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
     iris = None
     _IRIS_ERROR = exc
 
-OPS = {1: "mm_all_reduce", 2: "all_gather_mm", 3: "mm_reduce_scatter"}
+OPS = {1: "mm_all_reduce", 2: "all_gather_mm", 3: "mm_reduce_scatter", 4: "mm_all_reduce (graph lane)"}
+GRAPH_LANE_OP = 4
 
 
 #: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone.
@@ -90,12 +91,17 @@ class ErrorWord:
         op, rank, peer = (int(x) for x in word[1:])
         word.zero_()
         now = f" (noticed when {during} was called)" if during else ""
-        raise RuntimeError(
+        msg = (
             f"commfuse.{OPS.get(op, op)}: rank {rank} timed out after "
             f"{timeout_ns() / 1e9:g} s waiting for rank {peer} of its group{now}. The peer did not "
             "reach the same collective call: a rank that raised, skipped the call or diverged. "
             "Results of that call are invalid. COMMFUSE_TIMEOUT_S sets the bound."
         )
+        if op == GRAPH_LANE_OP:  # its epochs are on the device: ranks stay out of step from now on
+            from . import symm
+
+            symm.fail_lanes(msg)
+        raise RuntimeError(msg)
 
 
 def check_errors() -> None:

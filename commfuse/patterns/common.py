@@ -136,8 +136,10 @@ def mnk(a: fx.Node, b: fx.Node) -> tuple:
     return (va.shape[0], va.shape[1], vb.shape[1])
 
 
-def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, settings) -> None:
-    """The guards every pattern applies: dtype, size, opt-out. Raises Skip with the reason."""
+def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, settings,
+                  graph_lane: bool = False) -> None:
+    """The guards every pattern applies: dtype, size, opt-out. Raises Skip with the reason.
+    ``graph_lane``: the op has a CUDA-graph path (only those fuse launch-bound sizes under graphs)."""
     va, vb = val(a), val(b)
     if va is None or vb is None:
         raise Skip("matmul operands carry no meta['val'] (not a traced post-grad graph)")
@@ -151,10 +153,14 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
     m, _, n = mnk(a, b)
     out_bytes = m * n * va.dtype.itemsize
     bound = settings.launch_bound()
-    if bound > 0 and not _cudagraphs() and statically_known_true(out_bytes <= bound):
-        raise Skip(f"output of {out_bytes} bytes is launch-bound without CUDA graphs (at most "
-                   f"launch_bound_bytes={bound}): the unfused ops cost less host "
-                   'time; mode="reduce-overhead" fuses it')
+    if bound > 0 and statically_known_true(out_bytes <= bound):
+        if not _cudagraphs():
+            hint = '; mode="reduce-overhead" fuses it' if graph_lane else ""
+            raise Skip(f"output of {out_bytes} bytes is launch-bound without CUDA graphs (at most "
+                       f"launch_bound_bytes={bound}): the unfused ops cost less host time{hint}")
+        if not graph_lane:
+            raise Skip(f"output of {out_bytes} bytes is launch-bound, and inside CUDA graphs this op "
+                       "has no graph-lane path (it would run NCCL): left to Inductor")
     reason = excluded_by(mm, settings)
     if reason:
         raise Skip(reason)

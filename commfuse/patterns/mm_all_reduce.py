@@ -59,7 +59,7 @@ class MmAllReduceMatch:
         try:
             a, b, bias = matmul_operands(x)
             waits = single_wait_users(ar, "all_reduce")
-            check_fusable(x, a, b, bias, settings)
+            check_fusable(x, a, b, bias, settings, graph_lane=True)
         except Skip as exc:
             raise Skip(str(exc), mm=x) from None
         return cls(ar, waits, views, x, a, b, bias, arg(ar, 2, "group_name"))

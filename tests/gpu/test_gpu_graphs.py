@@ -97,8 +97,11 @@ def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch):
         out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
         torch.cuda.synchronize()
         assert torch.isnan(out).all()
-        with pytest.raises(RuntimeError, match=r"mm_all_reduce: rank 0 timed out after 1 s waiting for rank 1"):
+        with pytest.raises(RuntimeError, match=r"mm_all_reduce \(graph lane\): rank 0 timed out after 1 s "
+                           r"waiting for rank 1"):
             check_errors()
+        with pytest.raises(RuntimeError, match="graph lanes are out of step"):  # sticky
+            torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
     dist.barrier()
     symm.release_all()  # the lanes' epochs now differ between ranks: start over
 
