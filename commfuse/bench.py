@@ -334,7 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="dtensor,sp,hooks",
                    help="model: which TP splits (also: hf, transformers' LlamaForCausalLM)")
     p.add_argument("--modes", default="prefill,decode,decode_cg,train",
-                   help="model: which modes (decode_cg: decode under CUDA graphs, GPUs only)")
+                   help="model: which modes (decode_cg: decode under CUDA graphs, GPUs only; "
+                   "also loss: loss curves against eager)")
     p.add_argument("--decode-batches", default="4,32", help="model: decode batch sizes")
     p.add_argument("--context", type=int, default=2048, help="model: KV-cache length decoding starts at")
     p.add_argument("--backends", default="eager,inductor,inductor_mptp,commfuse,floor")
@@ -342,6 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--loss-steps", type=int, default=50, help="model: training steps of the loss mode")
     p.add_argument("--small", action="store_true", help="model: small sizes (the default on CPU)")
     args = p.parse_args(argv)
     if args.what == "model":

@@ -12,7 +12,9 @@ SGD step), ``decode`` (one token per sequence against a KV cache of ``--context`
 grows by one every step; for each ``--decode-batches``; not for the sequence-parallel split) and
 ``decode_cg``, the same under CUDA graphs (``mode="reduce-overhead"`` for every compiled backend;
 eager is left out). All backends of a case stay compiled and are timed in alternating rounds.
-Reported: median step time (wall clock, synchronised, max over ranks), tokens/s, speed-up over
+``loss`` trains ``--loss-steps`` SGD steps with eager, Inductor and commfuse from the same weights
+and data and reports the loss curves and their largest relative deviation from eager.
+Reported for the timed modes: median step time (wall clock, synchronised, max over ranks), tokens/s, speed-up over
 Inductor, the share of Inductor's communication time commfuse hides,
 ``(inductor - commfuse) / (inductor - floor)``, first-call (compile) time with Inductor's caches
 off and its ratio to Inductor's, the fused-match count, and commfuse's error against eager (or
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
-MODES = ("prefill", "train", "decode", "decode_cg")
+MODES = ("prefill", "train", "decode", "decode_cg", "loss")
 MODELS = ("dtensor", "sp", "hooks", "hf")
 
 
@@ -225,7 +227,54 @@ def _make_step(mode: str, compiled, x, pos, opt, graphs: bool):
     return step
 
 
+def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int) -> dict:
+    """Train ``steps`` SGD steps on a fixed regression task with eager, Inductor and commfuse from
+    the same weights and data; the loss curves and commfuse's largest relative deviation."""
+    import torch.nn.functional as F
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local_seq = seq // world if kind == "sp" else seq
+    gen = torch.Generator().manual_seed(200 + (rank if kind == "sp" else 0))
+    if kind == "hf":
+        batches = [torch.randint(0, _vocab(cfg), (batch, local_seq), generator=gen) for _ in range(4)]
+    else:
+        batches = [torch.randn(batch, local_seq, cfg.dim, generator=gen) for _ in range(4)]
+    data = [batches[i % len(batches)] for i in range(steps)]  # a few batches, revisited: the loss falls
+    import commfuse
+
+    losses: dict[str, list[float]] = {}
+    torch._dynamo.reset()
+    _allow_many_compiles()
+    commfuse.clear_report()
+    for backend in ("eager", "inductor", "commfuse"):
+        model = _build(kind, cfg, device, dtype)
+        compiled = _compile(backend, model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
+        curve = []
+        for x in data:
+            x = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+            out = compiled(x).float()
+            target = torch.zeros_like(out)  # pull the outputs towards 0: the loss falls steadily
+            loss = F.mse_loss(out, target)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        losses[backend] = curve
+    ref = losses["eager"]
+    dev = max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses["commfuse"], ref))
+    return {"model": kind, "mode": "loss", "steps": steps, "batch": batch, "seq": seq, "world": world,
+            "layers": cfg.n_layers, "dim": cfg.dim, "dtype": str(dtype).replace("torch.", ""),
+            "losses": losses, "commfuse_max_rel_dev": dev, "fused": len(commfuse.report().fused),
+            "inductor_max_rel_dev": max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses["inductor"], ref))}
+
+
 def _line(rec: dict) -> str:
+    if rec["mode"] == "loss":
+        curve = rec["losses"]["commfuse"]
+        return (f"{rec['model']:>7} loss    {rec['steps']} steps: commfuse {curve[0]:.4f} -> {curve[-1]:.4f}, "
+                f"largest relative deviation from eager {rec['commfuse_max_rel_dev']:.1e} "
+                f"(Inductor's {rec['inductor_max_rel_dev']:.1e})")
     ms = " ".join(f"{b}={t:.2f}" for b, t in rec["ms"].items())
     extra = ""
     if "speedup_vs_inductor" in rec:
@@ -246,6 +295,8 @@ def table(paths: list[str]) -> str:
             records = json.load(f)
         commit = os.path.basename(path).rsplit("_", 1)[-1].removesuffix(".json")
         for r in records:
+            if "ms" not in r:  # loss curves: no times
+                continue
             ms = r["ms"]
             get = lambda b: f"{ms[b]:.2f}" if b in ms else "-"  # noqa: E731
             speed = f"{r['speedup_vs_inductor']:.3f}x" if "speedup_vs_inductor" in r else "-"
@@ -302,7 +353,10 @@ def main(args) -> int:
             else:
                 cases = [(args.batch, {})]
             for batch, extra in cases:
-                rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters, **extra)
+                if mode == "loss":
+                    rec = loss_case(kind, cfg, batch, args.seq, device, dtype, args.loss_steps)
+                else:
+                    rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters, **extra)
                 records.append(rec)
                 if dist.get_rank() == 0:
                     print(_line(rec), file=sys.stderr, flush=True)
