@@ -132,7 +132,8 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
             epoch, parity = ws.next_epoch()
             exchange.all_reduce(ws, ws.data(parity, (m, n), dtype), out, epoch, algo, 1)
         t[f"{algo}_ar"] = time_us(exch)
-    for algo in (None, "one_shot", "two_shot"):
+    lane_fits = m * n * dtype.itemsize <= symm.graph_data_bytes()
+    for algo in (None, "one_shot", "two_shot") + (("graph",) if lane_fits else ()):  # graph: the staged lane
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
     ws_partial = ws.data(1, (m, n), dtype)
