@@ -1,5 +1,6 @@
-"""Which implementation runs a call: decided from (op, shape, dtype, world size) alone, so every rank
-of a group takes the same path and enters the same collective.
+"""Which implementation runs a call: decided from (op, shape, dtype, world size) and, for
+``mm_all_reduce``, whether this process captured a graph-lane call on the group (ranks capture
+alike), so every rank of a group takes the same path and enters the same collective.
 
 The thresholds come from the ops benchmark on 2xH200 (``benchmarks/results/h200x2``).
 ``COMMFUSE_ALGO`` forces a path for benchmarking and tests; it must be set alike on every rank.
@@ -62,7 +63,7 @@ def _symmetric_possible(nbytes: int, world: int) -> bool:
 
 
 def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_bytes: int = 0) -> str:
-    """``lane_bytes``: the group's graph-lane size once captured graphs replay it, else 0."""
+    """``lane_bytes``: the group's graph-lane size once this process captured a call on it, else 0."""
     nbytes = m * n * dtype.itemsize
     if capturing():  # the graph lane keeps its epochs on the device: replays need no host step
         if world > 1 and 0 < nbytes <= symm.graph_data_bytes():
