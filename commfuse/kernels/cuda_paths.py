@@ -19,9 +19,8 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import dispatch, exchange, reference, symm
-from .sync import GRAPH_LANE_OP, ErrorWord
+from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
-_OP_MM_ALL_REDUCE, _OP_ALL_GATHER_MM, _OP_MM_REDUCE_SCATTER = 1, 2, 3
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -89,7 +88,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
                 return out
             algo = "one_shot"  # the provider has no peer views for the copy engines
         _matmul_into(a, b, bias, partial)
-        exchange.all_reduce(ws, partial, out, epoch, algo, _OP_MM_ALL_REDUCE)
+        exchange.all_reduce(ws, partial, out, epoch, algo, OP_MM_ALL_REDUCE)
         return out
 
 
@@ -97,15 +96,16 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     """cuBLAS into a local buffer, then the staged one-shot kernel over the graph lane, whose
     epochs live on the device: what runs inside CUDA graphs (and, forced, outside them)."""
     nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
+    capturing = dispatch.capturing()
     lane = symm.graph_lane(group_name)
-    if lane is None and not dispatch.capturing():  # allocation is collective: never in a capture
+    if lane is None and not capturing:  # allocation is collective: never in a capture
         symm.workspace(group_name, nbytes, a.device)
         lane = symm.graph_lane(group_name)
     if lane is None or nbytes > lane.data_bytes:
-        dispatch._capture_fallback("mm_all_reduce", "no graph lane yet: the group's first call "
-                                   "was captured" if lane is None else "larger than the graph lane")
+        dispatch.nccl_fallback("mm_all_reduce", "no graph lane yet: the group's first call "
+                               "was captured" if lane is None else "larger than the graph lane")
         return reference.mm_all_reduce(a, b, bias, group_name)
-    if dispatch.capturing():
+    if capturing:
         symm.mark_replayed(group_name)
     partial = reference.matmul(a, b, bias)
     out = torch.empty_like(partial)
@@ -122,7 +122,7 @@ def _gather_overlapped(ws, shard, b, bias, gathered, out, peers, epoch) -> None:
     main = torch.cuda.current_stream(shard.device)
     side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
     with torch.cuda.stream(side):
-        exchange.barrier(ws, epoch, _OP_ALL_GATHER_MM)
+        exchange.barrier(ws, epoch, OP_ALL_GATHER_MM)
         for p, view in enumerate(peers):
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
@@ -149,7 +149,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) ->
         _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            exchange.barrier(ws, epoch, _OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
+            exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
             for j, p in enumerate(others):
                 recv[j, lo:hi].copy_(peers[p][lo:hi], non_blocking=True)
             parts = [partial[lo:hi] if p == ws.rank else recv[others.index(p), lo:hi]
@@ -172,7 +172,7 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
         _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            exchange.all_reduce(ws, partial[lo:hi], out[lo:hi], epoch, "one_shot", _OP_MM_ALL_REDUCE,
+            exchange.all_reduce(ws, partial[lo:hi], out[lo:hi], epoch, "one_shot", OP_MM_ALL_REDUCE,
                                 block=8192, max_programs=programs, num_warps=16,
                                 slot_base=i * programs)
     main.wait_stream(side)
@@ -201,7 +201,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
                 return out, gathered
         outer = math.prod(shard.shape[:gather_dim])
         inner = math.prod(shard.shape[gather_dim:])
-        exchange.gather(ws, mine, gathered, outer, inner, epoch, _OP_ALL_GATHER_MM)
+        exchange.gather(ws, mine, gathered, outer, inner, epoch, OP_ALL_GATHER_MM)
         _matmul_into(gathered.view(-1, k), b, bias, out)
         return out, gathered
 
@@ -230,7 +230,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         _matmul_into(a, b, bias, partial)
         outer = math.prod(shape[:scatter_dim])
         exchange.reduce_scatter(ws, partial, out, outer, m * n // outer // world_size, epoch,
-                                _OP_MM_REDUCE_SCATTER)
+                                OP_MM_REDUCE_SCATTER)
         return out
 
 
@@ -249,7 +249,7 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> Non
                      partial[p * rows:(p + 1) * rows])
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            exchange.barrier(ws, epoch, _OP_MM_REDUCE_SCATTER, slot=step)
+            exchange.barrier(ws, epoch, OP_MM_REDUCE_SCATTER, slot=step)
             q = (rank - step) % world  # at this step rank q multiplied this rank's share
             recv[step - 1].copy_(peers[q][mine], non_blocking=True)
     _matmul_into(a[mine], b, _rows(bias, mine.start, mine.stop), partial[mine])

@@ -36,7 +36,7 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _capture_fallback(op: str, why: str) -> str:
+def nccl_fallback(op: str, why: str) -> str:
     """Inside CUDA-graph capture the host-epoch paths are unsafe (a replay would not advance their
     epochs), so a call there takes NCCL, which captures correctly; logged once per op and reason."""
     if (op, why) not in _warned_capture:
@@ -70,7 +70,7 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
             return "graph"
         why = ("one rank" if world <= 1 else "empty output" if not nbytes else
                f"{nbytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES")
-        return _capture_fallback("mm_all_reduce", f"in a CUDA-graph capture: {why}")
+        return nccl_fallback("mm_all_reduce", f"in a CUDA-graph capture: {why}")
     forced = _forced(MM_ALL_REDUCE_ALGOS)
     if forced:
         return forced
@@ -108,7 +108,7 @@ AG_GEMM_BOUND_N = 16384
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
     """``rows``: of the gathered tensor (all ranks)."""
     if capturing():
-        return _capture_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
+        return nccl_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced:
         return forced
@@ -121,7 +121,7 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
 
 def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, scatter_dim: int = 0) -> str:
     if capturing():
-        return _capture_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
+        return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
     if forced:
         return forced

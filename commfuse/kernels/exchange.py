@@ -230,7 +230,7 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
     elif algo == "two_shot":
         share = triton.cdiv(triton.cdiv(n, ws.world), block) * block
         # two phases, one flag slot per program per rank each
-        grid = (max(1, min(_programs(ws, share, block, max_programs), ws.flags.numel() // (2 * ws.world))),)
+        grid = (_programs(ws, share, block, min(max_programs, ws.flags.numel() // (2 * ws.world))),)
         two_shot_kernel[grid](partial, out, n, share, **_common(ws, epoch), OP=op_code,
                               WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     else:
@@ -244,7 +244,7 @@ def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int,
     require_iris()
     n = src.numel()
     # one flag slot per program per rank: at large world sizes the flag area bounds the grid
-    grid = (max(1, min(triton.cdiv(n, block), lane.max_programs, lane.flags.numel() // lane.world)),)
+    grid = (_programs(lane, n, block, lane.flags.numel() // lane.world),)
     staged_one_shot_kernel[grid](src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
                                  lane.flags, lane.counter, lane.heap_bases, lane.rank, ErrorWord.get(),
                                  timeout_ns(), OP=op_code, WORLD=lane.world, BLOCK=block,

@@ -23,8 +23,10 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
     iris = None
     _IRIS_ERROR = exc
 
-OPS = {1: "mm_all_reduce", 2: "all_gather_mm", 3: "mm_reduce_scatter", 4: "mm_all_reduce (graph lane)"}
-GRAPH_LANE_OP = 4
+#: Op codes the kernels write into the error word on a timeout, and the names they stand for.
+OP_MM_ALL_REDUCE, OP_ALL_GATHER_MM, OP_MM_REDUCE_SCATTER, GRAPH_LANE_OP = 1, 2, 3, 4
+OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
+       OP_MM_REDUCE_SCATTER: "mm_reduce_scatter", GRAPH_LANE_OP: "mm_all_reduce (graph lane)"}
 
 
 #: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone.
