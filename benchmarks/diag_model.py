@@ -40,14 +40,15 @@ def host_cost(fn, n: int = 200) -> float:
 
 def main() -> None:
     from commfuse import bench_model
+    from commfuse.demo import init_distributed
     from commfuse.demo import transformer as demo
     import torch.distributed._functional_collectives as funcol
 
     torch._inductor.config.fx_graph_cache = False
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    cfg = demo.Config(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    device, dtype = init_distributed()
+    if device.type != "cuda":
+        raise SystemExit("diag_model.py measures GPU paths: run it on GPUs")
+    cfg = demo.sized_config(False, 2, dist.get_world_size())
     group = dist.group.WORLD.group_name
 
     # 2. host cost of one call (decode-sized and prefill-sized)

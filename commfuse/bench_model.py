@@ -32,13 +32,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from commfuse.demo import hf_llama, init_distributed
+
 BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
 MODES = ("prefill", "train", "decode", "decode_cg", "loss")
 MODELS = ("dtensor", "sp", "hooks", "hf")
-
-
-def _vocab(cfg) -> int:
-    return 32000 if cfg.dim >= 1024 else 1024
 
 
 def _build(kind: str, cfg, device, dtype):
@@ -48,11 +46,7 @@ def _build(kind: str, cfg, device, dtype):
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if kind == "hf":  # transformers' LlamaForCausalLM, split by its own TP plan: ids -> logits
-        from commfuse.demo import hf_llama
-
-        lm = hf_llama.build(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim,
-                            _vocab(cfg), device, dtype)
-        return hf_llama.Logits(hf_llama.parallelize_by_own_plan(lm, mesh))
+        return hf_llama.Logits(hf_llama.parallelize_by_own_plan(hf_llama.build(cfg, device, dtype), mesh))
     torch.manual_seed(0)  # identical weights on every rank and for every backend
     model = demo.Transformer(cfg).to(device=device, dtype=dtype)
     if kind == "hooks":
@@ -126,7 +120,7 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
     local_seq = 1 if decode else (seq // world if kind == "sp" else seq)
     torch.manual_seed(100 + (rank if kind == "sp" else 0))  # SP: each rank holds its own shard
     if kind == "hf":
-        x = torch.randint(0, _vocab(cfg), (batch, local_seq), device=device)
+        x = torch.randint(0, hf_llama.vocab_size(cfg), (batch, local_seq), device=device)
     else:
         x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
     label = (f"decode_cg_b{batch}" if graphs else f"decode_b{batch}") if decode else mode
@@ -236,7 +230,7 @@ def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int) -
     local_seq = seq // world if kind == "sp" else seq
     gen = torch.Generator().manual_seed(200 + (rank if kind == "sp" else 0))
     if kind == "hf":
-        batches = [torch.randint(0, _vocab(cfg), (batch, local_seq), generator=gen) for _ in range(4)]
+        batches = [torch.randint(0, hf_llama.vocab_size(cfg), (batch, local_seq), generator=gen) for _ in range(4)]
     else:
         batches = [torch.randn(batch, local_seq, cfg.dim, generator=gen) for _ in range(4)]
     data = [batches[i % len(batches)] for i in range(steps)]  # a few batches, revisited: the loss falls
@@ -261,12 +255,14 @@ def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int) -
             opt.step()
             curve.append(loss.item())
         losses[backend] = curve
-    ref = losses["eager"]
-    dev = max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses["commfuse"], ref))
+
+    def max_rel_dev(backend: str) -> float:
+        return max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses[backend], losses["eager"]))
+
     return {"model": kind, "mode": "loss", "steps": steps, "batch": batch, "seq": seq, "world": world,
             "layers": cfg.n_layers, "dim": cfg.dim, "dtype": str(dtype).replace("torch.", ""),
-            "losses": losses, "commfuse_max_rel_dev": dev, "fused": len(commfuse.report().fused),
-            "inductor_max_rel_dev": max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses["inductor"], ref))}
+            "losses": losses, "commfuse_max_rel_dev": max_rel_dev("commfuse"), "fused": len(commfuse.report().fused),
+            "inductor_max_rel_dev": max_rel_dev("inductor")}
 
 
 def _line(rec: dict) -> str:
@@ -325,17 +321,9 @@ def main(args) -> int:
     # the tensors ProcessGroupNCCL keeps until its watchdog sees a collective finish (in and out of
     # each all-reduce): they are freed later and are no hazard, so the check is off for every backend.
     torch._inductor.config.triton.slow_path_cudagraph_asserts = False
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    world = dist.get_world_size()
-    if args.small or not cuda:
-        cfg = demo.Config(dim=256, n_layers=args.layers, n_heads=8, n_kv_heads=max(4, world), ffn_dim=512)
-    else:
-        cfg = demo.Config(dim=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    device, dtype = init_distributed()
+    cuda = device.type == "cuda"
+    cfg = demo.sized_config(args.small or not cuda, args.layers, dist.get_world_size())
     backends = [b for b in args.backends.split(",") if b]
     records = []
     for kind in args.models.split(","):

@@ -12,19 +12,13 @@ what fused and the logits' error against eager.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.demo import hf_llama
-
-
-def build(small: bool, layers: int, device, dtype):
-    if small:
-        return hf_llama.build(256, layers, 8, 4, 512, 1024, device, dtype)
-    return hf_llama.build(4096, layers, 32, 8, 14336, 32000, device, dtype)  # Llama-3-8B shapes
+from commfuse.demo import hf_llama, init_distributed
+from commfuse.demo.transformer import sized_config
 
 
 def main() -> None:
@@ -37,13 +31,9 @@ def main() -> None:
     hf_llama.require_transformers()
     from torch.distributed.device_mesh import init_device_mesh
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    model = build(args.small or not cuda, args.layers, device, dtype).eval()
+    device, dtype = init_distributed()
+    cfg = sized_config(args.small or device.type != "cuda", args.layers, dist.get_world_size())
+    model = hf_llama.build(cfg, device, dtype).eval()
     model = hf_llama.parallelize_by_own_plan(model, init_device_mesh(device.type, (dist.get_world_size(),)))
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=device)

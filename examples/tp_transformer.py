@@ -11,13 +11,13 @@ against eager. The model code is untouched: only the ``backend=`` argument chang
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
+from commfuse.demo import init_distributed
 from commfuse.demo import transformer as demo
 
 
@@ -31,16 +31,9 @@ def main() -> None:
     p.add_argument("--exclude", action="append", default=[], help="qualified-name pattern to opt out")
     args = p.parse_args()
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device, dtype = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    small = args.small or not cuda
-    cfg = (demo.Config(dim=256, n_layers=args.layers, n_heads=8, n_kv_heads=max(4, world), ffn_dim=512)
-           if small else demo.Config(dim=4096, n_layers=args.layers, n_heads=32, n_kv_heads=8, ffn_dim=14336))
-    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = demo.sized_config(args.small or device.type != "cuda", args.layers, world)
 
     torch.manual_seed(0)  # same weights on every rank before sharding
     model = demo.Transformer(cfg).to(device=device, dtype=dtype)

@@ -22,13 +22,20 @@ def require_transformers() -> None:
         raise SystemExit("the transformers Llama model needs transformers: pip install transformers") from None
 
 
-def build(dim: int, layers: int, heads: int, kv_heads: int, ffn_dim: int, vocab: int, device, dtype):
-    """``LlamaForCausalLM`` with these sizes; the same weights on every rank (seeded)."""
+def vocab_size(cfg) -> int:
+    """Llama's 32000 at real sizes, a small vocabulary for tiny ones."""
+    return 32000 if cfg.dim >= 1024 else 1024
+
+
+def build(cfg, device, dtype):
+    """``LlamaForCausalLM`` with the sizes of ``cfg`` (a ``commfuse.demo.transformer.Config``);
+    the same weights on every rank (seeded)."""
     require_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=dim, intermediate_size=ffn_dim, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, num_hidden_layers=layers, vocab_size=vocab)
+    config = LlamaConfig(hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+                         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                         num_hidden_layers=cfg.n_layers, vocab_size=vocab_size(cfg))
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 

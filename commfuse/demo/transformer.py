@@ -122,6 +122,14 @@ class Transformer(nn.Module):
         return x
 
 
+def sized_config(small: bool, layers: int, world: int) -> Config:
+    """Tiny sizes (CPU runs, tests) or 8B-class ones (Llama-3-8B: hidden 4096, FFN 14336, 32 heads,
+    8 KV heads), with ``layers`` decoder layers."""
+    if small:
+        return Config(dim=256, n_layers=layers, n_heads=8, n_kv_heads=max(4, world), ffn_dim=512)
+    return Config(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+
+
 def _check_divisible(cfg: Config, tp: int) -> None:
     for name in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(cfg, name) % tp:
