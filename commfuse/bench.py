@@ -133,7 +133,13 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
             exchange.all_reduce(ws, ws.data(parity, (m, n), dtype), out, epoch, algo, 1)
         t[f"{algo}_ar"] = time_us(exch)
     lane_fits = m * n * dtype.itemsize <= symm.graph_data_bytes()
-    for algo in (None, "one_shot", "two_shot") + (("graph",) if lane_fits else ()):  # graph: the staged lane
+    from commfuse.kernels import dispatch, tiles
+
+    fusable = dispatch.fused_unsupported(m, k, n, dtype, world) is None
+    if fusable:  # the fused kernel's GEMM alone, against cuBLAS's
+        t["tile_mm"] = time_us(lambda: tiles.matmul(a, b, None, dispatch.tile_config(m, k, n), out=out,
+                                                    programs=ws.max_programs))
+    for algo in (None, "one_shot", "two_shot") + (("graph",) if lane_fits else ()) + (("fused",) if fusable else ()):
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
     ws_partial = ws.data(1, (m, n), dtype)

@@ -23,7 +23,7 @@ class _Buffers:
 
     def __init__(self, rank: int, world: int, data_bytes: int = 1 << 16):
         self.world = world
-        self.bufs = [torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+        self.bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
         self.mine = symm.Workspace("0", rank, world, self.bufs[rank], torch.zeros(world, dtype=torch.int64),
                                    data_bytes, _keepalive=self)
 
@@ -31,7 +31,7 @@ class _Buffers:
         """``peer``'s data half of the next call's parity (where its GEMM or copy writes)."""
         parity = (self.mine.epoch + 1) % 2
         return self.get_buffer(peer, shape, torch.float32,
-                               (symm.FLAG_BYTES + parity * self.mine.data_bytes) // 4)
+                               (symm.HEADER_BYTES + parity * self.mine.data_bytes) // 4)
 
     def peers(self):
         return [p for p in range(self.world) if p != self.mine.rank]

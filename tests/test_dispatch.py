@@ -17,15 +17,47 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1) == "nccl"  # nothing to exchange
     assert dispatch.mm_all_reduce(0, 4096, 8192, BF16, world) == "nccl"
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "one_shot"  # 256 KiB
-    mid = dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world)  # 32 MiB
+    mid = dispatch.mm_all_reduce(1024, 2048, 4096, BF16, world)  # 8 MiB, too few tiles to fuse
     assert mid == ("one_shot" if world == 2 else "two_shot")
-    # the copy-engine overlap lost inside models (launch-bound steps): only taken when forced
-    big = dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world)
+    # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
+    assert dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world) == "fused"
+    assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
+    # a large K: the GEMM dominates and the reducers' SMs cost more than the exchange they hide
+    big = dispatch.mm_all_reduce(8192, 7168, 4096, BF16, world)
     assert big == ("one_shot" if world == 2 else "two_shot")
+    # fp32, and rows TMA cannot describe, keep the cuBLAS paths
+    assert dispatch.mm_all_reduce(8192, 4096, 8192, torch.float32, world) != "fused"
+    assert dispatch.mm_all_reduce(8192, 4095, 8192, BF16, world) != "fused"
+    # the copy-engine overlap lost inside models (launch-bound steps): only taken when forced
     monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "ce_overlap"
     monkeypatch.delenv("COMMFUSE_ALGO")
     assert dispatch.mm_all_reduce(1 << 16, 4096, 16384, BF16, world) == "nccl"  # 2 GiB: past the cap
+
+
+def test_forced_fused_falls_back_where_the_tile_kernel_cannot_go(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    assert dispatch.mm_all_reduce(7, 1024, 776, BF16, 2) == "fused"  # small, but it can
+    assert dispatch.mm_all_reduce(7, 1003, 771, BF16, 2) == "one_shot"  # rows not 16-byte multiples
+    assert dispatch.mm_all_reduce(7, 1024, 776, torch.float32, 2) == "one_shot"
+    assert dispatch.mm_all_reduce(7, 1024, 776, BF16, 1) == "nccl"
+    # 16384 tiles x 17 flags each is more than the tile-flag area holds
+    assert "tile flags" in dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 16)
+    assert dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 8) is None
+
+
+def test_tile_config_parses_and_round_trips(monkeypatch):
+    from commfuse.kernels.tiles import TileConfig
+
+    cfg = TileConfig.parse("128x128x64s4w4g8r16o2")
+    assert (cfg.bm, cfg.bn, cfg.bk, cfg.stages, cfg.warps, cfg.group_m, cfg.reducers, cfg.per_sm) == \
+        (128, 128, 64, 4, 4, 8, 16, 2)
+    assert TileConfig.parse(str(cfg)) == cfg
+    assert TileConfig.parse("128x256x64s3w8g8r16").per_sm == 1
+    with pytest.raises(ValueError, match="tile config"):
+        TileConfig.parse("128x256")
+    monkeypatch.setenv("COMMFUSE_TILE_CONFIG", "64x128x64s4w4g8r8o1")
+    assert dispatch.tile_config(4096, 4096, 4096) == TileConfig(64, 128, 64, 4, 4, 8, 8, 1)
 
 
 def test_all_gather_mm_choice(monkeypatch):
@@ -69,7 +101,7 @@ def test_overlap_config(monkeypatch):
 
 def _workspace(data_bytes=1 << 12):
     """A workspace over plain CPU memory (group "0" is the fake WORLD when one is initialised)."""
-    buf = torch.zeros(symm.FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8)
+    buf = torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8)
     return symm.Workspace("0", 0, 2, buf, torch.zeros(2, dtype=torch.int64), data_bytes)
 
 
@@ -144,8 +176,11 @@ def test_exchange_kernels_do_not_specialise_on_epochs_or_slots():
     """An epoch divisible by 16 would otherwise compile and load a new kernel variant mid-run."""
     from commfuse.kernels import exchange
 
+    from commfuse.kernels import fused_all_reduce
+
     for kernel in (exchange.one_shot_kernel, exchange.two_shot_kernel, exchange.pull_gather_kernel,
-                   exchange.reduce_scatter_kernel, exchange.barrier_kernel):
+                   exchange.reduce_scatter_kernel, exchange.barrier_kernel,
+                   fused_all_reduce.gemm_all_reduce_kernel):
         names = [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize]
         assert "epoch" in names, kernel.fn.__name__
     assert "slot" in [exchange.barrier_kernel.arg_names[i] if isinstance(i, int) else i

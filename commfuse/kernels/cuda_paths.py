@@ -1,8 +1,10 @@
 """CUDA implementations of the ops through a symmetric workspace (``dispatch.py`` picks the path).
 
-``mm_all_reduce``: cuBLAS writes the partial straight into the workspace, then a Triton kernel
-reduces it over the peers (one-shot or two-shot); or, for large GEMMs, cuBLAS in row chunks while
-the copy engines pull each finished chunk from the peers (``ce_overlap``). ``all_gather_mm``: the
+``mm_all_reduce``: one persistent Triton kernel that multiplies tiles and reduces finished ones
+while later ones multiply (``fused``, ``fused_all_reduce.py``); or cuBLAS writes the partial
+straight into the workspace, then a Triton kernel reduces it over the peers (one-shot or
+two-shot); or, forced, cuBLAS in row chunks while the copy engines pull each finished chunk from
+the peers (``ce_overlap``). ``all_gather_mm``: the
 shard is copied into the workspace (one copy); a Triton kernel pulls every shard, then cuBLAS
 multiplies; or the local shard multiplies while the copy engines pull the others (``overlap``).
 ``mm_reduce_scatter``: the same two shapes of path, pulling only this rank's share. Every rank
@@ -12,16 +14,19 @@ the caller's stream before returning.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import dispatch, exchange, reference, symm
+from . import dispatch, exchange, fused_all_reduce, reference, symm
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
+#: Calls per chosen path (``mm_all_reduce:fused``, ...) since import: tests check which path ran.
+PATHS: collections.Counter[str] = collections.Counter()
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -69,10 +74,13 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     group = _resolve_process_group(group_name)
     m, n = a.shape[0], b.shape[1]
     algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
+    PATHS[f"mm_all_reduce:{algo}"] += 1
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
     if algo == "nccl":
         return reference.mm_all_reduce(a, b, bias, group_name)
+    if algo == "fused":
+        return _fused_all_reduce(a, b, bias, group_name, group.size())
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
@@ -90,6 +98,19 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         _matmul_into(a, b, bias, partial)
         exchange.all_reduce(ws, partial, out, epoch, algo, OP_MM_ALL_REDUCE)
         return out
+
+
+def _fused_all_reduce(a, b, bias, group_name: str, world: int) -> torch.Tensor:
+    """One persistent Triton kernel: GEMM tiles, their exchange and sum overlapped
+    (``fused_all_reduce.py``)."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    cfg = dispatch.tile_config(m, k, n)
+    nbytes = fused_all_reduce.data_elems(m, n, world, cfg) * a.dtype.itemsize
+    ws = symm.workspace(group_name, nbytes, a.device)
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
+    with _exchange(ws, "mm_all_reduce") as (epoch, parity):
+        fused_all_reduce.mm_all_reduce(ws, a, b, bias, out, epoch, parity, cfg)
+    return out
 
 
 def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:

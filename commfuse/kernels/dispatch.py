@@ -15,7 +15,7 @@ import torch
 from ..report import log
 from . import symm
 
-MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph")
+MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
 MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap")
 
@@ -30,6 +30,45 @@ SYMM_MAX_BYTES = 1 << 30
 #: Overlap an all-gather / reduce-scatter with one shard's GEMM from this much work per shard
 #: (rows/world * K * N): below it the split GEMMs and the side stream cost more than they hide.
 OVERLAP_MIN_SHARD_MNK = 1 << 33
+
+
+#: The fused tile kernel (``fused_all_reduce.py``) from this many rows, for inner dimensions up to
+#: FUSED_MAX_K: it gives up ~12% of the SMs to the reducers and pays some epilogue stores, which
+#: the hidden exchange repays when the exchange is large against the GEMM (small K) and there are
+#: enough waves of tiles (ops sweep on 2xH200, benchmarks/results/h200x2/explore/sweep4.log:
+#: 8192x2048x4096 325 us against one-shot's 399, 4096x4096x8192 517 against 572; with K = 7168
+#: or 14336 it is 3% faster to 7% slower, so those keep one-shot).
+FUSED_MIN_M = 4096
+FUSED_MAX_K = 4096
+
+
+def tile_config(m: int, k: int, n: int):
+    """The fused kernel's tiling (the same on every rank: from the shape alone);
+    ``COMMFUSE_TILE_CONFIG`` (e.g. ``128x256x64s3w8g8r16o1``) overrides."""
+    from .tiles import TileConfig
+
+    env = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
+    return TileConfig.parse(env) if env else TileConfig()
+
+
+def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str | None:
+    """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank
+    agrees), or None."""
+    from . import fused_all_reduce
+    from .tiles import FUSABLE_DTYPES
+
+    if world < 2:
+        return "one rank"
+    if dtype not in FUSABLE_DTYPES:
+        return f"{dtype} (the tile kernel takes fp16 and bf16)"
+    if m < 1 or (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
+        return "K or N rows are not 16-byte multiples (TMA descriptors)"
+    cfg = tile_config(m, k, n)
+    if fused_all_reduce.tile_flag_slots(m, n, world, cfg) > symm.TILE_FLAG_BYTES // 4:
+        return "more tiles than the workspace has tile flags"
+    if fused_all_reduce.data_elems(m, n, world, cfg) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
+        return "the workspace would be too large"
+    return None
 
 
 def capturing() -> bool:
@@ -72,12 +111,23 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
                f"{nbytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES")
         return nccl_fallback("mm_all_reduce", f"in a CUDA-graph capture: {why}")
     forced = _forced(MM_ALL_REDUCE_ALGOS)
+    if forced == "fused":
+        why = fused_unsupported(m, k, n, dtype, world)
+        if why is None:
+            return forced
+        if ("fused", why) not in _warned_capture:
+            _warned_capture.add(("fused", why))
+            log.warning("commfuse.mm_all_reduce: COMMFUSE_ALGO=fused cannot take this call (%s); "
+                        "running one-shot instead", why)
+        forced = "one_shot" if _symmetric_possible(nbytes, world) else "nccl"
     if forced:
         return forced
     if not _symmetric_possible(nbytes, world):
         return "nccl"
     if nbytes <= lane_bytes:  # replays use the lane; a rank re-warming its graphs must meet them
         return "graph"
+    if m >= FUSED_MIN_M and k <= FUSED_MAX_K and fused_unsupported(m, k, n, dtype, world) is None:
+        return "fused"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"

@@ -26,20 +26,24 @@ def _programs(ws, n: int, block: int, max_programs: int) -> int:
 
 
 @triton.jit
-def _load(ptr, rank, peer, heap_bases, mask, ALIGNED: tl.constexpr):
-    """A peer's elements; vectorised 16-byte loads when the caller knows ``ptr`` is aligned."""
-    if ALIGNED:
+def peer_load(ptr, rank, peer, heap_bases, mask, VEC: tl.constexpr):
+    """A peer's elements. ``VEC``: 1 if ``ptr`` is a 1-D block of 16-byte aligned runs, 2 if each
+    row of a 2-D block is, so the loads vectorise to 16 bytes; 0 for no such promise. (Triton 3.6
+    rejects a hint tuple passed in as a constexpr, hence literals here.)"""
+    if VEC == 2:
+        return iris.load(ptr, rank, peer, heap_bases, mask=mask, hint=(1, 16))
+    elif VEC == 1:
         return iris.load(ptr, rank, peer, heap_bases, mask=mask, hint=16)
     else:
         return iris.load(ptr, rank, peer, heap_bases, mask=mask)
 
 
 @triton.jit
-def _sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, ALIGNED: tl.constexpr):
+def sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, VEC: tl.constexpr):
     """Sum in rank order 0..WORLD-1 on every rank, so every rank rounds the same way."""
     acc = tl.zeros(ptr.shape, tl.float32)
     for peer in tl.static_range(WORLD):
-        acc += _load(ptr, rank, peer, heap_bases, mask, ALIGNED).to(tl.float32)
+        acc += peer_load(ptr, rank, peer, heap_bases, mask, VEC).to(tl.float32)
     return acc
 
 
@@ -54,12 +58,12 @@ def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, 
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = _sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, True)
+        acc = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, 1)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _poison(out, start, n, step, BLOCK: tl.constexpr):
+def poison(out, start, n, step, BLOCK: tl.constexpr):
     """NaN into this program's blocks of ``out``: a call whose peer never came must not look valid."""
     for s in range(start, n, step):
         offs = s + tl.arange(0, BLOCK)
@@ -89,12 +93,12 @@ def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_b
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
     late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
     if late != 0:
-        _poison(out, pid * BLOCK, n, step, BLOCK)
+        poison(out, pid * BLOCK, n, step, BLOCK)
     else:
         for start in range(pid * BLOCK, n, step):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n
-            acc = _sum_over_peers(half + offs, mask, rank, heap_bases, WORLD, True)
+            acc = sum_over_peers(half + offs, mask, rank, heap_bases, WORLD, 1)
             tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
     for slot in range(pid, SLOTS, nprog):
         tl.store(counter + slot, epoch)
@@ -118,7 +122,7 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
     for start in range(lo + pid * BLOCK, hi, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        val = _sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, True).to(out.dtype.element_ty)
+        val = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, 1).to(out.dtype.element_ty)
         tl.store(partial + offs, val, mask=mask)  # my share of my partial: only I read or write it
         tl.store(out + offs, val, mask=mask)
     signal_peers(flags, nprog + pid, epoch, rank, heap_bases, WORLD)
@@ -130,16 +134,16 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
         for start in range(plo + pid * BLOCK, phi, step):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < phi
-            tl.store(out + offs, _load(partial + offs, rank, peer, heap_bases, mask, True), mask=mask)
+            tl.store(out + offs, peer_load(partial + offs, rank, peer, heap_bases, mask, 1), mask=mask)
 
 
 @triton.jit(do_not_specialize=["epoch"])
 def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
                        OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                       ALIGNED: tl.constexpr):
+                       VEC: tl.constexpr):
     """Copy every rank's shard (``outer`` rows of ``inner`` elements) into ``out``, rank r's row o
     at ``out[o, r]`` of an ``[outer, WORLD, inner]`` view: a gather along any leading dimension.
-    ``ALIGNED``: rows start on 16-byte boundaries, so peer loads may be vectorised."""
+    ``VEC``: 1 when rows start on 16-byte boundaries, so peer loads may be vectorised."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
@@ -151,7 +155,7 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             row = blk // per_row
             offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < inner
-            val = _load(shard + row.to(tl.int64) * inner + offs, rank, peer, heap_bases, mask, ALIGNED)
+            val = peer_load(shard + row.to(tl.int64) * inner + offs, rank, peer, heap_bases, mask, VEC)
             dst = out + (row.to(tl.int64) * WORLD + peer) * inner + offs
             tl.store(dst, val, mask=mask)
 
@@ -159,7 +163,7 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
 @triton.jit(do_not_specialize=["epoch"])
 def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
                           OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                          ALIGNED: tl.constexpr):
+                          VEC: tl.constexpr):
     """``out[o] = sum over peers of partial[o, rank]`` for ``partial`` viewed ``[outer, WORLD,
     inner]``: this rank's share of a sum scattered along any leading dimension."""
     pid = tl.program_id(0)
@@ -172,7 +176,7 @@ def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, 
         offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inner
         src = partial + (row.to(tl.int64) * WORLD + rank) * inner + offs
-        acc = _sum_over_peers(src, mask, rank, heap_bases, WORLD, ALIGNED)
+        acc = sum_over_peers(src, mask, rank, heap_bases, WORLD, VEC)
         tl.store(out + row.to(tl.int64) * inner + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -190,7 +194,7 @@ def _launch_rowwise(kernel, ws, src: torch.Tensor, out: torch.Tensor, outer: int
     grid = (_programs(ws, outer * inner, block, max_programs),)
     aligned = (inner * src.element_size()) % 16 == 0 and src.data_ptr() % 16 == 0
     kernel[grid](src, out, outer, inner, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
-                 BLOCK=block, ALIGNED=aligned, num_warps=num_warps)
+                 BLOCK=block, VEC=1 if aligned else 0, num_warps=num_warps)
 
 
 def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,

@@ -16,8 +16,8 @@ symmetric buffer, never in PyTorch's caching allocator: the first call of a grou
 CUDA-graph warm-up, whose allocations come from the graph's private pool and are reused by later
 captures (a heap-bases table there was overwritten: illegal addresses).
 
-Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch
-counters that only grow, so they never need resetting; the two data halves alternate between calls,
+Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][tile flags: TILE_FLAG_BYTES][data parity 0]
+[data parity 1]``. Flags are int32 epoch counters that only grow, so they never need resetting; the two data halves alternate between calls,
 which (with the flag wait at the start of every kernel) keeps a fast rank from overwriting data a
 slow peer is still reading. Allocation is collective and slow: it happens lazily on the first call
 for a group, is reused after, and grows only when a larger call arrives (the same on every rank,
@@ -36,6 +36,9 @@ import torch.distributed as dist
 from ..report import log
 
 FLAG_BYTES = 64 * 1024
+#: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile).
+TILE_FLAG_BYTES = 1024 * 1024
+HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
 #: The last bytes of each header hold the heap-bases table (int64 per rank): up to 128 ranks.
 BASES_BYTES = 1024
 #: Flags are int32: epochs restart (collectively, flags zeroed) well before they could overflow.
@@ -60,7 +63,7 @@ class Workspace:
     group_name: str
     rank: int
     world: int
-    buffer: torch.Tensor  # uint8, FLAG_BYTES + 2 * data_bytes, on this rank
+    buffer: torch.Tensor  # uint8, HEADER_BYTES + 2 * data_bytes, on this rank
     heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap), in ``buffer``
     data_bytes: int
     max_programs: int = 132  # the smallest SM count of the group: every rank launches the same grid
@@ -71,6 +74,10 @@ class Workspace:
     @property
     def flags(self) -> torch.Tensor:
         return self.buffer[:FLAG_BYTES - BASES_BYTES].view(torch.int32)
+
+    @property
+    def tile_flags(self) -> torch.Tensor:
+        return self.buffer[FLAG_BYTES:HEADER_BYTES].view(torch.int32)
 
     def next_epoch(self) -> tuple[int, int]:
         """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""
@@ -101,11 +108,11 @@ class Workspace:
         get_buffer = getattr(self._keepalive, "get_buffer", None)
         if get_buffer is None:
             return None
-        offset = FLAG_BYTES + parity * self.data_bytes
+        offset = HEADER_BYTES + parity * self.data_bytes
         return get_buffer(peer, list(shape), dtype, offset // dtype.itemsize)
 
     def data(self, parity: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
-        start = FLAG_BYTES + parity * self.data_bytes + offset_bytes
+        start = HEADER_BYTES + parity * self.data_bytes + offset_bytes
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if offset_bytes + nbytes > self.data_bytes:
             raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
@@ -205,13 +212,14 @@ def _allocate_iris(group_name: str, nbytes: int, device: torch.device):
     return buf, [int(x) for x in ctx.get_heap_bases().tolist()], ctx
 
 
-def _header(buf: torch.Tensor, header_bytes: int, ptrs: list[int]) -> torch.Tensor:
-    """Zero a buffer's header (flags, counters) and write the heap bases at its end; returns them
-    as an int64 view of the buffer (no allocation: see the module docstring)."""
+def _header(buf: torch.Tensor, header_bytes: int, ptrs: list[int], bases_end: int) -> torch.Tensor:
+    """Zero a buffer's header (flags, counters) and write the heap bases in the BASES_BYTES before
+    ``bases_end``; returns them as an int64 view of the buffer (no allocation: see the module
+    docstring)."""
     if 8 * len(ptrs) > BASES_BYTES:
         raise RuntimeError(f"commfuse: groups of more than {BASES_BYTES // 8} ranks are not supported")
     buf[:header_bytes].zero_()
-    bases = buf[header_bytes - BASES_BYTES:header_bytes - BASES_BYTES + 8 * len(ptrs)].view(torch.int64)
+    bases = buf[bases_end - BASES_BYTES:bases_end - BASES_BYTES + 8 * len(ptrs)].view(torch.int64)
     bases.copy_(torch.tensor(ptrs, dtype=torch.int64))
     return bases
 
@@ -267,14 +275,14 @@ def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: W
         dist.barrier(group=group)
     alloc = _allocate_iris if key[1] == "iris" else _allocate_torch
     log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
-             (FLAG_BYTES + 2 * size) >> 20, group_name, key[1])
-    buf, ptrs, handle = alloc(group_name, FLAG_BYTES + 2 * size, device)
-    bases = _header(buf, FLAG_BYTES, ptrs)
+             (HEADER_BYTES + 2 * size) >> 20, group_name, key[1])
+    buf, ptrs, handle = alloc(group_name, HEADER_BYTES + 2 * size, device)
+    bases = _header(buf, HEADER_BYTES, ptrs, FLAG_BYTES)
     if key not in _lanes:  # with the first workspace, so it exists before any capture
         lane_bytes = graph_data_bytes()
         lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
         _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf,
-                                _header(lbuf, GRAPH_FLAG_BYTES, lptrs), lane_bytes,
+                                _header(lbuf, GRAPH_FLAG_BYTES, lptrs, GRAPH_FLAG_BYTES), lane_bytes,
                                 min(sms, GRAPH_SLOTS), _keepalive=lhandle)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags

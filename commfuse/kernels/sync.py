@@ -24,9 +24,10 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
     _IRIS_ERROR = exc
 
 #: Op codes the kernels write into the error word on a timeout, and the names they stand for.
-OP_MM_ALL_REDUCE, OP_ALL_GATHER_MM, OP_MM_REDUCE_SCATTER, GRAPH_LANE_OP = 1, 2, 3, 4
+OP_MM_ALL_REDUCE, OP_ALL_GATHER_MM, OP_MM_REDUCE_SCATTER, GRAPH_LANE_OP, FUSED_AR_OP = 1, 2, 3, 4, 5
 OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
-       OP_MM_REDUCE_SCATTER: "mm_reduce_scatter", GRAPH_LANE_OP: "mm_all_reduce (graph lane)"}
+       OP_MM_REDUCE_SCATTER: "mm_reduce_scatter", GRAPH_LANE_OP: "mm_all_reduce (graph lane)",
+       FUSED_AR_OP: "mm_all_reduce (fused tile kernel)"}
 
 
 #: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone.
@@ -48,24 +49,37 @@ def signal_peers(flags, slot, epoch, rank, heap_bases, WORLD: tl.constexpr):
 
 
 @triton.jit
+def wait_flag(ptr, epoch, start, timeout):
+    """Spin until ``*ptr >= epoch`` (acquire, system scope) or ``timeout`` ns after ``start`` (a
+    ``globaltimer()`` reading); returns 1 if the flag came late."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    late = 0
+    while (seen < epoch) & (late == 0):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        if globaltimer() - start > timeout:
+            late = 1
+    return late
+
+
+@triton.jit
+def record_late(err, OP: tl.constexpr, rank, peer):
+    """Name the op, this rank and the late peer in the error word (the host raises on it)."""
+    tl.store(err + 1, OP)
+    tl.store(err + 2, rank)
+    tl.store(err + 3, peer)
+    tl.store(err, 1)
+
+
+@triton.jit
 def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
     """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed.
     Returns nonzero if a peer was late (the error word names it)."""
     start = globaltimer()
     any_late = 0
     for peer in tl.static_range(WORLD):
-        ptr = flags + slot * WORLD + peer
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        late = 0
-        while (seen < epoch) & (late == 0):
-            seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-            if globaltimer() - start > timeout:
-                late = 1
+        late = wait_flag(flags + slot * WORLD + peer, epoch, start, timeout)
         if late != 0:
-            tl.store(err + 1, OP)
-            tl.store(err + 2, rank)
-            tl.store(err + 3, peer)
-            tl.store(err, 1)
+            record_late(err, OP, rank, peer)
             any_late = 1
     tl.debug_barrier()
     return any_late

@@ -1,0 +1,110 @@
+"""Exploration for the fused tile kernel of mm_all_reduce (issue 4), run under torchrun on 2 GPUs:
+per shape, the GEMM alone (cuBLAS against the tile kernel's GEMM, per config), the unfused and
+current commfuse paths, and the fused kernel per (config, reducers), after checking it against an
+fp32 reference on fresh data with the output poisoned first.
+
+    torchrun --nproc_per_node=2 benchmarks/tile_sweep.py [--shapes MxKxN,...] [--configs ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfuse  # noqa: F401
+from commfuse.bench import MM_AR_SHAPES, time_us
+from commfuse.kernels import fused_all_reduce, symm, tiles
+from commfuse.kernels.sync import ErrorWord
+
+CONFIGS = ["128x256x64s3w8g8r16o1", "128x256x64s3w8g8r8o1", "128x128x64s3w8g8r16o2",
+           "128x128x64s3w8g8r8o2", "128x128x64s3w4g8r16o2", "128x128x64s4w4g8r16o2"]
+
+
+def fused_call(ws, a, b, bias, out, cfg):
+    epoch, parity = ws.next_epoch()
+    fused_all_reduce.mm_all_reduce(ws, a, b, bias, out, epoch, parity, cfg)
+
+
+def check(ws, m, k, n, cfg, group, bias: bool, transposed: bool) -> float:
+    """Relative error of the fused result against the fp32 sum, on fresh data, output poisoned."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = w.t() if transposed else w.t().contiguous()
+    bb = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = a.float() @ b.float() + (bb.float() if bias else 0)
+    dist.all_reduce(ref, group=group)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fused_call(ws, a, b, bb, out, cfg)
+    torch.cuda.synchronize()
+    ErrorWord.check("tile_sweep")
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=",".join(f"{m}x{k}x{n}" for m, k, n in MM_AR_SHAPES if m >= 1024))
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    group, rank = dist.group.WORLD, dist.get_rank()
+    gname = group.group_name
+    configs = [tiles.TileConfig.parse(c) for c in args.configs.split(",")]
+    records = []
+    for shape in args.shapes.split(","):
+        m, k, n = (int(x) for x in shape.split("x"))
+        torch.manual_seed(1234 + rank)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = w.t()  # a linear layer's weight, as the compiled graphs pass it
+        ws = symm.workspace(gname, 2 * max(fused_all_reduce.data_elems(m, n, 2, c) for c in configs), a.device)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        t = {"cublas": time_us(lambda: torch.mm(a, b)),
+             "nccl_ar": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(out, "sum", group))),
+             "unfused": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group))),
+             "commfuse_one_shot": time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))}
+        errs = {}
+        for c in configs:
+            mm_key = f"tile_mm {c.bm}x{c.bn}x{c.bk}s{c.stages}w{c.warps}o{c.per_sm}"
+            if mm_key not in t:
+                t[mm_key] = time_us(lambda: tiles.matmul(a, b, None, c, out=out, programs=c.per_sm * ws.max_programs))
+            try:
+                errs[str(c)] = check(ws, m, k, n, c, group, bias=False, transposed=True)
+                t[f"fused {c}"] = time_us(lambda: fused_call(ws, a, b, None, out, c))
+            except Exception as exc:
+                errs[str(c)] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.synchronize()
+        if shape == args.shapes.split(",")[0]:  # the other forms, once
+            c = configs[0]
+            errs["bias+rowmajor"] = check(ws, m, k, n, c, group, bias=True, transposed=False)
+        best_fused = min((v, key) for key, v in t.items() if key.startswith("fused"))
+        best_mm = min(v for key, v in t.items() if key.startswith("tile_mm"))
+        floor = max(t["cublas"], min(t["nccl_ar"], t["commfuse_one_shot"] - t["cublas"]))
+        rec = dict(M=m, K=k, N=n, times=t, errors=errs, best_fused=best_fused[1], floor_us=floor)
+        records.append(rec)
+        if rank == 0 and shape == args.shapes.split(",")[0]:
+            print("resident programs per SM:", {str(key[0]): v for key, v in fused_all_reduce._resident.items()})
+        if rank == 0:
+            print(f"{m}x{k}x{n}: cublas {t['cublas']:.0f} tile_mm {best_mm:.0f} ({t['cublas'] / best_mm:.2f}x) | "
+                  f"unfused {t['unfused']:.0f} one_shot {t['commfuse_one_shot']:.0f} fused {best_fused[0]:.0f} "
+                  f"[{best_fused[1]}] ({t['unfused'] / best_fused[0]:.2f}x vs unfused, "
+                  f"{t['unfused'] / t['commfuse_one_shot']:.2f}x one_shot) floor~{floor:.0f}", flush=True)
+            print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
+            print("    errors", {key: (f"{v:.1e}" if isinstance(v, float) else v) for key, v in errs.items()}, flush=True)
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""``mm_all_reduce`` in one persistent kernel: each tile is reduced in the epilogue of the program
+that multiplied it, while other tiles are still being multiplied, and every byte that crosses
+NVLink is a store (pushed), never a load, so no program waits a remote round trip per element.
+
+Tile t belongs to rank t % world. Every rank multiplies the tiles of the ranks after it first and
+its own tiles last ("own last"), so by the time it multiplies a tile it owns, the peers pushed
+their partials of that tile long ago. A peer-owned tile's partial is stored straight into the
+owner's workspace (its slab for this rank). An owned tile adds the peers' slabs (local reads) to
+its fp32 accumulator, writes the output and pushes the sum into each peer's result area. Flags
+(``ready`` on the owner, ``done`` on the peers) are released after the program's *next* tile is
+multiplied, so the release finds the stores landed instead of stalling on them. A few
+``reducers`` programs copy the sums that peers pushed into this rank's output as they arrive.
+
+Each rank sends (world - 1) / world of the partial and of the result, as a two-shot all-reduce
+does, spread over the whole GEMM instead of after it. Waits are bounded (``sync.wait_flag``): a
+program whose wait timed out writes NaN for the rest of its tiles (and still releases them), and
+the error word names the op, this rank and the peer. Only the last segment waits, and only for
+pushes of the peers' earlier segments, which never wait. Parity halves alternate between calls as
+in ``exchange.py``; a rank finishes call e only after every peer pushed it the sums of e, i.e.
+after the peers consumed everything this rank pushed them in e.
+
+Per parity the workspace holds ``world`` slabs of the owned tiles (slab p: rank p's partials,
+tile t at index t // world) and a result area indexed by tile, each tile a dense BM x BN block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from . import tiles
+from .sync import ErrorWord, FUSED_AR_OP, iris, record_late, require_iris, timeout_ns, wait_flag
+from .tiles import mma_tile, tile_coords, tile_epilogue
+
+
+@triton.jit
+def _release(flags, tile, epoch, rank, heap_bases, num_tiles, WORLD: tl.constexpr):
+    """After a tile's stores: ``ready`` on its owner for a peer's tile, ``done`` on every peer for
+    an owned one (the sum was pushed)."""
+    tl.debug_barrier()  # every thread's stores before the release below
+    owner = tile % WORLD
+    if owner == rank:
+        for i in tl.static_range(1, WORLD):
+            iris.atomic_xchg(flags + num_tiles * WORLD + tile, epoch, rank, (rank + i) % WORLD,
+                             heap_bases, sem="release", scope="sys")
+    else:
+        iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, owner, heap_bases,
+                         sem="release", scope="sys")
+
+
+@triton.jit
+def _schedule(i, rank, num_tiles, WORLD: tl.constexpr):
+    """The tile at position ``i`` of this rank's order: the tiles of rank+1, rank+2, ... first
+    (each in increasing order), its own last."""
+    tile = i * 0
+    start = i * 0
+    for k in tl.static_range(WORLD):
+        o = (rank + 1 + k) % WORLD
+        size = (num_tiles - o + WORLD - 1) // WORLD
+        tile = tl.where((i >= start) & (i < start + size), o + WORLD * (i - start), tile)
+        start += size
+    return tile
+
+
+@triton.jit
+def _tile_block(data, index, BM: tl.constexpr, BN: tl.constexpr):
+    """Pointers to dense tile ``index`` of a workspace area."""
+    return data + index.to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+
+
+@triton.jit
+def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.constexpr,
+                 BN: tl.constexpr, SUB_M: tl.constexpr):
+    """Copy the sum a peer pushed for one of its tiles into ``out``; NaN if its wait was late."""
+    for sub in tl.static_range(BM // SUB_M):
+        r = sub * SUB_M + tl.arange(0, SUB_M)
+        c = tl.arange(0, BN)
+        val = tl.load(data + (result_at + tile).to(tl.int64) * (BM * BN) + r[:, None] * BN + c[None, :])
+        if late != 0:
+            val = tl.full((SUB_M, BN), float("nan"), tl.float32).to(val.dtype)
+        rows = pid_m * BM + r
+        cols = pid_n * BN + c
+        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val,
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["epoch", "compute"])
+def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
+                           flags, heap_bases, epoch, rank, err, timeout, compute, OP: tl.constexpr,
+                           WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP_M: tl.constexpr, SUB_M: tl.constexpr,
+                           B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    num_tiles = num_m * num_n
+    slab_tiles = tl.cdiv(num_tiles, WORLD)
+    result_at = WORLD * slab_tiles  # the result area follows the slabs
+    late = pid * 0  # once a wait timed out, this program waits no more: the rest of its tiles are NaN
+    if pid < compute:
+        prev = pid * 0 - 1
+        for i in range(pid, num_tiles, compute):
+            tile = _schedule(i, rank, num_tiles, WORLD)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+            rows, cols, mask, acc = tile_epilogue(acc, bias, pid_m * BM, pid_n * BN, M, N,
+                                                  stride_bm, stride_bn, BM, BN, HAS_BIAS)
+            if prev >= 0:  # the previous tile's stores had this whole K loop to land
+                _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
+            owner = tile % WORLD
+            if owner == rank:
+                if late == 0:
+                    start = globaltimer()
+                    for k in tl.static_range(1, WORLD):
+                        peer = (rank + k) % WORLD
+                        if late == 0:
+                            late = wait_flag(flags + tile * WORLD + peer, epoch, start, timeout)
+                            if late != 0:
+                                record_late(err, OP, rank, peer)
+                    tl.debug_barrier()
+                for k in tl.static_range(1, WORLD):
+                    peer = (rank + k) % WORLD
+                    acc += tl.load(_tile_block(data, peer * slab_tiles + tile // WORLD, BM, BN)).to(tl.float32)
+                if late != 0:
+                    acc = tl.full((BM, BN), float("nan"), tl.float32)
+                val = acc.to(out.dtype.element_ty)
+                tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
+                dst = _tile_block(data, result_at + tile, BM, BN)
+                for k in tl.static_range(1, WORLD):
+                    iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+            else:
+                dst = _tile_block(data, rank * slab_tiles + tile // WORLD, BM, BN)
+                iris.store(dst, acc.to(out.dtype.element_ty), rank, owner, heap_bases, hint=(1, 16))
+            prev = tile
+        if prev >= 0:
+            _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
+    else:
+        reducers = tl.num_programs(0) - compute
+        # the peers' tiles in the order their sums arrive: j-th tile of every peer, then the next
+        for u in range(pid - compute, (WORLD - 1) * slab_tiles, reducers):
+            owner = (rank + 1 + u % (WORLD - 1)) % WORLD
+            tile = owner + WORLD * (u // (WORLD - 1))
+            if tile < num_tiles:
+                pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+                if late == 0:
+                    late = wait_flag(flags + num_tiles * WORLD + tile, epoch, globaltimer(), timeout)
+                    if late != 0:
+                        record_late(err, OP, rank, owner)
+                    tl.debug_barrier()
+                _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
+
+
+def tile_flag_slots(m: int, n: int, world: int, cfg: tiles.TileConfig) -> int:
+    return triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn) * (world + 1)
+
+
+def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig) -> int:
+    """Elements per parity: ``world`` slabs of the owned tiles, and the result area."""
+    num_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    return (world * triton.cdiv(num_tiles, world) + num_tiles) * cfg.bm * cfg.bn
+
+
+_resident: dict[tuple, int] = {}
+
+
+def mm_all_reduce(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epoch: int,
+                  parity: int, cfg: tiles.TileConfig) -> None:
+    """``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per parity)."""
+    require_iris()
+    m, k = a.shape
+    n = b.shape[1]
+    if tile_flag_slots(m, n, ws.world, cfg) > ws.tile_flags.numel():
+        raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
+    data = ws.data(parity, (data_elems(m, n, ws.world, cfg),), a.dtype)
+    a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
+    full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
+    args = (a_desc, b_desc, full_bias if full_bias is not None else out, data, out, m, n, k, sbm, sbn,
+            ws.tile_flags, ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns())
+    consts = dict(OP=FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+                  GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
+                  HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index)
+    if key not in _resident:  # compiled, not launched: how many programs fit on an SM
+        compiled = gemm_all_reduce_kernel.warmup(*args, 1, grid=(1,), **consts)
+        compiled._init_handles()
+        _resident[key] = tiles.resident_programs(compiled, a.device)
+    per_sm = min(cfg.per_sm, _resident[key])
+    if per_sm < 1:
+        raise RuntimeError(f"commfuse: the fused kernel with {cfg} does not fit on an SM")
+    programs = per_sm * ws.max_programs
+    num_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    compute = max(1, min(num_tiles, programs - cfg.reducers))
+    reducers = max(1, min(cfg.reducers, programs - compute))
+    gemm_all_reduce_kernel[(compute + reducers,)](*args, compute, **consts)

@@ -1,0 +1,176 @@
+"""Persistent-GEMM building blocks shared by the fused kernels: tile order, one output tile's
+K loop through TMA descriptors, and the host side that builds descriptors and picks configs.
+
+``matmul_kernel`` is the GEMM alone on the same helpers: what the fused kernels' GEMM part costs
+without any communication (the ops benchmark compares it with cuBLAS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover - older Triton: the fused paths are not offered
+    TensorDescriptor = None
+
+
+@triton.jit
+def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row-blocks share each column sweep, so B's columns stay in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def mma_tile(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, B_TRANSPOSED: tl.constexpr):
+    """fp32 ``A[off_m:+BM, :] @ B[:, off_n:+BN]``. ``B_TRANSPOSED``: the descriptor is over B's
+    transpose ``[N, K]`` (a linear layer's weight), loaded as [BN, BK] tiles."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([off_m, k * BK])
+        if B_TRANSPOSED:
+            b = b_desc.load([off_n, k * BK]).T
+        else:
+            b = b_desc.load([k * BK, off_n])
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def tile_epilogue(acc, bias, off_m, off_n, M, N, stride_bm, stride_bn, BM: tl.constexpr,
+                  BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(rows, cols, mask, acc + bias): a tile's coordinates and its biased fp32 values."""
+    rows = off_m + tl.arange(0, BM)
+    cols = off_n + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if HAS_BIAS:
+        acc += tl.load(bias + rows[:, None] * stride_bm + cols[None, :] * stride_bn, mask=mask).to(tl.float32)
+    return rows, cols, mask, acc
+
+
+@triton.jit
+def matmul_kernel(a_desc, b_desc, bias, c, M, N, K, stride_bm, stride_bn, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``c = a @ b (+ bias)``, persistent: program p takes tiles p, p + grid, ..."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+        rows, cols, mask, acc = tile_epilogue(acc, bias, pid_m * BM, pid_n * BN, M, N, stride_bm,
+                                              stride_bn, BM, BN, HAS_BIAS)
+        tl.store(c + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(c.dtype.element_ty), mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums
+    instead of multiplying; ``per_sm``: programs resident per SM (2 lets one program's epilogue
+    stores drain while the other multiplies; the launcher checks the kernel fits twice)."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 3
+    warps: int = 8
+    group_m: int = 8
+    reducers: int = 16
+    per_sm: int = 1
+
+    def __str__(self) -> str:
+        return (f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.warps}g{self.group_m}"
+                f"r{self.reducers}o{self.per_sm}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TileConfig":
+        """The inverse of ``str``: ``128x256x64s3w8g8r16o1`` (``o1`` may be left out)."""
+        import re
+
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)s(\d+)w(\d+)g(\d+)r(\d+)(?:o(\d+))?", text.strip())
+        if not m:
+            raise ValueError(f"commfuse: tile config {text!r} is not like 128x256x64s3w8g8r16o1")
+        return cls(*(int(x) for x in m.groups() if x is not None))
+
+
+def resident_programs(kernel, device: torch.device) -> int:
+    """How many programs of a compiled ``kernel`` fit on one SM at once (registers, shared memory,
+    threads): a grid of at most that many per SM is entirely resident, so programs may spin-wait
+    on each other's progress across GPUs without starving anyone."""
+    props = torch.cuda.get_device_properties(device)
+    threads = kernel.metadata.num_warps * 32
+    regs = max(1, kernel.n_regs) * threads
+    smem = kernel.metadata.shared + 1024  # the driver reserves 1 KiB per block
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    return max(0, min(regs_per_sm // regs, smem_per_sm // smem, 2048 // threads))
+
+
+FUSABLE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
+    """TMA descriptors of ``a`` [M, K] and ``b`` [K, N] for ``cfg``'s tiles, and whether the
+    descriptor of ``b`` is over its transpose. TMA needs unit inner strides and 16-byte aligned
+    rows; an operand without them is copied once (a transposed activation, say)."""
+
+    def tma_ready(t):
+        return (t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+                and t.data_ptr() % 16 == 0)
+
+    if not tma_ready(a):
+        a = a.contiguous()
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.bm, cfg.bk])
+    bt = b.t()
+    if tma_ready(bt):  # a linear layer's weight, used transposed: no copy
+        return a_desc, TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], [cfg.bn, cfg.bk]), True
+    if not tma_ready(b):
+        b = b.contiguous()
+    return a_desc, TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [cfg.bk, cfg.bn]), False
+
+
+def supported(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why the descriptor-based kernels cannot take these operands, or None if they can."""
+    if TensorDescriptor is None:
+        return "this Triton has no tensor descriptors"
+    if a.dtype not in FUSABLE_DTYPES:
+        return f"{a.dtype} (the tile kernels take fp16 and bf16)"
+    if (a.shape[1] * a.element_size()) % 16 or (b.shape[1] * b.element_size()) % 16:
+        return "K or N rows are not 16-byte multiples (TMA)"
+    return None
+
+
+def bias_strides(bias: torch.Tensor | None, m: int, n: int):
+    """The bias broadcast to [m, n] (stride 0 along broadcast dimensions), or a dummy pointer."""
+    if bias is None:
+        return None, 0, 0
+    full = bias.expand(m, n)
+    return full, full.stride(0), full.stride(1)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
+           out: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
+    """The tile kernels' GEMM alone (benchmarks, tests)."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device) if out is None else out
+    a_desc, b_desc, b_t = descriptor_operands(a, b, cfg)
+    full_bias, sbm, sbn = bias_strides(bias, m, n)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    matmul_kernel[(max(1, min(tiles, programs)),)](
+        a_desc, b_desc, full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t,
+        HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out

@@ -1,0 +1,105 @@
+"""The fused tile kernel of mm_all_reduce (``fused_all_reduce.py``) against an fp32 reference of
+the unfused computation, on fresh random data with poisoned outputs, 2 ranks. Every form the
+kernel meets in compiled graphs: both weight layouts, a transposed activation, 1-D and per-row
+bias, fp16 and bf16, tile-ragged M and N, both symmetric-memory providers; plus repeated calls
+mixed with the other paths, and a peer that never comes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse.kernels import cuda_paths, symm
+from commfuse.kernels.sync import check_errors
+from gpu_util import gather_all, poison, relerr
+
+pytestmark = pytest.mark.gpu
+
+
+def _operands(m, k, n, dtype, form):
+    a = torch.randn(k, m, device="cuda", dtype=dtype).t() if form == "a_transposed" else \
+        torch.randn(m, k, device="cuda", dtype=dtype)
+    b = (torch.randn(n, k, device="cuda", dtype=dtype).t() if form == "weight_t" else
+         torch.randn(k, n, device="cuda", dtype=dtype)) / k ** 0.5
+    c = {"bias": torch.randn(n, device="cuda", dtype=dtype),
+         "row_bias": torch.randn(m, 1, device="cuda", dtype=dtype)}.get(form)
+    return a, b, c
+
+
+def _reference(a, b, c):
+    ref = sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
+    if c is not None:
+        ref = ref + sum(t.float() for t in gather_all(c))
+    return ref
+
+
+@pytest.fixture(params=["torch", "iris"])
+def provider(request, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("m", [1, 7, 129, 1000, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "a_transposed"])
+def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    k, n = 1024, 776  # N is not a multiple of the 256-wide tile; rows are 16-byte multiples
+    torch.manual_seed(1000 * dist.get_rank() + m)
+    a, b, c = _operands(m, k, n, dtype, form)
+    poison()
+    before = cuda_paths.PATHS["mm_all_reduce:fused"]
+    out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
+    ref = _reference(a, b, c)
+    check_errors()
+    assert cuda_paths.PATHS["mm_all_reduce:fused"] == before + 1
+    assert relerr(out, ref) < 1e-2
+    # every rank returns the same reduced tensor, not its own partial
+    outs = gather_all(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_default_dispatch_fuses_a_prefill_sized_call(nccl, monkeypatch):
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    torch.manual_seed(7 + dist.get_rank())
+    a, b, _ = _operands(8192, 2048, 4096, torch.bfloat16, "weight_t")  # an o_proj of 4x2048 tokens
+    poison()
+    before = cuda_paths.PATHS["mm_all_reduce:fused"]
+    out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+    ref = _reference(a, b, None)
+    check_errors()
+    assert cuda_paths.PATHS["mm_all_reduce:fused"] == before + 1
+    assert relerr(out, ref) < 1e-2
+
+
+def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch):
+    """Back-to-back calls alternate the fused kernel with one-shot calls on the same workspace
+    (parities, epochs and tile flags shared): each result is checked."""
+    gen = torch.Generator().manual_seed(3)  # the same sequence on every rank
+    torch.manual_seed(21 + dist.get_rank())
+    shapes = [(4096, 1024, 1024), (300, 2048, 776), (1, 1024, 1024), (2048, 512, 4096)]
+    for i in range(60):
+        m, k, n = shapes[int(torch.randint(len(shapes), (1,), generator=gen))]
+        monkeypatch.setenv("COMMFUSE_ALGO", "fused" if i % 3 else "one_shot")
+        a, b, _ = _operands(m, k, n, torch.bfloat16, "weight_t")
+        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        check_errors()
+        assert relerr(out, _reference(a, b, None)) < 1e-2, f"call {i}: {m}x{k}x{n}"
+
+
+def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch):
+    """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both."""
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    a, b, _ = _operands(512, 1024, 1024, torch.bfloat16, "weight_t")
+    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # both ranks: the workspace exists
+    check_errors()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        with pytest.raises(RuntimeError, match=r"fused tile kernel\): rank 0 timed out after 1 s waiting for rank 1"):
+            check_errors()
+        assert torch.isnan(out).all()
+    dist.barrier()
+    symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces

@@ -1,0 +1,65 @@
+"""Run by test_tiles.py under TRITON_INTERPRET=1 (Triton's CPU interpreter): the tile kernels'
+GEMM and the fused kernel's tile order, checked on the CPU. Exits non-zero on a mismatch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from commfuse.kernels import fused_all_reduce, tiles
+
+
+@triton.jit
+def _orders(out, num_tiles, rank, num_m, num_n, WORLD: tl.constexpr, GROUP_M: tl.constexpr):
+    i = tl.program_id(0)
+    tile = fused_all_reduce._schedule(i, rank, num_tiles, WORLD)
+    pid_m, pid_n = tiles.tile_coords(tile, num_m, num_n, GROUP_M)
+    tl.store(out + 3 * i, tile)
+    tl.store(out + 3 * i + 1, pid_m)
+    tl.store(out + 3 * i + 2, pid_n)
+
+
+def check_orders() -> None:
+    for world in (2, 3, 4, 8):
+        for num_m, num_n in ((1, 1), (3, 5), (8, 4), (9, 7)):
+            num_tiles = num_m * num_n
+            coords = set()
+            for rank in range(world):
+                got = torch.full((num_tiles, 3), -1, dtype=torch.int32)
+                _orders[(num_tiles,)](got, num_tiles, rank, num_m, num_n, WORLD=world, GROUP_M=2)
+                order = got[:, 0].tolist()
+                assert sorted(order) == list(range(num_tiles)), (world, rank, order)
+                owners = [t % world for t in order]
+                expect = [o for k in range(1, world + 1) for o in [(rank + k) % world]
+                          for _ in range(sum(1 for t in range(num_tiles) if t % world == o))]
+                assert owners == expect, ("peers' tiles first, own last", world, rank, owners)
+                coords = {tuple(x) for x in got[:, 1:].tolist()}
+                assert coords == {(m, n) for m in range(num_m) for n in range(num_n)}, (num_m, num_n)
+
+
+def check_matmul() -> None:
+    torch.manual_seed(0)
+    cfg = tiles.TileConfig(bm=32, bn=32, bk=16, stages=2, warps=4, group_m=2)
+    for m, k, n, transposed, bias in [(70, 48, 96, True, "1d"), (64, 64, 40, False, None),
+                                      (5, 32, 24, True, "rows"), (33, 16, 8, False, "1d")]:
+        a = torch.randn(m, k, dtype=torch.float16)
+        b = torch.randn(n, k, dtype=torch.float16).t() if transposed else torch.randn(k, n, dtype=torch.float16)
+        c = {None: None, "1d": torch.randn(n, dtype=torch.float16),
+             "rows": torch.randn(m, 1, dtype=torch.float16)}[bias]
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        tiles.matmul(a, b, c, cfg, out=out, programs=3)
+        ref = a.float() @ b.float() + (c.float() if c is not None else 0)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (m, k, n, transposed, bias, err)
+    at = torch.randn(48, 70, dtype=torch.float16).t()  # a transposed (non-contiguous) activation
+    b = torch.randn(48, 96, dtype=torch.float16)
+    ref = at.float() @ b.float()
+    out = tiles.matmul(at, b, None, cfg, programs=2)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+if __name__ == "__main__":
+    check_orders()
+    check_matmul()
+    print("ok")
