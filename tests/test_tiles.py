@@ -18,3 +18,27 @@ def test_tile_gemm_and_fused_tile_order_in_the_interpreter():
     run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_tiles.py")], env=env,
                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("form", ["single_row_transposed", "odd_offset_view", "transposed", "dense"])
+def test_descriptors_accept_every_activation_layout(form):
+    """TMA wants 16-byte aligned rows and base: a one-row transposed view (torch gives its row
+    stride as 1) or a view at an odd offset must be copied densely, never described as is."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    import torch
+
+    from commfuse.kernels import tiles
+
+    k, n = 64, 32
+    a = {"single_row_transposed": torch.randn(k, 1, dtype=torch.float16).t(),
+         "odd_offset_view": torch.randn(5 * k + 3, dtype=torch.float16)[3:].view(5, k),
+         "transposed": torch.randn(k, 7, dtype=torch.float16).t(),
+         "dense": torch.randn(6, k, dtype=torch.float16)}[form]
+    w = torch.randn(n, k, dtype=torch.float16)
+    cfg = tiles.TileConfig(bm=16, bn=16, bk=16)
+    for b, transposed in ((w.t(), True), (w.t().contiguous(), False)):
+        a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
+        assert b_t is transposed
+        assert a_desc.strides == [k, 1] and a_desc.base.data_ptr() % 16 == 0
+        assert torch.equal(a_desc.base, a)  # the same values, wherever they now live
+        assert b_desc.strides == ([k, 1] if transposed else [n, 1])

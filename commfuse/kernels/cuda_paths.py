@@ -107,9 +107,10 @@ def _fused_all_reduce(a, b, bias, group_name: str, world: int) -> torch.Tensor:
     cfg = dispatch.tile_config(m, k, n)
     nbytes = fused_all_reduce.data_elems(m, n, world, cfg) * a.dtype.itemsize
     ws = symm.workspace(group_name, nbytes, a.device)
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    launch = fused_all_reduce.prepare(ws, a, b, bias, out, cfg)  # what can fail, before the epoch
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
-        fused_all_reduce.mm_all_reduce(ws, a, b, bias, out, epoch, parity, cfg)
+        launch(epoch, parity)
     return out
 
 

@@ -162,28 +162,34 @@ def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig) -> int:
     return (world * triton.cdiv(num_tiles, world) + num_tiles) * cfg.bm * cfg.bn
 
 
+#: (config, dtype, world, weight layout, bias, device) -> programs of the compiled kernel per SM
 _resident: dict[tuple, int] = {}
 
 
-def mm_all_reduce(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, epoch: int,
-                  parity: int, cfg: tiles.TileConfig) -> None:
-    """``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per parity)."""
+def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig):
+    """Everything of a call that can fail (descriptors, operand copies, the first compile), done
+    before the call's epoch begins; returns ``launch(epoch, parity)``, which writes
+    ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per parity)."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
     if tile_flag_slots(m, n, ws.world, cfg) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
-    data = ws.data(parity, (data_elems(m, n, ws.world, cfg),), a.dtype)
+    elems = data_elems(m, n, ws.world, cfg)
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
-    args = (a_desc, b_desc, full_bias if full_bias is not None else out, data, out, m, n, k, sbm, sbn,
-            ws.tile_flags, ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns())
+
+    def args(epoch, parity):
+        return (a_desc, b_desc, full_bias if full_bias is not None else out,
+                ws.data(parity, (elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
+                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns())
+
     consts = dict(OP=FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = gemm_all_reduce_kernel.warmup(*args, 1, grid=(1,), **consts)
+        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0), 1, grid=(1,), **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, a.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -193,4 +199,9 @@ def mm_all_reduce(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor,
     num_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     compute = max(1, min(num_tiles, programs - cfg.reducers))
     reducers = max(1, min(cfg.reducers, programs - compute))
-    gemm_all_reduce_kernel[(compute + reducers,)](*args, compute, **consts)
+
+    def launch(epoch: int, parity: int) -> None:
+        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity), compute, **consts)
+
+    return launch
+

@@ -119,24 +119,30 @@ def resident_programs(kernel, device: torch.device) -> int:
 FUSABLE_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _row_stride(t: torch.Tensor) -> int:
+    """Elements between rows; a single row's stride is arbitrary in torch, so use the dense one."""
+    return t.shape[1] if t.shape[0] == 1 else t.stride(0)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    return (t.stride(-1) == 1 and (_row_stride(t) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
 def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     """TMA descriptors of ``a`` [M, K] and ``b`` [K, N] for ``cfg``'s tiles, and whether the
-    descriptor of ``b`` is over its transpose. TMA needs unit inner strides and 16-byte aligned
-    rows; an operand without them is copied once (a transposed activation, say)."""
-
-    def tma_ready(t):
-        return (t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-                and t.data_ptr() % 16 == 0)
-
-    if not tma_ready(a):
-        a = a.contiguous()
-    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [cfg.bm, cfg.bk])
+    descriptor of ``b`` is over its transpose. TMA needs unit inner strides, 16-byte aligned rows
+    and base; an operand without them (a transposed activation, a view at an odd offset) is
+    copied once into a fresh dense tensor."""
+    if not _tma_ready(a):
+        a = a.clone(memory_format=torch.contiguous_format)
+    a_desc = TensorDescriptor(a, list(a.shape), [_row_stride(a), 1], [cfg.bm, cfg.bk])
     bt = b.t()
-    if tma_ready(bt):  # a linear layer's weight, used transposed: no copy
-        return a_desc, TensorDescriptor(bt, list(bt.shape), [bt.stride(0), 1], [cfg.bn, cfg.bk]), True
-    if not tma_ready(b):
-        b = b.contiguous()
-    return a_desc, TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [cfg.bk, cfg.bn]), False
+    if _tma_ready(bt):  # a linear layer's weight, used transposed: no copy
+        return a_desc, TensorDescriptor(bt, list(bt.shape), [_row_stride(bt), 1], [cfg.bn, cfg.bk]), True
+    if not _tma_ready(b):
+        b = b.clone(memory_format=torch.contiguous_format)
+    return a_desc, TensorDescriptor(b, list(b.shape), [_row_stride(b), 1], [cfg.bk, cfg.bn]), False
 
 
 def supported(a: torch.Tensor, b: torch.Tensor) -> str | None:
