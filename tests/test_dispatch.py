@@ -22,8 +22,9 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
     assert dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world) == "fused"
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
-    # a large K: the GEMM dominates and the reducers' SMs cost more than the exchange they hide
-    big = dispatch.mm_all_reduce(8192, 7168, 4096, BF16, world)
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, world) == "fused"
+    # K larger than M: the GEMM dominates and the reducers' SMs cost more than the exchange they hide
+    big = dispatch.mm_all_reduce(4096, 7168, 4096, BF16, world)
     assert big == ("one_shot" if world == 2 else "two_shot")
     # fp32, and rows TMA cannot describe, keep the cuBLAS paths
     assert dispatch.mm_all_reduce(8192, 4096, 8192, torch.float32, world) != "fused"

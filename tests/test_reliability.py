@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -114,3 +115,40 @@ def test_one_row_input(world2):
     out, code = compile_code(lambda x, w: funcol.all_reduce(F.linear(x, w), "sum", dist.group.WORLD), x, w)
     assert calls(code, "commfuse.mm_all_reduce") == 1
     torch.testing.assert_close(out, F.linear(x, w))
+
+
+def _verify_worker(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from commfuse.kernels import verify
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    group = dist.group.WORLD.group_name
+    os.environ["COMMFUSE_VERIFY"] = "1"
+    b = torch.randn(8, 6)
+    a = torch.randn(4 + rank, 8)  # rank 1 has one row more: a bug in the caller
+    with pytest.raises(RuntimeError, match=r"mm_all_reduce: ranks of group .* disagree about the call: "
+                       rf"rank {rank} and rank {1 - rank} differ \(a: float32\[{4 + rank}, 8\] here, "
+                       rf"float32\[{5 - rank}, 8\] there\)"):
+        torch.ops.commfuse.mm_all_reduce(a, b, None, group)
+    out = torch.ops.commfuse.mm_all_reduce(a[:4], b, None, group)  # agreeing calls go through
+    assert out.shape == (4, 6)
+    calls = []
+    real = verify.dist.all_gather_object
+    verify.dist.all_gather_object = lambda *args, **kw: calls.append(1) or real(*args, **kw)
+    os.environ["COMMFUSE_VERIFY"] = "0"
+    torch.ops.commfuse.mm_all_reduce(a[:4], b, None, group)
+    assert not calls  # off by default: no extra collective per call
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_about_a_shape_get_a_clear_error():
+    """With COMMFUSE_VERIFY=1 a call whose shapes differ between ranks raises on every rank,
+    naming both ranks and the shapes, instead of exchanging mismatched data."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_verify_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)

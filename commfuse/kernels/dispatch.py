@@ -32,14 +32,16 @@ SYMM_MAX_BYTES = 1 << 30
 OVERLAP_MIN_SHARD_MNK = 1 << 33
 
 
-#: The fused tile kernel (``fused_all_reduce.py``) from this many rows, for inner dimensions up to
-#: FUSED_MAX_K: it gives up ~12% of the SMs to the reducers and pays some epilogue stores, which
-#: the hidden exchange repays when the exchange is large against the GEMM (small K) and there are
-#: enough waves of tiles (ops sweep on 2xH200, benchmarks/results/h200x2/explore/sweep4.log:
-#: 8192x2048x4096 325 us against one-shot's 399, 4096x4096x8192 517 against 572; with K = 7168
-#: or 14336 it is 3% faster to 7% slower, so those keep one-shot).
+#: The fused tile kernel (``fused_all_reduce.py``) from this many rows, when K <= M: it gives up
+#: ~12% of the SMs to the reducers and pays some epilogue stores, which the hidden exchange repays
+#: when the exchange is large against the GEMM (K small against M; exchange ~ M*N, GEMM ~ M*N*K)
+#: and there are enough waves of tiles. Every measured shape agrees with the rule (2xH200,
+#: benchmarks/results/h200x2/ops.json and explore/sweep4.log, fused against one-shot, us):
+#: 8192x2048x4096 318/401, 4096x4096x8192 510/573, 8192x7168x4096 796/834 fuse;
+#: 4096x7168x4096 448/421, 4096x14336x8192 1491/1478, 8192x14336x8192 2977/2972 and every
+#: M = 1024 shape (too few waves) do not; below M = 1024 the tile GEMM itself is 2-3x slower
+#: than cuBLAS (no split-K).
 FUSED_MIN_M = 4096
-FUSED_MAX_K = 4096
 
 
 def tile_config(m: int, k: int, n: int):
@@ -126,7 +128,7 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "nccl"
     if nbytes <= lane_bytes:  # replays use the lane; a rank re-warming its graphs must meet them
         return "graph"
-    if m >= FUSED_MIN_M and k <= FUSED_MAX_K and fused_unsupported(m, k, n, dtype, world) is None:
+    if m >= FUSED_MIN_M and k <= m and fused_unsupported(m, k, n, dtype, world) is None:
         return "fused"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"

@@ -16,7 +16,7 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import reference
+from . import reference, verify
 
 #: Real (non-fake) invocations per op since import; tests use it to prove compiled code calls us.
 CALL_COUNTS: collections.Counter[str] = collections.Counter()
@@ -68,6 +68,7 @@ def _(a, b, bias, group_name):
 def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
     _check_matmul_args("mm_all_reduce", a, b, bias)
     _group_size("mm_all_reduce", group_name)
+    verify.same_call("mm_all_reduce", group_name, a=a, b=b, bias=bias)
     CALL_COUNTS["mm_all_reduce"] += 1
 
 
@@ -134,6 +135,7 @@ def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) 
     _check_gather_args(shard, b, gather_dim, world_size)
     _check_world("all_gather_mm", group_name, world_size)
     _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias)
+    verify.same_call("all_gather_mm", group_name, shard=shard, b=b, bias=bias, gather_dim=gather_dim)
     CALL_COUNTS["all_gather_mm"] += 1
 
 
@@ -195,6 +197,8 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
     _check_matmul_args("mm_reduce_scatter", a, b, bias)
     _check_scatter_args(a, b, shape, scatter_dim, world_size)
     _check_world("mm_reduce_scatter", group_name, world_size)
+    verify.same_call("mm_reduce_scatter", group_name, a=a, b=b, bias=bias, shape=list(shape),
+                     scatter_dim=scatter_dim)
     CALL_COUNTS["mm_reduce_scatter"] += 1
 
 
