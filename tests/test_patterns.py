@@ -316,6 +316,20 @@ def test_workspace_plan(world2, monkeypatch):
     assert symm._planned == {dist.group.WORLD.group_name: 128 * 40 * 4}
 
 
+def test_workspace_plan_sizes_for_the_fused_kernel(world2, monkeypatch):
+    """A call the dispatch will send to the fused tile kernel needs its slabs and result area
+    (about twice the output), planned at compile time rather than grown at the first call."""
+    from commfuse.kernels import dispatch, fused_all_reduce, symm
+
+    monkeypatch.setattr(symm, "_planned", {})
+    x, w = torch.randn(4096, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    assert dispatch.fused_by_default(4096, 16, 64, torch.bfloat16, 2)
+    compile_code(lambda x, w: _ar(x @ w), x, w)
+    slabs = fused_all_reduce.data_elems(4096, 64, 2, dispatch.tile_config(4096, 16, 64)) * 2
+    assert slabs > 4096 * 64 * 2
+    assert symm._planned == {dist.group.WORLD.group_name: slabs}
+
+
 # ---- matmul -> reduce_scatter --------------------------------------------------------------------
 
 RS, C10D_RS = "commfuse.mm_reduce_scatter", "_c10d_functional.reduce_scatter_tensor"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 try:  # torch >= 2.12 has a common base for graph and scheduler passes
     from torch._inductor.custom_graph_pass import CustomPassBase
@@ -100,6 +101,16 @@ def _nbytes(shape, node: fx.Node):
     return math.prod(shape) * val(node.args[0]).dtype.itemsize
 
 
+def _mm_all_reduce_bytes(node: fx.Node):
+    a, b = val(node.args[0]), val(node.args[1])
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if not all(isinstance(x, int) for x in (m, k, n)):
+        return None  # symbolic: the workspace grows on first use
+    from ..kernels import dispatch
+
+    return dispatch.workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
+
+
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs.
 
@@ -107,8 +118,8 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """
     need: dict[str, int] = {}
     for node in graph.nodes:
-        if node.target is torch.ops.commfuse.mm_all_reduce.default:  # the partial
-            nbytes, group = _nbytes(node.meta["val"].shape, node), node.args[3]
+        if node.target is torch.ops.commfuse.mm_all_reduce.default:  # the partial (or the fused slabs)
+            nbytes, group = _mm_all_reduce_bytes(node), node.args[3]
         elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard
             nbytes, group = _nbytes(val(node.args[0]).shape, node), node.args[5]
         elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial

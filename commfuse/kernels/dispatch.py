@@ -73,6 +73,21 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) ->
     return None
 
 
+def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
+    """Whether an eager call of this shape takes the fused tile kernel (the graph pass sizes the
+    workspace by it, too)."""
+    return m >= FUSED_MIN_M and k <= m and fused_unsupported(m, k, n, dtype, world) is None
+
+
+def workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
+    """Per-parity symmetric bytes an ``mm_all_reduce`` call of this shape uses."""
+    if fused_by_default(m, k, n, dtype, world):
+        from . import fused_all_reduce
+
+        return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n)) * dtype.itemsize
+    return m * n * dtype.itemsize
+
+
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -128,7 +143,7 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "nccl"
     if nbytes <= lane_bytes:  # replays use the lane; a rank re-warming its graphs must meet them
         return "graph"
-    if m >= FUSED_MIN_M and k <= m and fused_unsupported(m, k, n, dtype, world) is None:
+    if fused_by_default(m, k, n, dtype, world):
         return "fused"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"

@@ -34,6 +34,18 @@ def _reference(a, b, c):
     return ref
 
 
+def _fused_call(a, b, c, group_name):
+    """One call on poisoned memory: it must take the fused path and equal the fp32 reference."""
+    poison()
+    before = cuda_paths.PATHS["mm_all_reduce:fused"]
+    out = torch.ops.commfuse.mm_all_reduce(a, b, c, group_name)
+    ref = _reference(a, b, c)
+    check_errors()
+    assert cuda_paths.PATHS["mm_all_reduce:fused"] == before + 1
+    assert relerr(out, ref) < 1e-2
+    return out
+
+
 @pytest.fixture(params=["torch", "iris"])
 def provider(request, monkeypatch):
     monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", request.param)
@@ -48,13 +60,7 @@ def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkey
     k, n = 1024, 776  # N is not a multiple of the 256-wide tile; rows are 16-byte multiples
     torch.manual_seed(1000 * dist.get_rank() + m)
     a, b, c = _operands(m, k, n, dtype, form)
-    poison()
-    before = cuda_paths.PATHS["mm_all_reduce:fused"]
-    out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
-    ref = _reference(a, b, c)
-    check_errors()
-    assert cuda_paths.PATHS["mm_all_reduce:fused"] == before + 1
-    assert relerr(out, ref) < 1e-2
+    out = _fused_call(a, b, c, nccl.group_name)
     # every rank returns the same reduced tensor, not its own partial
     outs = gather_all(out)
     assert torch.equal(outs[0], outs[1])
@@ -64,13 +70,7 @@ def test_default_dispatch_fuses_a_prefill_sized_call(nccl, monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     torch.manual_seed(7 + dist.get_rank())
     a, b, _ = _operands(8192, 2048, 4096, torch.bfloat16, "weight_t")  # an o_proj of 4x2048 tokens
-    poison()
-    before = cuda_paths.PATHS["mm_all_reduce:fused"]
-    out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
-    ref = _reference(a, b, None)
-    check_errors()
-    assert cuda_paths.PATHS["mm_all_reduce:fused"] == before + 1
-    assert relerr(out, ref) < 1e-2
+    _fused_call(a, b, None, nccl.group_name)
 
 
 def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch):
