@@ -42,6 +42,10 @@ def test_forced_fused_falls_back_where_the_tile_kernel_cannot_go(monkeypatch):
     assert dispatch.mm_all_reduce(7, 1003, 771, BF16, 2) == "one_shot"  # rows not 16-byte multiples
     assert dispatch.mm_all_reduce(7, 1024, 776, torch.float32, 2) == "one_shot"
     assert dispatch.mm_all_reduce(7, 1024, 776, BF16, 1) == "nccl"
+    assert dispatch.fused_unsupported(4096, 0, 776, BF16, 2) == "an empty dimension"
+    monkeypatch.delenv("COMMFUSE_ALGO")
+    assert dispatch.mm_all_reduce(4096, 0, 776, BF16, 2) != "fused"  # K = 0: torch returns the bias
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     # 16384 tiles x 17 flags each is more than the tile-flag area holds
     assert "tile flags" in dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 16)
     assert dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 8) is None
@@ -192,9 +196,12 @@ def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, mon
     ws = _workspace()
     monkeypatch.setattr(symm, "EPOCH_LIMIT", 3)
     ws.flags[:8] = 3  # what peers' signals leave behind
+    ws.tile_flags[:8] = 3  # and the fused kernel's
+    ws.buffer[symm.FLAG_BYTES - symm.BASES_BYTES:symm.FLAG_BYTES] = 7  # stands for the heap bases
     assert [ws.next_epoch()[0] for _ in range(3)] == [1, 2, 3]
     assert ws.next_epoch() == (1, 1)  # restarted, flags zeroed on every rank (fake group: this one)
-    assert ws.flags.eq(0).all()
+    assert ws.flags.eq(0).all() and ws.tile_flags.eq(0).all()
+    assert ws.buffer[symm.FLAG_BYTES - symm.BASES_BYTES:symm.FLAG_BYTES].eq(7).all()  # bases kept
 
 
 def test_a_failed_call_blocks_the_workspace(monkeypatch):

@@ -20,10 +20,11 @@ def test_tile_gemm_and_fused_tile_order_in_the_interpreter():
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("form", ["single_row_transposed", "odd_offset_view", "transposed", "dense"])
+@pytest.mark.parametrize("form", ["single_row_transposed", "odd_offset_view", "transposed", "expanded", "dense"])
 def test_descriptors_accept_every_activation_layout(form):
     """TMA wants 16-byte aligned rows and base: a one-row transposed view (torch gives its row
-    stride as 1) or a view at an odd offset must be copied densely, never described as is."""
+    stride as 1), a view at an odd offset or an expanded row (stride 0) must be copied densely,
+    never described as is."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     import torch
 
@@ -33,6 +34,7 @@ def test_descriptors_accept_every_activation_layout(form):
     a = {"single_row_transposed": torch.randn(k, 1, dtype=torch.float16).t(),
          "odd_offset_view": torch.randn(5 * k + 3, dtype=torch.float16)[3:].view(5, k),
          "transposed": torch.randn(k, 7, dtype=torch.float16).t(),
+         "expanded": torch.randn(1, k, dtype=torch.float16).expand(4, k),  # row stride 0
          "dense": torch.randn(6, k, dtype=torch.float16)}[form]
     w = torch.randn(n, k, dtype=torch.float16)
     cfg = tiles.TileConfig(bm=16, bn=16, bk=16)

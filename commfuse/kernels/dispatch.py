@@ -63,7 +63,9 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) ->
         return "one rank"
     if dtype not in FUSABLE_DTYPES:
         return f"{dtype} (the tile kernel takes fp16 and bf16)"
-    if m < 1 or (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
+    if min(m, k, n) < 1:
+        return "an empty dimension"
+    if (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
     cfg = tile_config(m, k, n)
     if fused_all_reduce.tile_flag_slots(m, n, world, cfg) > symm.TILE_FLAG_BYTES // 4:

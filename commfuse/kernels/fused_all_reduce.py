@@ -15,9 +15,12 @@ Each rank sends (world - 1) / world of the partial and of the result, as a two-s
 does, spread over the whole GEMM instead of after it. Waits are bounded (``sync.wait_flag``): a
 program whose wait timed out writes NaN for the rest of its tiles (and still releases them), and
 the error word names the op, this rank and the peer. Only the last segment waits, and only for
-pushes of the peers' earlier segments, which never wait. Parity halves alternate between calls as
-in ``exchange.py``; a rank finishes call e only after every peer pushed it the sums of e, i.e.
-after the peers consumed everything this rank pushed them in e.
+pushes of the peers' earlier segments, which never wait; with the static tile assignment that
+argument needs every compute program resident (as the exchange kernels need theirs). Parity
+halves alternate between calls as in ``exchange.py``: a rank finishes call e only after every
+owner pushed it the sums of e, so every peer has started e (and finished e - 1); a rank can
+therefore be at most one call ahead, and call e + 2, the next to reuse e's half, cannot start on
+any rank while a peer still reads or writes e's.
 
 Per parity the workspace holds ``world`` slabs of the owned tiles (slab p: rank p's partials,
 tile t at index t // world) and a result area indexed by tile, each tile a dense BM x BN block.
@@ -167,9 +170,11 @@ _resident: dict[tuple, int] = {}
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig):
-    """Everything of a call that can fail (descriptors, operand copies, the first compile), done
-    before the call's epoch begins; returns ``launch(epoch, parity)``, which writes
-    ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per parity)."""
+    """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
+    of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
+    which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
+    parity). The launch itself still encodes the TMA descriptors and compiles a new
+    specialisation of a known configuration."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]

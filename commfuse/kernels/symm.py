@@ -16,12 +16,13 @@ symmetric buffer, never in PyTorch's caching allocator: the first call of a grou
 CUDA-graph warm-up, whose allocations come from the graph's private pool and are reused by later
 captures (a heap-bases table there was overwritten: illegal addresses).
 
-Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][tile flags: TILE_FLAG_BYTES][data parity 0]
-[data parity 1]``. Flags are int32 epoch counters that only grow, so they never need resetting; the two data halves alternate between calls,
-which (with the flag wait at the start of every kernel) keeps a fast rank from overwriting data a
-slow peer is still reading. Allocation is collective and slow: it happens lazily on the first call
-for a group, is reused after, and grows only when a larger call arrives (the same on every rank,
-since sizes come from shapes alone).
+Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][tile flags: TILE_FLAG_BYTES]
+[data parity 0][data parity 1]``. Flags are int32 epoch counters that only grow, so they never need
+resetting (until epochs restart near EPOCH_LIMIT); the two data halves alternate between calls,
+which (with the flag wait at the start of every exchange kernel, and the per-tile flags of the
+fused kernel) keeps a fast rank from overwriting data a slow peer is still reading. Allocation is
+collective and slow: it happens lazily on the first call for a group, is reused after, and grows
+only when a larger call arrives (the same on every rank, since sizes come from shapes alone).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class Workspace:
         return self.epoch, self.epoch % 2
 
     def _restart_epochs(self) -> None:
-        """Collective (every rank reaches the same call count): zero the flags, count from 0."""
+        """Collective (every rank reaches the same call count): zero the flags and the tile flags
+        (the heap bases between them stay), count from 0."""
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         group = _resolve_process_group(self.group_name)
@@ -97,6 +99,7 @@ class Workspace:
             torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=group)  # nobody still reads or signals old epochs
         self.flags.zero_()
+        self.tile_flags.zero_()  # else old epochs near the limit satisfy every new wait at once
         if self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=group)  # nobody signals before every rank zeroed its flags

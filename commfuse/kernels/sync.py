@@ -4,8 +4,9 @@ bounded waits that record who did not arrive instead of hanging.
 A flag slot holds the epoch (call number) its writer last reached; epochs only grow, so a wait is
 ``flag >= epoch`` and nothing is ever reset. A wait that passes ``timeout_ns`` writes
 ``[1, op, rank, peer]`` into a pinned host word (``ErrorWord``) and lets the kernel finish; the host
-raises on the next check. Grids are at most one program per SM, so all programs are resident and
-spinning cannot starve a signaller.
+raises on the next check. Grids are at most as many programs as fit on the GPU at once (one per
+SM, or what the fused kernel's compiled size allows), so all programs are resident and spinning
+cannot starve a signaller, unless other work holds SMs while they spin (see README, known risks).
 """
 
 from __future__ import annotations

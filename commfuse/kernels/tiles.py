@@ -76,8 +76,8 @@ def matmul_kernel(a_desc, b_desc, bias, c, M, N, K, stride_bm, stride_bn, BM: tl
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums
-    instead of multiplying; ``per_sm``: programs resident per SM (2 lets one program's epilogue
-    stores drain while the other multiplies; the launcher checks the kernel fits twice)."""
+    instead of multiplying; ``per_sm``: programs per SM (2 lets one program's epilogue stores
+    drain while the other multiplies; the launcher lowers it to what the compiled kernel fits)."""
 
     bm: int = 128
     bn: int = 256
@@ -125,8 +125,10 @@ def _row_stride(t: torch.Tensor) -> int:
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
-    return (t.stride(-1) == 1 and (_row_stride(t) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    """Rows TMA can walk: unit inner stride, rows that do not overlap (an expanded operand has row
+    stride 0), 16-byte aligned rows and base."""
+    return (t.stride(-1) == 1 and _row_stride(t) >= t.shape[1]
+            and (_row_stride(t) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
