@@ -330,8 +330,9 @@ def table(json_path: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ops", "model", "tune", "plot", "table", "model-table"])
-    p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG; table: OPS_JSON; model-table: MODEL_JSON...")
+    p.add_argument("what", choices=["ops", "model", "tune", "plot", "table", "model-table", "model-plot"])
+    p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG; table: OPS_JSON; model-table: "
+                   "MODEL_JSON...; model-plot: MODEL_JSON... OUT_PNG")
     p.add_argument("--ops", default="mm_all_reduce,all_gather_mm,mm_reduce_scatter")
     p.add_argument("--shapes", choices=["default", "square"], default="default",
                    help="square: M=K=N from 256 to 4096 in steps of 128")
@@ -368,6 +369,13 @@ def main(argv=None) -> int:
         if not args.files:
             p.error("model-table takes one or more model JSON files")
         print(bench_model.table(args.files))
+        return 0
+    if args.what == "model-plot":
+        from commfuse import bench_model
+
+        if len(args.files) < 2:
+            p.error("model-plot takes one or more model JSON files and OUT_PNG")
+        bench_model.plot(args.files[:-1], args.files[-1])
         return 0
     if args.what == "table":
         if len(args.files) != 1:

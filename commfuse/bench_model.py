@@ -307,6 +307,41 @@ def table(paths: list[str]) -> str:
     return "\n".join(rows)
 
 
+def _label(r) -> str:
+    return f"{r['model']} {r['mode']}"  # decode modes carry their batch (decode_b4)
+
+
+def plot(paths: list[str], png_path: str) -> None:
+    """Step time of commfuse and of the compute-only floor relative to Inductor's, one bar pair per
+    (model, mode, batch); a later file's record replaces an earlier one's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latest: dict[str, tuple[dict, str]] = {}
+    for path in paths:
+        with open(path) as f:
+            commit = os.path.basename(path).rsplit("_", 1)[-1].removesuffix(".json")
+            for r in json.load(f):
+                if {"inductor", "commfuse"} <= set(r.get("ms", {})):
+                    latest[_label(r)] = (r, commit)
+    labels = list(latest)
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.2))
+    y = range(len(labels))
+    ms = [latest[k][0]["ms"] for k in labels]
+    ax.barh([i + 0.2 for i in y], [m["commfuse"] / m["inductor"] for m in ms], height=0.4, label="commfuse")
+    ax.barh([i - 0.2 for i in y], [m.get("floor", float("nan")) / m["inductor"] for m in ms], height=0.4,
+            color="lightgray", label="compute-only floor")
+    ax.axvline(1.0, color="red", linewidth=0.8)
+    ax.set_yticks(list(y), [f"{k} ({latest[k][1]})" for k in labels], fontsize=8)
+    ax.set_xlim(0.5, max(1.1, *(m["commfuse"] / m["inductor"] + 0.05 for m in ms)))
+    ax.set_xlabel("step time / Inductor's (lower is faster)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
 def _write(path: str | None, records: list) -> None:
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -75,3 +75,32 @@ def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
         assert len(curve) == 50 and curve[-1] < curve[0]  # it trains
         assert r["commfuse_max_rel_dev"] < 1e-4
         assert r["fused"] > 0
+
+
+def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    from commfuse import bench_model
+
+    old = [{"model": "dtensor", "mode": "prefill", "ms": {"inductor": 10.0, "commfuse": 11.0, "floor": 8.0}},
+           {"model": "dtensor", "mode": "loss", "losses": {}}]  # no times: not plotted
+    new = [{"model": "dtensor", "mode": "prefill", "ms": {"inductor": 10.0, "commfuse": 9.0, "floor": 8.0}},
+           {"model": "hooks", "mode": "decode_cg_b4", "ms": {"inductor": 1.0, "commfuse": 0.9}}]
+    paths = []
+    for name, records in (("run_aaa.json", old), ("run_bbb.json", new)):
+        (tmp_path / name).write_text(json.dumps(records))
+        paths.append(str(tmp_path / name))
+    png = tmp_path / "model.png"
+    assert bench.main(["model-plot", *paths, str(png)]) == 0
+    assert png.stat().st_size > 1000
+    labels = {}
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.set_yticks
+    matplotlib.axes.Axes.set_yticks = lambda self, ticks, names=None, **kw: labels.update(zip(ticks, names))
+    try:
+        bench_model.plot(paths, str(png))
+    finally:
+        matplotlib.axes.Axes.set_yticks = real
+    assert sorted(labels.values()) == ["dtensor prefill (bbb)", "hooks decode_cg_b4 (bbb)"]
