@@ -51,6 +51,7 @@ def main() -> int:
     p.add_argument("--shapes", default=",".join(f"{m}x{k}x{n}" for m, k, n in MM_AR_SHAPES if m >= 1024))
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default=None)
+    p.add_argument("--tickets", action="store_true", help="also time the ticket-claimed tile order")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -76,12 +77,16 @@ def main() -> int:
             mm_key = f"tile_mm {c.bm}x{c.bn}x{c.bk}s{c.stages}w{c.warps}o{c.per_sm}"
             if mm_key not in t:
                 t[mm_key] = time_us(lambda: tiles.matmul(a, b, None, c, out=out, programs=c.per_sm * ws.max_programs))
-            try:
-                errs[str(c)] = check(ws, m, k, n, c, group, bias=False, transposed=True)
-                t[f"fused {c}"] = time_us(lambda: fused_call(ws, a, b, None, out, c))
-            except Exception as exc:
-                errs[str(c)] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                torch.cuda.synchronize()
+            for tickets in ("0", "1") if args.tickets else ("0",):
+                os.environ["COMMFUSE_FUSED_TICKETS"] = tickets
+                name = f"{c}" + (" tickets" if tickets == "1" else "")
+                try:
+                    errs[name] = check(ws, m, k, n, c, group, bias=False, transposed=True)
+                    t[f"fused {name}"] = time_us(lambda: fused_call(ws, a, b, None, out, c))
+                except Exception as exc:
+                    errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    torch.cuda.synchronize()
+            os.environ.pop("COMMFUSE_FUSED_TICKETS", None)
         if shape == args.shapes.split(",")[0]:  # the other forms, once
             c = configs[0]
             errs["bias+rowmajor"] = check(ws, m, k, n, c, group, bias=True, transposed=False)

@@ -68,7 +68,7 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) ->
     if (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
     cfg = tile_config(m, k, n)
-    if fused_all_reduce.tile_flag_slots(m, n, world, cfg) > symm.TILE_FLAG_BYTES // 4:
+    if fused_all_reduce.tile_flag_slots(m, n, world, cfg) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
         return "more tiles than the workspace has tile flags"
     if fused_all_reduce.data_elems(m, n, world, cfg) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
         return "the workspace would be too large"

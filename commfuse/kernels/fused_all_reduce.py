@@ -28,6 +28,8 @@ tile t at index t // world) and a result area indexed by tile, each tile a dense
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -89,12 +91,63 @@ def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.co
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["epoch", "compute"])
+@triton.jit
+def _claim(ticket, base):
+    """The next position of this rank's order (``TICKETS``): claimed in increasing order by
+    whichever programs run, so a claimed position always belongs to a running program."""
+    return (tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
+
+
+@triton.jit
+def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
+                       stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
+                       num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
+    tile's stores had this whole K loop to land), then push the partial to its owner or, for an
+    own tile, add the pushed partials, write ``out`` and push the sum. Returns (tile, late)."""
+    tile = _schedule(i, rank, num_tiles, WORLD)
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+    rows, cols, mask, acc = tile_epilogue(acc, bias, pid_m * BM, pid_n * BN, M, N,
+                                          stride_bm, stride_bn, BM, BN, HAS_BIAS)
+    if prev >= 0:
+        _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
+    owner = tile % WORLD
+    if owner == rank:
+        if late == 0:
+            start = globaltimer()
+            for k in tl.static_range(1, WORLD):
+                peer = (rank + k) % WORLD
+                if late == 0:
+                    late = wait_flag(flags + tile * WORLD + peer, epoch, start, timeout)
+                    if late != 0:
+                        record_late(err, OP, rank, peer)
+            tl.debug_barrier()
+        for k in tl.static_range(1, WORLD):
+            peer = (rank + k) % WORLD
+            acc += tl.load(_tile_block(data, peer * slab_tiles + tile // WORLD, BM, BN)).to(tl.float32)
+        if late != 0:
+            acc = tl.full((BM, BN), float("nan"), tl.float32)
+        val = acc.to(out.dtype.element_ty)
+        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
+        dst = _tile_block(data, result_at + tile, BM, BN)
+        for k in tl.static_range(1, WORLD):
+            iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+    else:
+        dst = _tile_block(data, rank * slab_tiles + tile // WORLD, BM, BN)
+        iris.store(dst, acc.to(out.dtype.element_ty), rank, owner, heap_bases, hint=(1, 16))
+    return tile, late
+
+
+@triton.jit(do_not_specialize=["epoch", "ticket_base", "compute"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
-                           flags, heap_bases, epoch, rank, err, timeout, compute, OP: tl.constexpr,
-                           WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, GROUP_M: tl.constexpr, SUB_M: tl.constexpr,
-                           B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                           flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
+                           compute, OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                           SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -104,39 +157,20 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     late = pid * 0  # once a wait timed out, this program waits no more: the rest of its tiles are NaN
     if pid < compute:
         prev = pid * 0 - 1
-        for i in range(pid, num_tiles, compute):
-            tile = _schedule(i, rank, num_tiles, WORLD)
-            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-            acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
-            rows, cols, mask, acc = tile_epilogue(acc, bias, pid_m * BM, pid_n * BN, M, N,
-                                                  stride_bm, stride_bn, BM, BN, HAS_BIAS)
-            if prev >= 0:  # the previous tile's stores had this whole K loop to land
-                _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
-            owner = tile % WORLD
-            if owner == rank:
-                if late == 0:
-                    start = globaltimer()
-                    for k in tl.static_range(1, WORLD):
-                        peer = (rank + k) % WORLD
-                        if late == 0:
-                            late = wait_flag(flags + tile * WORLD + peer, epoch, start, timeout)
-                            if late != 0:
-                                record_late(err, OP, rank, peer)
-                    tl.debug_barrier()
-                for k in tl.static_range(1, WORLD):
-                    peer = (rank + k) % WORLD
-                    acc += tl.load(_tile_block(data, peer * slab_tiles + tile // WORLD, BM, BN)).to(tl.float32)
-                if late != 0:
-                    acc = tl.full((BM, BN), float("nan"), tl.float32)
-                val = acc.to(out.dtype.element_ty)
-                tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
-                dst = _tile_block(data, result_at + tile, BM, BN)
-                for k in tl.static_range(1, WORLD):
-                    iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
-            else:
-                dst = _tile_block(data, rank * slab_tiles + tile // WORLD, BM, BN)
-                iris.store(dst, acc.to(out.dtype.element_ty), rank, owner, heap_bases, hint=(1, 16))
-            prev = tile
+        if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
+            i = _claim(ticket, ticket_base)
+            while i < num_tiles:
+                prev, late = _multiply_position(
+                    i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
+                    flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
+                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS)
+                i = _claim(ticket, ticket_base)
+        else:  # static: program p takes positions p, p + compute, ...
+            for i in range(pid, num_tiles, compute):
+                prev, late = _multiply_position(
+                    i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
+                    flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
+                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS)
         if prev >= 0:
             _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
     else:
@@ -165,7 +199,15 @@ def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig) -> int:
     return (world * triton.cdiv(num_tiles, world) + num_tiles) * cfg.bm * cfg.bn
 
 
-#: (config, dtype, world, weight layout, bias, device) -> programs of the compiled kernel per SM
+def tickets() -> bool:
+    """``COMMFUSE_FUSED_TICKETS=1``: compute programs claim tile positions in order from an
+    atomic ticket instead of a static stride, so no wait depends on a program that has not
+    started (the static order needs every compute program resident). Not yet the default: it
+    has not run on GPUs."""
+    return os.environ.get("COMMFUSE_FUSED_TICKETS", "") == "1"
+
+
+#: (config, dtype, world, weight layout, bias, device, tickets) -> programs of the compiled kernel per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -184,17 +226,18 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
 
-    def args(epoch, parity):
+    def args(epoch, parity, ticket_base):
         return (a_desc, b_desc, full_bias if full_bias is not None else out,
                 ws.data(parity, (elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
-                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns())
+                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ws.ticket, ticket_base)
 
     consts = dict(OP=FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
-    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index)
+                  HAS_BIAS=bias is not None, TICKETS=tickets(), num_warps=cfg.warps,
+                  num_stages=cfg.stages)
+    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0), 1, grid=(1,), **consts)
+        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, grid=(1,), **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, a.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -206,7 +249,10 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     reducers = max(1, min(cfg.reducers, programs - compute))
 
     def launch(epoch: int, parity: int) -> None:
-        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity), compute, **consts)
+        base = ws.ticket_base
+        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)
+        if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
+            ws.ticket_base = base + num_tiles + compute
 
     return launch
 

@@ -37,8 +37,10 @@ import torch.distributed as dist
 from ..report import log
 
 FLAG_BYTES = 64 * 1024
-#: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile).
+#: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile), and
+#: at their end the fused kernel's tile ticket (an int64 that only grows).
 TILE_FLAG_BYTES = 1024 * 1024
+TICKET_BYTES = 64
 HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
 #: The last bytes of each header hold the heap-bases table (int64 per rank): up to 128 ranks.
 BASES_BYTES = 1024
@@ -70,6 +72,7 @@ class Workspace:
     max_programs: int = 132  # the smallest SM count of the group: every rank launches the same grid
     epoch: int = 0
     broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
+    ticket_base: int = 0  # the ticket's value at the next fused call (claims so far, counted here)
     _keepalive: object = None  # provider handle (rendezvous handle / Iris context)
 
     @property
@@ -78,7 +81,13 @@ class Workspace:
 
     @property
     def tile_flags(self) -> torch.Tensor:
-        return self.buffer[FLAG_BYTES:HEADER_BYTES].view(torch.int32)
+        return self.buffer[FLAG_BYTES:HEADER_BYTES - TICKET_BYTES].view(torch.int32)
+
+    @property
+    def ticket(self) -> torch.Tensor:
+        """int64 [1], this rank's only: the fused kernel's programs claim tile positions from it;
+        it only grows, and ``ticket_base`` is its value when the next call starts."""
+        return self.buffer[HEADER_BYTES - 8:HEADER_BYTES].view(torch.int64)
 
     def next_epoch(self) -> tuple[int, int]:
         """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""

@@ -66,16 +66,22 @@ def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkey
     assert torch.equal(outs[0], outs[1])
 
 
-def test_default_dispatch_fuses_a_prefill_sized_call(nccl, monkeypatch):
+@pytest.mark.parametrize("tickets", ["0", "1"])
+def test_default_dispatch_fuses_a_prefill_sized_call(nccl, monkeypatch, tickets):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    monkeypatch.setenv("COMMFUSE_FUSED_TICKETS", tickets)
     torch.manual_seed(7 + dist.get_rank())
     a, b, _ = _operands(8192, 2048, 4096, torch.bfloat16, "weight_t")  # an o_proj of 4x2048 tokens
     _fused_call(a, b, None, nccl.group_name)
 
 
-def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch):
+@pytest.mark.parametrize("tickets", ["0", "1"])
+def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tickets):
     """Back-to-back calls alternate the fused kernel with one-shot calls on the same workspace
-    (parities, epochs and tile flags shared): each result is checked."""
+    (parities, epochs and tile flags shared): each result is checked. With tickets, the device's
+    ticket must end where the host's count says (each position claimed once, one failed claim
+    per program)."""
+    monkeypatch.setenv("COMMFUSE_FUSED_TICKETS", tickets)
     gen = torch.Generator().manual_seed(3)  # the same sequence on every rank
     torch.manual_seed(21 + dist.get_rank())
     shapes = [(4096, 1024, 1024), (300, 2048, 776), (1, 1024, 1024), (2048, 512, 4096)]
@@ -86,6 +92,8 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch):
         out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
         check_errors()
         assert relerr(out, _reference(a, b, None)) < 1e-2, f"call {i}: {m}x{k}x{n}"
+    for ws in symm._workspaces.values():
+        assert int(ws.ticket.item()) == ws.ticket_base
 
 
 def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch):
