@@ -263,7 +263,10 @@ def bench_mm_reduce_scatter(m, k, n, dtype, group):
         epoch, parity = ws.next_epoch()
         exchange.reduce_scatter(ws, ws.data(parity, (m, n), dtype), out, 1, m * n // world, epoch, 3)
     t["symm_rs"] = time_us(exch)
-    for algo in (None, "symm", "ce_overlap"):
+    from commfuse.kernels import dispatch
+
+    fusable = dispatch.fused_unsupported(m, k, n, dtype, world, scatter=True) is None
+    for algo in (None, "symm", "ce_overlap") + (("fused",) if fusable else ()):  # fused: forced only
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(
                 lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, world, gname))

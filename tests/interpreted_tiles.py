@@ -38,6 +38,48 @@ def check_orders() -> None:
                 assert coords == {(m, n) for m in range(num_m) for n in range(num_n)}, (num_m, num_n)
 
 
+@triton.jit
+def _places(out, rank, M, num_m, num_n, num_tiles, WORLD: tl.constexpr, GROUP_M: tl.constexpr,
+            BM: tl.constexpr):
+    i = tl.program_id(0)
+    tile, off_m, pid_n, row_end = fused_all_reduce._place(i, rank, M, num_m, num_n, num_tiles,
+                                                          GROUP_M, WORLD, BM, True)
+    slab_tiles = num_tiles // WORLD
+    tl.store(out + 6 * i, tile)
+    tl.store(out + 6 * i + 1, fused_all_reduce._owner(tile, slab_tiles, WORLD, True))
+    tl.store(out + 6 * i + 2, fused_all_reduce._slot(tile, slab_tiles, WORLD, True))
+    tl.store(out + 6 * i + 3, off_m)
+    tl.store(out + 6 * i + 4, pid_n)
+    tl.store(out + 6 * i + 5, row_end)
+
+
+def check_scatter_places() -> None:
+    """The reduce-scatter form: each owner's tiles cover exactly its share of the rows (a
+    ragged last row block included), peers' shares first, own last, slots 0..per-1."""
+    bm = 4
+    for world in (2, 4, 8):
+        for share, num_n in ((4, 1), (8, 3), (6, 2), (13, 5)):
+            m = share * world
+            share_m = -(-share // bm)
+            per = share_m * num_n
+            count = fused_all_reduce.num_tiles(m, num_n * 8, world, tiles.TileConfig(bm=bm, bn=8), True)
+            assert count == world * per
+            for rank in range(world):
+                got = torch.full((count, 6), -1, dtype=torch.int32)
+                _places[(count,)](got, rank, m, -(-m // bm), num_n, count, WORLD=world, GROUP_M=2, BM=bm)
+                rows = got.tolist()
+                assert sorted(r[0] for r in rows) == list(range(count))
+                owners = [r[1] for r in rows]
+                assert owners == [(rank + k) % world for k in range(1, world + 1) for _ in range(per)]
+                for tile, owner, slot, off_m, pid_n, row_end in rows:
+                    assert tile == owner * per + slot and 0 <= slot < per
+                    assert owner * share <= off_m < (owner + 1) * share == row_end
+                    assert (off_m - owner * share) % bm == 0 and 0 <= pid_n < num_n
+                for owner in range(world):
+                    blocks = {(r[3], r[4]) for r in rows if r[1] == owner}
+                    assert blocks == {(owner * share + j * bm, n) for j in range(share_m) for n in range(num_n)}
+
+
 def check_matmul() -> None:
     torch.manual_seed(0)
     cfg = tiles.TileConfig(bm=32, bn=32, bk=16, stages=2, warps=4, group_m=2)
@@ -61,5 +103,6 @@ def check_matmul() -> None:
 
 if __name__ == "__main__":
     check_orders()
+    check_scatter_places()
     check_matmul()
     print("ok")

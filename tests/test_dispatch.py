@@ -51,6 +51,18 @@ def test_forced_fused_falls_back_where_the_tile_kernel_cannot_go(monkeypatch):
     assert dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 8) is None
 
 
+def test_fused_reduce_scatter_is_taken_only_when_forced_and_possible(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) != "fused"  # not measured yet
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "fused"
+    assert dispatch.mm_reduce_scatter(14, 1024, 776, BF16, 2) == "fused"
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2, scatter_dim=1) == "symm"
+    assert dispatch.mm_reduce_scatter(15, 1024, 776, BF16, 2) == "symm"  # rows do not split
+    assert dispatch.mm_reduce_scatter(14, 1003, 776, BF16, 2) == "symm"  # TMA rows
+    assert "split" in dispatch.fused_unsupported(15, 1024, 776, BF16, 2, scatter=True)
+
+
 def test_tile_config_parses_and_round_trips(monkeypatch):
     from commfuse.kernels.tiles import TileConfig
 

@@ -234,14 +234,25 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     m, n = a.shape[0], b.shape[1]
     shape = reference.resolve_shape(shape, m * n)
     algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, scatter_dim)
+    PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
+    nbytes = m * n * a.dtype.itemsize
+    if algo == "fused":
+        nbytes = fused_all_reduce.data_elems(m, n, world_size, dispatch.tile_config(m, a.shape[1], n),
+                                             scatter=True) * a.dtype.itemsize
+    ws = symm.workspace(group_name, nbytes, a.device)
     out_shape = list(shape)
     out_shape[scatter_dim] //= world_size
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)  # allocations before the epoch
     overlap = algo == "ce_overlap" and scatter_dim == 0
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
+    if algo == "fused":  # one persistent Triton kernel: tiles pushed to their owners as they finish
+        launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(m // world_size, n),
+                                          dispatch.tile_config(m, a.shape[1], n), scatter=True)
+        with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
+            launch(epoch, parity)
+        return out
     with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if overlap:

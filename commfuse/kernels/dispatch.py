@@ -17,7 +17,7 @@ from . import symm
 
 MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
-MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap")
+MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap", "fused")
 
 #: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot (above 2 ranks).
 ONE_SHOT_MAX_BYTES = 1 << 20
@@ -53,9 +53,10 @@ def tile_config(m: int, k: int, n: int):
     return TileConfig.parse(env) if env else TileConfig()
 
 
-def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str | None:
+def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
+                      scatter: bool = False) -> str | None:
     """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank
-    agrees), or None."""
+    agrees), or None. ``scatter``: its reduce-scatter form (rows split into world shares)."""
     from . import fused_all_reduce
     from .tiles import FUSABLE_DTYPES
 
@@ -67,10 +68,12 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) ->
         return "an empty dimension"
     if (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
+    if scatter and m % world:
+        return "rows that do not split into world shares"
     cfg = tile_config(m, k, n)
-    if fused_all_reduce.tile_flag_slots(m, n, world, cfg) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
+    if fused_all_reduce.tile_flag_slots(m, n, world, cfg, scatter) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
         return "more tiles than the workspace has tile flags"
-    if fused_all_reduce.data_elems(m, n, world, cfg) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
+    if fused_all_reduce.data_elems(m, n, world, cfg, scatter) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
         return "the workspace would be too large"
     return None
 
@@ -192,6 +195,16 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
     if capturing():
         return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
+    if forced == "fused":  # the tile kernel's reduce-scatter form: not yet measured, only forced
+        why = "scatter along a dimension other than the rows" if scatter_dim != 0 else \
+            fused_unsupported(m, k, n, dtype, world, scatter=True)
+        if why is None:
+            return forced
+        if ("fused rs", why) not in _warned_capture:
+            _warned_capture.add(("fused rs", why))
+            log.warning("commfuse.mm_reduce_scatter: COMMFUSE_ALGO=fused cannot take this call (%s); "
+                        "running the symmetric path instead", why)
+        forced = "symm" if _symmetric_possible(m * n * dtype.itemsize, world) else "nccl"
     if forced:
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from . import tiles
-from .sync import ErrorWord, FUSED_AR_OP, iris, record_late, require_iris, timeout_ns, wait_flag
+from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, record_late, require_iris, timeout_ns, wait_flag
 from .tiles import mma_tile, tile_coords, tile_epilogue
 
 
@@ -99,22 +99,75 @@ def _claim(ticket, base):
 
 
 @triton.jit
+def _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M: tl.constexpr, WORLD: tl.constexpr,
+           BM: tl.constexpr, SCATTER: tl.constexpr):
+    """Where position ``i`` of this rank's order lies: (tile, first row, column block, end of the
+    owner's rows). All-reduce: tile t belongs to rank t % world (``_owner``). Reduce-scatter:
+    rank o owns the tiles of its share of the rows, numbered o * per + slot."""
+    if SCATTER:
+        share = M // WORLD
+        share_m = tl.cdiv(share, BM)
+        per = share_m * num_n
+        owner = (rank + 1 + i // per) % WORLD
+        local_m, pid_n = tile_coords(i % per, share_m, num_n, GROUP_M)
+        return owner * per + i % per, owner * share + local_m * BM, pid_n, (owner + 1) * share
+    else:
+        tile = _schedule(i, rank, num_tiles, WORLD)
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        return tile, pid_m * BM, pid_n, M
+
+
+@triton.jit
+def _owner(tile, slab_tiles, WORLD: tl.constexpr, SCATTER: tl.constexpr):
+    if SCATTER:
+        return tile // slab_tiles
+    else:
+        return tile % WORLD
+
+
+@triton.jit
+def _slot(tile, slab_tiles, WORLD: tl.constexpr, SCATTER: tl.constexpr):
+    """The tile's index in its owner's slabs."""
+    if SCATTER:
+        return tile % slab_tiles
+    else:
+        return tile // WORLD
+
+
+@triton.jit
+def _release_any(flags, tile, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD: tl.constexpr,
+                 SCATTER: tl.constexpr):
+    """``_release`` for the all-reduce; for the reduce-scatter only a peer's tile has something to
+    release (its ``ready`` on the owner): an own tile's sum goes nowhere else."""
+    if SCATTER:
+        owner = _owner(tile, slab_tiles, WORLD, SCATTER)
+        if owner != rank:
+            tl.debug_barrier()  # every thread's stores before the release below
+            iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, owner, heap_bases,
+                             sem="release", scope="sys")
+    else:
+        _release(flags, tile, epoch, rank, heap_bases, num_tiles, WORLD)
+
+
+@triton.jit
 def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
                        stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
                        num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SCATTER: tl.constexpr):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
-    own tile, add the pushed partials, write ``out`` and push the sum. Returns (tile, late)."""
-    tile = _schedule(i, rank, num_tiles, WORLD)
-    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-    acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
-    rows, cols, mask, acc = tile_epilogue(acc, bias, pid_m * BM, pid_n * BN, M, N,
+    own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
+    to the peers; reduce-scatter: this rank's share of the rows). Returns (tile, late)."""
+    tile, off_m, pid_n, row_end = _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M, WORLD, BM,
+                                         SCATTER)
+    acc = mma_tile(a_desc, b_desc, off_m, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+    rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
     if prev >= 0:
-        _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
-    owner = tile % WORLD
+        _release_any(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+    owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if owner == rank:
         if late == 0:
             start = globaltimer()
@@ -127,16 +180,21 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
             tl.debug_barrier()
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
-            acc += tl.load(_tile_block(data, peer * slab_tiles + tile // WORLD, BM, BN)).to(tl.float32)
+            acc += tl.load(_tile_block(data, peer * slab_tiles + _slot(tile, slab_tiles, WORLD, SCATTER),
+                                       BM, BN)).to(tl.float32)
         if late != 0:
             acc = tl.full((BM, BN), float("nan"), tl.float32)
         val = acc.to(out.dtype.element_ty)
-        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
-        dst = _tile_block(data, result_at + tile, BM, BN)
-        for k in tl.static_range(1, WORLD):
-            iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+        if SCATTER:  # ``out`` holds this rank's share only
+            tl.store(out + (rows - rank * (M // WORLD))[:, None].to(tl.int64) * N + cols[None, :],
+                     val, mask=mask)
+        else:
+            tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
+            dst = _tile_block(data, result_at + tile, BM, BN)
+            for k in tl.static_range(1, WORLD):
+                iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
     else:
-        dst = _tile_block(data, rank * slab_tiles + tile // WORLD, BM, BN)
+        dst = _tile_block(data, rank * slab_tiles + _slot(tile, slab_tiles, WORLD, SCATTER), BM, BN)
         iris.store(dst, acc.to(out.dtype.element_ty), rank, owner, heap_bases, hint=(1, 16))
     return tile, late
 
@@ -147,11 +205,18 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                            compute, OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                            SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
+                           SCATTER: tl.constexpr = False):
+    """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
+    same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
+    back (no result area, no reducers: launch ``compute`` programs only)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    num_tiles = num_m * num_n
+    if SCATTER:
+        num_tiles = WORLD * tl.cdiv(M // WORLD, BM) * num_n
+    else:
+        num_tiles = num_m * num_n
     slab_tiles = tl.cdiv(num_tiles, WORLD)
     result_at = WORLD * slab_tiles  # the result area follows the slabs
     late = pid * 0  # once a wait timed out, this program waits no more: the rest of its tiles are NaN
@@ -163,16 +228,18 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                 prev, late = _multiply_position(
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
-                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS)
+                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
+                    SCATTER)
                 i = _claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
                 prev, late = _multiply_position(
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
-                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS)
+                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
+                    SCATTER)
         if prev >= 0:
-            _release(flags, prev, epoch, rank, heap_bases, num_tiles, WORLD)
+            _release_any(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     else:
         reducers = tl.num_programs(0) - compute
         # the peers' tiles in the order their sums arrive: j-th tile of every peer, then the next
@@ -189,14 +256,21 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                 _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
 
 
-def tile_flag_slots(m: int, n: int, world: int, cfg: tiles.TileConfig) -> int:
-    return triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn) * (world + 1)
+def num_tiles(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
+    """Tiles of a call (the reduce-scatter tiles each rank's share of the rows separately)."""
+    rows = world * triton.cdiv(m // world, cfg.bm) if scatter else triton.cdiv(m, cfg.bm)
+    return rows * triton.cdiv(n, cfg.bn)
 
 
-def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig) -> int:
-    """Elements per parity: ``world`` slabs of the owned tiles, and the result area."""
-    num_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    return (world * triton.cdiv(num_tiles, world) + num_tiles) * cfg.bm * cfg.bn
+def tile_flag_slots(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
+    return num_tiles(m, n, world, cfg, scatter) * (world + 1)
+
+
+def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
+    """Elements per parity: ``world`` slabs of the owned tiles, and (all-reduce) the result area."""
+    count = num_tiles(m, n, world, cfg, scatter)
+    slabs = world * triton.cdiv(count, world)
+    return (slabs if scatter else slabs + count) * cfg.bm * cfg.bn
 
 
 def tickets() -> bool:
@@ -207,22 +281,26 @@ def tickets() -> bool:
     return os.environ.get("COMMFUSE_FUSED_TICKETS", "") == "1"
 
 
-#: (config, dtype, world, weight layout, bias, device, tickets) -> programs of the compiled kernel per SM
+#: (config, dtype, world, weight layout, bias, device, tickets, scatter) -> programs per SM
 _resident: dict[tuple, int] = {}
 
 
-def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig):
+def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
+            scatter: bool = False):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
-    parity). The launch itself still encodes the TMA descriptors and compiles a new
-    specialisation of a known configuration."""
+    parity); with ``scatter``, this rank's share of its rows (``out`` is [M / world, N], M a
+    multiple of the world size). The launch itself still encodes the TMA descriptors and
+    compiles a new specialisation of a known configuration."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
-    if tile_flag_slots(m, n, ws.world, cfg) > ws.tile_flags.numel():
+    if tile_flag_slots(m, n, ws.world, cfg, scatter) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
-    elems = data_elems(m, n, ws.world, cfg)
+    if scatter and m % ws.world:
+        raise RuntimeError(f"commfuse: {m} rows do not split into {ws.world} shares")
+    elems = data_elems(m, n, ws.world, cfg, scatter)
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
 
@@ -231,11 +309,11 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                 ws.data(parity, (elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
                 ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ws.ticket, ticket_base)
 
-    consts = dict(OP=FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+    consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, TICKETS=tickets(), num_warps=cfg.warps,
+                  HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, num_warps=cfg.warps,
                   num_stages=cfg.stages)
-    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"])
+    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, grid=(1,), **consts)
         compiled._init_handles()
@@ -244,15 +322,18 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     if per_sm < 1:
         raise RuntimeError(f"commfuse: the fused kernel with {cfg} does not fit on an SM")
     programs = per_sm * ws.max_programs
-    num_tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    compute = max(1, min(num_tiles, programs - cfg.reducers))
-    reducers = max(1, min(cfg.reducers, programs - compute))
+    count = num_tiles(m, n, ws.world, cfg, scatter)
+    if scatter:  # nothing is pushed back: every program multiplies
+        compute, reducers = max(1, min(count, programs)), 0
+    else:
+        compute = max(1, min(count, programs - cfg.reducers))
+        reducers = max(1, min(cfg.reducers, programs - compute))
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
         gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
-            ws.ticket_base = base + num_tiles + compute
+            ws.ticket_base = base + count + compute
 
     return launch
 

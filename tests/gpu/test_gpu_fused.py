@@ -111,3 +111,24 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch):
         assert torch.isnan(out).all()
     dist.barrier()
     symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
+
+
+@pytest.mark.parametrize("m", [2, 14, 258, 2000, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "three_d"])
+def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
+    """The kernel's reduce-scatter form (forced: not yet the default): rank r gets share r of
+    the summed rows; a share whose rows are not a multiple of the tile height included."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    k, n = 1024, 776
+    torch.manual_seed(2000 * dist.get_rank() + m)
+    a, b, c = _operands(m, k, n, dtype, "plain" if form == "three_d" else form)
+    shape = [2, m // 2, n] if form == "three_d" else [m, n]
+    poison()
+    before = cuda_paths.PATHS["mm_reduce_scatter:fused"]
+    out = torch.ops.commfuse.mm_reduce_scatter(a, b, c, shape, 0, 2, nccl.group_name)
+    ref = _reference(a, b, c).view(shape).chunk(2, dim=0)[dist.get_rank()]
+    check_errors()
+    assert cuda_paths.PATHS["mm_reduce_scatter:fused"] == before + 1
+    assert out.shape == ref.shape
+    assert relerr(out, ref) < 1e-2
