@@ -24,6 +24,10 @@ any rank while a peer still reads or writes e's.
 
 Per parity the workspace holds ``world`` slabs of the owned tiles (slab p: rank p's partials,
 tile t at index t // world) and a result area indexed by tile, each tile a dense BM x BN block.
+
+With ``SCATTER`` the same kernel is ``mm_reduce_scatter`` along rows: rank o owns the tiles of its
+share of the rows (numbered o * per + slot), and an own tile's sum is this rank's output only:
+no result area, no ``done`` flags, no reducers.
 """
 
 from __future__ import annotations
