@@ -93,6 +93,18 @@ def workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> i
     return m * n * dtype.itemsize
 
 
+def _forced_fused(op: str, why: str | None, instead: str) -> str:
+    """``COMMFUSE_ALGO=fused``: the tile kernel, or where it cannot take the call, ``instead``
+    (logged once per op and reason)."""
+    if why is None:
+        return "fused"
+    if (op, "fused: " + why) not in _warned_capture:
+        _warned_capture.add((op, "fused: " + why))
+        log.warning("commfuse.%s: COMMFUSE_ALGO=fused cannot take this call (%s); running %s instead",
+                    op, why, instead)
+    return instead
+
+
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -134,14 +146,8 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return nccl_fallback("mm_all_reduce", f"in a CUDA-graph capture: {why}")
     forced = _forced(MM_ALL_REDUCE_ALGOS)
     if forced == "fused":
-        why = fused_unsupported(m, k, n, dtype, world)
-        if why is None:
-            return forced
-        if ("fused", why) not in _warned_capture:
-            _warned_capture.add(("fused", why))
-            log.warning("commfuse.mm_all_reduce: COMMFUSE_ALGO=fused cannot take this call (%s); "
-                        "running one-shot instead", why)
-        forced = "one_shot" if _symmetric_possible(nbytes, world) else "nccl"
+        forced = _forced_fused("mm_all_reduce", fused_unsupported(m, k, n, dtype, world),
+                               "one_shot" if _symmetric_possible(nbytes, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(nbytes, world):
@@ -196,15 +202,10 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
         return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
     if forced == "fused":  # the tile kernel's reduce-scatter form: not yet measured, only forced
-        why = "scatter along a dimension other than the rows" if scatter_dim != 0 else \
-            fused_unsupported(m, k, n, dtype, world, scatter=True)
-        if why is None:
-            return forced
-        if ("fused rs", why) not in _warned_capture:
-            _warned_capture.add(("fused rs", why))
-            log.warning("commfuse.mm_reduce_scatter: COMMFUSE_ALGO=fused cannot take this call (%s); "
-                        "running the symmetric path instead", why)
-        forced = "symm" if _symmetric_possible(m * n * dtype.itemsize, world) else "nccl"
+        why = ("scatter along a dimension other than the rows" if scatter_dim != 0 else
+               fused_unsupported(m, k, n, dtype, world, scatter=True))
+        forced = _forced_fused("mm_reduce_scatter", why,
+                               "symm" if _symmetric_possible(m * n * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
