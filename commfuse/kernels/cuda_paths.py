@@ -248,6 +248,9 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     overlap = algo == "ce_overlap" and scatter_dim == 0
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
     if algo == "fused":  # one persistent Triton kernel: tiles pushed to their owners as they finish
+        if ws.world != world_size:
+            raise RuntimeError(f"commfuse.mm_reduce_scatter: the graph's collective spans {world_size} "
+                               f"ranks but group {group_name!r} has {ws.world}")
         launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(m // world_size, n),
                                           dispatch.tile_config(m, a.shape[1], n), scatter=True)
         with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):

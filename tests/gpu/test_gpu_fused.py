@@ -77,36 +77,49 @@ def test_default_dispatch_fuses_a_prefill_sized_call(nccl, monkeypatch, tickets)
 
 @pytest.mark.parametrize("tickets", ["0", "1"])
 def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tickets):
-    """Back-to-back calls alternate the fused kernel with one-shot calls on the same workspace
-    (parities, epochs and tile flags shared): each result is checked. With tickets, the device's
+    """Back-to-back calls alternate the fused all-reduce, its reduce-scatter form and one-shot
+    calls on the same workspace (parities, epochs and tile flags shared): each result is checked. With tickets, the device's
     ticket must end where the host's count says (each position claimed once, one failed claim
     per program)."""
     monkeypatch.setenv("COMMFUSE_FUSED_TICKETS", tickets)
     gen = torch.Generator().manual_seed(3)  # the same sequence on every rank
     torch.manual_seed(21 + dist.get_rank())
-    shapes = [(4096, 1024, 1024), (300, 2048, 776), (1, 1024, 1024), (2048, 512, 4096)]
-    for i in range(60):
+    shapes = [(4096, 1024, 1024), (300, 2048, 776), (2, 1024, 1024), (2048, 512, 4096)]
+    for i in range(90):
         m, k, n = shapes[int(torch.randint(len(shapes), (1,), generator=gen))]
         monkeypatch.setenv("COMMFUSE_ALGO", "fused" if i % 3 else "one_shot")
         a, b, _ = _operands(m, k, n, torch.bfloat16, "weight_t")
-        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        if i % 3 == 2:  # the reduce-scatter form, on the same workspace and tile flags
+            out = torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, 2, nccl.group_name)
+            want = _reference(a, b, None).chunk(2)[dist.get_rank()]
+        else:
+            out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+            want = _reference(a, b, None)
         check_errors()
-        assert relerr(out, _reference(a, b, None)) < 1e-2, f"call {i}: {m}x{k}x{n}"
+        assert relerr(out, want) < 1e-2, f"call {i}: {m}x{k}x{n}"
     for ws in symm._workspaces.values():
         assert int(ws.ticket.item()) == ws.ticket_base
 
 
-def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch):
+@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter"])
+def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both."""
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     a, b, _ = _operands(512, 1024, 1024, torch.bfloat16, "weight_t")
-    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # both ranks: the workspace exists
+
+    def call():
+        if op == "mm_all_reduce":
+            return torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        return torch.ops.commfuse.mm_reduce_scatter(a, b, None, [512, 1024], 0, 2, nccl.group_name)
+
+    call()  # both ranks: the workspace exists
     check_errors()
     dist.barrier()
     if dist.get_rank() == 0:
-        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
-        with pytest.raises(RuntimeError, match=r"fused tile kernel\): rank 0 timed out after 1 s waiting for rank 1"):
+        out = call()
+        with pytest.raises(RuntimeError, match=rf"{op} \(fused tile kernel\): rank 0 timed out after 1 s "
+                           "waiting for rank 1"):
             check_errors()
         assert torch.isnan(out).all()
     dist.barrier()
