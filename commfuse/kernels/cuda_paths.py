@@ -80,7 +80,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     if algo == "nccl":
         return reference.mm_all_reduce(a, b, bias, group_name)
     if algo == "fused":
-        return _fused_all_reduce(a, b, bias, group_name, group.size())
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        return _fused(a, b, bias, out, group_name, group.size(), "mm_all_reduce", scatter=False)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
@@ -100,16 +101,15 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         return out
 
 
-def _fused_all_reduce(a, b, bias, group_name: str, world: int) -> torch.Tensor:
+def _fused(a, b, bias, out, group_name: str, world: int, op: str, scatter: bool) -> torch.Tensor:
     """One persistent Triton kernel: GEMM tiles, their exchange and sum overlapped
-    (``fused_all_reduce.py``)."""
+    (``fused_all_reduce.py``); ``scatter``: its reduce-scatter form along rows."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     cfg = dispatch.tile_config(m, k, n)
-    nbytes = fused_all_reduce.data_elems(m, n, world, cfg) * a.dtype.itemsize
+    nbytes = fused_all_reduce.data_elems(m, n, world, cfg, scatter) * a.dtype.itemsize
     ws = symm.workspace(group_name, nbytes, a.device)
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    launch = fused_all_reduce.prepare(ws, a, b, bias, out, cfg)  # what can fail, before the epoch
-    with _exchange(ws, "mm_all_reduce") as (epoch, parity):
+    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, n), cfg, scatter)  # before the epoch
+    with _exchange(ws, op) as (epoch, parity):
         launch(epoch, parity)
     return out
 
@@ -237,25 +237,14 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    nbytes = m * n * a.dtype.itemsize
-    if algo == "fused":
-        nbytes = fused_all_reduce.data_elems(m, n, world_size, dispatch.tile_config(m, a.shape[1], n),
-                                             scatter=True) * a.dtype.itemsize
-    ws = symm.workspace(group_name, nbytes, a.device)
     out_shape = list(shape)
     out_shape[scatter_dim] //= world_size
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)  # allocations before the epoch
+    if algo == "fused":  # scatter_dim 0 (dispatch): the share is rows of the [m, n] product
+        return _fused(a, b, bias, out, group_name, world_size, "mm_reduce_scatter", scatter=True)
+    ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     overlap = algo == "ce_overlap" and scatter_dim == 0
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
-    if algo == "fused":  # one persistent Triton kernel: tiles pushed to their owners as they finish
-        if ws.world != world_size:
-            raise RuntimeError(f"commfuse.mm_reduce_scatter: the graph's collective spans {world_size} "
-                               f"ranks but group {group_name!r} has {ws.world}")
-        launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(m // world_size, n),
-                                          dispatch.tile_config(m, a.shape[1], n), scatter=True)
-        with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
-            launch(epoch, parity)
-        return out
     with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if overlap:

@@ -58,8 +58,10 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
     """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank
     agrees), or None. ``scatter``: its reduce-scatter form (rows split into world shares)."""
     from . import fused_all_reduce
-    from .tiles import FUSABLE_DTYPES
+    from .tiles import FUSABLE_DTYPES, TensorDescriptor
 
+    if TensorDescriptor is None:
+        return "this Triton has no tensor descriptors"
     if world < 2:
         return "one rank"
     if dtype not in FUSABLE_DTYPES:

@@ -40,23 +40,8 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from . import tiles
-from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, record_late, require_iris, timeout_ns, wait_flag
+from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, require_iris, timeout_ns, wait_or_record
 from .tiles import mma_tile, tile_coords, tile_epilogue
-
-
-@triton.jit
-def _release(flags, tile, epoch, rank, heap_bases, num_tiles, WORLD: tl.constexpr):
-    """After a tile's stores: ``ready`` on its owner for a peer's tile, ``done`` on every peer for
-    an owned one (the sum was pushed)."""
-    tl.debug_barrier()  # every thread's stores before the release below
-    owner = tile % WORLD
-    if owner == rank:
-        for i in tl.static_range(1, WORLD):
-            iris.atomic_xchg(flags + num_tiles * WORLD + tile, epoch, rank, (rank + i) % WORLD,
-                             heap_bases, sem="release", scope="sys")
-    else:
-        iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, owner, heap_bases,
-                         sem="release", scope="sys")
 
 
 @triton.jit
@@ -139,18 +124,26 @@ def _slot(tile, slab_tiles, WORLD: tl.constexpr, SCATTER: tl.constexpr):
 
 
 @triton.jit
-def _release_any(flags, tile, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD: tl.constexpr,
-                 SCATTER: tl.constexpr):
-    """``_release`` for the all-reduce; for the reduce-scatter only a peer's tile has something to
-    release (its ``ready`` on the owner): an own tile's sum goes nowhere else."""
+def _release(flags, tile, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD: tl.constexpr,
+             SCATTER: tl.constexpr):
+    """After a tile's stores: ``ready`` on its owner for a peer's tile; for an owned tile,
+    ``done`` on every peer (all-reduce: the sum was pushed) or nothing (reduce-scatter: the sum
+    goes nowhere else)."""
+    owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if SCATTER:
-        owner = _owner(tile, slab_tiles, WORLD, SCATTER)
         if owner != rank:
             tl.debug_barrier()  # every thread's stores before the release below
             iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, owner, heap_bases,
                              sem="release", scope="sys")
     else:
-        _release(flags, tile, epoch, rank, heap_bases, num_tiles, WORLD)
+        tl.debug_barrier()  # every thread's stores before the release below
+        if owner == rank:
+            for i in tl.static_range(1, WORLD):
+                iris.atomic_xchg(flags + num_tiles * WORLD + tile, epoch, rank, (rank + i) % WORLD,
+                                 heap_bases, sem="release", scope="sys")
+        else:
+            iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, owner, heap_bases,
+                             sem="release", scope="sys")
 
 
 @triton.jit
@@ -170,7 +163,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
     if prev >= 0:
-        _release_any(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+        _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if owner == rank:
         if late == 0:
@@ -178,9 +171,8 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
             for k in tl.static_range(1, WORLD):
                 peer = (rank + k) % WORLD
                 if late == 0:
-                    late = wait_flag(flags + tile * WORLD + peer, epoch, start, timeout)
-                    if late != 0:
-                        record_late(err, OP, rank, peer)
+                    late = wait_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err,
+                                          OP, rank, peer)
             tl.debug_barrier()
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
@@ -243,7 +235,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
                     SCATTER)
         if prev >= 0:
-            _release_any(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+            _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     else:
         reducers = tl.num_programs(0) - compute
         # the peers' tiles in the order their sums arrive: j-th tile of every peer, then the next
@@ -253,9 +245,8 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
             if tile < num_tiles:
                 pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
                 if late == 0:
-                    late = wait_flag(flags + num_tiles * WORLD + tile, epoch, globaltimer(), timeout)
-                    if late != 0:
-                        record_late(err, OP, rank, owner)
+                    late = wait_or_record(flags + num_tiles * WORLD + tile, epoch, globaltimer(),
+                                          timeout, err, OP, rank, owner)
                     tl.debug_barrier()
                 _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
 

@@ -74,15 +74,23 @@ def record_late(err, OP: tl.constexpr, rank, peer):
 
 
 @triton.jit
+def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer):
+    """``wait_flag`` for the flag ``peer`` raises; a late one is named in the error word."""
+    late = wait_flag(ptr, epoch, start, timeout)
+    if late != 0:
+        record_late(err, OP, rank, peer)
+    return late
+
+
+@triton.jit
 def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
     """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed.
     Returns nonzero if a peer was late (the error word names it)."""
     start = globaltimer()
     any_late = 0
     for peer in tl.static_range(WORLD):
-        late = wait_flag(flags + slot * WORLD + peer, epoch, start, timeout)
+        late = wait_or_record(flags + slot * WORLD + peer, epoch, start, timeout, err, OP, rank, peer)
         if late != 0:
-            record_late(err, OP, rank, peer)
             any_late = 1
     tl.debug_barrier()
     return any_late

@@ -15,7 +15,7 @@ import triton.language as tl
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
-except Exception:  # pragma: no cover - older Triton: the fused paths are not offered
+except Exception:  # pragma: no cover - older Triton: dispatch offers no tile kernel
     TensorDescriptor = None
 
 
@@ -116,6 +116,7 @@ def resident_programs(kernel, device: torch.device) -> int:
     return max(0, min(regs_per_sm // regs, smem_per_sm // smem, 2048 // threads))
 
 
+#: What the tile kernels take (``dispatch.fused_unsupported`` says why a call cannot go there).
 FUSABLE_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -145,17 +146,6 @@ def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     if not _tma_ready(b):
         b = b.clone(memory_format=torch.contiguous_format)
     return a_desc, TensorDescriptor(b, list(b.shape), [_row_stride(b), 1], [cfg.bk, cfg.bn]), False
-
-
-def supported(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """Why the descriptor-based kernels cannot take these operands, or None if they can."""
-    if TensorDescriptor is None:
-        return "this Triton has no tensor descriptors"
-    if a.dtype not in FUSABLE_DTYPES:
-        return f"{a.dtype} (the tile kernels take fp16 and bf16)"
-    if (a.shape[1] * a.element_size()) % 16 or (b.shape[1] * b.element_size()) % 16:
-        return "K or N rows are not 16-byte multiples (TMA)"
-    return None
 
 
 def bias_strides(bias: torch.Tensor | None, m: int, n: int):
