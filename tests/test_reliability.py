@@ -39,6 +39,29 @@ def test_dynamic_token_dimension_compiles_once(world2):
     assert all(not isinstance(r.shape[0], int) for r in commfuse.report().fused)  # M stayed symbolic
 
 
+def test_unbacked_token_dimension_serves_m_from_1(world2):
+    """``mark_unbacked`` keeps M symbolic for 0 and 1 too: one graph for M = 1 ... 16384."""
+    g = dist.group.WORLD
+    w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
+
+    def f(x, w1, w2):
+        h = F.linear(funcol.all_gather_tensor(x, 0, g), w1)
+        return (funcol.all_reduce(F.linear(torch.relu(h), w2), "sum", g),
+                funcol.reduce_scatter_tensor(F.linear(h, w2), "sum", 0, g))
+
+    compiled = torch.compile(f, backend=commfuse.backend())  # default thresholds: M is unknown
+    counters.clear()
+    for m in (1, 2, 3, 100, 16384):
+        x = torch.randn(m, 32)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        got, want = compiled(x, w1, w2), f(x, w1, w2)  # the ops' CPU path is the unfused one
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+        assert got[0].shape == (2 * m, 32) and got[1].shape == (m, 32)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(commfuse.report().fused) == 3
+
+
 @pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2), (2, 1), (4, 2), (2, 4)])
 def test_tp_subgroup_of_a_2d_mesh(dp, tp):
     """TP x DP meshes on fake ranks (2 GPUs as 1x2 and 2x1; 4; 8): fused ops name the TP group,

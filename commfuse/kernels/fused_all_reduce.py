@@ -37,10 +37,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
 from . import tiles
-from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, require_iris, timeout_ns, wait_or_record
+from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, require_iris, now, timeout_ns, wait_or_record
 from .tiles import mma_tile, tile_coords, tile_epilogue
 
 
@@ -167,7 +166,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if owner == rank:
         if late == 0:
-            start = globaltimer()
+            start = now()
             for k in tl.static_range(1, WORLD):
                 peer = (rank + k) % WORLD
                 if late == 0:
@@ -245,7 +244,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
             if tile < num_tiles:
                 pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
                 if late == 0:
-                    late = wait_or_record(flags + num_tiles * WORLD + tile, epoch, globaltimer(),
+                    late = wait_or_record(flags + num_tiles * WORLD + tile, epoch, now(),
                                           timeout, err, OP, rank, owner)
                     tl.debug_barrier()
                 _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)

@@ -16,7 +16,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
 try:
     import iris
@@ -52,14 +51,27 @@ def signal_peers(flags, slot, epoch, rank, heap_bases, WORLD: tl.constexpr):
 
 
 @triton.jit
+def now():
+    """The GPU's nanosecond timer, the same value in every thread of the program. Each thread
+    reads ``%globaltimer`` on its own; a wait that compared per-thread readings could let some
+    warps leave its loop an iteration before others, which then wait at a barrier (inside the
+    scalar atomic) that the early ones no longer reach. The minimum over a block that spans
+    every warp (up to 1024 threads) goes through shared memory and reaches all threads alike."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.arange(0, 1024)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    return tl.min(t, axis=0)
+
+
+@triton.jit
 def wait_flag(ptr, epoch, start, timeout):
     """Spin until ``*ptr >= epoch`` (acquire, system scope) or ``timeout`` ns after ``start`` (a
-    ``globaltimer()`` reading); returns 1 if the flag came late."""
+    ``now()`` reading); returns 1 if the flag came late. Every thread of the program takes the
+    same decision: the flag comes from one scalar atomic and the time from ``now()``."""
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
     late = 0
     while (seen < epoch) & (late == 0):
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        if globaltimer() - start > timeout:
+        if now() - start > timeout:
             late = 1
     return late
 
@@ -86,7 +98,7 @@ def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer
 def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
     """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed.
     Returns nonzero if a peer was late (the error word names it)."""
-    start = globaltimer()
+    start = now()
     any_late = 0
     for peer in tl.static_range(WORLD):
         late = wait_or_record(flags + slot * WORLD + peer, epoch, start, timeout, err, OP, rank, peer)
