@@ -63,6 +63,18 @@ def test_fused_reduce_scatter_is_taken_only_when_forced_and_possible(monkeypatch
     assert "split" in dispatch.fused_unsupported(15, 1024, 776, BF16, 2, scatter=True)
 
 
+def test_fused_all_gather_is_taken_only_where_the_kernel_can_go(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    assert dispatch.all_gather_mm(2048, 1024, 776, BF16, 2) == "fused"
+    assert dispatch.all_gather_mm(2, 1024, 776, BF16, 2) == "fused"  # one row per rank
+    assert dispatch.all_gather_mm(2048, 1024, 776, BF16, 2, gather_dim=1) == "symm"
+    assert dispatch.all_gather_mm(2048, 1003, 776, BF16, 2) == "symm"  # TMA rows
+    assert dispatch.all_gather_mm(2048, 1024, 776, torch.float32, 2) == "symm"
+    assert dispatch.fused_unsupported(2048, 1024, 776, BF16, 2, gather=True) is None
+    monkeypatch.setenv("COMMFUSE_TILE_CONFIG", "80x128x64s4w8g8r0o1")  # not whole pushed chunks
+    assert "multiple of 32" in dispatch.fused_unsupported(2048, 1024, 776, BF16, 2, gather=True)
+
+
 def test_tile_config_parses_and_round_trips(monkeypatch):
     from commfuse.kernels.tiles import TileConfig
 

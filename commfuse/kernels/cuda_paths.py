@@ -21,7 +21,7 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import dispatch, exchange, fused_all_reduce, reference, symm
+from . import dispatch, exchange, fused_all_gather, fused_all_reduce, reference, symm
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -201,18 +201,31 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
 
 
 def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
-                  world_size: int, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  world_size: int, group_name: str, need_gathered: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``need_gathered=False``: the fused kernel may skip writing the gathered tensor (None)."""
     ErrorWord.check("all_gather_mm")
     k = shard.shape[-1]
     rows = shard.numel() // k * world_size if k else 0
     algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, gather_dim)
+    PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
-    ws = symm.workspace(group_name, shard.numel() * shard.element_size(), shard.device)
     shape = list(shard.shape)
     shape[gather_dim] *= world_size
-    gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
     out = torch.empty((rows, b.shape[1]), dtype=shard.dtype, device=shard.device)
+    if algo == "fused":  # gather_dim 0 (dispatch): the shard is a block of the gathered rows
+        gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device) if need_gathered else None
+        nbytes = fused_all_gather.data_elems(rows // world_size, k, world_size) * shard.element_size()
+        ws = symm.workspace(group_name, nbytes, shard.device)
+        launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
+                                          None if gathered is None else gathered.view(-1, k), out,
+                                          dispatch.tile_config(rows, k, b.shape[1]))  # before the epoch
+        with _exchange(ws, "all_gather_mm") as (epoch, parity):
+            launch(epoch, parity)
+        return out, gathered
+    ws = symm.workspace(group_name, shard.numel() * shard.element_size(), shard.device)
+    gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
     with _exchange(ws, "all_gather_mm") as (epoch, parity):
         mine = ws.data(parity, shard.shape, shard.dtype)
         mine.copy_(shard)

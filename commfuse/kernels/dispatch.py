@@ -16,7 +16,7 @@ from ..report import log
 from . import symm
 
 MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused")
-ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap")
+ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap", "fused")
 MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap", "fused")
 
 #: Outputs up to this size reduce one-shot (latency-bound); larger ones two-shot (above 2 ranks).
@@ -54,10 +54,11 @@ def tile_config(m: int, k: int, n: int):
 
 
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
-                      scatter: bool = False) -> str | None:
+                      scatter: bool = False, gather: bool = False) -> str | None:
     """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank
-    agrees), or None. ``scatter``: its reduce-scatter form (rows split into world shares)."""
-    from . import fused_all_reduce
+    agrees), or None. ``scatter``: its reduce-scatter form (rows split into world shares);
+    ``gather``: the all-gather kernel (``fused_all_gather.py``; ``m`` rows gathered)."""
+    from . import fused_all_gather, fused_all_reduce
     from .tiles import FUSABLE_DTYPES, TensorDescriptor
 
     if TensorDescriptor is None:
@@ -70,9 +71,17 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
         return "an empty dimension"
     if (k * dtype.itemsize) % 16 or (n * dtype.itemsize) % 16:
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
-    if scatter and m % world:
+    if (scatter or gather) and m % world:
         return "rows that do not split into world shares"
     cfg = tile_config(m, k, n)
+    if gather:
+        if cfg.bm % fused_all_gather.CHUNK_ROWS:
+            return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
+        if fused_all_gather.flag_slots(m // world, world) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
+            return "more row chunks than the workspace has tile flags"
+        if fused_all_gather.data_elems(m // world, k, world) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
+            return "the workspace would be too large"
+        return None
     if fused_all_reduce.tile_flag_slots(m, n, world, cfg, scatter) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
         return "more tiles than the workspace has tile flags"
     if fused_all_reduce.data_elems(m, n, world, cfg, scatter) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
@@ -190,6 +199,11 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
     if capturing():
         return nccl_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(ALL_GATHER_MM_ALGOS)
+    if forced == "fused":  # the tile kernel (fused_all_gather.py): not yet measured, only forced
+        why = ("a gather along a dimension other than the rows" if gather_dim != 0 else
+               fused_unsupported(rows, k, n, dtype, world, gather=True))
+        forced = _forced_fused("all_gather_mm", why,
+                               "symm" if _symmetric_possible(rows * k * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(rows * k * dtype.itemsize, world) or n >= AG_GEMM_BOUND_N:

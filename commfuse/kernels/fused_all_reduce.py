@@ -40,7 +40,7 @@ import triton.language as tl
 
 from . import tiles
 from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, require_iris, now, timeout_ns, wait_or_record
-from .tiles import mma_tile, tile_coords, tile_epilogue
+from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
 @triton.jit
@@ -77,13 +77,6 @@ def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.co
         cols = pid_n * BN + c
         tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val,
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-@triton.jit
-def _claim(ticket, base):
-    """The next position of this rank's order (``TICKETS``): claimed in increasing order by
-    whichever programs run, so a claimed position always belongs to a running program."""
-    return (tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
 
 
 @triton.jit
@@ -218,14 +211,14 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     if pid < compute:
         prev = pid * 0 - 1
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
-            i = _claim(ticket, ticket_base)
+            i = claim(ticket, ticket_base)
             while i < num_tiles:
                 prev, late = _multiply_position(
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
                     SCATTER)
-                i = _claim(ticket, ticket_base)
+                i = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
                 prev, late = _multiply_position(
@@ -268,11 +261,11 @@ def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool 
 
 
 def tickets() -> bool:
-    """``COMMFUSE_FUSED_TICKETS=1``: compute programs claim tile positions in order from an
-    atomic ticket instead of a static stride, so no wait depends on a program that has not
-    started (the static order needs every compute program resident). Not yet the default: it
-    has not run on GPUs."""
-    return os.environ.get("COMMFUSE_FUSED_TICKETS", "") == "1"
+    """Compute programs claim tile positions in order from an atomic ticket (the default: as fast
+    or faster than a static stride on 2xH200, 8d76355 ``sweep_tickets.json``, and no wait
+    depends on a program that has not started); ``COMMFUSE_FUSED_TICKETS=0`` restores the static
+    stride, which needs every compute program resident."""
+    return os.environ.get("COMMFUSE_FUSED_TICKETS", "1") != "0"
 
 
 #: (config, dtype, world, weight layout, bias, device, tickets, scatter) -> programs per SM

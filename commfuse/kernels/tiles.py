@@ -73,6 +73,14 @@ def matmul_kernel(a_desc, b_desc, bias, c, M, N, K, stride_bm, stride_bn, BM: tl
         tl.store(c + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(c.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def claim(ticket, base):
+    """The next position of this rank's tile order: claimed in increasing order from an atomic
+    ticket by whichever programs run, so a claimed position always belongs to a running program
+    (no wait depends on one that has not started). ``base``: the ticket's value at the launch."""
+    return (tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums

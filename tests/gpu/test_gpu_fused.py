@@ -101,7 +101,7 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tick
         assert int(ws.ticket.item()) == ws.ticket_base
 
 
-@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter"])
+@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter", "all_gather_mm"])
 def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both."""
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
@@ -111,6 +111,8 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     def call():
         if op == "mm_all_reduce":
             return torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        if op == "all_gather_mm":  # this rank's rows are fine; the peer's are NaN
+            return torch.ops.commfuse.all_gather_mm(a, b, None, 0, 2, nccl.group_name, False)[0][512:]
         return torch.ops.commfuse.mm_reduce_scatter(a, b, None, [512, 1024], 0, 2, nccl.group_name)
 
     call()  # both ranks: the workspace exists
@@ -118,8 +120,8 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     dist.barrier()
     if dist.get_rank() == 0:
         out = call()
-        with pytest.raises(RuntimeError, match=rf"{op} \(fused tile kernel\): rank 0 timed out after 1 s "
-                           "waiting for rank 1"):
+        name = rf"{op} \(fused tile kernel\)" if op != "all_gather_mm" else op
+        with pytest.raises(RuntimeError, match=rf"{name}: rank 0 timed out after 1 s waiting for rank 1"):
             check_errors()
         assert torch.isnan(out).all()
     dist.barrier()
@@ -145,3 +147,64 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
     assert cuda_paths.PATHS["mm_reduce_scatter:fused"] == before + 1
     assert out.shape == ref.shape
     assert relerr(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 7, 100, 1024, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "three_d", "no_gathered"])
+def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype, form, monkeypatch):
+    """The fused all-gather kernel (``fused_all_gather.py``): ``out`` equals the fp32 product of
+    the gathered rows and ``gathered`` equals every rank's shard in rank order; shards whose rows
+    are not a multiple of the tile height or of the pushed chunk included."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    k, n = 1024, 776
+    torch.manual_seed(5)  # the same weight and bias on every rank
+    _, b, _ = _operands(1, k, n, dtype, "weight_t" if form == "weight_t" else "plain")
+    c = {"bias": torch.randn(n, device="cuda", dtype=dtype),
+         "row_bias": torch.randn(2 * rows, 1, device="cuda", dtype=dtype)}.get(form)
+    torch.manual_seed(3000 * dist.get_rank() + rows)
+    shard = torch.randn(rows, k, device="cuda", dtype=dtype)
+    if form == "three_d":  # [batch, seq, hidden], gathered along the batch
+        shard = shard.view(1, rows, k)
+    poison()
+    before = cuda_paths.PATHS["all_gather_mm:fused"]
+    out, gathered = torch.ops.commfuse.all_gather_mm(shard, b, c, 0, 2, nccl.group_name,
+                                                     form != "no_gathered")
+    full = torch.cat(gather_all(shard.contiguous()))
+    bs = gather_all(b.contiguous())
+    ref = full.reshape(-1, k).float() @ bs[0].float() + (c.float() if c is not None else 0)
+    check_errors()
+    assert cuda_paths.PATHS["all_gather_mm:fused"] == before + 1
+    assert torch.equal(bs[0], bs[1]), "the test needs the same weight on every rank"
+    assert relerr(out, ref) < 1e-2
+    if form != "no_gathered":
+        assert torch.equal(gathered, full)
+
+
+def test_fused_all_gather_mixed_with_the_other_fused_kernels(nccl, monkeypatch):
+    """Back-to-back fused all-gathers, all-reduces and reduce-scatters share one workspace
+    (parities, epochs, tile flags, the ticket): each result is checked."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    gen = torch.Generator().manual_seed(4)  # the same sequence on every rank
+    torch.manual_seed(31 + dist.get_rank())
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    dist.broadcast(w, 0)
+    for i in range(60):
+        m = (64, 1000, 4096)[int(torch.randint(3, (1,), generator=gen))]
+        a = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        op = i % 3
+        if op == 0:
+            out, gathered = torch.ops.commfuse.all_gather_mm(a, w, None, 0, 2, nccl.group_name, True)
+            full = torch.cat(gather_all(a))
+            want = full.float() @ w.float()
+            assert torch.equal(gathered, full), f"call {i}"
+        elif op == 1:
+            out = torch.ops.commfuse.mm_all_reduce(a, w, None, nccl.group_name)
+            want = _reference(a, w, None)
+        else:
+            out = torch.ops.commfuse.mm_reduce_scatter(a, w, None, [m, 1024], 0, 2, nccl.group_name)
+            want = _reference(a, w, None).chunk(2)[dist.get_rank()]
+        check_errors()
+        assert relerr(out, want) < 1e-2, f"call {i}: op {op}, M={m}"
+    for ws in symm._workspaces.values():
+        assert int(ws.ticket.item()) == ws.ticket_base

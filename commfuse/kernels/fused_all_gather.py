@@ -1,0 +1,215 @@
+"""``all_gather_mm`` in one persistent kernel: the tiles of this rank's own rows multiply at once,
+with no wait, while a few ``pusher`` programs store the shard into every peer's workspace in
+chunks of rows, each chunk followed by a flag on that peer. A tile of a peer's rows waits only
+for the chunks it reads. Every tile reads its rows through one TMA descriptor over the
+workspace's gathered rows; the launcher copies the shard into this rank's own rows of it first
+(one local copy, stream-ordered before the kernel), since two descriptors, one per source, would
+each get their own pipeline buffers and no longer fit in shared memory.
+
+Compute programs claim tile positions in order from the workspace's ticket (own rows first, then
+rank+1's, rank+2's, ...), so no wait depends on a program that has not started. Pushers never
+wait while they push; afterwards they copy the peers' chunks, as they land, into the gathered
+tensor the op returns. Every byte that crosses NVLink is a store. Waits are bounded
+(``sync.wait_or_record``): a tile whose wait timed out is NaN and the error word names the op,
+this rank and the peer.
+
+The peers' rows reach this rank through generic stores and an acquire on their flag; the GEMM
+reads them through TMA (the async proxy), so a proxy fence sits between the two.
+
+Parity halves alternate between calls as for the other kernels: a rank finishes call e only
+after every peer pushed all its chunks of e, so every peer has started e (and finished e - 1);
+call e + 2, the next to write e's half, cannot start on a peer while this rank still reads it.
+Per parity the workspace holds the gathered rows ``[world * rows, K]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiles
+from .sync import ErrorWord, OP_ALL_GATHER_MM, iris, now, require_iris, timeout_ns, wait_or_record
+from .tiles import claim, mma_tile, tile_coords, tile_epilogue
+
+#: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
+CHUNK_ROWS = 32
+#: Programs that push the shard and then copy the peers' rows into the gathered tensor.
+PUSHERS = 16
+
+
+@triton.jit
+def _proxy_fence():
+    """Order this thread's earlier generic-proxy accesses (the flag acquire) before its later
+    async-proxy ones (TMA loads of the rows the flag guards)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_ptrs(base, first_row, c, K, k0, row_end, CH: tl.constexpr, PUSH_K: tl.constexpr):
+    """Pointers and mask of a [CH, PUSH_K] block of a dense [*, K] area: rows ``first_row + c*CH``
+    onwards (up to ``row_end``), columns ``k0`` onwards."""
+    rows = first_row + c * CH + tl.arange(0, CH)
+    cols = k0 + tl.arange(0, PUSH_K)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < K)
+    return base + rows[:, None].to(tl.int64) * K + cols[None, :], mask
+
+
+@triton.jit
+def _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout, pid,
+                   pushers, chunks, OP: tl.constexpr, WORLD: tl.constexpr, CH: tl.constexpr,
+                   PUSH_K: tl.constexpr, GATHER: tl.constexpr):
+    """A pusher: store this rank's chunks (pid, pid + pushers, ...) into every peer's workspace
+    (and, with ``GATHER``, into its own rows of ``gathered``), releasing each chunk's flag on the
+    peers; then, with ``GATHER``, copy the peers' chunks into ``gathered`` as their flags arrive
+    (NaN after a late one)."""
+    mine = rank * rows
+    for c in range(pid, chunks, pushers):
+        for k0 in range(0, K, PUSH_K):
+            ptrs, mask = _chunk_ptrs(data, mine, c, K, k0, mine + rows, CH, PUSH_K)
+            val = tl.load(ptrs, mask=mask)
+            for i in tl.static_range(1, WORLD):  # the same rows of every peer's workspace
+                iris.store(ptrs, val, rank, (rank + i) % WORLD, heap_bases, mask=mask)
+            if GATHER:
+                own, _ = _chunk_ptrs(gathered, mine, c, K, k0, mine + rows, CH, PUSH_K)
+                tl.store(own, val, mask=mask)
+        tl.debug_barrier()  # every thread's stores before the releases below
+        for i in tl.static_range(1, WORLD):
+            iris.atomic_xchg(flags + rank * chunks + c, epoch, rank, (rank + i) % WORLD, heap_bases,
+                             sem="release", scope="sys")
+    if GATHER:
+        late = pid * 0
+        for u in range(pid, (WORLD - 1) * chunks, pushers):
+            src = (rank + 1 + u // chunks) % WORLD
+            c = u % chunks
+            if late == 0:
+                late = wait_or_record(flags + src * chunks + c, epoch, now(), timeout, err, OP, rank,
+                                      src)
+            for k0 in range(0, K, PUSH_K):
+                ptrs, mask = _chunk_ptrs(data, src * rows, c, K, k0, (src + 1) * rows, CH, PUSH_K)
+                val = tl.load(ptrs, mask=mask)
+                if late != 0:
+                    val = tl.full((CH, PUSH_K), float("nan"), tl.float32).to(val.dtype)
+                dst, _ = _chunk_ptrs(gathered, src * rows, c, K, k0, (src + 1) * rows, CH, PUSH_K)
+                tl.store(dst, val, mask=mask)
+
+
+@triton.jit
+def _wait_rows(flags, src, first_chunk, last_chunk, chunks, epoch, rank, err, timeout,
+               OP: tl.constexpr):
+    """Wait for chunks ``first_chunk .. last_chunk - 1`` of rank ``src``; 1 if one came late."""
+    start = now()
+    late = 0
+    for c in range(first_chunk, last_chunk):
+        if late == 0:
+            late = wait_or_record(flags + src * chunks + c, epoch, start, timeout, err, OP, rank, src)
+    _proxy_fence()
+    return late
+
+
+@triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers"])
+def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
+                           timeout, ticket, ticket_base, pushers, OP: tl.constexpr,
+                           WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, GROUP_M: tl.constexpr, CH: tl.constexpr,
+                           PUSH_K: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+    """``out = all_gather(shard) @ b (+ bias)`` and, with ``GATHER``, ``gathered =
+    all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``a_desc`` is over the shard, ``g_desc`` over
+    this parity's gathered rows in the workspace."""
+    pid = tl.program_id(0)
+    chunks = tl.cdiv(rows, CH)
+    if pid < pushers:
+        _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout, pid,
+                       pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
+    else:
+        share_m = tl.cdiv(rows, BM)
+        num_n = tl.cdiv(N, BN)
+        per = share_m * num_n
+        late = pid * 0
+        i = claim(ticket, ticket_base)
+        while i < WORLD * per:
+            src = (rank + i // per) % WORLD  # own rows first, then the next ranks'
+            local_m, pid_n = tile_coords(i % per, share_m, num_n, GROUP_M)
+            if (src != rank) & (late == 0):
+                late = _wait_rows(flags, src, local_m * (BM // CH),
+                                  tl.minimum((local_m + 1) * (BM // CH), chunks), chunks, epoch,
+                                  rank, err, timeout, OP)
+            first = src * rows + local_m * BM
+            acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+            r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
+                                               stride_bm, stride_bn, BM, BN, HAS_BIAS)
+            if late != 0:
+                acc = tl.full((BM, BN), float("nan"), tl.float32)
+            tl.store(out + r[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
+                     mask=mask)
+            i = claim(ticket, ticket_base)
+
+
+def data_elems(rows: int, k: int, world: int) -> int:
+    """Workspace elements per parity: the gathered rows."""
+    return world * rows * k
+
+
+def flag_slots(rows: int, world: int) -> int:
+    return world * triton.cdiv(rows, CHUNK_ROWS)
+
+
+#: (config, dtype, world, weight layout, bias, device) -> programs per SM
+_resident: dict[tuple, int] = {}
+
+
+def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
+            out: torch.Tensor, cfg: tiles.TileConfig):
+    """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
+    of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
+    which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless it is None, ``gathered``
+    [world * rows, K], through ``ws`` (``data_elems`` per parity). ``shard`` is [rows, K], this
+    rank's rows."""
+    require_iris()
+    rows, k = shard.shape
+    n = b.shape[1]
+    world = ws.world
+    if cfg.bm % CHUNK_ROWS:
+        raise RuntimeError(f"commfuse: tile height {cfg.bm} is not a multiple of {CHUNK_ROWS}")
+    if flag_slots(rows, world) > ws.tile_flags.numel():
+        raise RuntimeError("commfuse: too many row chunks for the workspace's tile flags")
+    gathered_rows = [ws.data(p, (world * rows, k), shard.dtype) for p in (0, 1)]
+    g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
+    g_descs = [g0_desc, tiles.TensorDescriptor(gathered_rows[1], [world * rows, k], [k, 1],
+                                               [cfg.bm, cfg.bk])]
+    full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
+    push_k = min(256, triton.next_power_of_2(k))
+
+    def args(epoch, parity, ticket_base):
+        return (g_descs[parity], b_desc, gathered if gathered is not None else out,
+                full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
+                sbm, sbn, ws.tile_flags, ws.heap_bases, epoch, ws.rank, ErrorWord.get(),
+                timeout_ns(), ws.ticket, ticket_base)
+
+    consts = dict(OP=OP_ALL_GATHER_MM, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+                  GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
+                  HAS_BIAS=bias is not None, GATHER=gathered is not None, num_warps=cfg.warps,
+                  num_stages=cfg.stages)
+    key = (cfg, shard.dtype, world, b_t, bias is not None, shard.device.index, push_k,
+           gathered is not None)
+    if key not in _resident:  # compiled, not launched: how many programs fit on an SM
+        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, grid=(1,), **consts)
+        compiled._init_handles()
+        _resident[key] = tiles.resident_programs(compiled, shard.device)
+    per_sm = min(cfg.per_sm, _resident[key])
+    if per_sm < 1:
+        raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
+    count = world * triton.cdiv(rows, cfg.bm) * triton.cdiv(n, cfg.bn)
+    programs = per_sm * ws.max_programs
+    pushers = max(1, min(PUSHERS, triton.cdiv(rows, CHUNK_ROWS), programs // 4))
+    compute = max(1, min(count, programs - pushers))
+
+    def launch(epoch: int, parity: int) -> None:
+        base = ws.ticket_base
+        gathered_rows[parity][ws.rank * rows:(ws.rank + 1) * rows].copy_(shard)
+        all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, **consts)
+        ws.ticket_base = base + count + compute  # every position claimed once, one failed claim each
+
+    return launch
