@@ -70,7 +70,7 @@ def _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err,
             ptrs, mask = _chunk_ptrs(data, mine, c, K, k0, mine + rows, CH, PUSH_K)
             val = tl.load(ptrs, mask=mask)
             for i in tl.static_range(1, WORLD):  # the same rows of every peer's workspace
-                iris.store(ptrs, val, rank, (rank + i) % WORLD, heap_bases, mask=mask)
+                iris.store(ptrs, val, rank, (rank + i) % WORLD, heap_bases, mask=mask, hint=(1, 16))
             if GATHER:
                 own, _ = _chunk_ptrs(gathered, mine, c, K, k0, mine + rows, CH, PUSH_K)
                 tl.store(own, val, mask=mask)
