@@ -185,7 +185,7 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
 
 
 def bench_all_gather_mm(m, k, n, dtype, group):
-    from commfuse.kernels import exchange, symm
+    from commfuse.kernels import dispatch, exchange, symm
 
     gname, world = group.group_name, group.size()
     shard = torch.randn(m // world, k, device="cuda", dtype=dtype)
@@ -205,7 +205,8 @@ def bench_all_gather_mm(m, k, n, dtype, group):
     t["symm_ag"] = time_us(exch)
     with _forced(None):
         t["commfuse_default"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
-    for algo in ("symm", "overlap"):
+    fusable = dispatch.fused_unsupported(m, k, n, dtype, world, gather=True) is None
+    for algo in ("symm", "overlap") + (("fused",) if fusable else ()):
         with _forced(algo):
             t[f"commfuse_{algo}"] = time_us(lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False))
     peers = {}

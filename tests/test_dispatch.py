@@ -91,7 +91,12 @@ def test_tile_config_parses_and_round_trips(monkeypatch):
 
 def test_all_gather_mm_choice(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    assert dispatch.all_gather_mm(2048, 2048, 2048, BF16, 2) == "symm"  # too little work to hide
+    # 1024-2048 gathered rows: the fused kernel (measured 1024^3, 2048^3, 2048x4096x7168)
+    assert dispatch.all_gather_mm(2048, 2048, 2048, BF16, 2) == "fused"
+    assert dispatch.all_gather_mm(1024, 1024, 1024, BF16, 2) == "fused"
+    assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, 2) == "fused"
+    assert dispatch.all_gather_mm(2048, 2048, 2048, torch.float32, 2) == "symm"  # not fp32
+    assert dispatch.all_gather_mm(512, 2048, 2048, BF16, 2) == "symm"  # not measured below
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"
     assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "overlap"
     # GEMM-bound (the gather is a few % of the GEMM): nothing worth the split, unfused

@@ -330,6 +330,17 @@ def test_workspace_plan_sizes_for_the_fused_kernel(world2, monkeypatch):
     assert symm._planned == {dist.group.WORLD.group_name: slabs}
 
 
+def test_workspace_plan_sizes_for_the_fused_all_gather(world2, monkeypatch):
+    """The fused all-gather keeps every rank's rows in the workspace, not only this rank's."""
+    from commfuse.kernels import dispatch, symm
+
+    monkeypatch.setattr(symm, "_planned", {})
+    x, w = torch.randn(1024, 512, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
+    assert dispatch.all_gather_mm(2048, 512, 64, torch.bfloat16, 2) == "fused"
+    compile_code(lambda x, w: _ag(x) @ w, x, w)
+    assert symm._planned == {dist.group.WORLD.group_name: 2048 * 512 * 2}
+
+
 # ---- matmul -> reduce_scatter --------------------------------------------------------------------
 
 RS, C10D_RS = "commfuse.mm_reduce_scatter", "_c10d_functional.reduce_scatter_tensor"

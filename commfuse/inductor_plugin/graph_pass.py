@@ -111,6 +111,17 @@ def _mm_all_reduce_bytes(node: fx.Node):
     return dispatch.workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
 
 
+def _all_gather_mm_bytes(node: fx.Node):
+    shard, b = val(node.args[0]), val(node.args[1])
+    k, n, world = shard.shape[-1], b.shape[1], node.args[4]
+    rows = math.prod(shard.shape[:-1]) * world
+    if not all(isinstance(x, int) for x in (rows, k, n)):
+        return None  # symbolic: the workspace grows on first use
+    from ..kernels import dispatch
+
+    return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, node.args[3])
+
+
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs.
 
@@ -120,8 +131,8 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     for node in graph.nodes:
         if node.target is torch.ops.commfuse.mm_all_reduce.default:  # the partial (or the fused slabs)
             nbytes, group = _mm_all_reduce_bytes(node), node.args[3]
-        elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard
-            nbytes, group = _nbytes(val(node.args[0]).shape, node), node.args[5]
+        elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard (or all rows)
+            nbytes, group = _all_gather_mm_bytes(node), node.args[5]
         elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial
             a, b = val(node.args[0]), val(node.args[1])
             nbytes, group = _nbytes((a.shape[0], b.shape[1]), node), node.args[6]

@@ -220,7 +220,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         ws = symm.workspace(group_name, nbytes, shard.device)
         launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
                                           None if gathered is None else gathered.view(-1, k), out,
-                                          dispatch.tile_config(rows, k, b.shape[1]))  # before the epoch
+                                          dispatch.gather_tile_config(rows, k, b.shape[1]))  # before the epoch
         with _exchange(ws, "all_gather_mm") as (epoch, parity):
             launch(epoch, parity)
         return out, gathered

@@ -53,6 +53,27 @@ def tile_config(m: int, k: int, n: int):
     return TileConfig.parse(env) if env else TileConfig()
 
 
+#: The fused all-gather kernel (``fused_all_gather.py``) for gathered rows in this range (2xH200,
+#: 8d76355..: ``benchmarks/results/h200x2/explore/ag_sweep*``, fused against the default, us):
+#: 1024^3 21 / 22, 2048^3 48 / 53, 2048x4096x7168 192 / 201 fuse; from 4096 rows the
+#: copy-engine overlap wins (4096^3 243 / 207, 4096x8192x5120 544 / 488, 16384x4096x7168
+#: 1471 / 1344): the tile GEMM there gives up more to the pushers and the shard copy than the
+#: side-stream pull costs. Below 1024 rows it is not measured.
+FUSED_AG_ROWS = (1024, 2048)
+
+
+def gather_tile_config(rows: int, k: int, n: int):
+    """The fused all-gather's tiling: 128x128 tiles while 128x256 ones would not fill the GPU
+    (two ranks' 2048x2048 outputs are 128 such tiles), else the default; ``COMMFUSE_TILE_CONFIG``
+    overrides."""
+    from .tiles import TileConfig
+
+    env = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
+    if env:
+        return TileConfig.parse(env)
+    return TileConfig(bm=128, bn=128, stages=4, reducers=0) if rows * n <= 2048 * 2048 else TileConfig(reducers=0)
+
+
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
                       scatter: bool = False, gather: bool = False) -> str | None:
     """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank
@@ -73,7 +94,7 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
     if (scatter or gather) and m % world:
         return "rows that do not split into world shares"
-    cfg = tile_config(m, k, n)
+    cfg = gather_tile_config(m, k, n) if gather else tile_config(m, k, n)
     if gather:
         if cfg.bm % fused_all_gather.CHUNK_ROWS:
             return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
@@ -102,6 +123,15 @@ def workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> i
 
         return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n)) * dtype.itemsize
     return m * n * dtype.itemsize
+
+
+def gather_workspace_bytes(rows: int, k: int, n: int, dtype: torch.dtype, world: int,
+                           gather_dim: int = 0) -> int:
+    """Per-parity symmetric bytes an ``all_gather_mm`` call uses (``rows`` gathered): all the
+    rows for the fused kernel, else this rank's shard."""
+    if all_gather_mm(rows, k, n, dtype, world, gather_dim) == "fused":
+        return rows * k * dtype.itemsize
+    return rows // max(world, 1) * k * dtype.itemsize
 
 
 def _forced_fused(op: str, why: str | None, instead: str) -> str:
@@ -199,7 +229,7 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
     if capturing():
         return nccl_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(ALL_GATHER_MM_ALGOS)
-    if forced == "fused":  # the tile kernel (fused_all_gather.py): not yet measured, only forced
+    if forced == "fused":  # the tile kernel (fused_all_gather.py)
         why = ("a gather along a dimension other than the rows" if gather_dim != 0 else
                fused_unsupported(rows, k, n, dtype, world, gather=True))
         forced = _forced_fused("all_gather_mm", why,
@@ -208,6 +238,9 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
         return forced
     if not _symmetric_possible(rows * k * dtype.itemsize, world) or n >= AG_GEMM_BOUND_N:
         return "nccl"
+    if (gather_dim == 0 and FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
+            and fused_unsupported(rows, k, n, dtype, world, gather=True) is None):
+        return "fused"
     if gather_dim == 0 and (rows // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "overlap"
     return "symm"

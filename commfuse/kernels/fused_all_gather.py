@@ -6,10 +6,11 @@ workspace's gathered rows; the launcher copies the shard into this rank's own ro
 (one local copy, stream-ordered before the kernel), since two descriptors, one per source, would
 each get their own pipeline buffers and no longer fit in shared memory.
 
-Compute programs claim tile positions in order from the workspace's ticket (own rows first, then
+Programs claim tile positions in order from the workspace's ticket (own rows first, then
 rank+1's, rank+2's, ...), so no wait depends on a program that has not started. Pushers never
 wait while they push; afterwards they copy the peers' chunks, as they land, into the gathered
-tensor the op returns. Every byte that crosses NVLink is a store. Waits are bounded
+tensor the op returns (when the graph uses it), then claim tiles like the others. Every byte
+that crosses NVLink is a store. Waits are bounded
 (``sync.wait_or_record``): a tile whose wait timed out is NaN and the error word names the op,
 this rank and the peer.
 
@@ -116,35 +117,35 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
                            PUSH_K: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
     """``out = all_gather(shard) @ b (+ bias)`` and, with ``GATHER``, ``gathered =
-    all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``a_desc`` is over the shard, ``g_desc`` over
-    this parity's gathered rows in the workspace."""
+    all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``g_desc`` is over
+    this parity's gathered rows in the workspace (``data``), whose own rows hold the shard
+    already. Pushers, once done, multiply too (their SMs are not lost to the GEMM)."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
     if pid < pushers:
         _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout, pid,
                        pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
-    else:
-        share_m = tl.cdiv(rows, BM)
-        num_n = tl.cdiv(N, BN)
-        per = share_m * num_n
-        late = pid * 0
+    share_m = tl.cdiv(rows, BM)
+    num_n = tl.cdiv(N, BN)
+    per = share_m * num_n
+    late = pid * 0
+    i = claim(ticket, ticket_base)
+    while i < WORLD * per:
+        src = (rank + i // per) % WORLD  # own rows first, then the next ranks'
+        local_m, pid_n = tile_coords(i % per, share_m, num_n, GROUP_M)
+        if (src != rank) & (late == 0):
+            late = _wait_rows(flags, src, local_m * (BM // CH),
+                              tl.minimum((local_m + 1) * (BM // CH), chunks), chunks, epoch, rank,
+                              err, timeout, OP)
+        first = src * rows + local_m * BM
+        acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+        r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
+                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
+        if late != 0:
+            acc = tl.full((BM, BN), float("nan"), tl.float32)
+        tl.store(out + r[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
+                 mask=mask)
         i = claim(ticket, ticket_base)
-        while i < WORLD * per:
-            src = (rank + i // per) % WORLD  # own rows first, then the next ranks'
-            local_m, pid_n = tile_coords(i % per, share_m, num_n, GROUP_M)
-            if (src != rank) & (late == 0):
-                late = _wait_rows(flags, src, local_m * (BM // CH),
-                                  tl.minimum((local_m + 1) * (BM // CH), chunks), chunks, epoch,
-                                  rank, err, timeout, OP)
-            first = src * rows + local_m * BM
-            acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
-            r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
-                                               stride_bm, stride_bn, BM, BN, HAS_BIAS)
-            if late != 0:
-                acc = tl.full((BM, BN), float("nan"), tl.float32)
-            tl.store(out + r[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
-                     mask=mask)
-            i = claim(ticket, ticket_base)
 
 
 def data_elems(rows: int, k: int, world: int) -> int:
@@ -210,6 +211,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         base = ws.ticket_base
         gathered_rows[parity][ws.rank * rows:(ws.rank + 1) * rows].copy_(shard)
         all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, **consts)
-        ws.ticket_base = base + count + compute  # every position claimed once, one failed claim each
+        # every position claimed once, and one failed claim per program
+        ws.ticket_base = base + count + pushers + compute
 
     return launch
