@@ -22,5 +22,5 @@ if [ "$STAGE" = model ]; then  # MODEL_NAME: file names, so runs of several part
   timeout ${MODEL_TIMEOUT:-560} torchrun --nproc_per_node=2 -m commfuse.bench model --out "$OUT/$NAME.json" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/$NAME.log" | grep -v "^W1130" | tail -20
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
-  timeout 400 torchrun --nproc_per_node=2 -m commfuse.bench ops --out "$OUT/ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/ops.log" | tail -45
+  timeout ${BENCH_TIMEOUT:-400} torchrun --nproc_per_node=2 -m commfuse.bench ops --out "$OUT/ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/ops.log" | tail -45
 fi
