@@ -51,9 +51,12 @@ def test_forced_fused_falls_back_where_the_tile_kernel_cannot_go(monkeypatch):
     assert dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 8) is None
 
 
-def test_fused_reduce_scatter_is_taken_only_when_forced_and_possible(monkeypatch):
+def test_fused_reduce_scatter_is_taken_from_16384_rows_or_when_forced(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) != "fused"  # not measured yet
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) != "fused"  # it loses there
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 2) == "fused"  # it wins there
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 2, scatter_dim=1) != "fused"
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, torch.float32, 2) != "fused"
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "fused"
     assert dispatch.mm_reduce_scatter(14, 1024, 776, BF16, 2) == "fused"

@@ -122,6 +122,16 @@ def _all_gather_mm_bytes(node: fx.Node):
     return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, node.args[3])
 
 
+def _mm_reduce_scatter_bytes(node: fx.Node):
+    a, b = val(node.args[0]), val(node.args[1])
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if not all(isinstance(x, int) for x in (m, k, n)):
+        return None  # symbolic: the workspace grows on first use
+    from ..kernels import dispatch
+
+    return dispatch.scatter_workspace_bytes(m, k, n, a.dtype, node.args[5], node.args[4])
+
+
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs.
 
@@ -133,9 +143,8 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
             nbytes, group = _mm_all_reduce_bytes(node), node.args[3]
         elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard (or all rows)
             nbytes, group = _all_gather_mm_bytes(node), node.args[5]
-        elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial
-            a, b = val(node.args[0]), val(node.args[1])
-            nbytes, group = _nbytes((a.shape[0], b.shape[1]), node), node.args[6]
+        elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial (or slabs)
+            nbytes, group = _mm_reduce_scatter_bytes(node), node.args[6]
         else:
             continue
         if isinstance(nbytes, int):

@@ -62,6 +62,15 @@ def tile_config(m: int, k: int, n: int):
 FUSED_AG_ROWS = (1024, 2048)
 
 
+#: The fused tile kernel's reduce-scatter form from this many rows (2xH200, 2b5d2e9 ``ops.json``,
+#: fused against the default, us): 16384x4096x7168 1409 / 1582 (the copy-engine overlap; 1374 at
+#: 2f01995, so its runs vary) and torch's fused_matmul_reduce_scatter 1484; below it the form
+#: loses (4096^3 228 / 216, 4096x8192x5120 490 / 455, 2048x4096x7168 217 / 208) or wins by
+#: little (2048^3 46 / 48). 8192x8192x28672 (6048 / 5922) has fewer rows but a far larger
+#: GEMM, which the reducer-free form still pays its own-tile epilogue on.
+FUSED_RS_MIN_M = 16384
+
+
 def gather_tile_config(rows: int, k: int, n: int):
     """The fused all-gather's tiling: 128x128 tiles while 128x256 ones would not fill the GPU
     (two ranks' 2048x2048 outputs are 128 such tiles), else the default; ``COMMFUSE_TILE_CONFIG``
@@ -132,6 +141,17 @@ def gather_workspace_bytes(rows: int, k: int, n: int, dtype: torch.dtype, world:
     if all_gather_mm(rows, k, n, dtype, world, gather_dim) == "fused":
         return rows * k * dtype.itemsize
     return rows // max(world, 1) * k * dtype.itemsize
+
+
+def scatter_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int,
+                            scatter_dim: int = 0) -> int:
+    """Per-parity symmetric bytes an ``mm_reduce_scatter`` call uses: the fused form's slabs,
+    else the partial."""
+    if mm_reduce_scatter(m, k, n, dtype, world, scatter_dim) == "fused":
+        from . import fused_all_reduce
+
+        return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n), scatter=True) * dtype.itemsize
+    return m * n * dtype.itemsize
 
 
 def _forced_fused(op: str, why: str | None, instead: str) -> str:
@@ -250,15 +270,17 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
     if capturing():
         return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
-    if forced == "fused":  # the tile kernel's reduce-scatter form: not yet measured, only forced
-        why = ("scatter along a dimension other than the rows" if scatter_dim != 0 else
-               fused_unsupported(m, k, n, dtype, world, scatter=True))
+    why = ("scatter along a dimension other than the rows" if scatter_dim != 0 else
+           fused_unsupported(m, k, n, dtype, world, scatter=True))
+    if forced == "fused":  # the tile kernel's reduce-scatter form
         forced = _forced_fused("mm_reduce_scatter", why,
                                "symm" if _symmetric_possible(m * n * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
+    if m >= FUSED_RS_MIN_M and why is None:
+        return "fused"
     if scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "ce_overlap"
     return "symm"
