@@ -26,8 +26,8 @@ CONFIGS = ["128x256x64s3w8g8r16o1", "128x256x64s3w8g8r8o1", "128x128x64s3w8g8r16
            "128x128x64s3w8g8r8o2", "128x128x64s3w4g8r16o2", "128x128x64s4w4g8r16o2"]
 
 
-def fused_call(ws, a, b, bias, out, cfg):
-    launch = fused_all_reduce.prepare(ws, a, b, bias, out, cfg)
+def fused_call(ws, a, b, bias, out, cfg, ablate=0):
+    launch = fused_all_reduce.prepare(ws, a, b, bias, out, cfg, ablate=ablate)
     launch(*ws.next_epoch())
 
 
@@ -52,6 +52,9 @@ def main() -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default=None)
     p.add_argument("--tickets", action="store_true", help="also time the ticket-claimed tile order")
+    p.add_argument("--ablate", action="store_true",
+                   help="also time the first config with parts of the exchange removed (wrong results: "
+                        "where the fused kernel's time over the GEMM goes)")
     args = p.parse_args()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -91,10 +94,22 @@ def main() -> int:
                     errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     torch.cuda.synchronize()
             os.environ.pop("COMMFUSE_FUSED_TICKETS", None)
+        if args.ablate:
+            c = configs[0]
+            names = dict(fused_all_reduce.ABLATIONS, all=sum(fused_all_reduce.ABLATIONS.values()),
+                         no_remote_no_wait=3)
+            for name, bits in names.items():
+                t[f"ablate {name}"] = time_us(lambda: fused_call(ws, a, b, None, out, c, ablate=bits))
+            torch.cuda.synchronize()
+            dist.barrier()  # no peer still writes into this rank's workspace
+            ErrorWord.check("tile_sweep")
+            symm.release_all()  # ablated calls leave flags and slabs inconsistent: start afresh
+            ws = symm.workspace(gname, 2 * max(fused_all_reduce.data_elems(m, n, 2, c) for c in configs), a.device)
         if shape == args.shapes.split(",")[0]:  # the other forms, once
             c = configs[0]
             errs["bias+rowmajor"] = check(ws, m, k, n, c, group, bias=True, transposed=False)
         best_fused = min((v, key) for key, v in t.items() if key.startswith("fused"))
+        dist.barrier()
         best_mm = min(v for key, v in t.items() if key.startswith("tile_mm") and " on " not in key)
         floor = max(t["cublas"], min(t["nccl_ar"], t["commfuse_one_shot"] - t["cublas"]))
         rec = dict(M=m, K=k, N=n, times=t, errors=errs, best_fused=best_fused[1], floor_us=floor)

@@ -20,7 +20,10 @@ reads them through TMA (the async proxy), so a proxy fence sits between the two.
 Parity halves alternate between calls as for the other kernels: a rank finishes call e only
 after every peer pushed all its chunks of e, so every peer has started e (and finished e - 1);
 call e + 2, the next to write e's half, cannot start on a peer while this rank still reads it.
-Per parity the workspace holds the gathered rows ``[world * rows, K]``.
+Per parity the workspace holds the gathered rows ``[world * rows, K]``. Chunk c of rank s is
+flagged in tile-flag slot ``c * world + s``: like every other fused-kernel slot, one writer per
+slot (slot = writer mod world), so a slot's value only grows even when a fast rank's next call,
+of any op, writes the same region. Ranks push to rank - 1 first: it reads their rows first.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def _proxy_fence():
 @triton.jit
 def _chunk_ptrs(base, first_row, c, K, k0, row_end, CH: tl.constexpr, PUSH_K: tl.constexpr):
     """Pointers and mask of a [CH, PUSH_K] block of a dense [*, K] area: rows ``first_row + c*CH``
-    onwards (up to ``row_end``), columns ``k0`` onwards."""
+    onwards (up to ``row_end``), columns ``k0`` onwards. The accesses are 16-byte vectors when
+    Triton specialises K as a multiple of 16 (hidden sizes are); other K (multiples of 8, the
+    dispatch's rule) still work, with 2-byte accesses."""
     rows = first_row + c * CH + tl.arange(0, CH)
     cols = k0 + tl.arange(0, PUSH_K)
     mask = (rows[:, None] < row_end) & (cols[None, :] < K)
@@ -64,28 +69,29 @@ def _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err,
     """A pusher: store this rank's chunks (pid, pid + pushers, ...) into every peer's workspace
     (and, with ``GATHER``, into its own rows of ``gathered``), releasing each chunk's flag on the
     peers; then, with ``GATHER``, copy the peers' chunks into ``gathered`` as their flags arrive
-    (NaN after a late one)."""
+    (NaN after a late one). Returns 1 if a wait came late."""
     mine = rank * rows
     for c in range(pid, chunks, pushers):
         for k0 in range(0, K, PUSH_K):
             ptrs, mask = _chunk_ptrs(data, mine, c, K, k0, mine + rows, CH, PUSH_K)
             val = tl.load(ptrs, mask=mask)
             for i in tl.static_range(1, WORLD):  # the same rows of every peer's workspace
-                iris.store(ptrs, val, rank, (rank + i) % WORLD, heap_bases, mask=mask, hint=(1, 16))
+                iris.store(ptrs, val, rank, (rank - i + WORLD) % WORLD, heap_bases, mask=mask,
+                           hint=(1, 16))
             if GATHER:
                 own, _ = _chunk_ptrs(gathered, mine, c, K, k0, mine + rows, CH, PUSH_K)
                 tl.store(own, val, mask=mask)
         tl.debug_barrier()  # every thread's stores before the releases below
-        for i in tl.static_range(1, WORLD):
-            iris.atomic_xchg(flags + rank * chunks + c, epoch, rank, (rank + i) % WORLD, heap_bases,
-                             sem="release", scope="sys")
+        for i in tl.static_range(1, WORLD):  # rank - 1 reads this rank's rows first
+            iris.atomic_xchg(flags + c * WORLD + rank, epoch, rank, (rank - i + WORLD) % WORLD,
+                             heap_bases, sem="release", scope="sys")
+    late = pid * 0
     if GATHER:
-        late = pid * 0
         for u in range(pid, (WORLD - 1) * chunks, pushers):
             src = (rank + 1 + u // chunks) % WORLD
             c = u % chunks
             if late == 0:
-                late = wait_or_record(flags + src * chunks + c, epoch, now(), timeout, err, OP, rank,
+                late = wait_or_record(flags + c * WORLD + src, epoch, now(), timeout, err, OP, rank,
                                       src)
             for k0 in range(0, K, PUSH_K):
                 ptrs, mask = _chunk_ptrs(data, src * rows, c, K, k0, (src + 1) * rows, CH, PUSH_K)
@@ -94,17 +100,18 @@ def _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err,
                     val = tl.full((CH, PUSH_K), float("nan"), tl.float32).to(val.dtype)
                 dst, _ = _chunk_ptrs(gathered, src * rows, c, K, k0, (src + 1) * rows, CH, PUSH_K)
                 tl.store(dst, val, mask=mask)
+    return late
 
 
 @triton.jit
-def _wait_rows(flags, src, first_chunk, last_chunk, chunks, epoch, rank, err, timeout,
-               OP: tl.constexpr):
+def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, OP: tl.constexpr,
+               WORLD: tl.constexpr):
     """Wait for chunks ``first_chunk .. last_chunk - 1`` of rank ``src``; 1 if one came late."""
     start = now()
     late = 0
     for c in range(first_chunk, last_chunk):
         if late == 0:
-            late = wait_or_record(flags + src * chunks + c, epoch, start, timeout, err, OP, rank, src)
+            late = wait_or_record(flags + c * WORLD + src, epoch, start, timeout, err, OP, rank, src)
     _proxy_fence()
     return late
 
@@ -122,21 +129,21 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
     already. Pushers, once done, multiply too (their SMs are not lost to the GEMM)."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
+    late = pid * 0  # once a wait timed out, this program waits no more: its later tiles are NaN
     if pid < pushers:
-        _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout, pid,
-                       pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
+        late = _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout,
+                              pid, pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
     share_m = tl.cdiv(rows, BM)
     num_n = tl.cdiv(N, BN)
     per = share_m * num_n
-    late = pid * 0
     i = claim(ticket, ticket_base)
     while i < WORLD * per:
         src = (rank + i // per) % WORLD  # own rows first, then the next ranks'
         local_m, pid_n = tile_coords(i % per, share_m, num_n, GROUP_M)
         if (src != rank) & (late == 0):
             late = _wait_rows(flags, src, local_m * (BM // CH),
-                              tl.minimum((local_m + 1) * (BM // CH), chunks), chunks, epoch, rank,
-                              err, timeout, OP)
+                              tl.minimum((local_m + 1) * (BM // CH), chunks), epoch, rank, err,
+                              timeout, OP, WORLD)
         first = src * rows + local_m * BM
         acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
         r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,

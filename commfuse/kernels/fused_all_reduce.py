@@ -43,6 +43,13 @@ from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, require_iris, now, 
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
+#: Ablations of the kernel for the tile sweep's breakdown of its time (``prepare(..., ablate=)``;
+#: results are wrong with any of them): pushes stored into this rank's own workspace instead of
+#: the peer's (no NVLink data), no waits, reducers that copy nothing.
+NO_REMOTE, NO_WAIT, NO_COPY = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
+ABLATIONS = {"no_remote": 1, "no_wait": 2, "no_copy": 4}
+
+
 @triton.jit
 def _schedule(i, rank, num_tiles, WORLD: tl.constexpr):
     """The tile at position ``i`` of this rank's order: the tiles of rank+1, rank+2, ... first
@@ -144,7 +151,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                        num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SCATTER: tl.constexpr):
+                       SCATTER: tl.constexpr, ABLATE: tl.constexpr):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
@@ -158,7 +165,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
         _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if owner == rank:
-        if late == 0:
+        if (late == 0) & (ABLATE & NO_WAIT == 0):
             start = now()
             for k in tl.static_range(1, WORLD):
                 peer = (rank + k) % WORLD
@@ -180,10 +187,12 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
             tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
             dst = _tile_block(data, result_at + tile, BM, BN)
             for k in tl.static_range(1, WORLD):
-                iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+                to = rank if ABLATE & NO_REMOTE else (rank + k) % WORLD
+                iris.store(dst, val, rank, to, heap_bases, hint=(1, 16))
     else:
         dst = _tile_block(data, rank * slab_tiles + _slot(tile, slab_tiles, WORLD, SCATTER), BM, BN)
-        iris.store(dst, acc.to(out.dtype.element_ty), rank, owner, heap_bases, hint=(1, 16))
+        to = rank if ABLATE & NO_REMOTE else owner
+        iris.store(dst, acc.to(out.dtype.element_ty), rank, to, heap_bases, hint=(1, 16))
     return tile, late
 
 
@@ -194,10 +203,11 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                            SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
-                           SCATTER: tl.constexpr = False):
+                           SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
-    back (no result area, no reducers: launch ``compute`` programs only)."""
+    back (no result area, no reducers: launch ``compute`` programs only). ``ABLATE``: bits of
+    ``ABLATIONS``, for timing only (results are wrong); 0 in every real call."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -217,7 +227,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER)
+                    SCATTER, ABLATE)
                 i = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
@@ -225,7 +235,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER)
+                    SCATTER, ABLATE)
         if prev >= 0:
             _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     else:
@@ -236,11 +246,12 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
             tile = owner + WORLD * (u // (WORLD - 1))
             if tile < num_tiles:
                 pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-                if late == 0:
+                if (late == 0) & (ABLATE & NO_WAIT == 0):
                     late = wait_or_record(flags + num_tiles * WORLD + tile, epoch, now(),
                                           timeout, err, OP, rank, owner)
                     tl.debug_barrier()
-                _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
+                if ABLATE & NO_COPY == 0:
+                    _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
 
 
 def num_tiles(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
@@ -273,7 +284,7 @@ _resident: dict[tuple, int] = {}
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
-            scatter: bool = False):
+            scatter: bool = False, ablate: int = 0):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
@@ -298,9 +309,10 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
 
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, num_warps=cfg.warps,
-                  num_stages=cfg.stages)
-    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter)
+                  HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
+                  num_warps=cfg.warps, num_stages=cfg.stages)
+    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
+           ablate)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, grid=(1,), **consts)
         compiled._init_handles()
