@@ -121,6 +121,23 @@ def test_integer_matmul_stays_unfused(world2):
     torch.testing.assert_close(out, a @ w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_fp8_and_integer_matmuls_are_left_unfused_with_the_reason(dtype):
+    """fp8 (which CPUs cannot multiply, so the guard is checked on a traced node) and int8."""
+    import torch.fx as fx
+
+    from commfuse.config import Settings
+    from commfuse.patterns.common import Skip, check_fusable
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"] = torch.empty(4096, 4096, dtype=dtype, device="meta")
+    b.meta["val"] = torch.empty(4096, 4096, dtype=dtype, device="meta")
+    mm = g.call_function(torch.ops.aten.mm.default, (a, b))
+    with pytest.raises(Skip, match=rf"dtype {dtype} is not fp16, bf16 or fp32"):
+        check_fusable(mm, a, b, None, Settings(min_mnk=0, launch_bound_bytes=0))
+
+
 def test_transposed_operands_fuse_and_match(world2):
     """A transposed view on the left (a weight-gradient-like layout) and a column-major right."""
     at, w = torch.randn(32, 64), torch.randn(48, 32)
