@@ -17,8 +17,13 @@ import commfuse
 from helpers import calls, compile_code, init_fake_pg
 
 
-def test_dynamic_token_dimension_compiles_once(world2):
-    """One graph serves every M >= 2 (Dynamo specialises M=1 on its own)."""
+@pytest.mark.parametrize("mark, sizes", [
+    ("mark_dynamic", (2, 7, 16, 100, 1000, 4096)),  # Dynamo specialises M = 1 on its own
+    ("mark_unbacked", (1, 2, 3, 100, 16384)),  # symbolic for 0 and 1 too
+])
+def test_dynamic_token_dimension_compiles_once(world2, mark, sizes):
+    """One graph serves every M, with the default size thresholds (M is unknown at compile
+    time), and equals the uncompiled function (the ops' CPU path is the unfused one)."""
     g = dist.group.WORLD
     w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
 
@@ -27,39 +32,18 @@ def test_dynamic_token_dimension_compiles_once(world2):
         return (funcol.all_reduce(F.linear(torch.relu(h), w2), "sum", g),
                 funcol.reduce_scatter_tensor(F.linear(h, w2), "sum", 0, g))
 
-    compiled = torch.compile(f, backend=commfuse.backend(min_mnk=0))
+    compiled = torch.compile(f, backend=commfuse.backend())
     counters.clear()
-    for m in (2, 7, 16, 100, 1000, 4096):
+    for m in sizes:
         x = torch.randn(m, 32)
-        torch._dynamo.mark_dynamic(x, 0)
-        ar, rs = compiled(x, w1, w2)
-        assert ar.shape == (2 * m, 32) and rs.shape == (m, 32)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert len(commfuse.report().fused) == 3  # the three patterns, compiled once
-    assert all(not isinstance(r.shape[0], int) for r in commfuse.report().fused)  # M stayed symbolic
-
-
-def test_unbacked_token_dimension_serves_m_from_1(world2):
-    """``mark_unbacked`` keeps M symbolic for 0 and 1 too: one graph for M = 1 ... 16384."""
-    g = dist.group.WORLD
-    w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
-
-    def f(x, w1, w2):
-        h = F.linear(funcol.all_gather_tensor(x, 0, g), w1)
-        return (funcol.all_reduce(F.linear(torch.relu(h), w2), "sum", g),
-                funcol.reduce_scatter_tensor(F.linear(h, w2), "sum", 0, g))
-
-    compiled = torch.compile(f, backend=commfuse.backend())  # default thresholds: M is unknown
-    counters.clear()
-    for m in (1, 2, 3, 100, 16384):
-        x = torch.randn(m, 32)
-        torch._dynamo.decorators.mark_unbacked(x, 0)
-        got, want = compiled(x, w1, w2), f(x, w1, w2)  # the ops' CPU path is the unfused one
+        getattr(torch._dynamo.decorators, mark)(x, 0)
+        got, want = compiled(x, w1, w2), f(x, w1, w2)
         for g_, w_ in zip(got, want):
             torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
         assert got[0].shape == (2 * m, 32) and got[1].shape == (m, 32)
     assert counters["stats"]["unique_graphs"] == 1
-    assert len(commfuse.report().fused) == 3
+    assert len(commfuse.report().fused) == 3  # the three patterns, compiled once
+    assert all(not isinstance(r.shape[0], int) for r in commfuse.report().fused)  # M stayed symbolic
 
 
 @pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2), (2, 1), (4, 2), (2, 4)])
