@@ -9,7 +9,6 @@ reference on fresh data with the outputs poisoned (the product, and the gathered
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import AG_MM_SHAPES, time_us
+from commfuse.bench import AG_MM_SHAPES, sweep_finish, sweep_setup, time_us
 from commfuse.kernels import fused_all_gather, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
@@ -58,10 +57,8 @@ def main() -> int:
     p.add_argument("--pushers", default="8,16,32")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    group, rank = sweep_setup()
+    world = group.size()
     gname = group.group_name
     records = []
     for shape in args.shapes.split(","):
@@ -109,11 +106,7 @@ def main() -> int:
                   f"floor~{floor:.0f}", flush=True)
             print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
             print("    errors", errs, flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.destroy_process_group()
-    return 0
+    return sweep_finish(records, args.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ fp32 reference on fresh data with the output poisoned first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import MM_AR_SHAPES, time_us
+from commfuse.bench import MM_AR_SHAPES, sweep_finish, sweep_setup, time_us
 from commfuse.kernels import fused_all_reduce, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
@@ -56,10 +55,7 @@ def main() -> int:
                    help="also time the first config with parts of the exchange removed (wrong results: "
                         "where the fused kernel's time over the GEMM goes)")
     args = p.parse_args()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    group, rank = dist.group.WORLD, dist.get_rank()
+    group, rank = sweep_setup()
     gname = group.group_name
     configs = [tiles.TileConfig.parse(c) for c in args.configs.split(",")]
     records = []
@@ -123,11 +119,7 @@ def main() -> int:
                   f"{t['unfused'] / t['commfuse_one_shot']:.2f}x one_shot) floor~{floor:.0f}", flush=True)
             print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
             print("    errors", {key: (f"{v:.1e}" if isinstance(v, float) else v) for key, v in errs.items()}, flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.destroy_process_group()
-    return 0
+    return sweep_finish(records, args.out)
 
 
 if __name__ == "__main__":

@@ -184,6 +184,24 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
                 floor_us=max(t["mm"], best_exchange), parts=t, peers=peers)
 
 
+def sweep_setup():
+    """The exploration sweeps' start under torchrun: this rank's GPU, an NCCL group, and cuBLAS
+    without reduced-precision split-K sums (they would hide or mimic the kernels' errors)."""
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    return dist.group.WORLD, dist.get_rank()
+
+
+def sweep_finish(records: list, out: str | None) -> int:
+    """Rank 0 writes the sweep's records; every rank leaves the group."""
+    if dist.get_rank() == 0 and out:
+        with open(out, "w") as f:
+            json.dump(records, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
 def bench_all_gather_mm(m, k, n, dtype, group):
     from commfuse.kernels import dispatch, exchange, symm
 
