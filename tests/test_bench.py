@@ -104,3 +104,17 @@ def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
     finally:
         matplotlib.axes.Axes.set_yticks = real
     assert sorted(labels.values()) == ["dtensor prefill (bbb)", "hooks decode_cg_b4 (bbb)"]
+
+
+def test_exploration_sweeps_parse_their_arguments():
+    """The GPU sweeps import on CPU and describe their options (they run under torchrun on GPUs)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for script, option in (("tile_sweep.py", "--ablate"), ("ag_sweep.py", "--pushers")):
+        proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--help"],
+                              capture_output=True, text=True, timeout=300, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert option in proc.stdout
