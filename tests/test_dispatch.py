@@ -321,3 +321,16 @@ def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(monkeypatch)
     finally:
         symm.release_all()
     assert symm.graph_lane("0") is None
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_fused_kernels_at_4_and_8_ranks(world, monkeypatch):
+    """The fused kernels' rules are per shape, so 4 and 8 ranks take them where 2 do (their
+    world-dependent sizes, flag slots and shares, are checked; never yet timed at 4 or 8)."""
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
+    assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, world) == "fused"
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, world) == "fused"
+    assert "split" in dispatch.fused_unsupported(2049, 4096, 7168, BF16, world, gather=True)
+    assert dispatch.gather_workspace_bytes(2048, 4096, 7168, BF16, world) == 2048 * 4096 * 2
+    assert dispatch.gather_workspace_bytes(4096, 4096, 7168, BF16, world) == 4096 // world * 4096 * 2
