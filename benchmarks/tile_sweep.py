@@ -45,12 +45,23 @@ def check(ws, m, k, n, cfg, group, bias: bool, transposed: bool) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
+def one_shot(a, b, gname) -> float:
+    """The cuBLAS + one-shot path, forced (the default takes the fused kernel for many shapes)."""
+    os.environ["COMMFUSE_ALGO"] = "one_shot"
+    try:
+        return time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+    finally:
+        del os.environ["COMMFUSE_ALGO"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=",".join(f"{m}x{k}x{n}" for m, k, n in MM_AR_SHAPES if m >= 1024))
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", default=None)
-    p.add_argument("--tickets", action="store_true", help="also time the ticket-claimed tile order")
+    p.add_argument("--static", action="store_true",
+                   help="also time the static tile order (COMMFUSE_FUSED_TICKETS=0); the ticket order, "
+                        "the default, is always timed")
     p.add_argument("--ablate", action="store_true",
                    help="also time the first config with parts of the exchange removed (wrong results: "
                         "where the fused kernel's time over the GEMM goes)")
@@ -70,7 +81,7 @@ def main() -> int:
         t = {"cublas": time_us(lambda: torch.mm(a, b)),
              "nccl_ar": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(out, "sum", group))),
              "unfused": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group))),
-             "commfuse_one_shot": time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))}
+             "commfuse_one_shot": one_shot(a, b, gname)}
         errs = {}
         for c in configs:
             mm_key = f"tile_mm {c.bm}x{c.bn}x{c.bk}s{c.stages}w{c.warps}o{c.per_sm}"
@@ -80,9 +91,9 @@ def main() -> int:
             if sm_key not in t:  # the GEMM on the fused kernel's compute programs only: its SM cost
                 t[sm_key] = time_us(lambda: tiles.matmul(a, b, None, c, out=out,
                                                          programs=c.per_sm * ws.max_programs - c.reducers))
-            for tickets in ("0", "1") if args.tickets else ("0",):
+            for tickets in ("1", "0") if args.static else ("1",):
                 os.environ["COMMFUSE_FUSED_TICKETS"] = tickets
-                name = f"{c}" + (" tickets" if tickets == "1" else "")
+                name = f"{c}" + (" static" if tickets == "0" else "")
                 try:
                     errs[name] = check(ws, m, k, n, c, group, bias=False, transposed=True)
                     t[f"fused {name}"] = time_us(lambda: fused_call(ws, a, b, None, out, c))

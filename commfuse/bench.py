@@ -285,7 +285,7 @@ def bench_mm_reduce_scatter(m, k, n, dtype, group):
     from commfuse.kernels import dispatch
 
     fusable = dispatch.fused_unsupported(m, k, n, dtype, world, scatter=True) is None
-    for algo in (None, "symm", "ce_overlap") + (("fused",) if fusable else ()):  # fused: forced only
+    for algo in (None, "symm", "ce_overlap") + (("fused",) if fusable else ()):  # each path forced
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(
                 lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, world, gname))

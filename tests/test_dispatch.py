@@ -325,12 +325,27 @@ def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(monkeypatch)
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_fused_kernels_at_4_and_8_ranks(world, monkeypatch):
-    """The fused kernels' rules are per shape, so 4 and 8 ranks take them where 2 do (their
-    world-dependent sizes, flag slots and shares, are checked; never yet timed at 4 or 8)."""
+    """The fused kernels' rules are per shape, so 4 and 8 ranks take them where 2 do; their
+    world-dependent sizes (shares, slabs, chunk flags, workspace) follow the world size (never
+    yet timed at 4 or 8 ranks)."""
+    from commfuse.kernels import fused_all_gather, fused_all_reduce
+
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
     assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, world) == "fused"
     assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, world) == "fused"
     assert "split" in dispatch.fused_unsupported(2049, 4096, 7168, BF16, world, gather=True)
+    # all-gather: every rank's rows in the workspace, one flag per 32-row chunk of every rank
     assert dispatch.gather_workspace_bytes(2048, 4096, 7168, BF16, world) == 2048 * 4096 * 2
+    assert fused_all_gather.chunk_flag_slots(2048 // world, world) == world * (2048 // world // 32)
     assert dispatch.gather_workspace_bytes(4096, 4096, 7168, BF16, world) == 4096 // world * 4096 * 2
+    # all-reduce: world slabs of the owned tiles (rounded up to whole slabs) and the result area
+    cfg = dispatch.tile_config(8192, 4096, 8192)
+    tiles = fused_all_reduce.num_tiles(8192, 8192, world, cfg)
+    slabs = world * -(-tiles // world)
+    assert fused_all_reduce.data_elems(8192, 8192, world, cfg) == (slabs + tiles) * cfg.bm * cfg.bn
+    # reduce-scatter: each rank's share of the rows tiled separately; no result area
+    per = -(-(16384 // world) // cfg.bm) * -(-7168 // cfg.bn)
+    assert fused_all_reduce.num_tiles(16384, 7168, world, cfg, scatter=True) == world * per
+    assert dispatch.scatter_workspace_bytes(16384, 4096, 7168, BF16, world) == \
+        world * per * cfg.bm * cfg.bn * 2

@@ -97,10 +97,6 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     return fused
 
 
-def _nbytes(shape, node: fx.Node):
-    return math.prod(shape) * val(node.args[0]).dtype.itemsize
-
-
 def _mm_all_reduce_bytes(node: fx.Node):
     a, b = val(node.args[0]), val(node.args[1])
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
@@ -108,7 +104,7 @@ def _mm_all_reduce_bytes(node: fx.Node):
         return None  # symbolic: the workspace grows on first use
     from ..kernels import dispatch
 
-    return dispatch.workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
+    return dispatch.all_reduce_workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
 
 
 def _all_gather_mm_bytes(node: fx.Node):

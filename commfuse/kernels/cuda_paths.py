@@ -6,8 +6,10 @@ straight into the workspace, then a Triton kernel reduces it over the peers (one
 two-shot); or, forced, cuBLAS in row chunks while the copy engines pull each finished chunk from
 the peers (``ce_overlap``). ``all_gather_mm``: the
 shard is copied into the workspace (one copy); a Triton kernel pulls every shard, then cuBLAS
-multiplies; or the local shard multiplies while the copy engines pull the others (``overlap``).
-``mm_reduce_scatter``: the same two shapes of path, pulling only this rank's share. Every rank
+multiplies; or the local shard multiplies while the copy engines pull the others (``overlap``);
+or one persistent Triton kernel multiplies the local rows while it pushes them to the peers
+(``fused``, ``fused_all_gather.py``). ``mm_reduce_scatter``: the same two shapes of path, pulling
+only this rank's share, or the fused all-reduce kernel's reduce-scatter form (``fused``). Every rank
 returns the reduced / gathered result, never its own partial. Side-stream work is joined back to
 the caller's stream before returning.
 """
@@ -201,9 +203,9 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
 
 
 def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
-                  world_size: int, group_name: str, need_gathered: bool = True
+                  world_size: int, group_name: str, return_gathered: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``need_gathered=False``: the fused kernel may skip writing the gathered tensor (None)."""
+    """``return_gathered=False``: the fused kernel may skip writing the gathered tensor (None)."""
     ErrorWord.check("all_gather_mm")
     k = shard.shape[-1]
     rows = shard.numel() // k * world_size if k else 0
@@ -215,7 +217,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     shape[gather_dim] *= world_size
     out = torch.empty((rows, b.shape[1]), dtype=shard.dtype, device=shard.device)
     if algo == "fused":  # gather_dim 0 (dispatch): the shard is a block of the gathered rows
-        gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device) if need_gathered else None
+        gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device) if return_gathered else None
         nbytes = fused_all_gather.data_elems(rows // world_size, k, world_size) * shard.element_size()
         ws = symm.workspace(group_name, nbytes, shard.device)
         launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,

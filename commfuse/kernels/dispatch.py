@@ -36,7 +36,8 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 #: ~12% of the SMs to the reducers and pays some epilogue stores, which the hidden exchange repays
 #: when the exchange is large against the GEMM (K small against M; exchange ~ M*N, GEMM ~ M*N*K)
 #: and there are enough waves of tiles. Every measured shape agrees with the rule (2xH200,
-#: benchmarks/results/h200x2/ops.json and explore/sweep4.log, fused against one-shot, us):
+#: benchmarks/results/h200x2/explore/ops_2f01995.json and sweep4.log, fused against one-shot, us;
+#: the final ops.json of de7b7b9 agrees):
 #: 8192x2048x4096 318/401, 4096x4096x8192 510/573, 8192x7168x4096 796/834 fuse;
 #: 4096x7168x4096 448/421, 4096x14336x8192 1491/1478, 8192x14336x8192 2977/2972 and every
 #: M = 1024 shape (too few waves) do not; below M = 1024 the tile GEMM itself is 2-3x slower
@@ -44,21 +45,29 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 FUSED_MIN_M = 4096
 
 
-def tile_config(m: int, k: int, n: int):
-    """The fused kernel's tiling (the same on every rank: from the shape alone);
-    ``COMMFUSE_TILE_CONFIG`` (e.g. ``128x256x64s3w8g8r16o1``) overrides."""
+def _tile_config_override():
+    """``COMMFUSE_TILE_CONFIG`` (e.g. ``128x256x64s3w8g8r16o1``): every fused kernel's tiling."""
     from .tiles import TileConfig
 
     env = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
-    return TileConfig.parse(env) if env else TileConfig()
+    return TileConfig.parse(env) if env else None
+
+
+def tile_config(m: int, k: int, n: int):
+    """The fused all-reduce / reduce-scatter kernel's tiling: the default for every shape (the
+    same on every rank); ``COMMFUSE_TILE_CONFIG`` overrides."""
+    from .tiles import TileConfig
+
+    return _tile_config_override() or TileConfig()
 
 
 #: The fused all-gather kernel (``fused_all_gather.py``) for gathered rows in this range (2xH200,
-#: 8d76355..: ``benchmarks/results/h200x2/explore/ag_sweep*``, fused against the default, us):
-#: 1024^3 21 / 22, 2048^3 48 / 53, 2048x4096x7168 192 / 201 fuse; from 4096 rows the
-#: copy-engine overlap wins (4096^3 243 / 207, 4096x8192x5120 544 / 488, 16384x4096x7168
-#: 1471 / 1344): the tile GEMM there gives up more to the pushers and the shard copy than the
-#: side-stream pull costs. Below 1024 rows it is not measured.
+#: de7b7b9 ``benchmarks/results/h200x2/ops.json``, fused against the path it replaced, us):
+#: 1024^3 21 / 22 (symm), 2048^3 49 / 53 (symm), 2048x4096x7168 196 / 199 (copy-engine overlap)
+#: fuse; from 4096 rows the overlap stays ahead (4096^3 216 / 210, 4096x8192x5120 494 / 490,
+#: 16384x4096x7168 1399 / 1350; ``explore/ag_sweep3_315f2b7.json`` has 212 / 207, 484 / 477):
+#: the kernel's shard copy into the workspace and its tile GEMM cost more there than the
+#: side-stream pull. Below 1024 rows it is not measured.
 FUSED_AG_ROWS = (1024, 2048)
 
 
@@ -77,10 +86,9 @@ def gather_tile_config(rows: int, k: int, n: int):
     overrides."""
     from .tiles import TileConfig
 
-    env = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
-    if env:
-        return TileConfig.parse(env)
-    return TileConfig(bm=128, bn=128, stages=4, reducers=0) if rows * n <= 2048 * 2048 else TileConfig(reducers=0)
+    if rows * n <= 2048 * 2048:
+        return _tile_config_override() or TileConfig(bm=128, bn=128, stages=4, reducers=0)
+    return _tile_config_override() or TileConfig(reducers=0)
 
 
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
@@ -107,7 +115,7 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
     if gather:
         if cfg.bm % fused_all_gather.CHUNK_ROWS:
             return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
-        if fused_all_gather.flag_slots(m // world, world) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
+        if fused_all_gather.chunk_flag_slots(m // world, world) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
             return "more row chunks than the workspace has tile flags"
         if fused_all_gather.data_elems(m // world, k, world) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
             return "the workspace would be too large"
@@ -125,7 +133,7 @@ def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> 
     return m >= FUSED_MIN_M and k <= m and fused_unsupported(m, k, n, dtype, world) is None
 
 
-def workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
+def all_reduce_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
     """Per-parity symmetric bytes an ``mm_all_reduce`` call of this shape uses."""
     if fused_by_default(m, k, n, dtype, world):
         from . import fused_all_reduce
@@ -138,9 +146,12 @@ def gather_workspace_bytes(rows: int, k: int, n: int, dtype: torch.dtype, world:
                            gather_dim: int = 0) -> int:
     """Per-parity symmetric bytes an ``all_gather_mm`` call uses (``rows`` gathered): all the
     rows for the fused kernel, else this rank's shard."""
+    from . import fused_all_gather
+
+    shard = rows // max(world, 1)
     if all_gather_mm(rows, k, n, dtype, world, gather_dim) == "fused":
-        return rows * k * dtype.itemsize
-    return rows // max(world, 1) * k * dtype.itemsize
+        return fused_all_gather.data_elems(shard, k, world) * dtype.itemsize
+    return shard * k * dtype.itemsize
 
 
 def scatter_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int,
@@ -270,16 +281,19 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
     if capturing():
         return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
-    why = ("scatter along a dimension other than the rows" if scatter_dim != 0 else
-           fused_unsupported(m, k, n, dtype, world, scatter=True))
+
+    def why():
+        return ("scatter along a dimension other than the rows" if scatter_dim != 0 else
+                fused_unsupported(m, k, n, dtype, world, scatter=True))
+
     if forced == "fused":  # the tile kernel's reduce-scatter form
-        forced = _forced_fused("mm_reduce_scatter", why,
+        forced = _forced_fused("mm_reduce_scatter", why(),
                                "symm" if _symmetric_possible(m * n * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
-    if m >= FUSED_RS_MIN_M and why is None:
+    if m >= FUSED_RS_MIN_M and why() is None:
         return "fused"
     if scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "ce_overlap"

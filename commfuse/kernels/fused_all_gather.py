@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import ErrorWord, OP_ALL_GATHER_MM, iris, now, require_iris, timeout_ns, wait_or_record
+from .sync import ErrorWord, FUSED_AG_OP, iris, now, require_iris, timeout_ns, wait_or_record
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 #: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
@@ -160,11 +160,12 @@ def data_elems(rows: int, k: int, world: int) -> int:
     return world * rows * k
 
 
-def flag_slots(rows: int, world: int) -> int:
+def chunk_flag_slots(rows: int, world: int) -> int:
+    """Tile-flag slots a call uses: one per pushed chunk of every rank's ``rows``."""
     return world * triton.cdiv(rows, CHUNK_ROWS)
 
 
-#: (config, dtype, world, weight layout, bias, device) -> programs per SM
+#: (config, dtype, world, weight layout, bias, device, push width, gathered) -> programs per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -181,7 +182,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     world = ws.world
     if cfg.bm % CHUNK_ROWS:
         raise RuntimeError(f"commfuse: tile height {cfg.bm} is not a multiple of {CHUNK_ROWS}")
-    if flag_slots(rows, world) > ws.tile_flags.numel():
+    if chunk_flag_slots(rows, world) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many row chunks for the workspace's tile flags")
     gathered_rows = [ws.data(p, (world * rows, k), shard.dtype) for p in (0, 1)]
     g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
@@ -196,7 +197,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                 sbm, sbn, ws.tile_flags, ws.heap_bases, epoch, ws.rank, ErrorWord.get(),
                 timeout_ns(), ws.ticket, ticket_base)
 
-    consts = dict(OP=OP_ALL_GATHER_MM, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+    consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, GATHER=gathered is not None, num_warps=cfg.warps,
                   num_stages=cfg.stages)

@@ -273,13 +273,13 @@ def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool 
 
 def tickets() -> bool:
     """Compute programs claim tile positions in order from an atomic ticket (the default: as fast
-    or faster than a static stride on 2xH200, 8d76355 ``sweep_tickets.json``, and no wait
+    or faster than a static stride on 2xH200, ``explore/sweep_tickets_8d76355.json``, and no wait
     depends on a program that has not started); ``COMMFUSE_FUSED_TICKETS=0`` restores the static
     stride, which needs every compute program resident."""
     return os.environ.get("COMMFUSE_FUSED_TICKETS", "1") != "0"
 
 
-#: (config, dtype, world, weight layout, bias, device, tickets, scatter) -> programs per SM
+#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate) -> programs per SM
 _resident: dict[tuple, int] = {}
 
 

@@ -119,7 +119,7 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
 
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     out, gathered = cuda_paths.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name,
-                                             need_gathered=return_gathered)
+                                             return_gathered=return_gathered)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 

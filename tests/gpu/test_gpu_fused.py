@@ -120,8 +120,8 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     dist.barrier()
     if dist.get_rank() == 0:
         out = call()
-        name = rf"{op} \(fused tile kernel\)" if op != "all_gather_mm" else op
-        with pytest.raises(RuntimeError, match=rf"{name}: rank 0 timed out after 1 s waiting for rank 1"):
+        with pytest.raises(RuntimeError, match=rf"{op} \(fused tile kernel\): rank 0 timed out after 1 s "
+                           "waiting for rank 1"):
             check_errors()
         assert torch.isnan(out).all()
     dist.barrier()
@@ -184,6 +184,7 @@ def test_fused_all_gather_mixed_with_the_other_fused_kernels(nccl, monkeypatch):
     """Back-to-back fused all-gathers, all-reduces and reduce-scatters share one workspace
     (parities, epochs, tile flags, the ticket): each result is checked."""
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    before = cuda_paths.PATHS.copy()
     gen = torch.Generator().manual_seed(4)  # the same sequence on every rank
     torch.manual_seed(31 + dist.get_rank())
     w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
@@ -205,5 +206,7 @@ def test_fused_all_gather_mixed_with_the_other_fused_kernels(nccl, monkeypatch):
             want = _reference(a, w, None).chunk(2)[dist.get_rank()]
         check_errors()
         assert relerr(out, want) < 1e-2, f"call {i}: op {op}, M={m}"
+    used = cuda_paths.PATHS - before
+    assert used == {"all_gather_mm:fused": 20, "mm_all_reduce:fused": 20, "mm_reduce_scatter:fused": 20}
     for ws in symm._workspaces.values():
         assert int(ws.ticket.item()) == ws.ticket_base
