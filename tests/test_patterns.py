@@ -330,6 +330,19 @@ def test_workspace_plan_sizes_for_the_fused_kernel(world2, monkeypatch):
     assert symm._planned == {dist.group.WORLD.group_name: slabs}
 
 
+def test_workspace_plan_follows_a_forced_fused_path(world2, monkeypatch):
+    """``COMMFUSE_ALGO=fused`` sends a small call to the fused kernel too: planned for its slabs."""
+    from commfuse.kernels import dispatch, fused_all_reduce, symm
+
+    monkeypatch.setattr(symm, "_planned", {})
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    x, w = torch.randn(256, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    assert not dispatch.fused_by_default(256, 16, 64, torch.bfloat16, 2)
+    compile_code(lambda x, w: _ar(x @ w), x, w)
+    slabs = fused_all_reduce.data_elems(256, 64, 2, dispatch.tile_config(256, 16, 64)) * 2
+    assert symm._planned == {dist.group.WORLD.group_name: slabs}
+
+
 def test_workspace_plan_sizes_for_the_fused_all_gather(world2, monkeypatch):
     """The fused all-gather keeps every rank's rows in the workspace, not only this rank's."""
     from commfuse.kernels import dispatch, symm

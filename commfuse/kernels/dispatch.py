@@ -134,8 +134,9 @@ def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> 
 
 
 def all_reduce_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
-    """Per-parity symmetric bytes an ``mm_all_reduce`` call of this shape uses."""
-    if fused_by_default(m, k, n, dtype, world):
+    """Per-parity symmetric bytes an ``mm_all_reduce`` call of this shape uses (as the call's
+    dispatch decides, ``COMMFUSE_ALGO`` included)."""
+    if mm_all_reduce(m, k, n, dtype, world) == "fused":
         from . import fused_all_reduce
 
         return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n)) * dtype.itemsize
