@@ -194,7 +194,7 @@ def test_cuda_graph_capture_takes_the_graph_lane_or_nccl(monkeypatch, caplog):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(dispatch, "_warned_capture", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     monkeypatch.setenv("COMMFUSE_GRAPH_BYTES", str(1 << 20))
     assert dispatch.mm_all_reduce(64, 4096, 8192, BF16, 2) == "graph"  # exactly 1 MiB
     assert dispatch.mm_all_reduce(64, 4096, 8192, BF16, 1) == "nccl"

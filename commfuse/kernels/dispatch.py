@@ -166,15 +166,29 @@ def scatter_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: i
     return m * n * dtype.itemsize
 
 
+def _warn_once(op: str, key: str, message: str, *args) -> None:
+    """Log ``message`` the first time (op, key) comes up: the dispatch runs on every call."""
+    if (op, key) not in _warned:
+        _warned.add((op, key))
+        log.warning(message, op, *args)
+
+
+def _fused_along_rows(what: str, dim: int, m: int, k: int, n: int, dtype: torch.dtype, world: int
+                      ) -> str | None:
+    """``fused_unsupported`` for the kernels that split the rows (``what``: "gather" or
+    "scatter"): a collective along another dimension is not theirs either."""
+    if dim != 0:
+        return f"a {what} along a dimension other than the rows"
+    return fused_unsupported(m, k, n, dtype, world, **{what: True})
+
+
 def _forced_fused(op: str, why: str | None, instead: str) -> str:
     """``COMMFUSE_ALGO=fused``: the tile kernel, or where it cannot take the call, ``instead``
     (logged once per op and reason)."""
     if why is None:
         return "fused"
-    if (op, "fused: " + why) not in _warned_capture:
-        _warned_capture.add((op, "fused: " + why))
-        log.warning("commfuse.%s: COMMFUSE_ALGO=fused cannot take this call (%s); running %s instead",
-                    op, why, instead)
+    _warn_once(op, "fused: " + why, "commfuse.%s: COMMFUSE_ALGO=fused cannot take this call (%s); "
+               "running %s instead", why, instead)
     return instead
 
 
@@ -185,13 +199,11 @@ def capturing() -> bool:
 def nccl_fallback(op: str, why: str) -> str:
     """Inside CUDA-graph capture the host-epoch paths are unsafe (a replay would not advance their
     epochs), so a call there takes NCCL, which captures correctly; logged once per op and reason."""
-    if (op, why) not in _warned_capture:
-        _warned_capture.add((op, why))
-        log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, why)
+    _warn_once(op, why, "commfuse.%s: this call runs the unfused NCCL path (%s)", why)
     return "nccl"
 
 
-_warned_capture: set[tuple[str, str]] = set()
+_warned: set[tuple[str, str]] = set()
 
 
 def _forced(valid: tuple[str, ...]) -> str | None:
@@ -262,16 +274,15 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
         return nccl_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(ALL_GATHER_MM_ALGOS)
     if forced == "fused":  # the tile kernel (fused_all_gather.py)
-        why = ("a gather along a dimension other than the rows" if gather_dim != 0 else
-               fused_unsupported(rows, k, n, dtype, world, gather=True))
+        why = _fused_along_rows("gather", gather_dim, rows, k, n, dtype, world)
         forced = _forced_fused("all_gather_mm", why,
                                "symm" if _symmetric_possible(rows * k * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(rows * k * dtype.itemsize, world) or n >= AG_GEMM_BOUND_N:
         return "nccl"
-    if (gather_dim == 0 and FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
-            and fused_unsupported(rows, k, n, dtype, world, gather=True) is None):
+    if (FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
+            and _fused_along_rows("gather", gather_dim, rows, k, n, dtype, world) is None):
         return "fused"
     if gather_dim == 0 and (rows // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "overlap"
@@ -282,19 +293,15 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
     if capturing():
         return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
-
-    def why():
-        return ("scatter along a dimension other than the rows" if scatter_dim != 0 else
-                fused_unsupported(m, k, n, dtype, world, scatter=True))
-
     if forced == "fused":  # the tile kernel's reduce-scatter form
-        forced = _forced_fused("mm_reduce_scatter", why(),
+        forced = _forced_fused("mm_reduce_scatter",
+                               _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world),
                                "symm" if _symmetric_possible(m * n * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
-    if m >= FUSED_RS_MIN_M and why() is None:
+    if m >= FUSED_RS_MIN_M and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None:
         return "fused"
     if scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "ce_overlap"

@@ -186,8 +186,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         raise RuntimeError("commfuse: too many row chunks for the workspace's tile flags")
     gathered_rows = [ws.data(p, (world * rows, k), shard.dtype) for p in (0, 1)]
     g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
-    g_descs = [g0_desc, tiles.TensorDescriptor(gathered_rows[1], [world * rows, k], [k, 1],
-                                               [cfg.bm, cfg.bk])]
+    g_descs = [g0_desc, tiles.rows_descriptor(gathered_rows[1], [cfg.bm, cfg.bk])]
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
     push_k = min(256, triton.next_power_of_2(k))
 

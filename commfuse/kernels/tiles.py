@@ -140,6 +140,11 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and (_row_stride(t) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
+def rows_descriptor(a: torch.Tensor, block: list[int]):
+    """A TMA descriptor over a TMA-ready [rows, cols] operand (``_tma_ready``), ``block`` tiles."""
+    return TensorDescriptor(a, list(a.shape), [_row_stride(a), 1], block)
+
+
 def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     """TMA descriptors of ``a`` [M, K] and ``b`` [K, N] for ``cfg``'s tiles, and whether the
     descriptor of ``b`` is over its transpose. TMA needs unit inner strides, 16-byte aligned rows
@@ -147,13 +152,13 @@ def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     copied once into a fresh dense tensor."""
     if not _tma_ready(a):
         a = a.clone(memory_format=torch.contiguous_format)
-    a_desc = TensorDescriptor(a, list(a.shape), [_row_stride(a), 1], [cfg.bm, cfg.bk])
+    a_desc = rows_descriptor(a, [cfg.bm, cfg.bk])
     bt = b.t()
     if _tma_ready(bt):  # a linear layer's weight, used transposed: no copy
-        return a_desc, TensorDescriptor(bt, list(bt.shape), [_row_stride(bt), 1], [cfg.bn, cfg.bk]), True
+        return a_desc, rows_descriptor(bt, [cfg.bn, cfg.bk]), True
     if not _tma_ready(b):
         b = b.clone(memory_format=torch.contiguous_format)
-    return a_desc, TensorDescriptor(b, list(b.shape), [_row_stride(b), 1], [cfg.bk, cfg.bn]), False
+    return a_desc, rows_descriptor(b, [cfg.bk, cfg.bn]), False
 
 
 def bias_strides(bias: torch.Tensor | None, m: int, n: int):
