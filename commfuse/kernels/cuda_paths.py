@@ -1,7 +1,8 @@
 """CUDA implementations of the ops through a symmetric workspace (``dispatch.py`` picks the path).
 
 ``mm_all_reduce``: one persistent Triton kernel that multiplies tiles and reduces finished ones
-while later ones multiply (``fused``, ``fused_all_reduce.py``); or cuBLAS writes the partial
+while later ones multiply (``fused``, ``fused_all_reduce.py``); for few rows a split-K GEMM that
+pushes each tile's sum as it completes (``split_k``, ``fused_split_k.py``); or cuBLAS writes the partial
 straight into the workspace, then a Triton kernel reduces it over the peers (one-shot or
 two-shot); or, forced, cuBLAS in row chunks while the copy engines pull each finished chunk from
 the peers (``ce_overlap``). ``all_gather_mm``: the
@@ -23,7 +24,7 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import dispatch, exchange, fused_all_gather, fused_all_reduce, reference, symm
+from . import dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k, reference, symm
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -84,6 +85,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     if algo == "fused":
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         return _fused(a, b, bias, out, group_name, group.size(), "mm_all_reduce", scatter=False)
+    if algo == "split_k":
+        return _split_k(a, b, bias, group_name, group.size())
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
@@ -112,6 +115,20 @@ def _fused(a, b, bias, out, group_name: str, world: int, op: str, scatter: bool)
     ws = symm.workspace(group_name, nbytes, a.device)
     launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, n), cfg, scatter)  # before the epoch
     with _exchange(ws, op) as (epoch, parity):
+        launch(epoch, parity)
+    return out
+
+
+def _split_k(a, b, bias, group_name: str, world: int) -> torch.Tensor:
+    """Few rows: the split-K GEMM that pushes each tile's sum as it completes
+    (``fused_split_k.py``), one kernel."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    cfg = dispatch.split_k_config(m, k, n, dispatch.sm_count())
+    ws = symm.workspace(group_name, fused_split_k.data_bytes(m, n, world, cfg, a.dtype), a.device)
+    cfg = dispatch.split_k_config(m, k, n, ws.max_programs)  # the group's; never needs more bytes
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    launch = fused_split_k.prepare(ws, a, b, bias, out, cfg)  # before the epoch
+    with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         launch(epoch, parity)
     return out
 

@@ -15,7 +15,8 @@ import torch
 from ..report import log
 from . import symm
 
-MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused")
+MM_ALL_REDUCE_ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused",
+                       "split_k")
 ALL_GATHER_MM_ALGOS = ("nccl", "symm", "overlap", "fused")
 MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap", "fused")
 
@@ -115,16 +116,41 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
     if gather:
         if cfg.bm % fused_all_gather.CHUNK_ROWS:
             return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
-        if fused_all_gather.chunk_flag_slots(m // world, world) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
+        if fused_all_gather.chunk_flag_slots(m // world, world) > symm.TILE_FLAG_SLOTS:
             return "more row chunks than the workspace has tile flags"
         if fused_all_gather.data_elems(m // world, k, world) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
             return "the workspace would be too large"
         return None
-    if fused_all_reduce.tile_flag_slots(m, n, world, cfg, scatter) > (symm.TILE_FLAG_BYTES - symm.TICKET_BYTES) // 4:
+    if fused_all_reduce.tile_flag_slots(m, n, world, cfg, scatter) > symm.TILE_FLAG_SLOTS:
         return "more tiles than the workspace has tile flags"
     if fused_all_reduce.data_elems(m, n, world, cfg, scatter) * dtype.itemsize > 2 * SYMM_MAX_BYTES:
         return "the workspace would be too large"
     return None
+
+
+def split_k_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> str | None:
+    """Why the split-K kernel (``fused_split_k.py``) cannot take this call, or None."""
+    from . import fused_split_k
+
+    return fused_unsupported(m, k, n, dtype, world) or fused_split_k.unsupported(
+        m, k, n, dtype, world, symm.COUNTER_BYTES // 4, symm.TILE_FLAG_SLOTS)
+
+
+def split_k_config(m: int, k: int, n: int, programs: int):
+    """The split-K kernel's tiling for a group whose smallest GPU has ``programs`` SMs;
+    ``COMMFUSE_SPLIT_K`` forces the number of K slices (sweeps)."""
+    from . import fused_split_k
+
+    env = os.environ.get("COMMFUSE_SPLIT_K", "").strip()
+    return fused_split_k.config(m, k, n, programs, int(env) if env else None)
+
+
+def sm_count() -> int:
+    """This GPU's SM count (132 without CUDA): what a workspace plan assumes before the group's
+    agreed count is known (an allocation takes the group's smallest; fewer SMs never need more)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
 
 
 def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
@@ -136,10 +162,15 @@ def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> 
 def all_reduce_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
     """Per-parity symmetric bytes an ``mm_all_reduce`` call of this shape uses (as the call's
     dispatch decides, ``COMMFUSE_ALGO`` included)."""
-    if mm_all_reduce(m, k, n, dtype, world) == "fused":
+    algo = mm_all_reduce(m, k, n, dtype, world)
+    if algo == "fused":
         from . import fused_all_reduce
 
         return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n)) * dtype.itemsize
+    if algo == "split_k":
+        from . import fused_split_k
+
+        return fused_split_k.data_bytes(m, n, world, split_k_config(m, k, n, sm_count()), dtype)
     return m * n * dtype.itemsize
 
 
@@ -182,12 +213,12 @@ def _fused_along_rows(what: str, dim: int, m: int, k: int, n: int, dtype: torch.
     return fused_unsupported(m, k, n, dtype, world, **{what: True})
 
 
-def _forced_fused(op: str, why: str | None, instead: str) -> str:
-    """``COMMFUSE_ALGO=fused``: the tile kernel, or where it cannot take the call, ``instead``
-    (logged once per op and reason)."""
+def _forced_fused(op: str, why: str | None, instead: str, algo: str = "fused") -> str:
+    """``COMMFUSE_ALGO=fused`` (or ``split_k``): that tile kernel, or where it cannot take the
+    call, ``instead`` (logged once per op and reason)."""
     if why is None:
-        return "fused"
-    _warn_once(op, "fused: " + why, "commfuse.%s: COMMFUSE_ALGO=fused cannot take this call (%s); "
+        return algo
+    _warn_once(op, f"{algo}: {why}", f"commfuse.%s: COMMFUSE_ALGO={algo} cannot take this call (%s); "
                "running %s instead", why, instead)
     return instead
 
@@ -230,9 +261,11 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
                f"{nbytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES")
         return nccl_fallback("mm_all_reduce", f"in a CUDA-graph capture: {why}")
     forced = _forced(MM_ALL_REDUCE_ALGOS)
-    if forced == "fused":
-        forced = _forced_fused("mm_all_reduce", fused_unsupported(m, k, n, dtype, world),
-                               "one_shot" if _symmetric_possible(nbytes, world) else "nccl")
+    if forced in ("fused", "split_k"):
+        why = (fused_unsupported(m, k, n, dtype, world) if forced == "fused"
+               else split_k_unsupported(m, k, n, dtype, world))
+        forced = _forced_fused("mm_all_reduce", why, "one_shot" if _symmetric_possible(nbytes, world) else "nccl",
+                               forced)
     if forced:
         return forced
     if not _symmetric_possible(nbytes, world):

@@ -37,10 +37,14 @@ import torch.distributed as dist
 from ..report import log
 
 FLAG_BYTES = 64 * 1024
-#: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile), and
-#: at their end the fused kernel's tile ticket (an int64 that only grows).
+#: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile), then
+#: the split-K kernel's per-tile arrival counters (each back at 0 when a call ends), and at the end
+#: the fused kernels' tile ticket (an int64 that only grows).
 TILE_FLAG_BYTES = 1024 * 1024
 TICKET_BYTES = 64
+COUNTER_BYTES = 32 * 1024
+#: Epoch flag slots (int32) the fused kernels may use.
+TILE_FLAG_SLOTS = (TILE_FLAG_BYTES - COUNTER_BYTES - TICKET_BYTES) // 4
 HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
 #: The last bytes of each header hold the heap-bases table (int64 per rank): up to 128 ranks.
 BASES_BYTES = 1024
@@ -81,7 +85,14 @@ class Workspace:
 
     @property
     def tile_flags(self) -> torch.Tensor:
-        return self.buffer[FLAG_BYTES:HEADER_BYTES - TICKET_BYTES].view(torch.int32)
+        return self.buffer[FLAG_BYTES:FLAG_BYTES + 4 * TILE_FLAG_SLOTS].view(torch.int32)
+
+    @property
+    def tile_counters(self) -> torch.Tensor:
+        """int32, this rank's only: the split-K kernel's arrivals per tile; zero between calls (the
+        last arrival of a tile resets its counter), and zero from the allocation's header."""
+        end = HEADER_BYTES - TICKET_BYTES
+        return self.buffer[end - COUNTER_BYTES:end].view(torch.int32)
 
     @property
     def ticket(self) -> torch.Tensor:
@@ -109,6 +120,7 @@ class Workspace:
         dist.barrier(group=group)  # nobody still reads or signals old epochs
         self.flags.zero_()
         self.tile_flags.zero_()  # else old epochs near the limit satisfy every new wait at once
+        self.tile_counters.zero_()
         if self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=group)  # nobody signals before every rank zeroed its flags

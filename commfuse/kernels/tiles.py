@@ -35,8 +35,15 @@ def mma_tile(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr
              BK: tl.constexpr, B_TRANSPOSED: tl.constexpr):
     """fp32 ``A[off_m:+BM, :] @ B[:, off_n:+BN]``. ``B_TRANSPOSED``: the descriptor is over B's
     transpose ``[N, K]`` (a linear layer's weight), loaded as [BN, BK] tiles."""
+    return mma_range(a_desc, b_desc, off_m, off_n, 0, tl.cdiv(K, BK), BM, BN, BK, B_TRANSPOSED)
+
+
+@triton.jit
+def mma_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, B_TRANSPOSED: tl.constexpr):
+    """``mma_tile`` over the K blocks ``k_lo`` to ``k_hi`` (exclusive) only: one split-K slice."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
+    for k in range(k_lo, k_hi):
         a = a_desc.load([off_m, k * BK])
         if B_TRANSPOSED:
             b = b_desc.load([off_n, k * BK]).T

@@ -1,0 +1,109 @@
+"""Exploration for the few-rows path of mm_all_reduce (``fused_split_k.py``, issue 4 item 2), run
+under torchrun on 2 GPUs: per shape, cuBLAS alone, NCCL alone and unfused, commfuse's current
+default and forced one-shot, and the split-K kernel per number of K slices, each checked first
+against an fp32 reference on fresh data with the output poisoned (bias and a row-major weight on
+the first shape too).
+
+    torchrun --nproc_per_node=2 benchmarks/split_k_sweep.py [--shapes MxKxN,...] [--splits 0,1,2,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfuse  # noqa: F401
+from commfuse.bench import _forced, sweep_finish, sweep_setup, time_us
+from commfuse.kernels import fused_split_k, symm
+from commfuse.kernels.sync import ErrorWord
+
+SHAPES = [(m, k, n) for m in (1, 4, 16, 32, 64, 128, 256) for k, n in ((2048, 4096), (7168, 4096))] + [
+    (m, k, n) for m in (16, 128) for k, n in ((14336, 8192), (4096, 8192))] + [
+    (512, 2048, 4096), (1024, 2048, 4096), (1024, 4096, 8192)]
+
+
+def call(ws, a, b, bias, out, cfg):
+    fused_split_k.prepare(ws, a, b, bias, out, cfg)(*ws.next_epoch())
+
+
+def check(ws, m, k, n, cfg, group, bias: bool, transposed: bool) -> float:
+    """Relative error against the fp32 sum of every rank's a @ b + bias, output poisoned first."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = w.t() if transposed else w.t().contiguous()
+    bb = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = a.float() @ b.float() + (bb.float() if bias else 0)
+    dist.all_reduce(ref, group=group)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    call(ws, a, b, bb, out, cfg)
+    torch.cuda.synchronize()
+    ErrorWord.check("split_k_sweep")
+    same = out.clone()
+    dist.broadcast(same, 0, group=group)
+    if not torch.equal(same, out):
+        return float("inf")  # ranks must write the same bits
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default=",".join(f"{m}x{k}x{n}" for m, k, n in SHAPES))
+    p.add_argument("--splits", default="0,1,2,4,8,16", help="K slices; 0: the kernel's own choice")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    group, rank = sweep_setup()
+    gname = group.group_name
+    ws = symm.workspace(gname, 64 << 20, torch.device("cuda", torch.cuda.current_device()))
+    records = []
+    first = True
+    for shape in args.shapes.split(","):
+        m, k, n = (int(x) for x in shape.split("x"))
+        torch.manual_seed(1234 + rank)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        t = {"cublas": time_us(lambda: torch.mm(a, b)),
+             "nccl_ar": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(out, "sum", group))),
+             "unfused": time_us(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)))}
+        for algo in (None, "one_shot"):
+            with _forced(algo):
+                t[f"commfuse_{algo or 'default'}"] = time_us(
+                    lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
+        errs = {}
+        auto = fused_split_k.config(m, k, n, ws.max_programs)
+        for split in (int(s) for s in args.splits.split(",")):
+            cfg = auto if split == 0 else fused_split_k.config(m, k, n, ws.max_programs, split)
+            if split and split * 2 > -(-k // cfg.tile.bk):
+                continue
+            name = f"auto={cfg}" if split == 0 else str(cfg)
+            try:
+                errs[name] = check(ws, m, k, n, cfg, group, bias=False, transposed=True)
+                t[f"split_k {name}"] = time_us(lambda: call(ws, a, b, None, out, cfg))
+            except Exception as exc:
+                errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.synchronize()
+        if first:
+            errs["bias+rowmajor"] = check(ws, m, k, n, auto, group, bias=True, transposed=False)
+            first = False
+        dist.barrier()
+        best = min((v, key) for key, v in t.items() if key.startswith("split_k"))
+        floor = max(t["cublas"], min(t["nccl_ar"], t["commfuse_one_shot"] - t["cublas"]))
+        records.append(dict(M=m, K=k, N=n, times=t, errors=errs, best=best[1], floor_us=floor))
+        if rank == 0:
+            print(f"{m}x{k}x{n}: cublas {t['cublas']:.1f} unfused {t['unfused']:.1f} one_shot "
+                  f"{t['commfuse_one_shot']:.1f} split_k {best[0]:.1f} [{best[1]}] auto "
+                  f"{t.get('split_k auto=' + str(auto), float('nan')):.1f} floor~{floor:.1f} | "
+                  f"{t['unfused'] / best[0]:.2f}x unfused, {t['commfuse_one_shot'] / best[0]:.2f}x one_shot, "
+                  f"{best[0] / floor:.2f} of floor", flush=True)
+            print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
+            print("    errors", {key: (f"{v:.1e}" if isinstance(v, float) else v) for key, v in errs.items()},
+                  flush=True)
+    return sweep_finish(records, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""``mm_all_reduce`` for few rows (decode, small batches) in one kernel: a split-K GEMM whose
+last K slice of each tile sums the tile's slices, pushes the sum to every peer and raises one
+flag per peer; each rank then adds the ranks' sums of the tile in rank order. No grid-wide
+barrier, no second kernel, no pull: what is left after the GEMM is one push and one flag.
+
+With few rows the GEMM streams the weight and the output is small, so the exchange costs
+latency, not bandwidth; a tile-per-program GEMM has too few tiles to stream at full speed (2-3x
+slower than cuBLAS below 1024 rows), hence the split of K into ``SPLIT`` slices: unit u is
+(tile u // SPLIT, slice u % SPLIT). A unit stores its fp32 slice into this rank's workspace and
+counts itself in the tile's arrival counter (local, gpu scope); the unit that arrives last adds
+the ``SPLIT`` slices in slice order (the same rounding whichever unit is last), adds the bias,
+rounds to the output dtype as the unfused partial is rounded, stores that sum into slot [rank,
+tile] of every rank's workspace and releases flag [tile, rank] on every peer. The tile's output
+is written after the program's next unit (the peers' pushes had that long to land): wait for
+the peers' flags (bounded, ``sync.wait_or_record``), add slots [0..world-1, tile] in rank order,
+so every rank writes the same bits.
+
+Units are claimed in order from the workspace's ticket by running programs, so no wait depends
+on a program that has not started: a program waits only for a tile whose units it has all
+claimed, and so (claims being in the same order on every rank) has every rank that waits for
+it; a claimed unit pushes before its program waits. Parity halves alternate between calls
+as in ``fused_all_reduce.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from . import tiles
+from .sync import ErrorWord, FUSED_SPLIT_K_OP, iris, now, require_iris, timeout_ns, wait_or_record
+from .tiles import claim, mma_range, tile_epilogue
+
+
+@triton.jit
+def _block(area, index, BM: tl.constexpr, BN: tl.constexpr):
+    """Pointers to dense [BM, BN] block ``index`` of a workspace area."""
+    return area + index.to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+
+
+@triton.jit
+def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
+            OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Wait for the peers' sums of ``tile`` and write its output: NaN if a peer came late."""
+    if late == 0:
+        start = now()
+        for k in tl.static_range(1, WORLD):
+            peer = (rank + k) % WORLD
+            if late == 0:
+                late = wait_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err, OP,
+                                      rank, peer)
+        tl.debug_barrier()
+    acc = tl.zeros((BM, BN), tl.float32)
+    for p in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
+        acc += tl.load(_block(sums, p * num_tiles + tile, BM, BN), cache_modifier=".cg").to(tl.float32)
+    if late != 0:
+        acc = tl.full((BM, BN), float("nan"), tl.float32)
+    rows = (tile // num_n) * BM + tl.arange(0, BM)
+    cols = (tile % num_n) * BN + tl.arange(0, BN)
+    tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+    return late
+
+
+@triton.jit(do_not_specialize=["epoch", "ticket_base"])
+def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts, sums, out, M, N, K, stride_bm,
+                              stride_bn, flags, counters, heap_bases, epoch, rank, err, timeout,
+                              ticket, ticket_base, OP: tl.constexpr, WORLD: tl.constexpr,
+                              SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+                              HAS_BIAS: tl.constexpr):
+    """The module docstring. ``parts``: fp32 [tiles, SPLIT] blocks (local only); ``sums``: the
+    output dtype's [WORLD, tiles] blocks, written by every rank."""
+    num_n = tl.cdiv(N, BN)
+    num_tiles = tl.cdiv(M, BM) * num_n
+    k_blocks = tl.cdiv(K, BK)
+    per = tl.cdiv(k_blocks, SPLIT)
+    late = tl.program_id(0) * 0  # after one late wait the program waits no more (NaN outputs)
+    pending = late - 1  # a tile this program pushed, whose output it writes after its next unit
+    u = claim(ticket, ticket_base)
+    while u < num_tiles * SPLIT:
+        tile = u // SPLIT
+        s = u % SPLIT
+        off_m = (tile // num_n) * BM
+        off_n = (tile % num_n) * BN
+        acc = mma_range(a_desc, b_desc, off_m, off_n, s * per, tl.minimum(s * per + per, k_blocks),
+                        BM, BN, BK, B_TRANSPOSED)
+        last = True
+        if SPLIT > 1:
+            tl.store(_block(parts, tile * SPLIT + s, BM, BN), acc)
+            tl.debug_barrier()  # every thread's slice before the count below releases it
+            last = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                tl.debug_barrier()
+                acc = tl.zeros((BM, BN), tl.float32)
+                for j in range(SPLIT):  # slice order, whichever unit came last
+                    acc += tl.load(_block(parts, tile * SPLIT + j, BM, BN), cache_modifier=".cg")
+                tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")  # zero for the next call
+        if last:
+            rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, off_n, M, N, stride_bm,
+                                                  stride_bn, BM, BN, HAS_BIAS)
+            val = acc.to(out.dtype.element_ty)  # rounded as the unfused partial is
+            dst = _block(sums, rank * num_tiles + tile, BM, BN)
+            for k in tl.static_range(WORLD):
+                iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+            tl.debug_barrier()  # every thread's pushes before the releases below
+            for k in tl.static_range(1, WORLD):
+                iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, (rank + k) % WORLD,
+                                 heap_bases, sem="release", scope="sys")
+        if pending >= 0:
+            late = _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank,
+                           err, timeout, OP, WORLD, BM, BN)
+        pending = tl.where(last, tile, -1)
+        u = claim(ticket, ticket_base)
+    if pending >= 0:
+        _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
+                OP, WORLD, BM, BN)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """The tiling (``tile.bm`` rows, ``tile.bn`` columns, ``tile.bk`` per K step) and how many K
+    slices each tile is split into."""
+
+    tile: tiles.TileConfig
+    split: int
+
+    def __str__(self) -> str:
+        return f"{self.tile}k{self.split}"
+
+
+#: Rows up to which ``mm_all_reduce`` may take this kernel (one or two row blocks).
+MAX_ROWS = 256
+
+
+def config(m: int, k: int, n: int, programs: int, split: int | None = None) -> SplitConfig:
+    """Blocks of 16-128 rows (the smallest that holds ``m``, so few rows waste little), 128
+    columns, and enough K slices that the units fill ``programs`` once (one wave: with few rows
+    the tail after the GEMM is latency, which more waves would not hide), each at least two K
+    steps long. The same on every rank (shape and the group's SM count only)."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    bk = 128 if bm <= 64 else 64
+    tile = tiles.TileConfig(bm=bm, bn=128, bk=bk, stages=4, warps=4 if bm <= 64 else 8, group_m=1,
+                            reducers=0)
+    if split is None:
+        count = triton.cdiv(m, bm) * triton.cdiv(n, tile.bn)
+        split = 1
+        while split * 2 * count <= programs and split * 4 <= triton.cdiv(k, bk):
+            split *= 2
+    return SplitConfig(tile, max(1, split))
+
+
+def num_tiles(m: int, n: int, cfg: SplitConfig) -> int:
+    return triton.cdiv(m, cfg.tile.bm) * triton.cdiv(n, cfg.tile.bn)
+
+
+def data_bytes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype) -> int:
+    """Per parity: the ranks' sums (output dtype), then the fp32 slices (256-byte aligned)."""
+    block = cfg.tile.bm * cfg.tile.bn
+    sums = world * num_tiles(m, n, cfg) * block * dtype.itemsize
+    return triton.cdiv(sums, 256) * 256 + num_tiles(m, n, cfg) * cfg.split * block * 4
+
+
+def flag_slots(m: int, n: int, world: int, cfg: SplitConfig) -> int:
+    return num_tiles(m, n, cfg) * world
+
+
+def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters: int,
+                flag_limit: int) -> str | None:
+    """Why this kernel cannot take the call beyond what every tile kernel needs
+    (``dispatch.fused_unsupported``), or None."""
+    if m > MAX_ROWS:
+        return f"more than {MAX_ROWS} rows"
+    cfg = config(m, k, n, 132)
+    if num_tiles(m, n, cfg) > counters:
+        return "more tiles than the workspace has arrival counters"
+    if flag_slots(m, n, world, cfg) > flag_limit:
+        return "more tiles than the workspace has tile flags"
+    return None
+
+
+def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: SplitConfig):
+    """What can fail on one rank alone (copies, descriptors, the first compile) before the call's
+    epoch; returns ``launch(epoch, parity)``, which writes ``out = sum over the group of (a @ b +
+    bias)`` through ``ws`` (``data_bytes`` per parity)."""
+    require_iris()
+    m, k = a.shape
+    n = b.shape[1]
+    count = num_tiles(m, n, cfg)
+    if flag_slots(m, n, ws.world, cfg) > ws.tile_flags.numel() or count > ws.tile_counters.numel():
+        raise RuntimeError("commfuse: too many tiles for the workspace's tile flags or counters")
+    a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
+    full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
+    block = cfg.tile.bm * cfg.tile.bn
+    sums_elems = ws.world * count * block
+    parts_at = triton.cdiv(sums_elems * a.dtype.itemsize, 256) * 256
+    units = count * cfg.split
+    programs = max(1, min(units, ws.max_programs))
+    consts = dict(OP=FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split, BM=cfg.tile.bm,
+                  BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t, HAS_BIAS=bias is not None,
+                  num_warps=cfg.tile.warps, num_stages=cfg.tile.stages)
+
+    def launch(epoch: int, parity: int) -> None:
+        base = ws.ticket_base
+        split_k_all_reduce_kernel[(programs,)](
+            a_desc, b_desc, full_bias if full_bias is not None else out,
+            ws.data(parity, (count * cfg.split * block,), torch.float32, parts_at),
+            ws.data(parity, (sums_elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
+            ws.tile_counters, ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(),
+            ws.ticket, base, **consts)
+        ws.ticket_base = base + units + programs  # every unit claimed once, one failed claim each
+
+    return launch
