@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
 from commfuse.bench import _forced, sweep_finish, sweep_setup, time_us
-from commfuse.kernels import fused_split_k, symm
+from commfuse.kernels import fused_split_k, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
 SHAPES = [(m, k, n) for m in (1, 4, 16, 32, 64, 128, 256) for k, n in ((2048, 4096), (7168, 4096))] + [
@@ -53,6 +53,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=",".join(f"{m}x{k}x{n}" for m, k, n in SHAPES))
     p.add_argument("--splits", default="0,1,2,4,8,16", help="K slices; 0: the kernel's own choice")
+    p.add_argument("--tiles", default="", help="tilings to try besides the kernel's own "
+                   "(TileConfig strings, e.g. 64x64x128s4w4g1r0o1)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -75,8 +77,11 @@ def main() -> int:
                     lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
         errs = {}
         auto = fused_split_k.config(m, k, n, ws.max_programs)
-        for split in (int(s) for s in args.splits.split(",")):
-            cfg = auto if split == 0 else fused_split_k.config(m, k, n, ws.max_programs, split)
+        tilings = [None] + [tiles.TileConfig.parse(x) for x in args.tiles.split(",") if x]
+        variants = [(split, tile) for tile in tilings for split in (int(s) for s in args.splits.split(","))
+                    if tile is None or split]
+        for split, tile in variants:
+            cfg = auto if split == 0 else fused_split_k.config(m, k, n, ws.max_programs, split, tile)
             if split and split * 2 > -(-k // cfg.tile.bk):
                 continue
             name = f"auto={cfg}" if split == 0 else str(cfg)

@@ -139,7 +139,9 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
     if fusable:  # the fused kernel's GEMM alone, against cuBLAS's
         t["tile_mm"] = time_us(lambda: tiles.matmul(a, b, None, dispatch.tile_config(m, k, n), out=out,
                                                     programs=ws.max_programs))
-    for algo in (None, "one_shot", "two_shot") + (("graph",) if lane_fits else ()) + (("fused",) if fusable else ()):
+    few_rows = dispatch.split_k_unsupported(m, k, n, dtype, world) is None
+    for algo in ((None, "one_shot", "two_shot") + (("graph",) if lane_fits else ()) + (("fused",) if fusable else ())
+                 + (("split_k",) if few_rows else ())):
         with _forced(algo):
             t[f"commfuse_{algo or 'default'}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
     ws_partial = ws.data(1, (m, n), dtype)

@@ -16,7 +16,8 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1) == "nccl"  # nothing to exchange
     assert dispatch.mm_all_reduce(0, 4096, 8192, BF16, world) == "nccl"
-    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "one_shot"  # 256 KiB
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "split_k"  # decode: few rows
+    assert dispatch.mm_all_reduce(64, 4096, 8192, BF16, world) == "one_shot"  # 1 MiB
     mid = dispatch.mm_all_reduce(1024, 2048, 4096, BF16, world)  # 8 MiB, too few tiles to fuse
     assert mid == ("one_shot" if world == 2 else "two_shot")
     # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
@@ -213,11 +214,11 @@ def test_exchange_kernels_do_not_specialise_on_epochs_or_slots():
     """An epoch divisible by 16 would otherwise compile and load a new kernel variant mid-run."""
     from commfuse.kernels import exchange
 
-    from commfuse.kernels import fused_all_reduce
+    from commfuse.kernels import fused_all_reduce, fused_split_k
 
     for kernel in (exchange.one_shot_kernel, exchange.two_shot_kernel, exchange.pull_gather_kernel,
                    exchange.reduce_scatter_kernel, exchange.barrier_kernel,
-                   fused_all_reduce.gemm_all_reduce_kernel):
+                   fused_all_reduce.gemm_all_reduce_kernel, fused_split_k.split_k_all_reduce_kernel):
         names = [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize]
         assert "epoch" in names, kernel.fn.__name__
     assert "slot" in [exchange.barrier_kernel.arg_names[i] if isinstance(i, int) else i
@@ -299,7 +300,7 @@ def test_eager_calls_join_the_graph_lane_once_graphs_replay_it(monkeypatch):
     """A rank that re-warms its CUDA graphs (eager) while its peer replays them must use the same
     lane: once captured graphs use it, eager calls that fit it take it too (forcing still wins)."""
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 2) == "one_shot"
+    assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 2) == "split_k"
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 2, lane_bytes=1 << 22) == "graph"
     assert dispatch.mm_all_reduce(512, 4096, 8192, BF16, 2, lane_bytes=1 << 22) == "one_shot"  # 8 MiB
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1, lane_bytes=1 << 22) == "nccl"
@@ -349,3 +350,57 @@ def test_fused_kernels_at_4_and_8_ranks(world, monkeypatch):
     assert fused_all_reduce.num_tiles(16384, 7168, world, cfg, scatter=True) == world * per
     assert dispatch.scatter_workspace_bytes(16384, 4096, 7168, BF16, world) == \
         world * per * cfg.bm * cfg.bn * 2
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_split_k_takes_few_rows_where_its_kernel_can_go(world, monkeypatch):
+    """The few-rows kernel up to SPLIT_K_MAX_ROWS rows (per shape, the same at every world size);
+    forced beyond that up to its own row limit, and never where TMA cannot describe the rows."""
+    from commfuse.kernels import fused_split_k
+
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    for m in (1, 4, dispatch.SPLIT_K_MAX_ROWS):
+        assert dispatch.mm_all_reduce(m, 7168, 4096, BF16, world) == "split_k"
+    assert dispatch.mm_all_reduce(dispatch.SPLIT_K_MAX_ROWS + 1, 7168, 4096, BF16, world) != "split_k"
+    assert dispatch.mm_all_reduce(4, 7168, 4096, torch.float32, world) != "split_k"
+    monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
+    assert dispatch.mm_all_reduce(200, 7168, 4096, BF16, world) == "split_k"
+    assert dispatch.mm_all_reduce(fused_split_k.MAX_ROWS + 1, 7168, 4096, BF16, world) == "one_shot"
+    assert dispatch.mm_all_reduce(4, 7167, 4096, BF16, world) == "one_shot"  # rows not 16-byte multiples
+    assert "rows" in dispatch.split_k_unsupported(fused_split_k.MAX_ROWS + 1, 7168, 4096, BF16, world)
+
+
+def test_split_k_config_fills_one_wave_of_programs():
+    """Blocks just tall enough for the rows; K slices doubled while the units still fit the
+    programs once and every slice keeps at least two K steps; the workspace holds the ranks'
+    sums and the fp32 slices, and the graph pass plans what the dispatch will use."""
+    from commfuse.kernels import fused_split_k
+
+    for m, bm in ((1, 16), (16, 16), (17, 32), (33, 64), (65, 128), (256, 128)):
+        assert fused_split_k.config(m, 4096, 4096, 132).tile.bm == bm
+    cfg = fused_split_k.config(16, 7168, 4096, 132)  # 32 tiles of 128 columns
+    assert cfg.split == 4 and 32 * cfg.split <= 132 < 32 * cfg.split * 2
+    assert fused_split_k.config(16, 256, 4096, 132).split == 1  # 2 K steps: one slice
+    assert fused_split_k.config(16, 512, 4096, 132).split == 2  # 4 steps: two slices of 2
+    assert fused_split_k.config(16, 1024, 4096, 132).split == 4  # 8 steps, 128 units
+    assert fused_split_k.config(16, 7168, 4096, 132, split=8).split == 8  # forced
+    assert fused_split_k.config(16, 14336, 8192, 132).split == 2  # 64 tiles
+    assert fused_split_k.config(16, 14336, 8192, 66).split == 1  # half the SMs
+    cfg = fused_split_k.config(16, 7168, 4096, 132)
+    block = cfg.tile.bm * cfg.tile.bn
+    for world in (2, 4, 8):
+        sums = world * 32 * block * 2
+        assert fused_split_k.data_bytes(16, 4096, world, cfg, BF16) == -(-sums // 256) * 256 + 32 * 4 * block * 4
+        assert fused_split_k.flag_slots(16, 4096, world, cfg) == 32 * world
+        assert dispatch.all_reduce_workspace_bytes(16, 7168, 4096, BF16, world) == \
+            fused_split_k.data_bytes(16, 4096, world, fused_split_k.config(16, 7168, 4096, dispatch.sm_count()), BF16)
+
+
+def test_split_k_counters_sit_between_the_tile_flags_and_the_ticket():
+    ws = _workspace()
+    flags, counters, ticket = ws.tile_flags, ws.tile_counters, ws.ticket
+    base = ws.buffer.data_ptr()
+    assert flags.data_ptr() - base == symm.FLAG_BYTES and flags.numel() == symm.TILE_FLAG_SLOTS
+    assert counters.data_ptr() >= flags.data_ptr() + 4 * flags.numel()
+    assert counters.data_ptr() + 4 * counters.numel() <= ticket.data_ptr()
+    assert ticket.data_ptr() + 8 == base + symm.HEADER_BYTES

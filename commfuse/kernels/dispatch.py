@@ -46,6 +46,15 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 FUSED_MIN_M = 4096
 
 
+#: The split-K kernel (``fused_split_k.py``) up to this many rows: it beat cuBLAS + one-shot on
+#: every shape of 1-32 rows measured (2xH200, ``benchmarks/results/h200x2/explore/
+#: split_k_sweep1.json``, us, split-K / one-shot: 1x2048x4096 13.8 / 15.5, 16x7168x4096 26.1 /
+#: 31.0, 32x7168x4096 27.6 / 31.4, 16x14336x8192 66.0 / 71.2, 16x4096x8192 27.9 / 30.5) and lost
+#: from 64 rows on the K-heavy shapes (64x7168x4096 31.6 / 30.3, every 128-row shape 0.86-0.94x):
+#: one wave of tiles ends together, so the exchange of a larger output is no longer pure latency.
+SPLIT_K_MAX_ROWS = 32
+
+
 def _tile_config_override():
     """``COMMFUSE_TILE_CONFIG`` (e.g. ``128x256x64s3w8g8r16o1``): every fused kernel's tiling."""
     from .tiles import TileConfig
@@ -274,6 +283,8 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "graph"
     if fused_by_default(m, k, n, dtype, world):
         return "fused"
+    if m <= SPLIT_K_MAX_ROWS and split_k_unsupported(m, k, n, dtype, world) is None:
+        return "split_k"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"

@@ -136,15 +136,18 @@ class SplitConfig:
 MAX_ROWS = 256
 
 
-def config(m: int, k: int, n: int, programs: int, split: int | None = None) -> SplitConfig:
+def config(m: int, k: int, n: int, programs: int, split: int | None = None,
+           tile: tiles.TileConfig | None = None) -> SplitConfig:
     """Blocks of 16-128 rows (the smallest that holds ``m``, so few rows waste little), 128
     columns, and enough K slices that the units fill ``programs`` once (one wave: with few rows
     the tail after the GEMM is latency, which more waves would not hide), each at least two K
-    steps long. The same on every rank (shape and the group's SM count only)."""
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    bk = 128 if bm <= 64 else 64
-    tile = tiles.TileConfig(bm=bm, bn=128, bk=bk, stages=4, warps=4 if bm <= 64 else 8, group_m=1,
-                            reducers=0)
+    steps long. The same on every rank (shape and the group's SM count only). ``split`` and
+    ``tile`` override (sweeps)."""
+    if tile is None:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        bk = 128 if bm <= 64 else 64
+        tile = tiles.TileConfig(bm=bm, bn=128, bk=bk, stages=4, warps=4 if bm <= 64 else 8,
+                                group_m=1, reducers=0)
     if split is None:
         count = triton.cdiv(m, bm) * triton.cdiv(n, tile.bn)
         split = 1

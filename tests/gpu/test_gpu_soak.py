@@ -39,6 +39,7 @@ def _call(op: str, algo: str, m: int, k: int, n: int, group_name: str):
 def test_ten_thousand_mixed_calls_no_corruption_no_memory_growth(nccl, monkeypatch):
     monkeypatch.setenv("COMMFUSE_ALGO", "")  # restored after the test; _call sets it per call
     calls = [("mm_all_reduce", "fused"), ("mm_all_reduce", "one_shot"), ("mm_all_reduce", ""),
+             ("mm_all_reduce", "split_k"),
              ("all_gather_mm", ""), ("mm_reduce_scatter", "")]
     gen = torch.Generator().manual_seed(17)  # the same sequence on every rank
     torch.manual_seed(40 + dist.get_rank())

@@ -1,0 +1,115 @@
+"""The split-K kernel of mm_all_reduce for few rows (``fused_split_k.py``) against an fp32
+reference of the unfused computation, on fresh random data with poisoned outputs, 2 ranks: both
+weight layouts, a transposed activation, 1-D and per-row bias, fp16 and bf16, ragged M, N and K,
+forced slice counts that do not divide K, both providers; the default dispatch for decode-sized
+calls; calls mixed with the other kernels on one workspace; a peer that never comes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse.kernels import cuda_paths, dispatch, symm
+from commfuse.kernels.sync import check_errors
+from gpu_util import gather_all, poison, relerr
+from test_gpu_fused import _operands, _reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _split_k_call(a, b, c, group_name):
+    poison()
+    before = cuda_paths.PATHS["mm_all_reduce:split_k"]
+    out = torch.ops.commfuse.mm_all_reduce(a, b, c, group_name)
+    ref = _reference(a, b, c)
+    check_errors()
+    assert cuda_paths.PATHS["mm_all_reduce:split_k"] == before + 1
+    assert relerr(out, ref) < 1e-2
+    outs = gather_all(out)  # every rank returns the same reduced bits, not its own partial
+    assert torch.equal(outs[0], outs[1])
+    return out
+
+
+@pytest.fixture(params=["torch", "iris"])
+def provider(request, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("m", [1, 7, 32, 200])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "a_transposed"])
+def test_split_k_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
+    k, n = 1000, 776  # K is not a multiple of the 128-deep step, N not of the 128-wide tile
+    torch.manual_seed(1000 * dist.get_rank() + m)
+    _split_k_call(*_operands(m, k, n, dtype, form), nccl.group_name)
+
+
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_split_k_forced_slice_counts(nccl, monkeypatch, split):
+    """Slice counts that leave a short or an empty last slice (8 K steps in 3 or 8 slices)."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
+    monkeypatch.setenv("COMMFUSE_SPLIT_K", str(split))
+    torch.manual_seed(5 + dist.get_rank())
+    a, b, c = _operands(16, 1000, 776, torch.bfloat16, "bias")
+    _split_k_call(a, b, c, nccl.group_name)
+
+
+@pytest.mark.parametrize("m", [1, 4, 32])
+def test_default_dispatch_takes_split_k_for_decode_sized_calls(nccl, monkeypatch, m):
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.mm_all_reduce(m, 7168, 4096, torch.bfloat16, 2) == "split_k"
+    torch.manual_seed(9 + dist.get_rank())
+    _split_k_call(*_operands(m, 7168, 4096, torch.bfloat16, "weight_t"), nccl.group_name)
+
+
+def test_split_k_mixed_with_the_other_kernels(nccl, monkeypatch):
+    """Back-to-back split-K, fused tile, one-shot and fused reduce-scatter calls share one
+    workspace (parities, epochs, tile flags, the ticket): each result is checked; afterwards the
+    ticket is where the host counted and every arrival counter is back at zero."""
+    gen = torch.Generator().manual_seed(6)  # the same sequence on every rank
+    torch.manual_seed(51 + dist.get_rank())
+    before = cuda_paths.PATHS.copy()
+    for i in range(80):
+        algo = ("split_k", "fused", "one_shot", "split_k")[i % 4]
+        m = (1, 16, 100, 1024)[int(torch.randint(4, (1,), generator=gen))]
+        monkeypatch.setenv("COMMFUSE_ALGO", algo)
+        a, b, _ = _operands(m, 2048, 1024, torch.bfloat16, "weight_t")
+        if i % 8 == 6:
+            monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+            out = torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, 1024], 0, 2, nccl.group_name) \
+                if m % 2 == 0 else torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+            want = _reference(a, b, None)
+            want = want.chunk(2)[dist.get_rank()] if m % 2 == 0 else want
+        else:
+            out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+            want = _reference(a, b, None)
+        check_errors()
+        assert relerr(out, want) < 1e-2, f"call {i}: {algo} M={m}"
+    used = cuda_paths.PATHS - before
+    assert used["mm_all_reduce:split_k"] >= 30 and used["mm_all_reduce:fused"] >= 10
+    torch.cuda.synchronize()
+    for ws in symm._workspaces.values():
+        assert int(ws.ticket.item()) == ws.ticket_base
+        assert ws.tile_counters.eq(0).all()
+
+
+def test_split_k_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch):
+    """Rank 1 skips a call: rank 0 gets NaN, not its partial, and an error naming both."""
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
+    monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
+    a, b, _ = _operands(16, 1024, 1024, torch.bfloat16, "weight_t")
+    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # both ranks: the workspace exists
+    check_errors()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        with pytest.raises(RuntimeError, match=r"mm_all_reduce \(fused split-K kernel\): rank 0 timed "
+                           "out after 1 s waiting for rank 1"):
+            check_errors()
+        assert torch.isnan(out).all()
+        assert symm._workspaces[(nccl.group_name, "torch")].tile_counters.eq(0).all()
+    dist.barrier()
+    symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
