@@ -17,7 +17,7 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, 1) == "nccl"  # nothing to exchange
     assert dispatch.mm_all_reduce(0, 4096, 8192, BF16, world) == "nccl"
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "split_k"  # decode: few rows
-    assert dispatch.mm_all_reduce(64, 4096, 8192, BF16, world) == "one_shot"  # 1 MiB
+    assert dispatch.mm_all_reduce(256, 4096, 8192, BF16, world) in ("one_shot", "two_shot")  # 4 MiB
     mid = dispatch.mm_all_reduce(1024, 2048, 4096, BF16, world)  # 8 MiB, too few tiles to fuse
     assert mid == ("one_shot" if world == 2 else "two_shot")
     # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
@@ -354,14 +354,17 @@ def test_fused_kernels_at_4_and_8_ranks(world, monkeypatch):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_split_k_takes_few_rows_where_its_kernel_can_go(world, monkeypatch):
-    """The few-rows kernel up to SPLIT_K_MAX_ROWS rows (per shape, the same at every world size);
-    forced beyond that up to its own row limit, and never where TMA cannot describe the rows."""
+    """The few-rows kernel up to SPLIT_K_MAX_ROWS rows and SPLIT_K_MAX_ELEMS output elements (per
+    shape, the same at every world size); forced beyond that up to its own row limit, and never
+    where TMA cannot describe the rows."""
     from commfuse.kernels import fused_split_k
 
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    for m in (1, 4, dispatch.SPLIT_K_MAX_ROWS):
+    for m in (1, 4, 32, 64, dispatch.SPLIT_K_MAX_ROWS):
         assert dispatch.mm_all_reduce(m, 7168, 4096, BF16, world) == "split_k"
-    assert dispatch.mm_all_reduce(dispatch.SPLIT_K_MAX_ROWS + 1, 7168, 4096, BF16, world) != "split_k"
+    assert dispatch.mm_all_reduce(64, 14336, 8192, BF16, world) == "split_k"
+    assert dispatch.mm_all_reduce(128, 4096, 8192, BF16, world) != "split_k"  # a larger output
+    assert dispatch.mm_all_reduce(dispatch.SPLIT_K_MAX_ROWS + 1, 2048, 1024, BF16, world) != "split_k"
     assert dispatch.mm_all_reduce(4, 7168, 4096, torch.float32, world) != "split_k"
     monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
     assert dispatch.mm_all_reduce(200, 7168, 4096, BF16, world) == "split_k"
@@ -376,8 +379,10 @@ def test_split_k_config_fills_one_wave_of_programs():
     sums and the fp32 slices, and the graph pass plans what the dispatch will use."""
     from commfuse.kernels import fused_split_k
 
-    for m, bm in ((1, 16), (16, 16), (17, 32), (33, 64), (65, 128), (256, 128)):
-        assert fused_split_k.config(m, 4096, 4096, 132).tile.bm == bm
+    for m, bm, bn in ((1, 16, 128), (16, 16, 128), (17, 32, 128), (33, 64, 64), (128, 64, 64),
+                      (129, 128, 128), (256, 128, 128)):
+        assert (fused_split_k.config(m, 4096, 4096, 132).tile.bm, fused_split_k.config(m, 4096, 4096, 132).tile.bn) == (bm, bn)
+    assert fused_split_k.config(128, 7168, 4096, 132).split == 1  # 128 tiles of 64 x 64 already
     cfg = fused_split_k.config(16, 7168, 4096, 132)  # 32 tiles of 128 columns
     assert cfg.split == 4 and 32 * cfg.split <= 132 < 32 * cfg.split * 2
     assert fused_split_k.config(16, 256, 4096, 132).split == 1  # 2 K steps: one slice

@@ -46,13 +46,15 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 FUSED_MIN_M = 4096
 
 
-#: The split-K kernel (``fused_split_k.py``) up to this many rows: it beat cuBLAS + one-shot on
-#: every shape of 1-32 rows measured (2xH200, ``benchmarks/results/h200x2/explore/
-#: split_k_sweep1.json``, us, split-K / one-shot: 1x2048x4096 13.8 / 15.5, 16x7168x4096 26.1 /
-#: 31.0, 32x7168x4096 27.6 / 31.4, 16x14336x8192 66.0 / 71.2, 16x4096x8192 27.9 / 30.5) and lost
-#: from 64 rows on the K-heavy shapes (64x7168x4096 31.6 / 30.3, every 128-row shape 0.86-0.94x):
-#: one wave of tiles ends together, so the exchange of a larger output is no longer pure latency.
-SPLIT_K_MAX_ROWS = 32
+#: The split-K kernel (``fused_split_k.py``) up to this many rows and output elements: it beat
+#: cuBLAS + one-shot on every such shape measured (2xH200, ``benchmarks/results/h200x2/explore/
+#: split_k_sweep1.json`` and ``split_k_sweep2.json``, us, split-K / one-shot: 1x2048x4096 13.8 /
+#: 15.5, 16x7168x4096 26.1 / 31.0, 16x14336x8192 66.0 / 71.2, 32x7168x4096 27.6 / 31.4,
+#: 64x2048x4096 15.8 / 18.2, 64x14336x8192 67.7 / 76.1, 128x2048x4096 17.8 / 21.2, 128x7168x4096
+#: 35.1 / 36.1) and lost on the larger outputs (128x4096x8192 38.7 at best / 39.0,
+#: 128x14336x8192 84.2 / 78.7, 256x7168x4096 45.9 / 45.4, 256x4096x8192 52.8 / 49.9): its one
+#: wave of tiles ends together, so the exchange of a larger output is no longer pure latency.
+SPLIT_K_MAX_ROWS, SPLIT_K_MAX_ELEMS = 128, 1 << 19
 
 
 def _tile_config_override():
@@ -283,7 +285,8 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "graph"
     if fused_by_default(m, k, n, dtype, world):
         return "fused"
-    if m <= SPLIT_K_MAX_ROWS and split_k_unsupported(m, k, n, dtype, world) is None:
+    if (m <= SPLIT_K_MAX_ROWS and m * n <= SPLIT_K_MAX_ELEMS
+            and split_k_unsupported(m, k, n, dtype, world) is None):
         return "split_k"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"

@@ -138,20 +138,23 @@ MAX_ROWS = 256
 
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None) -> SplitConfig:
-    """Blocks of 16-128 rows (the smallest that holds ``m``, so few rows waste little), 128
-    columns, and enough K slices that the units fill ``programs`` once (one wave: with few rows
+    """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64
+    up to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``), and enough K slices that the units fill ``programs`` once (one wave: with few rows
     the tail after the GEMM is latency, which more waves would not hide), each at least two K
     steps long. The same on every rank (shape and the group's SM count only). ``split`` and
     ``tile`` override (sweeps)."""
     if tile is None:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-        bk = 128 if bm <= 64 else 64
-        tile = tiles.TileConfig(bm=bm, bn=128, bk=bk, stages=4, warps=4 if bm <= 64 else 8,
-                                group_m=1, reducers=0)
+        if m <= 32:
+            tile = tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4,
+                                    group_m=1, reducers=0)
+        elif m <= 128:  # 64 x 64 blocks: twice the units of 64 x 128 ones, and they stream faster
+            tile = tiles.TileConfig(bm=64, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
+        else:
+            tile = tiles.TileConfig(bm=128, bn=128, bk=64, stages=4, warps=8, group_m=1, reducers=0)
     if split is None:
-        count = triton.cdiv(m, bm) * triton.cdiv(n, tile.bn)
+        count = triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn)
         split = 1
-        while split * 2 * count <= programs and split * 4 <= triton.cdiv(k, bk):
+        while split * 2 * count <= programs and split * 4 <= triton.cdiv(k, tile.bk):
             split *= 2
     return SplitConfig(tile, max(1, split))
 
