@@ -71,6 +71,12 @@ def sim(request, monkeypatch):
         def wait_stream(self, other):
             pass
 
+        def record_event(self):
+            return None
+
+        def wait_event(self, event):
+            pass
+
     monkeypatch.setattr(exchange, "all_reduce", all_reduce)
     monkeypatch.setattr(exchange, "gather", gather)
     monkeypatch.setattr(exchange, "reduce_scatter", reduce_scatter)
@@ -124,14 +130,24 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
     want_gathered = torch.cat(shards, dim=gather_dim)
     torch.testing.assert_close(gathered, want_gathered)
     torch.testing.assert_close(out, _partial(want_gathered.reshape(-1, 6), b, bias))
+    # a graph that does not use the gathered tensor: the same product, no gathered tensor promised
+    for p in sim.peers():
+        sim.peer_data(p, shape).copy_(shards[p])  # the next call's parity
+    out2, gathered2 = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, sim.world, "0",
+                                               return_gathered=False)
+    torch.testing.assert_close(out2, out)
+    if gathered2 is not None:
+        torch.testing.assert_close(gathered2, want_gathered)
 
 
 @pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
     ("symm", 4, lambda w: [4 * w, 7], 0), ("symm", 4, lambda w: [2, 2 * w, 7], 1),
     ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0)])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind):
+@pytest.mark.parametrize("chunks", ["1", "3"])
+def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind, chunks):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
+    monkeypatch.setenv("COMMFUSE_RS_CHUNKS", chunks)  # the overlap's row chunks per share (3: uneven)
     m = rows_per_rank * sim.world
     shape = shape_of(sim.world)
     a, b, bias = _inputs(sim.world, m, 6, 7, bias_kind)

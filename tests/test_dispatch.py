@@ -409,3 +409,25 @@ def test_split_k_counters_sit_between_the_tile_flags_and_the_ticket():
     assert counters.data_ptr() >= flags.data_ptr() + 4 * flags.numel()
     assert counters.data_ptr() + 4 * counters.numel() <= ticket.data_ptr()
     assert ticket.data_ptr() + 8 == base + symm.HEADER_BYTES
+
+
+def test_graph_lane_split_k_words_and_choice(monkeypatch):
+    """The lane's split-K words sit between its flags and its epoch counters; the lane runs the
+    split-K kernel where the eager dispatch would and the lane holds it (COMMFUSE_GRAPH_SPLIT_K=0
+    keeps cuBLAS + the staged one-shot)."""
+    buf = torch.zeros(symm.GRAPH_FLAG_BYTES + 2 * (4 << 20), dtype=torch.uint8)
+    lane = symm.GraphLane("0", 0, 2, buf, torch.zeros(2, dtype=torch.int64), 4 << 20, 132)
+    base = buf.data_ptr()
+    assert lane.flags.data_ptr() == base
+    assert lane.ticket.data_ptr() == lane.flags.data_ptr() + 8 * lane.flags.numel()
+    assert lane.tile_counters.data_ptr() == lane.ticket.data_ptr() + 16
+    assert lane.tile_counters.data_ptr() + 4 * lane.tile_counters.numel() == lane.counter.data_ptr()
+    assert lane.counter.numel() == symm.GRAPH_SLOTS
+    assert dispatch.graph_split_k(4, 7168, 4096, BF16, lane)  # a decode step's down projection
+    assert dispatch.graph_split_k(128, 2048, 4096, BF16, lane)
+    assert not dispatch.graph_split_k(256, 2048, 4096, BF16, lane)  # the eager rule says no
+    assert not dispatch.graph_split_k(4, 1003, 4096, BF16, lane)  # TMA rows
+    small = symm.GraphLane("0", 0, 2, buf, torch.zeros(2, dtype=torch.int64), 1 << 16, 132)
+    assert not dispatch.graph_split_k(128, 2048, 4096, BF16, small)  # its data does not fit
+    monkeypatch.setenv("COMMFUSE_GRAPH_SPLIT_K", "0")
+    assert not dispatch.graph_split_k(4, 7168, 4096, BF16, lane)

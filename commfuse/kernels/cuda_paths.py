@@ -135,7 +135,8 @@ def _split_k(a, b, bias, group_name: str, world: int) -> torch.Tensor:
 
 def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     """cuBLAS into a local buffer, then the staged one-shot kernel over the graph lane, whose
-    epochs live on the device: what runs inside CUDA graphs (and, forced, outside them)."""
+    epochs live on the device: what runs inside CUDA graphs (and, forced, outside them); for the
+    few-rows shapes the split-K kernel instead, in the same lane and epochs."""
     nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
     capturing = dispatch.capturing()
     lane = symm.graph_lane(group_name)
@@ -148,28 +149,36 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
         return reference.mm_all_reduce(a, b, bias, group_name)
     if capturing:
         symm.mark_replayed(group_name)
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if dispatch.graph_split_k(m, k, n, a.dtype, lane):  # few rows: the split-K kernel, in the lane
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+        fused_split_k.prepare(lane, a, b, bias, out, dispatch.split_k_config(m, k, n, lane.max_programs),
+                              lane=True)()
+        return out
     partial = reference.matmul(a, b, bias)
     out = torch.empty_like(partial)
     exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP)
     return out
 
 
-def _gather_overlapped(ws, shard, b, bias, gathered, out, peers, epoch) -> None:
-    """Multiply the local shard at once while the copy engines pull the peers' shards (no SMs)
-    on a side stream; then multiply the peers' rows."""
-    k, rows = shard.shape[-1], shard.numel() // shard.shape[-1]
+def _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool) -> None:
+    """Multiply the local shard (``mine``, its copy in the workspace) at once while the copy
+    engines pull the peers' shards (no SMs) on a side stream, and copy the local shard into
+    ``gathered`` there too when the graph uses it; then multiply the peers' rows."""
+    k, rows = mine.shape[-1], mine.numel() // mine.shape[-1]
     g2 = gathered.view(-1, k)
-    side = _side_stream(shard.device)
-    main = torch.cuda.current_stream(shard.device)
+    side = _side_stream(mine.device)
+    main = torch.cuda.current_stream(mine.device)
     side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
+    lo, hi = ws.rank * rows, (ws.rank + 1) * rows
     with torch.cuda.stream(side):
         exchange.barrier(ws, epoch, OP_ALL_GATHER_MM)
         for p, view in enumerate(peers):
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
-    lo, hi = ws.rank * rows, (ws.rank + 1) * rows
-    g2[lo:hi].copy_(shard.reshape(rows, k))  # the shard may be a strided view
-    _matmul_into(g2[lo:hi], b, _rows(bias, lo, hi), out[lo:hi])
+        if return_gathered:
+            g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
+    _matmul_into(mine.view(rows, k), b, _rows(bias, lo, hi), out[lo:hi])
     main.wait_stream(side)
     for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
         if stop > start:
@@ -251,8 +260,8 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         if algo == "overlap" and gather_dim == 0:
             peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
-                _gather_overlapped(ws, shard, b, bias, gathered, out, peers, epoch)
-                return out, gathered
+                _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_gathered)
+                return out, gathered if return_gathered else None
         outer = math.prod(shard.shape[:gather_dim])
         inner = math.prod(shard.shape[gather_dim:])
         exchange.gather(ws, mine, gathered, outer, inner, epoch, OP_ALL_GATHER_MM)
@@ -292,25 +301,40 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
-    """Multiply the peers' shares of the rows first, each in turn; as share p lands, rank p's copy
-    engines pull it on their side stream while this rank multiplies the next share, its own last.
-    Then one local add sums this rank's share with what it pulled."""
+    """Multiply the peers' shares of the rows first, each in turn and in row chunks; as chunk c of
+    share p lands, rank p's copy engines pull it on their side stream while this rank multiplies
+    the next chunk. This rank's own share comes last, chunk by chunk: each GEMM adds the pulled
+    partials of its rows in its epilogue (``addmm``), so no separate pass sums the shares."""
     world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world
+    chunks = dispatch.scatter_chunks(rows)
+    step_rows = -(-rows // chunks)
+    bounds = [(lo, min(lo + step_rows, rows)) for lo in range(0, rows, step_rows)]
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main
-    mine = slice(rank * rows, (rank + 1) * rows)
+    landed = []
     for step in range(1, world):
         p = (rank + step) % world
-        _matmul_into(a[p * rows:(p + 1) * rows], b, _rows(bias, p * rows, (p + 1) * rows),
-                     partial[p * rows:(p + 1) * rows])
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            exchange.barrier(ws, epoch, OP_MM_REDUCE_SCATTER, slot=step)
-            q = (rank - step) % world  # at this step rank q multiplied this rank's share
-            recv[step - 1].copy_(peers[q][mine], non_blocking=True)
-    _matmul_into(a[mine], b, _rows(bias, mine.start, mine.stop), partial[mine])
+        q = (rank - step) % world  # at this step rank q multiplies this rank's share
+        for c, (lo, hi) in enumerate(bounds):
+            r0, r1 = p * rows + lo, p * rows + hi
+            _matmul_into(a[r0:r1], b, _rows(bias, r0, r1), partial[r0:r1])
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                exchange.barrier(ws, epoch, OP_MM_REDUCE_SCATTER, slot=(step - 1) * len(bounds) + c)
+                recv[step - 1, lo:hi].copy_(peers[q][rank * rows + lo:rank * rows + hi], non_blocking=True)
+                if step == world - 1:
+                    landed.append(side.record_event())
+    for c, (lo, hi) in enumerate(bounds):
+        main.wait_event(landed[c])  # every peer's partial of these rows is here
+        # recv[step - 1] came from rank (rank - step) % world: add the peers' parts in rank order
+        parts = [recv[(rank - q) % world - 1, lo:hi] for q in range(world) if q != rank]
+        acc = parts[0]
+        for part in parts[1:]:
+            acc.add_(part)
+        r0, r1 = rank * rows + lo, rank * rows + hi
+        row_bias = _rows(bias, r0, r1)
+        if row_bias is not None:
+            acc.add_(row_bias)
+        torch.addmm(acc, a[r0:r1], b, out=out[lo:hi])
     main.wait_stream(side)
-    # recv[step - 1] came from rank (rank - step) % world: put the parts in rank order
-    parts = [partial[mine] if q == rank else recv[(rank - q) % world - 1] for q in range(world)]
-    _sum_rank_order(parts, out)

@@ -147,6 +147,28 @@ def split_k_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) 
         m, k, n, dtype, world, symm.COUNTER_BYTES // 4, symm.TILE_FLAG_SLOTS)
 
 
+def split_k_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
+    """Whether a call of this shape takes the split-K kernel (eagerly, or in the graph lane)."""
+    return (m <= SPLIT_K_MAX_ROWS and m * n <= SPLIT_K_MAX_ELEMS
+            and split_k_unsupported(m, k, n, dtype, world) is None)
+
+
+def graph_split_k(m: int, k: int, n: int, dtype: torch.dtype, lane) -> bool:
+    """Whether a graph-lane call runs the split-K kernel in the lane (``COMMFUSE_GRAPH_SPLIT_K=0``
+    keeps cuBLAS + the staged one-shot): the eager rule, and the lane holds its flags, counters
+    and data. Shape and lane size only, so every rank agrees, in capture and in re-warming alike."""
+    from . import fused_split_k
+
+    if os.environ.get("COMMFUSE_GRAPH_SPLIT_K", "1") == "0":
+        return False
+    if not split_k_by_default(m, k, n, dtype, lane.world):
+        return False
+    cfg = split_k_config(m, k, n, lane.max_programs)
+    return (fused_split_k.flag_slots(m, n, lane.world, cfg) <= lane.flags.numel()
+            and fused_split_k.num_tiles(m, n, cfg) <= lane.tile_counters.numel()
+            and fused_split_k.data_bytes(m, n, lane.world, cfg, dtype) <= lane.data_bytes)
+
+
 def split_k_config(m: int, k: int, n: int, programs: int):
     """The split-K kernel's tiling for a group whose smallest GPU has ``programs`` SMs;
     ``COMMFUSE_SPLIT_K`` forces the number of K slices (sweeps)."""
@@ -285,8 +307,7 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "graph"
     if fused_by_default(m, k, n, dtype, world):
         return "fused"
-    if (m <= SPLIT_K_MAX_ROWS and m * n <= SPLIT_K_MAX_ELEMS
-            and split_k_unsupported(m, k, n, dtype, world) is None):
+    if split_k_by_default(m, k, n, dtype, world):
         return "split_k"
     if world == 2:  # both read the same remote bytes at 2 ranks; one-shot has one wait less
         return "one_shot"
@@ -300,6 +321,14 @@ def overlap_config(m: int) -> tuple[int, int]:
         chunks, programs = (int(x) for x in env.lower().split("x"))
         return chunks, programs
     return 4, 32
+
+
+def scatter_chunks(rows: int) -> int:
+    """Row chunks per share of the copy-engine overlapped reduce-scatter: each chunk's pull
+    overlaps the next chunk's GEMM, and the last share's GEMMs add what was pulled in their
+    epilogue, so the pull of the last chunk is what stays exposed; ``COMMFUSE_RS_CHUNKS``."""
+    env = os.environ.get("COMMFUSE_RS_CHUNKS")
+    return max(1, min(int(env) if env else 2, rows, 64))  # one barrier flag slot per chunk and step
 
 
 def copy_engine_chunks(m: int) -> int:

@@ -15,6 +15,10 @@ is written after the program's next unit (the peers' pushes had that long to lan
 the peers' flags (bounded, ``sync.wait_or_record``), add slots [0..world-1, tile] in rank order,
 so every rank writes the same bits.
 
+In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, as the lane's
+staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
+capture the launch and replay it.
+
 Units are claimed in order from the workspace's ticket by running programs, so no wait depends
 on a program that has not started: a program waits only for a tile whose units it has all
 claimed, and so (claims being in the same order on every rank) has every rank that waits for
@@ -31,7 +35,8 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import ErrorWord, FUSED_SPLIT_K_OP, iris, now, require_iris, timeout_ns, wait_or_record
+from .sync import (ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, require_iris, timeout_ns,
+                   wait_or_record)
 from .tiles import claim, mma_range, tile_epilogue
 
 
@@ -66,14 +71,23 @@ def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, e
 
 
 @triton.jit(do_not_specialize=["epoch", "ticket_base"])
-def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts, sums, out, M, N, K, stride_bm,
-                              stride_bn, flags, counters, heap_bases, epoch, rank, err, timeout,
-                              ticket, ticket_base, OP: tl.constexpr, WORLD: tl.constexpr,
-                              SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-                              HAS_BIAS: tl.constexpr):
-    """The module docstring. ``parts``: fp32 [tiles, SPLIT] blocks (local only); ``sums``: the
-    output dtype's [WORLD, tiles] blocks, written by every rank."""
+def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, half_sums, out, M,
+                              N, K, stride_bm, stride_bn, flags, counters, heap_bases, epoch, rank,
+                              err, timeout, ticket, ticket_base, epochs, OP: tl.constexpr,
+                              WORLD: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, DEVICE_EPOCH: tl.constexpr,
+                              EPOCH_SLOTS: tl.constexpr):
+    """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
+    output dtype's [WORLD, tiles] blocks, written by every rank; both of parity 0, parity 1
+    ``half_*`` elements on. ``DEVICE_EPOCH`` (the graph lane, CUDA-graph replays): the epoch is
+    ``epochs[0] + 1`` and the ticket starts at 0; the last program to leave stores the epoch
+    into all ``EPOCH_SLOTS`` slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits)."""
+    if DEVICE_EPOCH:
+        epoch = tl.load(epochs) + 1
+        ticket_base = 0
+    parts = parts0 + (epoch % 2) * half_parts
+    sums = sums0 + (epoch % 2) * half_sums
     num_n = tl.cdiv(N, BN)
     num_tiles = tl.cdiv(M, BM) * num_n
     k_blocks = tl.cdiv(K, BK)
@@ -118,6 +132,13 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts, sums, out, M, N, K, s
     if pending >= 0:
         _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
                 OP, WORLD, BM, BN)
+    if DEVICE_EPOCH:  # every program read the epoch before any left: the last one advances it
+        tl.debug_barrier()
+        if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            for slot in range(EPOCH_SLOTS):
+                tl.store(epochs + slot, epoch)
+            tl.store(ticket, 0)
+            tl.store(ticket + 1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,16 +209,25 @@ def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters
     return None
 
 
-def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: SplitConfig):
+def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: SplitConfig,
+            lane: bool = False):
     """What can fail on one rank alone (copies, descriptors, the first compile) before the call's
     epoch; returns ``launch(epoch, parity)``, which writes ``out = sum over the group of (a @ b +
-    bias)`` through ``ws`` (``data_bytes`` per parity)."""
+    bias)`` through ``ws`` (``data_bytes`` per parity). ``lane``: ``ws`` is the group's graph lane
+    (``symm.GraphLane``) and the epoch lives on the device, so the launch may be captured in a
+    CUDA graph and replayed; ``launch`` then ignores its arguments."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
     count = num_tiles(m, n, cfg)
-    if flag_slots(m, n, ws.world, cfg) > ws.tile_flags.numel() or count > ws.tile_counters.numel():
-        raise RuntimeError("commfuse: too many tiles for the workspace's tile flags or counters")
+    if flag_slots(m, n, ws.world, cfg) > (ws.flags if lane else ws.tile_flags).numel():
+        raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
+    if count > ws.tile_counters.numel():
+        raise RuntimeError("commfuse: too many tiles for the workspace's arrival counters")
+    half = ws.data_bytes
+    if data_bytes(m, n, ws.world, cfg, a.dtype) > half:
+        raise RuntimeError(f"commfuse: {data_bytes(m, n, ws.world, cfg, a.dtype)} bytes of split-K "
+                           f"workspace do not fit the {half} bytes of a parity")
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     block = cfg.tile.bm * cfg.tile.bn
@@ -205,18 +235,27 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     parts_at = triton.cdiv(sums_elems * a.dtype.itemsize, 256) * 256
     units = count * cfg.split
     programs = max(1, min(units, ws.max_programs))
-    consts = dict(OP=FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split, BM=cfg.tile.bm,
-                  BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t, HAS_BIAS=bias is not None,
-                  num_warps=cfg.tile.warps, num_stages=cfg.tile.stages)
+    if lane:
+        sums0, parts0 = ws.data(a.dtype), ws.data(torch.float32)[parts_at // 4:]
+        flags, ticket, epochs = ws.flags, ws.ticket, ws.counter
+    else:
+        sums0 = ws.data(0, (sums_elems,), a.dtype)
+        parts0 = ws.data(0, (count * cfg.split * block,), torch.float32, parts_at)
+        flags, ticket, epochs = ws.tile_flags, ws.ticket, ws.ticket  # (epochs: unused)
+    consts = dict(OP=GRAPH_LANE_OP if lane else FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split,
+                  BM=cfg.tile.bm, BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t,
+                  HAS_BIAS=bias is not None, DEVICE_EPOCH=lane,
+                  EPOCH_SLOTS=epochs.numel() if lane else 1, num_warps=cfg.tile.warps,
+                  num_stages=cfg.tile.stages)
 
-    def launch(epoch: int, parity: int) -> None:
-        base = ws.ticket_base
+    def launch(epoch: int = 0, parity: int = 0) -> None:
+        base = 0 if lane else ws.ticket_base
         split_k_all_reduce_kernel[(programs,)](
-            a_desc, b_desc, full_bias if full_bias is not None else out,
-            ws.data(parity, (count * cfg.split * block,), torch.float32, parts_at),
-            ws.data(parity, (sums_elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
-            ws.tile_counters, ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(),
-            ws.ticket, base, **consts)
-        ws.ticket_base = base + units + programs  # every unit claimed once, one failed claim each
+            a_desc, b_desc, full_bias if full_bias is not None else out, parts0, sums0,
+            half // 4, half // a.dtype.itemsize, out, m, n, k, sbm, sbn, flags, ws.tile_counters,
+            ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ticket, base, epochs,
+            **consts)
+        if not lane:
+            ws.ticket_base = base + units + programs  # every unit claimed once, one failed claim each
 
     return launch

@@ -149,6 +149,10 @@ GRAPH_FLAG_BYTES = 16 * 1024
 #: Per-program epoch counters of the graph lane: at least the largest grid (one program per SM).
 GRAPH_SLOTS = 256
 _LANE_COUNTER_AT = GRAPH_FLAG_BYTES - BASES_BYTES - GRAPH_SLOTS * 8
+#: Before the counters, this rank's words of the lane's split-K kernel: its tile ticket, its count
+#: of exited programs (both back at zero when a call ends) and its per-tile arrival counters.
+GRAPH_LOCAL_BYTES = 2048
+_LANE_LOCALS_AT = _LANE_COUNTER_AT - GRAPH_LOCAL_BYTES
 
 
 def graph_data_bytes() -> int:
@@ -175,7 +179,18 @@ class GraphLane:
 
     @property
     def flags(self) -> torch.Tensor:
-        return self.buffer[:_LANE_COUNTER_AT].view(torch.int64)
+        return self.buffer[:_LANE_LOCALS_AT].view(torch.int64)
+
+    @property
+    def ticket(self) -> torch.Tensor:
+        """int64 [2]: the split-K kernel's ticket and its exited programs; its last program to
+        exit zeroes both."""
+        return self.buffer[_LANE_LOCALS_AT:_LANE_LOCALS_AT + 16].view(torch.int64)
+
+    @property
+    def tile_counters(self) -> torch.Tensor:
+        """int32: the split-K kernel's arrivals per tile (each back at zero when a call ends)."""
+        return self.buffer[_LANE_LOCALS_AT + 16:_LANE_COUNTER_AT].view(torch.int32)
 
     @property
     def counter(self) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.kernels import exchange, symm
+from commfuse.kernels import exchange, fused_split_k, symm
 from commfuse.kernels.sync import check_errors
 from gpu_util import gather_all, relerr
 
@@ -21,24 +21,31 @@ def _reference(a, b):
     return sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
 
 
-def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch):
-    m, k, n = 16, 1003, 771
+@pytest.mark.parametrize("k, n, kernel", [(1003, 771, "staged"), (1024, 768, "split_k")])
+def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch, k, n, kernel):
+    """Rows TMA cannot describe take cuBLAS + the staged one-shot in the lane; TMA-ready ones the
+    split-K kernel in the lane (its epochs on the device too)."""
+    m = 16
     torch.manual_seed(7 + dist.get_rank())
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # eager: creates the lanes
     launched = []
-    real = exchange.staged_all_reduce
-    monkeypatch.setattr(exchange, "staged_all_reduce", lambda *x, **kw: launched.append(1) or real(*x, **kw))
+    real, real_prepare = exchange.staged_all_reduce, fused_split_k.prepare
+    monkeypatch.setattr(exchange, "staged_all_reduce",
+                        lambda *x, **kw: launched.append("staged") or real(*x, **kw))
+    monkeypatch.setattr(fused_split_k, "prepare", lambda *x, **kw: launched.append(
+        "split_k" if kw.get("lane") else "eager split_k") or real_prepare(*x, **kw))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # warm-up (not captured: one-shot)
+        torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # warm-up (not captured: host epochs)
+        launched.clear()
         with torch.cuda.graph(graph, stream=stream):
             out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
     torch.cuda.current_stream().wait_stream(stream)
-    assert len(launched) == 1, "the capture did not take the graph lane"
+    assert launched == [kernel], "the capture did not take the graph lane's expected kernel"
     other = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
     for i in range(1000):
@@ -83,9 +90,12 @@ def test_reduce_overhead_compile_matches_eager(nccl):
     assert len(commfuse.report().fused) == 1
 
 
-def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch):
+@pytest.mark.parametrize("split_k", ["1", "0"])
+def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch, split_k):
     """No host code runs between replays to raise: a graph-lane call whose peer never comes
-    leaves NaN in its output and the error word set."""
+    leaves NaN in its output and the error word set (the lane's split-K kernel, and cuBLAS + the
+    staged one-shot)."""
+    monkeypatch.setenv("COMMFUSE_GRAPH_SPLIT_K", split_k)
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
     monkeypatch.setenv("COMMFUSE_ALGO", "graph")
     a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
