@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -178,7 +179,11 @@ def _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_ga
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
         if return_gathered:
             g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
-    _matmul_into(mine.view(rows, k), b, _rows(bias, lo, hi), out[lo:hi])
+    if os.environ.get("COMMFUSE_AG_LOCAL_COPY") == "1":  # (A/B timing) the local rows from a copy
+        g2[lo:hi].copy_(mine.view(rows, k))
+        _matmul_into(g2[lo:hi], b, _rows(bias, lo, hi), out[lo:hi])
+    else:
+        _matmul_into(mine.view(rows, k), b, _rows(bias, lo, hi), out[lo:hi])
     main.wait_stream(side)
     for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
         if stop > start:
