@@ -164,8 +164,9 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
 
 def _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool) -> None:
     """Multiply the local shard (``mine``, its copy in the workspace) at once while the copy
-    engines pull the peers' shards (no SMs) on a side stream, and copy the local shard into
-    ``gathered`` there too when the graph uses it; then multiply the peers' rows."""
+    engines pull the peers' shards (no SMs) on a side stream; then multiply the peers' rows.
+    ``COMMFUSE_AG_LOCAL_COPY=0`` multiplies the workspace copy itself and copies the local rows
+    into ``gathered`` on the side stream, only when the graph uses them."""
     k, rows = mine.shape[-1], mine.numel() // mine.shape[-1]
     g2 = gathered.view(-1, k)
     side = _side_stream(mine.device)
@@ -177,9 +178,12 @@ def _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_ga
         for p, view in enumerate(peers):
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
-        if return_gathered:
+        if return_gathered and os.environ.get("COMMFUSE_AG_LOCAL_COPY", "1") != "1":
             g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
-    if os.environ.get("COMMFUSE_AG_LOCAL_COPY") == "1":  # (A/B timing) the local rows from a copy
+    if os.environ.get("COMMFUSE_AG_LOCAL_COPY", "1") == "1":
+        # the local rows from a copy on this stream: multiplying the workspace copy directly ran
+        # slower where it matters most (2xH200, explore/ag_local_copy{0,1}_5b4db3f.json, us, copy
+        # / workspace: 16384x4096x7168 1315 / 1413, 4096^3 205 / 210; 4096x8192x5120 480 / 460)
         g2[lo:hi].copy_(mine.view(rows, k))
         _matmul_into(g2[lo:hi], b, _rows(bias, lo, hi), out[lo:hi])
     else:
