@@ -1,5 +1,6 @@
-"""The tile kernels' GEMM and the fused all-reduce kernel's tile order, in Triton's CPU interpreter
-(fp16: the interpreter mishandles bf16). The cross-GPU parts run in tests/gpu."""
+"""The tile kernels' GEMM, the fused all-reduce kernel's tile order and the split-K kernel (one
+rank, its peer simulated), in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
+The cross-GPU parts run in tests/gpu."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ def test_tile_gemm_and_fused_tile_order_in_the_interpreter():
     pytest.importorskip("triton.tools.tensor_descriptor")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_tiles.py")], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_split_k_kernel_as_rank_0_of_two_in_the_interpreter():
+    """The few-rows kernel's slices, sums, pushes, flags, counters, ticket and (graph lane) device
+    epochs, with rank 1's pushes simulated (``interpreted_split_k.py``)."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    pytest.importorskip("iris")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_split_k.py")], env=env,
                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
