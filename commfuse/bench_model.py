@@ -390,5 +390,16 @@ def main(args) -> int:
                     _write(args.out, records)  # after every case: a run cut short keeps its data
     if dist.get_rank() == 0 and args.out:
         print(f"wrote {args.out}")
+    if any(r["mode"].startswith("decode_cg") for r in records):
+        # destroy_process_group() hangs once CUDA graphs captured NCCL collectives (Inductor's
+        # own all_reduce here; pytorch/pytorch#115388): the graphed runs wrote their results and
+        # then hung until killed (model/cg_7df2006.log, cg_5b4db3f.log). Every rank is past its
+        # last collective: leave without the group's teardown.
+        print("commfuse.bench model: exiting without destroy_process_group() after CUDA-graph "
+              "runs (pytorch/pytorch#115388)", file=sys.stderr, flush=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
     return 0
