@@ -17,9 +17,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import _forced, sweep_finish, sweep_setup, time_us
+from commfuse.bench import _forced, sweep_check, sweep_finish, sweep_setup, sweep_variant, time_us
 from commfuse.kernels import fused_split_k, symm, tiles
-from commfuse.kernels.sync import ErrorWord
 
 SHAPES = [(m, k, n) for m in (1, 4, 16, 32, 64, 128, 256) for k, n in ((2048, 4096), (7168, 4096))] + [
     (m, k, n) for m in (16, 128) for k, n in ((14336, 8192), (4096, 8192))] + [
@@ -31,22 +30,8 @@ def call(ws, a, b, bias, out, cfg):
 
 
 def check(ws, m, k, n, cfg, group, bias: bool, transposed: bool) -> float:
-    """Relative error against the fp32 sum of every rank's a @ b + bias, output poisoned first."""
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    b = w.t() if transposed else w.t().contiguous()
-    bb = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-    ref = a.float() @ b.float() + (bb.float() if bias else 0)
-    dist.all_reduce(ref, group=group)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    call(ws, a, b, bb, out, cfg)
-    torch.cuda.synchronize()
-    ErrorWord.check("split_k_sweep")
-    same = out.clone()
-    dist.broadcast(same, 0, group=group)
-    if not torch.equal(same, out):
-        return float("inf")  # ranks must write the same bits
-    return ((out.float() - ref).norm() / ref.norm()).item()
+    return sweep_check(lambda a, b, bb, out: call(ws, a, b, bb, out, cfg), m, k, n, group, bias,
+                       transposed, "split_k_sweep")
 
 
 def main() -> int:
@@ -85,12 +70,9 @@ def main() -> int:
             if split and split * 2 > -(-k // cfg.tile.bk):
                 continue
             name = f"auto={cfg}" if split == 0 else str(cfg)
-            try:
-                errs[name] = check(ws, m, k, n, cfg, group, bias=False, transposed=True)
-                t[f"split_k {name}"] = time_us(lambda: call(ws, a, b, None, out, cfg))
-            except Exception as exc:
-                errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                torch.cuda.synchronize()
+            sweep_variant(errs, t, name, f"split_k {name}",
+                          lambda: check(ws, m, k, n, cfg, group, bias=False, transposed=True),
+                          lambda: call(ws, a, b, None, out, cfg))
         if first:
             errs["bias+rowmajor"] = check(ws, m, k, n, auto, group, bias=True, transposed=False)
             first = False

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import MM_AR_SHAPES, sweep_finish, sweep_setup, time_us
+from commfuse.bench import MM_AR_SHAPES, sweep_check, sweep_finish, sweep_setup, sweep_variant, time_us
 from commfuse.kernels import fused_all_reduce, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
@@ -31,18 +31,8 @@ def fused_call(ws, a, b, bias, out, cfg, ablate=0):
 
 
 def check(ws, m, k, n, cfg, group, bias: bool, transposed: bool) -> float:
-    """Relative error of the fused result against the fp32 sum, on fresh data, output poisoned."""
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    b = w.t() if transposed else w.t().contiguous()
-    bb = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-    ref = a.float() @ b.float() + (bb.float() if bias else 0)
-    dist.all_reduce(ref, group=group)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    fused_call(ws, a, b, bb, out, cfg)
-    torch.cuda.synchronize()
-    ErrorWord.check("tile_sweep")
-    return ((out.float() - ref).norm() / ref.norm()).item()
+    return sweep_check(lambda a, b, bb, out: fused_call(ws, a, b, bb, out, cfg), m, k, n, group, bias,
+                       transposed, "tile_sweep")
 
 
 def one_shot(a, b, gname) -> float:
@@ -94,12 +84,9 @@ def main() -> int:
             for tickets in ("1", "0") if args.static else ("1",):
                 os.environ["COMMFUSE_FUSED_TICKETS"] = tickets
                 name = f"{c}" + (" static" if tickets == "0" else "")
-                try:
-                    errs[name] = check(ws, m, k, n, c, group, bias=False, transposed=True)
-                    t[f"fused {name}"] = time_us(lambda: fused_call(ws, a, b, None, out, c))
-                except Exception as exc:
-                    errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    torch.cuda.synchronize()
+                sweep_variant(errs, t, name, f"fused {name}",
+                              lambda: check(ws, m, k, n, c, group, bias=False, transposed=True),
+                              lambda: fused_call(ws, a, b, None, out, c))
             os.environ.pop("COMMFUSE_FUSED_TICKETS", None)
         if args.ablate:
             c = configs[0]

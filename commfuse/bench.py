@@ -195,6 +195,41 @@ def sweep_setup():
     return dist.group.WORLD, dist.get_rank()
 
 
+def sweep_check(run, m: int, k: int, n: int, group, bias: bool, transposed: bool, what: str) -> float:
+    """The sweeps' correctness check of an all-reducing ``run(a, b, bias, out)``: relative error
+    against the fp32 sum over ranks of ``a @ b + bias`` on fresh data, ``out`` poisoned first;
+    ``inf`` if the ranks' outputs differ in any bit. ``transposed``: ``b`` is a linear layer's
+    weight ``W.t()``, else row-major."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = w.t() if transposed else w.t().contiguous()
+    bb = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = a.float() @ b.float() + (bb.float() if bias else 0)
+    dist.all_reduce(ref, group=group)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    run(a, b, bb, out)
+    torch.cuda.synchronize()
+    from commfuse.kernels.sync import ErrorWord
+
+    ErrorWord.check(what)
+    same = out.clone()
+    dist.broadcast(same, 0, group=group)
+    if not torch.equal(same, out):
+        return float("inf")
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def sweep_variant(errs: dict, times: dict, name: str, key: str, check, run) -> None:
+    """One variant of a sweep: ``errs[name] = check()``, then ``times[key]`` of ``run``; a variant
+    that raises (a config that does not fit, a peer that failed) is recorded, not fatal."""
+    try:
+        errs[name] = check()
+        times[key] = time_us(run)
+    except Exception as exc:
+        errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        torch.cuda.synchronize()
+
+
 def sweep_finish(records: list, out: str | None) -> int:
     """Rank 0 writes the sweep's records; every rank leaves the group."""
     if dist.get_rank() == 0 and out:

@@ -34,15 +34,18 @@ def _reference(a, b, c):
     return ref
 
 
-def _fused_call(a, b, c, group_name):
-    """One call on poisoned memory: it must take the fused path and equal the fp32 reference."""
+def _fused_call(a, b, c, group_name, path="fused"):
+    """One call on poisoned memory: it must take ``path`` and equal the fp32 reference, and every
+    rank must return the same reduced tensor, not its own partial."""
     poison()
-    before = cuda_paths.PATHS["mm_all_reduce:fused"]
+    before = cuda_paths.PATHS[f"mm_all_reduce:{path}"]
     out = torch.ops.commfuse.mm_all_reduce(a, b, c, group_name)
     ref = _reference(a, b, c)
     check_errors()
-    assert cuda_paths.PATHS["mm_all_reduce:fused"] == before + 1
+    assert cuda_paths.PATHS[f"mm_all_reduce:{path}"] == before + 1
     assert relerr(out, ref) < 1e-2
+    outs = gather_all(out)
+    assert torch.equal(outs[0], outs[1])
     return out
 
 
@@ -59,11 +62,7 @@ def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkey
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     k, n = 1024, 776  # N is not a multiple of the 256-wide tile; rows are 16-byte multiples
     torch.manual_seed(1000 * dist.get_rank() + m)
-    a, b, c = _operands(m, k, n, dtype, form)
-    out = _fused_call(a, b, c, nccl.group_name)
-    # every rank returns the same reduced tensor, not its own partial
-    outs = gather_all(out)
-    assert torch.equal(outs[0], outs[1])
+    _fused_call(*_operands(m, k, n, dtype, form), nccl.group_name)
 
 
 @pytest.mark.parametrize("tickets", ["0", "1"])

@@ -12,23 +12,14 @@ import torch.distributed as dist
 
 from commfuse.kernels import cuda_paths, dispatch, fused_split_k, symm
 from commfuse.kernels.sync import check_errors
-from gpu_util import gather_all, poison, relerr
-from test_gpu_fused import _operands, _reference
+from gpu_util import relerr
+from test_gpu_fused import _fused_call, _operands, _reference
 
 pytestmark = pytest.mark.gpu
 
 
 def _split_k_call(a, b, c, group_name):
-    poison()
-    before = cuda_paths.PATHS["mm_all_reduce:split_k"]
-    out = torch.ops.commfuse.mm_all_reduce(a, b, c, group_name)
-    ref = _reference(a, b, c)
-    check_errors()
-    assert cuda_paths.PATHS["mm_all_reduce:split_k"] == before + 1
-    assert relerr(out, ref) < 1e-2
-    outs = gather_all(out)  # every rank returns the same reduced bits, not its own partial
-    assert torch.equal(outs[0], outs[1])
-    return out
+    return _fused_call(a, b, c, group_name, path="split_k")
 
 
 @pytest.fixture(params=["torch", "iris"])
