@@ -395,8 +395,9 @@ def main(args) -> int:
         # own all_reduce here; pytorch/pytorch#115388): the graphed runs wrote their results and
         # then hung until killed (model/cg_7df2006.log, cg_5b4db3f.log). Every rank is past its
         # last collective: leave without the group's teardown.
-        print("commfuse.bench model: exiting without destroy_process_group() after CUDA-graph "
-              "runs (pytorch/pytorch#115388)", file=sys.stderr, flush=True)
+        if dist.get_rank() == 0:
+            print("commfuse.bench model: exiting without destroy_process_group() after CUDA-graph "
+                  "runs (pytorch/pytorch#115388)", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
         dist.barrier()
         sys.stdout.flush()

@@ -2,7 +2,12 @@
 rank 0 of two, in one process. Rank 1 is simulated: its sums and flags are written into rank 0's
 workspace before the launch, as its pushes would have left them, and rank 0's pushes are checked
 in rank 1's buffer after. Both epoch modes: host epochs (a workspace) and device epochs (a graph
-lane, two calls in a row). Exits non-zero on a mismatch."""
+lane, two calls in a row). Exits non-zero on a mismatch.
+
+What the interpreter cannot show: it runs programs one after another, so the first program
+claims every unit (no concurrent claims, no arrival races, the deferred tile output always
+follows the next unit of the same program), and rank 1's flags are set before the launch, so no
+wait ever spins. Those run on GPUs (``tests/gpu/test_gpu_split_k.py``)."""
 
 from __future__ import annotations
 

@@ -118,8 +118,10 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
 @pytest.mark.parametrize("algo, gather_dim, shape", [
     ("symm", 0, (4, 6)), ("symm", 1, (2, 3, 6)), ("overlap", 0, (4, 6)), ("overlap", 0, (2, 2, 6))])
 @pytest.mark.parametrize("bias_kind", [None, "1d"])
-def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind):
+@pytest.mark.parametrize("local_copy", ["1", "0"])
+def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind, local_copy):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
+    monkeypatch.setenv("COMMFUSE_AG_LOCAL_COPY", local_copy)  # the overlap's local rows: copied or in place
     torch.manual_seed(4)
     shards = [torch.randn(*shape) for _ in range(sim.world)]
     b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
@@ -142,12 +144,15 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
 
 @pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
     ("symm", 4, lambda w: [4 * w, 7], 0), ("symm", 4, lambda w: [2, 2 * w, 7], 1),
-    ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0)])
+    ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0),
+    ("ce_overlap", 5, lambda w: [5 * w, 7], 0)])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
 @pytest.mark.parametrize("chunks", ["1", "3"])
 def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind, chunks):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
-    monkeypatch.setenv("COMMFUSE_RS_CHUNKS", chunks)  # the overlap's row chunks per share (3: uneven)
+    monkeypatch.setenv("COMMFUSE_RS_CHUNKS", chunks)  # the overlap's row chunks per share (3 of 5 rows: 2, 2, 1)
+    slots = []
+    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: slots.append(slot))
     m = rows_per_rank * sim.world
     shape = shape_of(sim.world)
     a, b, bias = _inputs(sim.world, m, 6, 7, bias_kind)
@@ -157,3 +162,4 @@ def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of
     out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
     total = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)).view(shape)
     torch.testing.assert_close(out, total.chunk(sim.world, dim=scatter_dim)[r])
+    assert len(slots) == len(set(slots)), "every barrier of a call has its own flag slot"

@@ -397,8 +397,13 @@ def test_split_k_config_fills_one_wave_of_programs():
         sums = world * 32 * block * 2
         assert fused_split_k.data_bytes(16, 4096, world, cfg, BF16) == -(-sums // 256) * 256 + 32 * 4 * block * 4
         assert fused_split_k.flag_slots(16, 4096, world, cfg) == 32 * world
-        assert dispatch.all_reduce_workspace_bytes(16, 7168, 4096, BF16, world) == \
-            fused_split_k.data_bytes(16, 4096, world, fused_split_k.config(16, 7168, 4096, dispatch.sm_count()), BF16)
+        # planned for any SM count: at least what a 132- or 264-SM group's slices use, the same
+        # request on every rank whatever its GPU
+        planned = dispatch.all_reduce_workspace_bytes(16, 7168, 4096, BF16, world)
+        for sms in (66, 132, 264):
+            used = fused_split_k.data_bytes(16, 4096, world, fused_split_k.config(16, 7168, 4096, sms), BF16)
+            assert used <= planned
+        assert planned == dispatch.split_k_workspace_bytes(16, 7168, 4096, BF16, world)
 
 
 def test_split_k_counters_sit_between_the_tile_flags_and_the_ticket():
@@ -431,3 +436,15 @@ def test_graph_lane_split_k_words_and_choice(monkeypatch):
     assert not dispatch.graph_split_k(128, 2048, 4096, BF16, small)  # its data does not fit
     monkeypatch.setenv("COMMFUSE_GRAPH_SPLIT_K", "0")
     assert not dispatch.graph_split_k(4, 7168, 4096, BF16, lane)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 64])
+def test_scatter_chunks_fit_the_flag_area(world, monkeypatch):
+    """One barrier slot per chunk and step must exist before the call's epoch begins."""
+    slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // world
+    monkeypatch.delenv("COMMFUSE_RS_CHUNKS", raising=False)
+    assert dispatch.scatter_chunks(4096, world) == min(2, slots // (world - 1))
+    monkeypatch.setenv("COMMFUSE_RS_CHUNKS", "64")
+    chunks = dispatch.scatter_chunks(4096, world)
+    assert 1 <= chunks <= 64 and chunks * (world - 1) <= slots
+    assert dispatch.scatter_chunks(3, world) <= 3  # never more chunks than rows

@@ -124,9 +124,8 @@ def _split_k(a, b, bias, group_name: str, world: int) -> torch.Tensor:
     """Few rows: the split-K GEMM that pushes each tile's sum as it completes
     (``fused_split_k.py``), one kernel."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    cfg = dispatch.split_k_config(m, k, n, dispatch.sm_count())
-    ws = symm.workspace(group_name, fused_split_k.data_bytes(m, n, world, cfg, a.dtype), a.device)
-    cfg = dispatch.split_k_config(m, k, n, ws.max_programs)  # the group's; never needs more bytes
+    ws = symm.workspace(group_name, dispatch.split_k_workspace_bytes(m, k, n, a.dtype, world), a.device)
+    cfg = dispatch.split_k_config(m, k, n, ws.max_programs)  # the group's SM count
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     launch = fused_split_k.prepare(ws, a, b, bias, out, cfg)  # before the epoch
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
@@ -313,9 +312,11 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> Non
     """Multiply the peers' shares of the rows first, each in turn and in row chunks; as chunk c of
     share p lands, rank p's copy engines pull it on their side stream while this rank multiplies
     the next chunk. This rank's own share comes last, chunk by chunk: each GEMM adds the pulled
-    partials of its rows in its epilogue (``addmm``), so no separate pass sums the shares."""
+    partials of its rows (summed in rank order, then this rank's bias) in its epilogue
+    (``addmm``), so no separate pass sums the shares; this rank's product is added last and
+    unrounded, which differs from the rank-order sum of rounded partials by rounding only."""
     world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world
-    chunks = dispatch.scatter_chunks(rows)
+    chunks = dispatch.scatter_chunks(rows, world)
     step_rows = -(-rows // chunks)
     bounds = [(lo, min(lo + step_rows, rows)) for lo in range(0, rows, step_rows)]
     side = _side_stream(a.device)

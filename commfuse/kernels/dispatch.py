@@ -178,12 +178,17 @@ def split_k_config(m: int, k: int, n: int, programs: int):
     return fused_split_k.config(m, k, n, programs, int(env) if env else None)
 
 
-def sm_count() -> int:
-    """This GPU's SM count (132 without CUDA): what a workspace plan assumes before the group's
-    agreed count is known (an allocation takes the group's smallest; fewer SMs never need more)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+#: The split-K kernel's workspace is sized for this many programs, more than any GPU has SMs: a
+#: group's agreed count (its smallest GPU's) never needs more slices, hence never more bytes, and
+#: the request is the same on every rank whatever its GPU (allocation is collective).
+SPLIT_K_PLAN_PROGRAMS = 1024
+
+
+def split_k_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
+    """Per-parity bytes the split-K kernel may use for this shape on any group."""
+    from . import fused_split_k
+
+    return fused_split_k.data_bytes(m, n, world, split_k_config(m, k, n, SPLIT_K_PLAN_PROGRAMS), dtype)
 
 
 def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
@@ -201,9 +206,7 @@ def all_reduce_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world
 
         return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n)) * dtype.itemsize
     if algo == "split_k":
-        from . import fused_split_k
-
-        return fused_split_k.data_bytes(m, n, world, split_k_config(m, k, n, sm_count()), dtype)
+        return split_k_workspace_bytes(m, k, n, dtype, world)
     return m * n * dtype.itemsize
 
 
@@ -323,12 +326,14 @@ def overlap_config(m: int) -> tuple[int, int]:
     return 4, 32
 
 
-def scatter_chunks(rows: int) -> int:
+def scatter_chunks(rows: int, world: int) -> int:
     """Row chunks per share of the copy-engine overlapped reduce-scatter: each chunk's pull
     overlaps the next chunk's GEMM, and the last share's GEMMs add what was pulled in their
-    epilogue, so the pull of the last chunk is what stays exposed; ``COMMFUSE_RS_CHUNKS``."""
+    epilogue, so the pull of the last chunk is what stays exposed; ``COMMFUSE_RS_CHUNKS``. One
+    barrier flag slot per chunk and step: at most what the flag area holds."""
     env = os.environ.get("COMMFUSE_RS_CHUNKS")
-    return max(1, min(int(env) if env else 2, rows, 64))  # one barrier flag slot per chunk and step
+    slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1)
+    return max(1, min(int(env) if env else 2, rows, 64, slots))
 
 
 def copy_engine_chunks(m: int) -> int:

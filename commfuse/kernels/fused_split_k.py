@@ -209,6 +209,10 @@ def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters
     return None
 
 
+#: Specialisations compiled by ``prepare`` (see there).
+_compiled: set = set()
+
+
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: SplitConfig,
             lane: bool = False):
     """What can fail on one rank alone (copies, descriptors, the first compile) before the call's
@@ -248,13 +252,24 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                   EPOCH_SLOTS=epochs.numel() if lane else 1, num_warps=cfg.tile.warps,
                   num_stages=cfg.tile.stages)
 
+    def args(epoch: int, base: int) -> tuple:
+        return (a_desc, b_desc, full_bias if full_bias is not None else out, parts0, sums0,
+                half // 4, half // a.dtype.itemsize, out, m, n, k, sbm, sbn, flags, ws.tile_counters,
+                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ticket, base, epochs)
+
+    # compile before the call's epoch begins: a compile that fails on one rank must not leave its
+    # peers waiting. Keyed like Triton's specialisation (integers equal to 1 or multiples of 16).
+    ints = (m, n, k, sbm, sbn, half // 4, half // a.dtype.itemsize)
+    key = (cfg, a.dtype, ws.world, b_t, bias is not None, lane, a.device,
+           tuple((v == 1, v % 16 == 0) for v in ints),
+           tuple(t.data_ptr() % 16 == 0 for t in (out, full_bias) if t is not None))
+    if key not in _compiled and hasattr(split_k_all_reduce_kernel, "warmup"):  # (not interpreted)
+        split_k_all_reduce_kernel.warmup(*args(0, 0), grid=(1,), **consts)
+        _compiled.add(key)
+
     def launch(epoch: int = 0, parity: int = 0) -> None:
         base = 0 if lane else ws.ticket_base
-        split_k_all_reduce_kernel[(programs,)](
-            a_desc, b_desc, full_bias if full_bias is not None else out, parts0, sums0,
-            half // 4, half // a.dtype.itemsize, out, m, n, k, sbm, sbn, flags, ws.tile_counters,
-            ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ticket, base, epochs,
-            **consts)
+        split_k_all_reduce_kernel[(programs,)](*args(epoch, base), **consts)
         if not lane:
             ws.ticket_base = base + units + programs  # every unit claimed once, one failed claim each
 

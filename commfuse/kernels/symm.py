@@ -16,8 +16,8 @@ symmetric buffer, never in PyTorch's caching allocator: the first call of a grou
 CUDA-graph warm-up, whose allocations come from the graph's private pool and are reused by later
 captures (a heap-bases table there was overwritten: illegal addresses).
 
-Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][tile flags: TILE_FLAG_BYTES]
-[data parity 0][data parity 1]``. Flags are int32 epoch counters that only grow, so they never need
+Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][tile flags | split-K counters | ticket:
+TILE_FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch counters that only grow, so they never need
 resetting (until epochs restart near EPOCH_LIMIT); the two data halves alternate between calls,
 which (with the flag wait at the start of every exchange kernel, and the per-tile flags of the
 fused kernel) keeps a fast rank from overwriting data a slow peer is still reading. Allocation is
@@ -163,8 +163,8 @@ def graph_data_bytes() -> int:
 
 @dataclasses.dataclass
 class GraphLane:
-    """A fixed-size symmetric buffer ``[int64 flags][data parity 0][data parity 1]`` plus a local
-    ``counter`` of the lane's epoch per program. Kernels read the epoch from ``counter`` and advance
+    """A fixed-size symmetric buffer ``[int64 flags | split-K words | epoch counters | heap bases]
+    [data parity 0][data parity 1]``: ``counter`` holds the lane's epoch per program. Kernels read the epoch from ``counter`` and advance
     it themselves, so the same launch can be captured once and replayed any number of times. It is
     never grown or freed while the process runs: captured graphs hold its addresses."""
 

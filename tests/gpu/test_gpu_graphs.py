@@ -57,10 +57,12 @@ def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch, k
             monkeypatch.delenv("COMMFUSE_ALGO")
             if i % 100 == 3:
                 assert relerr(got, _reference(other, w)) < 1e-2
-        if i % 11 == 5:  # and eager calls of the graph lane itself
+        if i % 11 == 5:  # and eager calls of the graph lane itself (its split-K kernel: 64 x 256)
             monkeypatch.setenv("COMMFUSE_ALGO", "graph")
-            torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
+            got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
             monkeypatch.delenv("COMMFUSE_ALGO")
+            if i % 55 == 5:
+                assert relerr(got, _reference(other, w)) < 1e-2, f"eager lane call at replay {i}"
         if i % 100 == 99:
             check_errors()
             assert relerr(out, _reference(a, b)) < 1e-2, f"replay {i}"
@@ -100,8 +102,13 @@ def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch, split
     monkeypatch.setenv("COMMFUSE_ALGO", "graph")
     a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    kernels = []
+    real_prepare = fused_split_k.prepare
+    monkeypatch.setattr(fused_split_k, "prepare", lambda *x, **kw: kernels.append(kw.get("lane"))
+                        or real_prepare(*x, **kw))
     torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
     check_errors()
+    assert kernels == ([True] if split_k == "1" else []), "the lane's kernel for this shape"
     dist.barrier()
     if dist.get_rank() == 0:
         out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)

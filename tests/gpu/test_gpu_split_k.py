@@ -38,9 +38,10 @@ def test_split_k_matches_the_fp32_reference(nccl, provider, m, dtype, form, monk
     _split_k_call(*_operands(m, k, n, dtype, form), nccl.group_name)
 
 
-@pytest.mark.parametrize("split", [1, 3, 8])
+@pytest.mark.parametrize("split", [1, 3, 5, 8])
 def test_split_k_forced_slice_counts(nccl, monkeypatch, split):
-    """Slice counts that leave a short or an empty last slice (8 K steps in 3 or 8 slices)."""
+    """8 K steps in 3 slices leave a short last slice (3, 3, 2), in 5 an empty one (2 each, then
+    none), in 8 one step each."""
     monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
     monkeypatch.setenv("COMMFUSE_SPLIT_K", str(split))
     torch.manual_seed(5 + dist.get_rank())
