@@ -1,7 +1,7 @@
 """Run by test_tiles.py under TRITON_INTERPRET=1: the split-K kernel of ``fused_split_k.py`` as
-rank 0 of two, in one process. Rank 1 is simulated: its sums and flags are written into rank 0's
-workspace before the launch, as its pushes would have left them, and rank 0's pushes are checked
-in rank 1's buffer after. Both epoch modes: host epochs (a workspace) and device epochs (a graph
+one rank of 2, 4 or 8, in one process. The other ranks are simulated: their sums and flags are
+written into this rank's workspace before the launch, as their pushes would have left them, and
+this rank's pushes are checked in their buffers after. Both epoch modes: host epochs (a workspace) and device epochs (a graph
 lane, two calls in a row). Exits non-zero on a mismatch.
 
 What the interpreter cannot show: it runs programs one after another, so the first program
@@ -43,61 +43,68 @@ def blocks(full: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     return pad.view(num_m, bm, num_n, bn).permute(0, 2, 1, 3).reshape(num_m * num_n, bm, bn)
 
 
-def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int = 1) -> None:
-    torch.manual_seed(m * 1000 + k + n + split)
+def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int = 1, world: int = 2,
+         rank: int = 0) -> None:
+    """``rank`` of ``world`` runs the kernel; every other rank's pushes are simulated."""
+    torch.manual_seed(m * 1000 + k + n + split + world)
     tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0)
     cfg = fused_split_k.config(m, k, n, 3, split, tile)
     count = fused_split_k.num_tiles(m, n, cfg)
-    data_bytes = 1 << 16
+    data_bytes = 1 << 17
     header = symm.GRAPH_FLAG_BYTES if lane else symm.HEADER_BYTES
-    bufs = [torch.zeros(header + 2 * data_bytes, dtype=torch.uint8) for _ in range(2)]
+    bufs = [torch.zeros(header + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     if lane:
-        ws = [symm.GraphLane("0", r, 2, bufs[r], bases, data_bytes, 3) for r in range(2)]
+        ws = [symm.GraphLane("0", r, world, bufs[r], bases, data_bytes, 3) for r in range(world)]
     else:
-        ws = [symm.Workspace("0", r, 2, bufs[r], bases, data_bytes, max_programs=3) for r in range(2)]
-    sums_elems = 2 * count * 16 * 16
+        ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=3) for r in range(world)]
+    me = ws[rank]
     for call in range(calls):
-        a = [torch.randn(m, k, dtype=DT) for _ in range(2)]
-        w = [(torch.randn(n, k, dtype=DT) / k ** 0.5) for _ in range(2)]
-        c = [torch.randn(n, dtype=DT) if bias else None for _ in range(2)]
-        partial = [(a[r].float() @ w[r].float().t() + (c[r].float() if bias else 0)).to(DT) for r in range(2)]
+        a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
+        w = [(torch.randn(n, k, dtype=DT) / k ** 0.5) for _ in range(world)]
+        c = [torch.randn(n, dtype=DT) if bias else None for _ in range(world)]
+        partial = [(a[r].float() @ w[r].float().t() + (c[r].float() if bias else 0)).to(DT)
+                   for r in range(world)]
         if lane:
-            epoch = int(ws[0].counter[0]) + 1
-            sums0, flags0, flags1 = ws[0].data(DT), ws[0].flags, ws[1].flags
-            sums1 = ws[1].data(DT)
-            half = ws[0].half_elems(DT)
+            epoch = int(me.counter[0]) + 1
+            sums = [x.data(DT) for x in ws]
+            flags = [x.flags for x in ws]
+            half = me.half_elems(DT)
         else:
-            epoch = ws[0].epoch + 1
+            epoch = me.epoch + 1
             half = data_bytes // 2
-            sums0 = bufs[0][symm.HEADER_BYTES:].view(DT)
-            sums1 = bufs[1][symm.HEADER_BYTES:].view(DT)
-            flags0, flags1 = ws[0].tile_flags, ws[1].tile_flags
+            sums = [b[symm.HEADER_BYTES:].view(DT) for b in bufs]
+            flags = [x.tile_flags for x in ws]
         at = (epoch % 2) * half
-        # rank 1's pushes, as they would have landed in rank 0's workspace: its sums, its flags
-        sums0[at + count * 256:at + sums_elems].copy_(blocks(partial[1], 16, 16).flatten())
-        for t in range(count):
-            flags0[t * 2 + 1] = epoch
+        # the other ranks' pushes, as they would have landed in this rank's workspace
+        for p in range(world):
+            if p != rank:
+                sums[rank][at + p * count * 256:at + (p + 1) * count * 256].copy_(
+                    blocks(partial[p], 16, 16).flatten())
+                for t in range(count):
+                    flags[rank][t * world + p] = epoch
         out = torch.full((m, n), float("nan"), dtype=DT)
-        launch = fused_split_k.prepare(ws[0], a[0], w[0].t(), c[0], out, cfg, lane=lane)
+        launch = fused_split_k.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, lane=lane)
         if lane:
             launch()
         else:
-            launch(*ws[0].next_epoch())
-        want = partial[0].float() + partial[1].float()  # the rank-order sum of rounded partials
+            launch(*me.next_epoch())
+        want = sum(x.float() for x in partial)  # the rank-order sum of rounded partials
         err = ((out.float() - want).norm() / want.norm()).item()
-        assert err < 2e-3, (m, k, n, split, bias, lane, call, err)
-        # what rank 0 pushed into rank 1: its rounded sum in slot [0, tile], and its flags
-        got = sums1[at:at + count * 256].view(count, 16, 16)
-        mine = blocks(partial[0], 16, 16)
-        assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3
-        assert all(int(flags1[t * 2]) == epoch for t in range(count)), "rank 0's flags"
-        assert ws[0].tile_counters.eq(0).all(), "arrival counters back at zero"
+        assert err < 2e-3, (m, k, n, split, bias, lane, call, world, rank, err)
+        # what this rank pushed into every peer: its rounded sum in slot [rank, tile], its flags
+        mine = blocks(partial[rank], 16, 16)
+        for p in range(world):
+            if p != rank:
+                got = sums[p][at + rank * count * 256:at + (rank + 1) * count * 256].view(count, 16, 16)
+                assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
+                assert all(int(flags[p][t * world + rank]) == epoch for t in range(count)), p
+        assert me.tile_counters.eq(0).all(), "arrival counters back at zero"
         if lane:
-            assert ws[0].counter.eq(epoch).all(), "the lane's epoch advanced in every slot"
-            assert ws[0].ticket.eq(0).all(), "ticket and exits back at zero"
+            assert me.counter.eq(epoch).all(), "the lane's epoch advanced in every slot"
+            assert me.ticket.eq(0).all(), "ticket and exits back at zero"
         else:
-            assert int(ws[0].ticket.item()) == ws[0].ticket_base, "each unit claimed once"
+            assert int(me.ticket.item()) == me.ticket_base, "each unit claimed once"
         assert int(ErrorWord._word[0]) == 0
 
 
@@ -106,6 +113,9 @@ def main() -> None:
                                  (33, 128, 16, 4, True)]:
         case(m, k, n, split, bias, lane=False)
         case(m, k, n, split, bias, lane=True, calls=2)
+    for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
+        case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
+        case(20, 80, 48, 3, True, lane=True, calls=2, world=world, rank=rank)
     print("ok")
 
 

@@ -1,5 +1,5 @@
 """The tile kernels' GEMM, the fused all-reduce kernel's tile order and the split-K kernel (one
-rank, its peer simulated), in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
+rank, its peers simulated), in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
 The cross-GPU parts run in tests/gpu."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def test_tile_gemm_and_fused_tile_order_in_the_interpreter():
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
-def test_split_k_kernel_as_rank_0_of_two_in_the_interpreter():
+def test_split_k_kernel_as_one_rank_of_2_4_and_8_in_the_interpreter():
     """The few-rows kernel's slices, sums, pushes, flags, counters, ticket and (graph lane) device
-    epochs, with rank 1's pushes simulated (``interpreted_split_k.py``)."""
+    epochs, with the other ranks' pushes simulated (``interpreted_split_k.py``)."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     pytest.importorskip("iris")
     env = dict(os.environ, TRITON_INTERPRET="1")
