@@ -1,0 +1,122 @@
+"""Run by test_tiles.py under TRITON_INTERPRET=1: the fused all-reduce kernel of
+``fused_all_reduce.py`` and its reduce-scatter form as one rank of 2, 4 or 8, in one process.
+The other ranks are simulated: the partials they push to this rank's tiles, and (all-reduce) the
+sums they push back for their own tiles, are written into this rank's workspace with their flags
+before the launch; this rank's pushes are checked in their buffers after. The interpreter runs
+programs one after another (no concurrent claims; no wait ever spins): those run on GPUs
+(``tests/gpu/test_gpu_fused.py``). Exits non-zero on a mismatch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from commfuse.kernels import fused_all_reduce, symm, sync, tiles
+from commfuse.kernels.sync import ErrorWord
+
+
+@triton.jit
+def _now():
+    """The interpreter has no inline assembly: a clock that never advances."""
+    return tl.full((), 0, tl.int64)
+
+
+sync.now = _now
+fused_all_reduce.now = _now
+# the ablation bits are constexpr globals for the compiler; the interpreter wants plain integers
+fused_all_reduce.NO_REMOTE, fused_all_reduce.NO_WAIT, fused_all_reduce.NO_COPY = 1, 2, 4
+ErrorWord._word = torch.zeros(4, dtype=torch.int32)  # no pinned memory without CUDA
+ErrorWord._host = ErrorWord._word.numpy()
+
+DT = torch.float16  # the interpreter mishandles bf16
+BM = BN = 16
+
+
+def block(full: torch.Tensor, off_m: int, pid_n: int) -> torch.Tensor:
+    """The dense [BM, BN] block at rows off_m.., column block pid_n of ``full`` (zero-padded)."""
+    out = torch.zeros(BM, BN, dtype=full.dtype)
+    rows = full[off_m:off_m + BM, pid_n * BN:(pid_n + 1) * BN]
+    out[:rows.shape[0], :rows.shape[1]] = rows
+    return out
+
+
+def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: bool, calls: int = 2) -> None:
+    torch.manual_seed(m + k + n + world + rank + scatter)
+    cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=1, per_sm=1)
+    count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)
+    slab_tiles = -(-count // world)
+    result_at = world * slab_tiles
+    num_n = -(-n // BN)
+    share = m // world
+    per = -(-share // BM) * num_n  # reduce-scatter: tiles per owner
+    data_bytes = 1 << 17
+    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=4) for r in range(world)]
+    me = ws[rank]
+    # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
+    fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0)] = 1
+
+    def place(t):
+        """(owner, slot, first row, column block) of tile t."""
+        if scatter:
+            o, slot = t // per, t % per
+            return o, slot, o * share + (slot // num_n) * BM, slot % num_n
+        return t % world, t // world, (t // num_n) * BM, t % num_n
+
+    for call in range(calls):
+        a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
+        w = [torch.randn(n, k, dtype=DT) / k ** 0.5 for _ in range(world)]
+        c = [torch.randn(n, dtype=DT) if bias else None for _ in range(world)]
+        partial = [(a[r].float() @ w[r].float().t() + (c[r].float() if bias else 0)).to(DT) for r in range(world)]
+        total = sum(x.float() for x in partial)
+        epoch = me.epoch + 1
+        at = symm.HEADER_BYTES // 2 + (epoch % 2) * (data_bytes // 2)  # fp16 elements
+        data = [b.view(DT)[at:at + data_bytes // 2] for b in bufs]
+        slab = lambda r, p, slot: data[r][(p * slab_tiles + slot) * BM * BN:(p * slab_tiles + slot + 1) * BM * BN]
+        result = lambda r, t: data[r][(result_at + t) * BM * BN:(result_at + t + 1) * BM * BN]
+        for t in range(count):
+            owner, slot, off_m, pid_n = place(t)
+            if owner == rank:  # the peers' partials of this rank's tile, and their ready flags
+                for p in range(world):
+                    if p != rank:
+                        slab(rank, p, slot).copy_(block(partial[p], off_m, pid_n).flatten())
+                        me.tile_flags[t * world + p] = epoch
+            elif not scatter:  # the owner's sum of its tile, pushed back, and its done flag
+                result(rank, t).copy_(block(total, off_m, pid_n).to(DT).flatten())
+                me.tile_flags[count * world + t] = epoch
+        out = torch.full((share if scatter else m, n), float("nan"), dtype=DT)
+        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter)
+        launch(*me.next_epoch())
+        want = total[rank * share:(rank + 1) * share] if scatter else total
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < 2e-3, (m, k, n, world, rank, scatter, call, err)
+        for t in range(count):  # what this rank pushed into its peers
+            owner, slot, off_m, pid_n = place(t)
+            if owner != rank:
+                got = slab(owner, rank, slot).view(BM, BN).float()
+                mine = block(partial[rank], off_m, pid_n).float()
+                rows = min(BM, (owner + 1) * share - off_m) if scatter else BM
+                assert torch.allclose(got[:rows], mine[:rows], atol=2e-3, rtol=2e-3), (t, owner)
+                assert int(ws[owner].tile_flags[t * world + rank]) == epoch, ("ready", t, owner)
+            elif not scatter:
+                for p in range(world):
+                    if p != rank:
+                        got = result(p, t).view(BM, BN).float()
+                        assert torch.allclose(got, block(total, off_m, pid_n), atol=2e-2, rtol=2e-2), (t, p)
+                        assert int(ws[p].tile_flags[count * world + t]) == epoch, ("done", t, p)
+        assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
+        assert int(ErrorWord._word[0]) == 0
+
+
+def main() -> None:
+    for world, rank in ((2, 0), (2, 1), (4, 2), (8, 5)):
+        case(40, 48, 40, world, rank, scatter=False, bias=True)
+        case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
+        case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
