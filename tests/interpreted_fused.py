@@ -1,8 +1,9 @@
 """Run by test_tiles.py under TRITON_INTERPRET=1: the fused all-reduce kernel of
-``fused_all_reduce.py`` and its reduce-scatter form as one rank of 2, 4 or 8, in one process.
-The other ranks are simulated: the partials they push to this rank's tiles, and (all-reduce) the
-sums they push back for their own tiles, are written into this rank's workspace with their flags
-before the launch; this rank's pushes are checked in their buffers after. The interpreter runs
+``fused_all_reduce.py``, its reduce-scatter form and the fused all-gather kernel of
+``fused_all_gather.py`` as one rank of 2, 4 or 8, in one process. The other ranks are simulated:
+what they push to this rank (partials of its tiles; the sums of their own tiles; their shard's
+chunks) is written into this rank's workspace with their flags before the launch; this rank's
+pushes are checked in their buffers after. The interpreter runs
 programs one after another (no concurrent claims; no wait ever spins): those run on GPUs
 (``tests/gpu/test_gpu_fused.py``). Exits non-zero on a mismatch."""
 
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commfuse.kernels import fused_all_reduce, symm, sync, tiles
+from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, sync, tiles
 from commfuse.kernels.sync import ErrorWord
 
 
@@ -22,8 +23,16 @@ def _now():
     return tl.full((), 0, tl.int64)
 
 
+@triton.jit
+def _no_fence():
+    """(A proxy fence is inline assembly; the interpreter has one memory.)"""
+    pass
+
+
 sync.now = _now
 fused_all_reduce.now = _now
+fused_all_gather.now = _now
+fused_all_gather._proxy_fence = _no_fence
 # the ablation bits are constexpr globals for the compiler; the interpreter wants plain integers
 fused_all_reduce.NO_REMOTE, fused_all_reduce.NO_WAIT, fused_all_reduce.NO_COPY = 1, 2, 4
 ErrorWord._word = torch.zeros(4, dtype=torch.int32)  # no pinned memory without CUDA
@@ -110,11 +119,55 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
         assert int(ErrorWord._word[0]) == 0
 
 
+def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, gathered: bool,
+                calls: int = 2) -> None:
+    torch.manual_seed(rows + k + n + world + rank)
+    cfg = tiles.TileConfig(bm=fused_all_gather.CHUNK_ROWS, bn=16, bk=16, stages=2, warps=4, group_m=1,
+                           reducers=0, per_sm=1)
+    chunks = -(-rows // fused_all_gather.CHUNK_ROWS)
+    data_bytes = 1 << 17
+    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=8) for r in range(world)]
+    me = ws[rank]
+    push_k = min(256, triton.next_power_of_2(k))
+    fused_all_gather._resident[(cfg, DT, world, True, bias, None, push_k, gathered)] = 1
+    for call in range(calls):
+        shards = [torch.randn(rows, k, dtype=DT) for _ in range(world)]
+        w = torch.randn(n, k, dtype=DT) / k ** 0.5
+        c = torch.randn(n, dtype=DT) if bias else None
+        full = torch.cat(shards)
+        epoch = me.epoch + 1
+        area = [x.data(epoch % 2, (world * rows, k), DT) for x in ws]
+        for p in range(world):
+            if p != rank:  # rank p's chunks, pushed into this rank's gathered rows, and their flags
+                area[rank][p * rows:(p + 1) * rows].copy_(shards[p])
+                for ch in range(chunks):
+                    me.tile_flags[ch * world + p] = epoch
+        out = torch.full((world * rows, n), float("nan"), dtype=DT)
+        got_rows = torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
+        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg)
+        launch(*me.next_epoch())
+        want = full.float() @ w.float().t() + (c.float() if bias else 0)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < 2e-3, (rows, k, n, world, rank, call, err)
+        if gathered:
+            assert torch.equal(got_rows, full), "the gathered rows, in rank order"
+        for p in range(world):  # this rank's shard and chunk flags in every peer
+            if p != rank:
+                assert torch.equal(area[p][rank * rows:(rank + 1) * rows], shards[rank]), p
+                assert all(int(ws[p].tile_flags[ch * world + rank]) == epoch for ch in range(chunks)), p
+        assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
+        assert int(ErrorWord._word[0]) == 0
+
+
 def main() -> None:
     for world, rank in ((2, 0), (2, 1), (4, 2), (8, 5)):
         case(40, 48, 40, world, rank, scatter=False, bias=True)
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
+        gather_case(40, 48, 24, world, rank, bias=True, gathered=True)  # 2 chunks, the last short
+        gather_case(7, 32, 16, world, rank, bias=False, gathered=False)
     print("ok")
 
 

@@ -1,5 +1,5 @@
-"""The tile kernels' GEMM, the fused all-reduce kernel's tile order, and the fused all-reduce,
-reduce-scatter and split-K kernels as one rank with its peers simulated, in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
+"""The tile kernels' GEMM, the fused all-reduce kernel's tile order, and every fused kernel (all-
+reduce, reduce-scatter, all-gather, split-K) as one rank with its peers simulated, in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
 The cross-GPU parts run in tests/gpu."""
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def test_split_k_kernel_as_one_rank_of_2_4_and_8_in_the_interpreter():
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
-def test_fused_all_reduce_and_reduce_scatter_as_one_rank_of_2_4_and_8_in_the_interpreter():
-    """The fused tile kernel's slabs, slots, pushes, ready/done flags, reducers and ticket, in both
-    forms, with the other ranks' pushes simulated (``interpreted_fused.py``)."""
+def test_fused_kernels_as_one_rank_of_2_4_and_8_in_the_interpreter():
+    """The fused all-reduce (both forms: slabs, slots, pushes, ready/done flags, reducers) and the
+    fused all-gather (chunk pushes and flags, the gathered rows), with the other ranks' pushes
+    simulated (``interpreted_fused.py``)."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     pytest.importorskip("iris")
     env = dict(os.environ, TRITON_INTERPRET="1")
