@@ -1,5 +1,6 @@
 """The tile kernels' GEMM, the fused all-reduce kernel's tile order, and every fused kernel (all-
-reduce, reduce-scatter, all-gather, split-K) as one rank with its peers simulated, in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
+reduce, reduce-scatter, all-gather, split-K) and the exchange kernels as one rank with its peers
+simulated, in Triton's CPU interpreter (fp16: the interpreter mishandles bf16).
 The cross-GPU parts run in tests/gpu."""
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def test_fused_kernels_as_one_rank_of_2_4_and_8_in_the_interpreter():
     pytest.importorskip("iris")
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_fused.py")], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_exchange_kernels_as_one_rank_of_2_4_and_8_in_the_interpreter():
+    """One-shot, two-shot (both phases, world shares), the pull gather and the reduce-scatter,
+    with the other ranks' workspaces and flags simulated (``interpreted_exchange.py``)."""
+    pytest.importorskip("iris")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_exchange.py")], env=env,
                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 

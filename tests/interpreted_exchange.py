@@ -1,0 +1,117 @@
+"""Run by test_tiles.py under TRITON_INTERPRET=1: the exchange kernels of ``exchange.py`` (one-shot
+and two-shot all-reduce, the pull gather, the reduce-scatter) as one rank of 2, 4 or 8, in one
+process. The other ranks are simulated: their workspaces hold what they would hold when this
+rank reads them (their partials or shards; for two-shot's second phase, their reduced share in
+place), and their flags are raised. This rank's signals are checked in their buffers after.
+Exits non-zero on a mismatch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from commfuse.kernels import exchange, symm, sync
+from commfuse.kernels.sync import ErrorWord
+
+
+@triton.jit
+def _now():
+    """The interpreter has no inline assembly: a clock that never advances."""
+    return tl.full((), 0, tl.int64)
+
+
+sync.now = _now
+ErrorWord._word = torch.zeros(4, dtype=torch.int32)  # no pinned memory without CUDA
+ErrorWord._host = ErrorWord._word.numpy()
+
+DT = torch.float16
+BLOCK = 64  # elements per program per step: several programs and steps on small tensors
+
+
+def group(world: int, rank: int, programs: int = 3):
+    data_bytes = 1 << 16
+    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=programs) for r in range(world)]
+    return ws, ws[rank]
+
+
+def raise_peer_flags(ws, me, epoch: int, slots: int) -> None:
+    for p in range(me.world):
+        if p != me.rank:
+            me.flags.view(-1, me.world)[:slots, p] = epoch
+
+
+def my_signals(ws, me, epoch: int, slots: int) -> bool:
+    return all(bool(ws[p].flags.view(-1, me.world)[:slots, me.rank].eq(epoch).all())
+               for p in range(me.world) if p != me.rank)
+
+
+def all_reduce_case(world: int, rank: int, algo: str, numel: int) -> None:
+    torch.manual_seed(world * 10 + rank + numel)
+    ws, me = group(world, rank)
+    for _ in range(2):  # two calls: both parities
+        epoch, parity = me.next_epoch()
+        parts = [torch.randn(numel, dtype=DT) for _ in range(world)]
+        total = sum(x.float() for x in parts).to(DT)
+        views = [x.data(parity, (numel,), DT) for x in ws]
+        for p in range(world):
+            views[p].copy_(parts[p])
+        if algo == "two_shot":  # by the second phase each peer has reduced its share in place
+            share = triton.cdiv(triton.cdiv(numel, world), BLOCK) * BLOCK
+            for p in range(world):
+                if p != rank:
+                    views[p][p * share:(p + 1) * share] = total[p * share:(p + 1) * share]
+        raise_peer_flags(ws, me, epoch, 2 * me.max_programs)
+        out = torch.full((numel,), float("nan"), dtype=DT)
+        exchange.all_reduce(me, views[rank], out, epoch, algo, 1, block=BLOCK, max_programs=me.max_programs,
+                            num_warps=4)
+        want = sum(x.float() for x in parts)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert err < 2e-3, (world, rank, algo, numel, err)
+        if algo == "one_shot":
+            assert my_signals(ws, me, epoch, exchange._programs(me, numel, BLOCK, me.max_programs))
+        else:  # two phases, a slot per program each
+            assert my_signals(ws, me, epoch, 2 * exchange._programs(me, share, BLOCK, me.max_programs))
+        assert int(ErrorWord._word[0]) == 0
+
+
+def rowwise_case(world: int, rank: int, what: str, outer: int, inner: int) -> None:
+    torch.manual_seed(world * 100 + rank + outer + inner)
+    ws, me = group(world, rank)
+    for _ in range(2):
+        epoch, parity = me.next_epoch()
+        raise_peer_flags(ws, me, epoch, me.max_programs)
+        if what == "gather":
+            shards = [torch.randn(outer, inner, dtype=DT) for _ in range(world)]
+            views = [x.data(parity, (outer, inner), DT) for x in ws]
+            for p in range(world):
+                views[p].copy_(shards[p])
+            out = torch.full((outer, world, inner), float("nan"), dtype=DT)
+            exchange.gather(me, views[rank], out, outer, inner, epoch, 2, block=BLOCK, num_warps=4)
+            assert torch.equal(out, torch.stack(shards, dim=1)), (world, rank, "gather")
+        else:
+            parts = [torch.randn(outer, world, inner, dtype=DT) for _ in range(world)]
+            views = [x.data(parity, (outer, world, inner), DT) for x in ws]
+            for p in range(world):
+                views[p].copy_(parts[p])
+            out = torch.full((outer, inner), float("nan"), dtype=DT)
+            exchange.reduce_scatter(me, views[rank], out, outer, inner, epoch, 3, block=BLOCK, num_warps=4)
+            want = sum(x.float() for x in parts)[:, rank]
+            assert ((out.float() - want).norm() / want.norm()).item() < 2e-3, (world, rank, "reduce_scatter")
+        assert my_signals(ws, me, epoch, 1), (what, "signals")
+        assert int(ErrorWord._word[0]) == 0
+
+
+def main() -> None:
+    for world, rank in ((2, 1), (4, 2), (8, 5)):
+        for algo in ("one_shot", "two_shot"):
+            all_reduce_case(world, rank, algo, 1000)  # not a multiple of the block or the world
+        rowwise_case(world, rank, "gather", 5, 48)
+        rowwise_case(world, rank, "reduce_scatter", 3, 40)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
