@@ -1,5 +1,5 @@
 """Run by test_tiles.py under TRITON_INTERPRET=1: the exchange kernels of ``exchange.py`` (one-shot
-and two-shot all-reduce, the pull gather, the reduce-scatter) as one rank of 2, 4 or 8, in one
+and two-shot all-reduce, the pull gather, the reduce-scatter, the graph lane's staged one-shot) as one rank of 2, 4 or 8, in one
 process. The other ranks are simulated: their workspaces hold what they would hold when this
 rank reads them (their partials or shards; for two-shot's second phase, their reduced share in
 place), and their flags are raised. This rank's signals are checked in their buffers after.
@@ -104,12 +104,41 @@ def rowwise_case(world: int, rank: int, what: str, outer: int, inner: int) -> No
         assert int(ErrorWord._word[0]) == 0
 
 
+def lane_case(world: int, rank: int, numel: int) -> None:
+    """The graph lane's staged one-shot: the epoch from the device counters, advanced by the kernel."""
+    torch.manual_seed(world * 1000 + rank + numel)
+    data_bytes = 1 << 14
+    bufs = [torch.zeros(symm.GRAPH_FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    lanes = [symm.GraphLane("0", r, world, bufs[r], bases, data_bytes, 3) for r in range(world)]
+    me = lanes[rank]
+    for call in range(3):
+        epoch = call + 1
+        parts = [torch.randn(numel, dtype=DT) for _ in range(world)]
+        half = me.half_elems(DT)
+        at = (epoch % 2) * half
+        for p in range(world):
+            if p != rank:  # what rank p staged, and its flags
+                lanes[p].data(DT)[at:at + numel].copy_(parts[p])
+                me.flags.view(-1, world)[:me.max_programs, p] = epoch
+        out = torch.full((numel,), float("nan"), dtype=DT)
+        exchange.staged_all_reduce(me, parts[rank], out, 4, block=BLOCK, num_warps=4)
+        want = sum(x.float() for x in parts)
+        assert ((out.float() - want).norm() / want.norm()).item() < 2e-3, (world, rank, "lane", call)
+        assert me.counter.eq(epoch).all(), "every epoch slot advanced"
+        grid = exchange._programs(me, numel, BLOCK, me.flags.numel() // world)
+        assert all(bool(lanes[p].flags.view(-1, world)[:grid, rank].eq(epoch).all())
+                   for p in range(world) if p != rank), "signals"
+        assert int(ErrorWord._word[0]) == 0
+
+
 def main() -> None:
     for world, rank in ((2, 1), (4, 2), (8, 5)):
         for algo in ("one_shot", "two_shot"):
             all_reduce_case(world, rank, algo, 1000)  # not a multiple of the block or the world
         rowwise_case(world, rank, "gather", 5, 48)
         rowwise_case(world, rank, "reduce_scatter", 3, 40)
+        lane_case(world, rank, 300)
     print("ok")
 
 
