@@ -159,11 +159,11 @@ MAX_ROWS = 256
 
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None) -> SplitConfig:
-    """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64
-    up to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``), and enough K slices that the units fill ``programs`` once (one wave: with few rows
-    the tail after the GEMM is latency, which more waves would not hide), each at least two K
-    steps long. The same on every rank (shape and the group's SM count only). ``split`` and
-    ``tile`` override (sweeps)."""
+    """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
+    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``), and enough K slices that the
+    units fill ``programs`` once (one wave: with few rows the tail after the GEMM is latency,
+    which more waves would not hide), each at least two K steps long. Shape and the group's SM
+    count only, so the same on every rank. ``split`` and ``tile`` override (sweeps)."""
     if tile is None:
         if m <= 32:
             tile = tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4,
@@ -201,7 +201,7 @@ def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters
     (``dispatch.fused_unsupported``), or None."""
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"
-    cfg = config(m, k, n, 132)
+    cfg = config(m, k, n, 132)  # (the tiling, hence the tile count, does not depend on the SMs)
     if num_tiles(m, n, cfg) > counters:
         return "more tiles than the workspace has arrival counters"
     if flag_slots(m, n, world, cfg) > flag_limit:
