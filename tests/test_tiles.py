@@ -14,43 +14,27 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_tile_gemm_and_fused_tile_order_in_the_interpreter():
+#: script -> what it checks: each runs in a fresh interpreter process with TRITON_INTERPRET=1
+INTERPRETED = {
+    "interpreted_tiles.py": "the tile GEMM and the fused all-reduce's tile order",
+    "interpreted_split_k.py": "the split-K kernel's slices, sums, pushes, flags, counters, ticket "
+                              "and (graph lane) device epochs",
+    "interpreted_fused.py": "the fused all-reduce (both forms: slabs, slots, pushes, ready/done "
+                            "flags, reducers) and the fused all-gather (chunk pushes and flags)",
+    "interpreted_exchange.py": "one-shot, two-shot (both phases), the pull gather, the "
+                               "reduce-scatter and the graph lane's staged one-shot",
+}
+
+
+@pytest.mark.parametrize("script", sorted(INTERPRETED))
+def test_kernels_in_the_interpreter(script):
+    """Each script checks its kernels on the CPU; all but the first as one rank of 2, 4 and 8
+    with the other ranks' pushes and flags simulated (see each script's docstring)."""
     pytest.importorskip("triton.tools.tensor_descriptor")
+    if script != "interpreted_tiles.py":
+        pytest.importorskip("iris")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_tiles.py")], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
-    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-
-
-def test_split_k_kernel_as_one_rank_of_2_4_and_8_in_the_interpreter():
-    """The few-rows kernel's slices, sums, pushes, flags, counters, ticket and (graph lane) device
-    epochs, with the other ranks' pushes simulated (``interpreted_split_k.py``)."""
-    pytest.importorskip("triton.tools.tensor_descriptor")
-    pytest.importorskip("iris")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_split_k.py")], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
-    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-
-
-def test_fused_kernels_as_one_rank_of_2_4_and_8_in_the_interpreter():
-    """The fused all-reduce (both forms: slabs, slots, pushes, ready/done flags, reducers) and the
-    fused all-gather (chunk pushes and flags, the gathered rows), with the other ranks' pushes
-    simulated (``interpreted_fused.py``)."""
-    pytest.importorskip("triton.tools.tensor_descriptor")
-    pytest.importorskip("iris")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_fused.py")], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
-    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
-
-
-def test_exchange_kernels_as_one_rank_of_2_4_and_8_in_the_interpreter():
-    """One-shot, two-shot (both phases, world shares), the pull gather and the reduce-scatter,
-    with the other ranks' workspaces and flags simulated (``interpreted_exchange.py``)."""
-    pytest.importorskip("iris")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_exchange.py")], env=env,
+    run = subprocess.run([sys.executable, os.path.join(HERE, script)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
