@@ -112,8 +112,7 @@ def _fused(a, b, bias, out, group_name: str, world: int, op: str, scatter: bool)
     (``fused_all_reduce.py``); ``scatter``: its reduce-scatter form along rows."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     cfg = dispatch.tile_config(m, k, n)
-    nbytes = fused_all_reduce.data_elems(m, n, world, cfg, scatter) * a.dtype.itemsize
-    ws = symm.workspace(group_name, nbytes, a.device)
+    ws = symm.workspace(group_name, dispatch.fused_workspace_bytes(m, k, n, a.dtype, world, scatter), a.device)
     launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, n), cfg, scatter)  # before the epoch
     with _exchange(ws, op) as (epoch, parity):
         launch(epoch, parity)
@@ -150,10 +149,10 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     if capturing:
         symm.mark_replayed(group_name)
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    if dispatch.graph_split_k(m, k, n, a.dtype, lane):  # few rows: the split-K kernel, in the lane
+    cfg = dispatch.graph_split_k(m, k, n, a.dtype, lane)
+    if cfg is not None:  # few rows: the split-K kernel, in the lane
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        fused_split_k.prepare(lane, a, b, bias, out, dispatch.split_k_config(m, k, n, lane.max_programs),
-                              lane=True)()
+        fused_split_k.prepare(lane, a, b, bias, out, cfg, lane=True)()
         return out
     partial = reference.matmul(a, b, bias)
     out = torch.empty_like(partial)
@@ -172,17 +171,18 @@ def _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_ga
     main = torch.cuda.current_stream(mine.device)
     side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
     lo, hi = ws.rank * rows, (ws.rank + 1) * rows
+    # the local rows from a copy on this stream by default: multiplying the workspace copy
+    # directly ran slower where it matters most (2xH200, explore/ag_local_copy{0,1}_5b4db3f.json,
+    # us, copy / workspace: 16384x4096x7168 1315 / 1413, 4096^3 205 / 210; 4096x8192x5120 480 / 460)
+    local_copy = os.environ.get("COMMFUSE_AG_LOCAL_COPY", "1") == "1"
     with torch.cuda.stream(side):
         exchange.barrier(ws, epoch, OP_ALL_GATHER_MM)
         for p, view in enumerate(peers):
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
-        if return_gathered and os.environ.get("COMMFUSE_AG_LOCAL_COPY", "1") != "1":
+        if return_gathered and not local_copy:
             g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
-    if os.environ.get("COMMFUSE_AG_LOCAL_COPY", "1") == "1":
-        # the local rows from a copy on this stream: multiplying the workspace copy directly ran
-        # slower where it matters most (2xH200, explore/ag_local_copy{0,1}_5b4db3f.json, us, copy
-        # / workspace: 16384x4096x7168 1315 / 1413, 4096^3 205 / 210; 4096x8192x5120 480 / 460)
+    if local_copy:
         g2[lo:hi].copy_(mine.view(rows, k))
         _matmul_into(g2[lo:hi], b, _rows(bias, lo, hi), out[lo:hi])
     else:
@@ -252,8 +252,8 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     out = torch.empty((rows, b.shape[1]), dtype=shard.dtype, device=shard.device)
     if algo == "fused":  # gather_dim 0 (dispatch): the shard is a block of the gathered rows
         gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device) if return_gathered else None
-        nbytes = fused_all_gather.data_elems(rows // world_size, k, world_size) * shard.element_size()
-        ws = symm.workspace(group_name, nbytes, shard.device)
+        ws = symm.workspace(group_name, dispatch.fused_gather_workspace_bytes(rows, k, shard.dtype, world_size),
+                            shard.device)
         launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
                                           None if gathered is None else gathered.view(-1, k), out,
                                           dispatch.gather_tile_config(rows, k, b.shape[1]))  # before the epoch
@@ -340,8 +340,8 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> Non
         # recv[step - 1] came from rank (rank - step) % world: add the peers' parts in rank order
         parts = [recv[(rank - q) % world - 1, lo:hi] for q in range(world) if q != rank]
         acc = parts[0]
-        for part in parts[1:]:
-            acc.add_(part)
+        if len(parts) > 1:
+            _sum_rank_order(parts, acc)  # in place: the first part becomes the sum
         r0, r1 = rank * rows + lo, rank * rows + hi
         row_bias = _rows(bias, r0, r1)
         if row_bias is not None:

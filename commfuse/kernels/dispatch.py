@@ -153,20 +153,19 @@ def split_k_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -
             and split_k_unsupported(m, k, n, dtype, world) is None)
 
 
-def graph_split_k(m: int, k: int, n: int, dtype: torch.dtype, lane) -> bool:
-    """Whether a graph-lane call runs the split-K kernel in the lane (``COMMFUSE_GRAPH_SPLIT_K=0``
-    keeps cuBLAS + the staged one-shot): the eager rule, and the lane holds its flags, counters
-    and data. Shape and lane size only, so every rank agrees, in capture and in re-warming alike."""
+def graph_split_k(m: int, k: int, n: int, dtype: torch.dtype, lane):
+    """The split-K kernel's config if a graph-lane call runs it in the lane, else None
+    (``COMMFUSE_GRAPH_SPLIT_K=0`` keeps cuBLAS + the staged one-shot): the eager rule, and the
+    lane holds its flags, counters and data. Shape and lane size only, so every rank agrees, in
+    capture and in re-warming alike."""
     from . import fused_split_k
 
     if os.environ.get("COMMFUSE_GRAPH_SPLIT_K", "1") == "0":
-        return False
+        return None
     if not split_k_by_default(m, k, n, dtype, lane.world):
-        return False
+        return None
     cfg = split_k_config(m, k, n, lane.max_programs)
-    return (fused_split_k.flag_slots(m, n, lane.world, cfg) <= lane.flags.numel()
-            and fused_split_k.num_tiles(m, n, cfg) <= lane.tile_counters.numel()
-            and fused_split_k.data_bytes(m, n, lane.world, cfg, dtype) <= lane.data_bytes)
+    return None if fused_split_k.misfit(lane, m, n, cfg, dtype, lane=True) else cfg
 
 
 def split_k_config(m: int, k: int, n: int, programs: int):
@@ -197,14 +196,27 @@ def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> 
     return m >= FUSED_MIN_M and k <= m and fused_unsupported(m, k, n, dtype, world) is None
 
 
+def fused_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int,
+                          scatter: bool = False) -> int:
+    """Per-parity bytes of the fused tile kernel (``scatter``: its reduce-scatter form)."""
+    from . import fused_all_reduce
+
+    return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n), scatter) * dtype.itemsize
+
+
+def fused_gather_workspace_bytes(rows: int, k: int, dtype: torch.dtype, world: int) -> int:
+    """Per-parity bytes of the fused all-gather kernel (``rows`` gathered: all of them)."""
+    from . import fused_all_gather
+
+    return fused_all_gather.data_elems(rows // max(world, 1), k, world) * dtype.itemsize
+
+
 def all_reduce_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
     """Per-parity symmetric bytes an ``mm_all_reduce`` call of this shape uses (as the call's
     dispatch decides, ``COMMFUSE_ALGO`` included)."""
     algo = mm_all_reduce(m, k, n, dtype, world)
     if algo == "fused":
-        from . import fused_all_reduce
-
-        return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n)) * dtype.itemsize
+        return fused_workspace_bytes(m, k, n, dtype, world)
     if algo == "split_k":
         return split_k_workspace_bytes(m, k, n, dtype, world)
     return m * n * dtype.itemsize
@@ -214,12 +226,9 @@ def gather_workspace_bytes(rows: int, k: int, n: int, dtype: torch.dtype, world:
                            gather_dim: int = 0) -> int:
     """Per-parity symmetric bytes an ``all_gather_mm`` call uses (``rows`` gathered): all the
     rows for the fused kernel, else this rank's shard."""
-    from . import fused_all_gather
-
-    shard = rows // max(world, 1)
     if all_gather_mm(rows, k, n, dtype, world, gather_dim) == "fused":
-        return fused_all_gather.data_elems(shard, k, world) * dtype.itemsize
-    return shard * k * dtype.itemsize
+        return fused_gather_workspace_bytes(rows, k, dtype, world)
+    return rows // max(world, 1) * k * dtype.itemsize
 
 
 def scatter_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int,
@@ -227,9 +236,7 @@ def scatter_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: i
     """Per-parity symmetric bytes an ``mm_reduce_scatter`` call uses: the fused form's slabs,
     else the partial."""
     if mm_reduce_scatter(m, k, n, dtype, world, scatter_dim) == "fused":
-        from . import fused_all_reduce
-
-        return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n), scatter=True) * dtype.itemsize
+        return fused_workspace_bytes(m, k, n, dtype, world, scatter=True)
     return m * n * dtype.itemsize
 
 

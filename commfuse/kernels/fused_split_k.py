@@ -209,6 +209,19 @@ def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters
     return None
 
 
+def misfit(ws, m: int, n: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool) -> str | None:
+    """What of a call does not fit ``ws`` (a workspace, or with ``lane`` a graph lane): its flag
+    slots, arrival counters or one parity's bytes; None if all fit."""
+    if flag_slots(m, n, ws.world, cfg) > (ws.flags if lane else ws.tile_flags).numel():
+        return "too many tiles for the workspace's tile flags"
+    if num_tiles(m, n, cfg) > ws.tile_counters.numel():
+        return "too many tiles for the workspace's arrival counters"
+    if data_bytes(m, n, ws.world, cfg, dtype) > ws.data_bytes:
+        return (f"{data_bytes(m, n, ws.world, cfg, dtype)} bytes of split-K workspace do not fit "
+                f"the {ws.data_bytes} bytes of a parity")
+    return None
+
+
 #: Specialisations compiled by ``prepare`` (see there).
 _compiled: set = set()
 
@@ -224,14 +237,10 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     m, k = a.shape
     n = b.shape[1]
     count = num_tiles(m, n, cfg)
-    if flag_slots(m, n, ws.world, cfg) > (ws.flags if lane else ws.tile_flags).numel():
-        raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
-    if count > ws.tile_counters.numel():
-        raise RuntimeError("commfuse: too many tiles for the workspace's arrival counters")
+    why = misfit(ws, m, n, cfg, a.dtype, lane)
+    if why:
+        raise RuntimeError(f"commfuse: {why}")
     half = ws.data_bytes
-    if data_bytes(m, n, ws.world, cfg, a.dtype) > half:
-        raise RuntimeError(f"commfuse: {data_bytes(m, n, ws.world, cfg, a.dtype)} bytes of split-K "
-                           f"workspace do not fit the {half} bytes of a parity")
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     block = cfg.tile.bm * cfg.tile.bn
