@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import AG_MM_SHAPES, sweep_finish, sweep_setup, time_us
+from commfuse.bench import AG_MM_SHAPES, sweep_details, sweep_finish, sweep_setup, sweep_variant, time_us
 from commfuse.kernels import fused_all_gather, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
@@ -86,13 +86,9 @@ def main() -> int:
             for pushers in (int(x) for x in args.pushers.split(",")):
                 fused_all_gather.PUSHERS = pushers
                 name = f"{c} p{pushers}"
-                try:
-                    errs[name] = check(shard, b, gname, world, group, cfg)
-                    t[f"fused {name}"] = time_us(lambda: call(shard, b, gname, world, False))
-                    t[f"fused+gathered {name}"] = time_us(lambda: call(shard, b, gname, world, True))
-                except Exception as exc:
-                    errs[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    torch.cuda.synchronize()
+                sweep_variant(errs, t, name, lambda: check(shard, b, gname, world, group, cfg),
+                              {f"fused {name}": lambda: call(shard, b, gname, world, False),
+                               f"fused+gathered {name}": lambda: call(shard, b, gname, world, True)})
         os.environ.pop("COMMFUSE_TILE_CONFIG", None)
         os.environ.pop("COMMFUSE_ALGO", None)
         fused = [(v, key) for key, v in t.items() if key.startswith("fused ")]
@@ -104,8 +100,7 @@ def main() -> int:
                   f"{t['commfuse_default']:.0f} fused {best[0]:.0f} [{best[1]}] "
                   f"({t['unfused'] / best[0]:.2f}x vs unfused, default {t['unfused'] / t['commfuse_default']:.2f}x) "
                   f"floor~{floor:.0f}", flush=True)
-            print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
-            print("    errors", errs, flush=True)
+            sweep_details(t, errs)
     return sweep_finish(records, args.out)
 
 

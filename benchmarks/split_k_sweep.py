@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import _forced, sweep_check, sweep_finish, sweep_setup, sweep_variant, time_us
+from commfuse.bench import (_forced, sweep_check, sweep_details, sweep_finish, sweep_setup, sweep_variant,
+                            time_us)
 from commfuse.kernels import fused_split_k, symm, tiles
 
 SHAPES = [(m, k, n) for m in (1, 4, 16, 32, 64, 128, 256) for k, n in ((2048, 4096), (7168, 4096))] + [
@@ -70,9 +71,8 @@ def main() -> int:
             if split and split * 2 > -(-k // cfg.tile.bk):
                 continue
             name = f"auto={cfg}" if split == 0 else str(cfg)
-            sweep_variant(errs, t, name, f"split_k {name}",
-                          lambda: check(ws, m, k, n, cfg, group, bias=False, transposed=True),
-                          lambda: call(ws, a, b, None, out, cfg))
+            sweep_variant(errs, t, name, lambda: check(ws, m, k, n, cfg, group, bias=False, transposed=True),
+                          {f"split_k {name}": lambda: call(ws, a, b, None, out, cfg)})
         if first:
             errs["bias+rowmajor"] = check(ws, m, k, n, auto, group, bias=True, transposed=False)
             first = False
@@ -86,9 +86,7 @@ def main() -> int:
                   f"{t.get('split_k auto=' + str(auto), float('nan')):.1f} floor~{floor:.1f} | "
                   f"{t['unfused'] / best[0]:.2f}x unfused, {t['commfuse_one_shot'] / best[0]:.2f}x one_shot, "
                   f"{best[0] / floor:.2f} of floor", flush=True)
-            print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
-            print("    errors", {key: (f"{v:.1e}" if isinstance(v, float) else v) for key, v in errs.items()},
-                  flush=True)
+            sweep_details(t, errs)
     return sweep_finish(records, args.out)
 
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import MM_AR_SHAPES, sweep_check, sweep_finish, sweep_setup, sweep_variant, time_us
+from commfuse.bench import (MM_AR_SHAPES, sweep_check, sweep_details, sweep_finish, sweep_setup,
+                            sweep_variant, time_us)
 from commfuse.kernels import fused_all_reduce, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
@@ -84,9 +85,8 @@ def main() -> int:
             for tickets in ("1", "0") if args.static else ("1",):
                 os.environ["COMMFUSE_FUSED_TICKETS"] = tickets
                 name = f"{c}" + (" static" if tickets == "0" else "")
-                sweep_variant(errs, t, name, f"fused {name}",
-                              lambda: check(ws, m, k, n, c, group, bias=False, transposed=True),
-                              lambda: fused_call(ws, a, b, None, out, c))
+                sweep_variant(errs, t, name, lambda: check(ws, m, k, n, c, group, bias=False, transposed=True),
+                              {f"fused {name}": lambda: fused_call(ws, a, b, None, out, c)})
             os.environ.pop("COMMFUSE_FUSED_TICKETS", None)
         if args.ablate:
             c = configs[0]
@@ -115,8 +115,7 @@ def main() -> int:
                   f"unfused {t['unfused']:.0f} one_shot {t['commfuse_one_shot']:.0f} fused {best_fused[0]:.0f} "
                   f"[{best_fused[1]}] ({t['unfused'] / best_fused[0]:.2f}x vs unfused, "
                   f"{t['unfused'] / t['commfuse_one_shot']:.2f}x one_shot) floor~{floor:.0f}", flush=True)
-            print("   ", {key: round(v, 1) for key, v in t.items()}, flush=True)
-            print("    errors", {key: (f"{v:.1e}" if isinstance(v, float) else v) for key, v in errs.items()}, flush=True)
+            sweep_details(t, errs)
     return sweep_finish(records, args.out)
 
 

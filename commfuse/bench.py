@@ -219,15 +219,24 @@ def sweep_check(run, m: int, k: int, n: int, group, bias: bool, transposed: bool
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def sweep_variant(errs: dict, times: dict, name: str, key: str, check, run) -> None:
-    """One variant of a sweep: ``errs[name] = check()``, then ``times[key]`` of ``run``; a variant
-    that raises (a config that does not fit, a peer that failed) is recorded, not fatal."""
+def sweep_variant(errs: dict, times: dict, name: str, check, runs: dict) -> None:
+    """One variant of a sweep: ``errs[name] = check()``, then ``times[key]`` of each of ``runs``
+    (key -> function); a variant that raises (a config that does not fit, a peer that failed) is
+    recorded, not fatal."""
     try:
         errs[name] = check()
-        times[key] = time_us(run)
+        for key, run in runs.items():
+            times[key] = time_us(run)
     except Exception as exc:
-        errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        errs[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
         torch.cuda.synchronize()
+
+
+def sweep_details(times: dict, errs: dict) -> None:
+    """Rank 0's detail lines of one sweep shape: every time, and every variant's error."""
+    print("   ", {key: round(v, 1) for key, v in times.items()}, flush=True)
+    print("    errors", {key: (f"{v:.1e}" if isinstance(v, float) else v) for key, v in errs.items()},
+          flush=True)
 
 
 def sweep_finish(records: list, out: str | None) -> int:
