@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, require_iris, now, timeout_ns, wait_or_record
+from .sync import (ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris, timeout_ns,
+                   wait_or_record, wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
@@ -166,13 +167,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if owner == rank:
         if (late == 0) & (ABLATE & NO_WAIT == 0):
-            start = now()
-            for k in tl.static_range(1, WORLD):
-                peer = (rank + k) % WORLD
-                if late == 0:
-                    late = wait_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err,
-                                          OP, rank, peer)
-            tl.debug_barrier()
+            late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
             acc += tl.load(_tile_block(data, peer * slab_tiles + _slot(tile, slab_tiles, WORLD, SCATTER),

@@ -35,8 +35,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import (ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, require_iris, timeout_ns,
-                   wait_or_record)
+from .sync import ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, require_iris, timeout_ns, wait_other_ranks
 from .tiles import claim, mma_range, tile_epilogue
 
 
@@ -51,13 +50,7 @@ def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, e
             OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Wait for the peers' sums of ``tile`` and write its output: NaN if a peer came late."""
     if late == 0:
-        start = now()
-        for k in tl.static_range(1, WORLD):
-            peer = (rank + k) % WORLD
-            if late == 0:
-                late = wait_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err, OP,
-                                      rank, peer)
-        tl.debug_barrier()
+        late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
     acc = tl.zeros((BM, BN), tl.float32)
     for p in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
         acc += tl.load(_block(sums, p * num_tiles + tile, BM, BN), cache_modifier=".cg").to(tl.float32)

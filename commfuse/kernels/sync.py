@@ -97,6 +97,21 @@ def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer
 
 
 @triton.jit
+def wait_other_ranks(flags, row, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
+    """Wait until every other rank raised flag ``[row, peer]`` (``flags + row * WORLD + peer``) to
+    ``epoch``, all within ``timeout`` ns of one start; after a late one waits no more (the error
+    word names it). Returns 1 if one came late."""
+    start = now()
+    late = rank * 0
+    for k in tl.static_range(1, WORLD):
+        peer = (rank + k) % WORLD
+        if late == 0:
+            late = wait_or_record(flags + row * WORLD + peer, epoch, start, timeout, err, OP, rank, peer)
+    tl.debug_barrier()
+    return late
+
+
+@triton.jit
 def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
     """Wait until every rank signalled ``epoch`` at ``slot``, or until ``timeout`` ns have passed.
     Returns nonzero if a peer was late (the error word names it)."""
