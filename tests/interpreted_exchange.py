@@ -9,32 +9,11 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from commfuse.kernels import exchange, symm, sync
+from commfuse.kernels import exchange
 from commfuse.kernels.sync import ErrorWord
-
-
-@triton.jit
-def _now():
-    """The interpreter has no inline assembly: a clock that never advances."""
-    return tl.full((), 0, tl.int64)
-
-
-sync.now = _now
-ErrorWord._word = torch.zeros(4, dtype=torch.int32)  # no pinned memory without CUDA
-ErrorWord._host = ErrorWord._word.numpy()
-
-DT = torch.float16
+from interpreter_peers import DT, group
 BLOCK = 64  # elements per program per step: several programs and steps on small tensors
-
-
-def group(world: int, rank: int, programs: int = 3):
-    data_bytes = 1 << 16
-    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=programs) for r in range(world)]
-    return ws, ws[rank]
 
 
 def raise_peer_flags(ws, me, epoch: int, slots: int) -> None:
@@ -50,7 +29,8 @@ def my_signals(ws, me, epoch: int, slots: int) -> bool:
 
 def all_reduce_case(world: int, rank: int, algo: str, numel: int) -> None:
     torch.manual_seed(world * 10 + rank + numel)
-    ws, me = group(world, rank)
+    ws = group(world, 1 << 16, 3)
+    me = ws[rank]
     for _ in range(2):  # two calls: both parities
         epoch, parity = me.next_epoch()
         parts = [torch.randn(numel, dtype=DT) for _ in range(world)]
@@ -79,7 +59,8 @@ def all_reduce_case(world: int, rank: int, algo: str, numel: int) -> None:
 
 def rowwise_case(world: int, rank: int, what: str, outer: int, inner: int) -> None:
     torch.manual_seed(world * 100 + rank + outer + inner)
-    ws, me = group(world, rank)
+    ws = group(world, 1 << 16, 3)
+    me = ws[rank]
     for _ in range(2):
         epoch, parity = me.next_epoch()
         raise_peer_flags(ws, me, epoch, me.max_programs)
@@ -107,10 +88,7 @@ def rowwise_case(world: int, rank: int, what: str, outer: int, inner: int) -> No
 def lane_case(world: int, rank: int, numel: int) -> None:
     """The graph lane's staged one-shot: the epoch from the device counters, advanced by the kernel."""
     torch.manual_seed(world * 1000 + rank + numel)
-    data_bytes = 1 << 14
-    bufs = [torch.zeros(symm.GRAPH_FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    lanes = [symm.GraphLane("0", r, world, bufs[r], bases, data_bytes, 3) for r in range(world)]
+    lanes = group(world, 1 << 14, 3, lane=True)
     me = lanes[rank]
     for call in range(3):
         epoch = call + 1

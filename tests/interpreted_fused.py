@@ -11,34 +11,10 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, sync, tiles
+from commfuse.kernels import fused_all_gather, fused_all_reduce, tiles
 from commfuse.kernels.sync import ErrorWord
-
-
-@triton.jit
-def _now():
-    """The interpreter has no inline assembly: a clock that never advances."""
-    return tl.full((), 0, tl.int64)
-
-
-@triton.jit
-def _no_fence():
-    """(A proxy fence is inline assembly; the interpreter has one memory.)"""
-    pass
-
-
-sync.now = _now
-fused_all_reduce.now = _now
-fused_all_gather.now = _now
-fused_all_gather._proxy_fence = _no_fence
-# the ablation bits are constexpr globals for the compiler; the interpreter wants plain integers
-fused_all_reduce.NO_REMOTE, fused_all_reduce.NO_WAIT, fused_all_reduce.NO_COPY = 1, 2, 4
-ErrorWord._word = torch.zeros(4, dtype=torch.int32)  # no pinned memory without CUDA
-ErrorWord._host = ErrorWord._word.numpy()
-
-DT = torch.float16  # the interpreter mishandles bf16
+from interpreter_peers import DT, group
 BM = BN = 16
 
 
@@ -60,9 +36,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     share = m // world
     per = -(-share // BM) * num_n  # reduce-scatter: tiles per owner
     data_bytes = 1 << 17
-    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=4) for r in range(world)]
+    ws = group(world, data_bytes, 4)
     me = ws[rank]
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
     fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0)] = 1
@@ -81,8 +55,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
         partial = [(a[r].float() @ w[r].float().t() + (c[r].float() if bias else 0)).to(DT) for r in range(world)]
         total = sum(x.float() for x in partial)
         epoch = me.epoch + 1
-        at = symm.HEADER_BYTES // 2 + (epoch % 2) * (data_bytes // 2)  # fp16 elements
-        data = [b.view(DT)[at:at + data_bytes // 2] for b in bufs]
+        data = [x.data(epoch % 2, (data_bytes // 2,), DT) for x in ws]
         slab = lambda r, p, slot: data[r][(p * slab_tiles + slot) * BM * BN:(p * slab_tiles + slot + 1) * BM * BN]
         result = lambda r, t: data[r][(result_at + t) * BM * BN:(result_at + t + 1) * BM * BN]
         for t in range(count):
@@ -125,10 +98,7 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
     cfg = tiles.TileConfig(bm=fused_all_gather.CHUNK_ROWS, bn=16, bk=16, stages=2, warps=4, group_m=1,
                            reducers=0, per_sm=1)
     chunks = -(-rows // fused_all_gather.CHUNK_ROWS)
-    data_bytes = 1 << 17
-    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=8) for r in range(world)]
+    ws = group(world, 1 << 17, 8)
     me = ws[rank]
     push_k = min(256, triton.next_power_of_2(k))
     fused_all_gather._resident[(cfg, DT, world, True, bias, None, push_k, gathered)] = 1

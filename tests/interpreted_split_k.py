@@ -12,25 +12,10 @@ wait ever spins. Those run on GPUs (``tests/gpu/test_gpu_split_k.py``)."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from commfuse.kernels import fused_split_k, symm, sync, tiles
+from commfuse.kernels import fused_split_k, tiles
 from commfuse.kernels.sync import ErrorWord
-
-
-@triton.jit
-def _now():
-    """The interpreter has no inline assembly: a clock that never advances (no wait times out;
-    the test's subprocess timeout bounds a wait that never ends)."""
-    return tl.full((), 0, tl.int64)
-
-
-sync.now = _now
-ErrorWord._word = torch.zeros(4, dtype=torch.int32)  # no pinned memory without CUDA
-ErrorWord._host = ErrorWord._word.numpy()
-
-DT = torch.float16  # the interpreter mishandles bf16
+from interpreter_peers import DT, group
 
 
 def blocks(full: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -50,13 +35,7 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
     cfg = fused_split_k.config(m, k, n, 3, split, tile)
     count = fused_split_k.num_tiles(m, n, cfg)
     data_bytes = 1 << 17
-    header = symm.GRAPH_FLAG_BYTES if lane else symm.HEADER_BYTES
-    bufs = [torch.zeros(header + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    if lane:
-        ws = [symm.GraphLane("0", r, world, bufs[r], bases, data_bytes, 3) for r in range(world)]
-    else:
-        ws = [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=3) for r in range(world)]
+    ws = group(world, data_bytes, 3, lane)
     me = ws[rank]
     for call in range(calls):
         a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
@@ -72,7 +51,7 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         else:
             epoch = me.epoch + 1
             half = data_bytes // 2
-            sums = [b[symm.HEADER_BYTES:].view(DT) for b in bufs]
+            sums = [x.buffer[-2 * data_bytes:].view(DT) for x in ws]  # both parities
             flags = [x.tile_flags for x in ws]
         at = (epoch % 2) * half
         # the other ranks' pushes, as they would have landed in this rank's workspace

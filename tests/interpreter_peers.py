@@ -1,0 +1,51 @@
+"""Shared set-up of the interpreter scripts (``interpreted_*.py``, run under TRITON_INTERPRET=1):
+what the interpreter cannot run is replaced, and a group of ranks lives in one process.
+
+The interpreter has no inline assembly, so the GPU timer becomes a clock that never advances (no
+wait times out; the scripts' subprocess timeout bounds a wait that never ends) and the fused
+all-gather's proxy fence a no-op (one memory here). The fused all-reduce's ablation bits are
+constexpr globals for the compiler and plain integers for the interpreter. The error word needs
+pinned memory, which needs CUDA: a plain tensor stands in.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, sync
+from commfuse.kernels.sync import ErrorWord
+
+
+@triton.jit
+def _now():
+    return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def _no_fence():
+    pass
+
+
+sync.now = _now
+fused_all_reduce.now = _now
+fused_all_gather.now = _now
+fused_all_gather._proxy_fence = _no_fence
+fused_all_reduce.NO_REMOTE, fused_all_reduce.NO_WAIT, fused_all_reduce.NO_COPY = 1, 2, 4
+ErrorWord._word = torch.zeros(4, dtype=torch.int32)
+ErrorWord._host = ErrorWord._word.numpy()
+
+DT = torch.float16  # the interpreter mishandles bf16
+
+
+def group(world: int, data_bytes: int, programs: int, lane: bool = False) -> list:
+    """One workspace (``lane``: graph lane) per rank of ``world`` over CPU memory, all sharing one
+    heap-bases table, so iris translates a pointer of one into any other."""
+    header = symm.GRAPH_FLAG_BYTES if lane else symm.HEADER_BYTES
+    bufs = [torch.zeros(header + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    if lane:
+        return [symm.GraphLane("0", r, world, bufs[r], bases, data_bytes, programs) for r in range(world)]
+    return [symm.Workspace("0", r, world, bufs[r], bases, data_bytes, max_programs=programs)
+            for r in range(world)]
