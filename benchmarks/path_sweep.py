@@ -1,0 +1,125 @@
+"""Which path wins per shape, with run-to-run noise measured: every candidate path of the three
+ops (forced through ``COMMFUSE_ALGO`` and its knobs) is checked once against an fp32 reference on
+fresh data, then timed in interleaved rounds (round r times every candidate once), so drift of
+clocks or of the NVLink state hits all candidates alike. Prints per candidate the median and
+spread of its rounds beside unfused (cuBLAS + NCCL) timed in the same rounds. Under torchrun:
+
+    torchrun --nproc_per_node=2 benchmarks/path_sweep.py [--ops ar,ag,rs] [--rounds 5] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfuse  # noqa: F401
+from commfuse.bench import AG_MM_SHAPES, MM_AR_SHAPES, sweep_finish, sweep_setup, time_us
+from commfuse.kernels.sync import check_errors
+
+AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
+                 "fused": {"COMMFUSE_ALGO": "fused"},
+                 **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
+                    for c in (2, 4, 8)}}
+AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
+                 "overlap_copy1": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL_COPY": "1"},
+                 "overlap_copy0": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL_COPY": "0"},
+                 "fused": {"COMMFUSE_ALGO": "fused"}}
+RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
+                 **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}
+                    for c in (1, 2, 4)},
+                 "fused": {"COMMFUSE_ALGO": "fused"}}
+
+
+@contextlib.contextmanager
+def env(values: dict):
+    old = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def problem(op: str, m: int, k: int, n: int, group):
+    """(call, unfused call, fp32 reference) for one shape on fresh data (different per rank)."""
+    gname, world, rank = group.group_name, group.size(), dist.get_rank()
+    dt = torch.bfloat16
+    b = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).t()  # a linear layer's W.t()
+    if op == "ag":
+        shard = torch.randn(m // world, k, device="cuda", dtype=dt)
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(parts, shard, group=group)
+        ref = torch.cat(parts).float() @ b.float()
+        return (lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False)[0],
+                lambda: torch.mm(funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)), b), ref)
+    a = torch.randn(m, k, device="cuda", dtype=dt)
+    ref = a.float() @ b.float()
+    dist.all_reduce(ref, group=group)
+    if op == "ar":
+        return (lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname),
+                lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)), ref)
+    return (lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, world, gname),
+            lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b), "sum", 0, group)),
+            ref.chunk(world)[rank])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="ar,ag,rs")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ar-min-m", type=int, default=1024, help="all-reduce shapes from this many rows")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    group, rank = sweep_setup()
+    candidates = {"ar": AR_CANDIDATES, "ag": AG_CANDIDATES, "rs": RS_CANDIDATES}
+    records = []
+    for op in args.ops.split(","):
+        shapes = [s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "ar" else AG_MM_SHAPES
+        for m, k, n in shapes:
+            torch.manual_seed(99 + rank)
+            call, unfused, ref = problem(op, m, k, n, group)
+            errs, runs = {}, {"unfused": unfused}
+            for name, values in candidates[op].items():
+                with env(values):
+                    try:
+                        out = call()
+                        torch.cuda.synchronize()
+                        check_errors()
+                        errs[name] = ((out.float() - ref).norm() / ref.norm()).item()
+                        runs[name] = values
+                    except Exception as exc:  # a path that cannot take the shape: recorded
+                        errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        torch.cuda.synchronize()
+            times = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, values in runs.items():
+                    if name == "unfused":
+                        times[name].append(time_us(unfused))
+                    else:
+                        with env(values):
+                            times[name].append(time_us(call))
+            med = {name: statistics.median(v) for name, v in times.items()}
+            bad = {name: e for name, e in errs.items() if not isinstance(e, float) or e > 2e-2}
+            if rank == 0:
+                best = min((v, name) for name, v in med.items() if name != "unfused")
+                line = ", ".join(f"{name} {v:.1f} ({med['unfused'] / v:.3f}x, +-{(max(times[name]) - min(times[name])) / 2:.1f})"
+                                 for name, v in med.items())
+                print(f"{op} {m}x{k}x{n}: {line} | best {best[1]}" + (f" | BAD {bad}" if bad else ""),
+                      flush=True)
+            records.append(dict(op=op, M=m, K=k, N=n, times=times, median=med, errors=errs))
+    return sweep_finish(records, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
