@@ -28,8 +28,8 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
                     for c in (2, 4, 8)}}
 AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
-                 "overlap_copy1": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL_COPY": "1"},
-                 "overlap_copy0": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL_COPY": "0"},
+                 **{f"overlap_{src}": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL": src}
+                    for src in ("shard", "copy", "workspace")},
                  "fused": {"COMMFUSE_ALGO": "fused"}}
 RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}

@@ -185,19 +185,24 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
 
 
 def _with_algo(algo: str, step):
+    """``algo``: a path for ``COMMFUSE_ALGO``, or settings ``KEY=VALUE[+KEY=VALUE]`` for
+    ``COMMFUSE_KEY`` (``commfuse@CE_MIN_K=7168``), set around every call of ``step``."""
     if not algo:
         return step
+    pairs = [kv.split("=", 1) for kv in algo.split("+")] if "=" in algo else [("ALGO", algo)]
+    values = {f"COMMFUSE_{key.upper()}": value for key, value in pairs}
 
     def forced():
-        old = os.environ.get("COMMFUSE_ALGO")
-        os.environ["COMMFUSE_ALGO"] = algo
+        old = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
         try:
             return step()
         finally:
-            if old is None:
-                del os.environ["COMMFUSE_ALGO"]
-            else:
-                os.environ["COMMFUSE_ALGO"] = old
+            for key, value in old.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
 
     return forced
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from commfuse import bench
 
@@ -118,3 +119,20 @@ def test_exploration_sweeps_parse_their_arguments():
                               capture_output=True, text=True, timeout=300, cwd=root)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert option in proc.stdout
+
+
+def test_model_backend_settings_hold_during_each_step_only(monkeypatch):
+    from commfuse import bench_model
+
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    monkeypatch.setenv("COMMFUSE_CE_MIN_K", "1")
+    seen = []
+
+    def step():
+        seen.append((os.environ.get("COMMFUSE_ALGO"), os.environ.get("COMMFUSE_CE_MIN_K"),
+                     os.environ.get("COMMFUSE_CE_CHUNKS")))
+    bench_model._with_algo("one_shot", step)()
+    bench_model._with_algo("ce_min_k=7168+CE_CHUNKS=4", step)()
+    assert seen == [("one_shot", "1", None), (None, "7168", "4")]
+    assert os.environ.get("COMMFUSE_ALGO") is None and os.environ["COMMFUSE_CE_MIN_K"] == "1"
+    assert "COMMFUSE_CE_CHUNKS" not in os.environ

@@ -118,25 +118,29 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
 @pytest.mark.parametrize("algo, gather_dim, shape", [
     ("symm", 0, (4, 6)), ("symm", 1, (2, 3, 6)), ("overlap", 0, (4, 6)), ("overlap", 0, (2, 2, 6))])
 @pytest.mark.parametrize("bias_kind", [None, "1d"])
-@pytest.mark.parametrize("local_copy", ["1", "0"])
-def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind, local_copy):
+@pytest.mark.parametrize("local", ["shard", "copy", "workspace"])
+def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind, local):
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
-    monkeypatch.setenv("COMMFUSE_AG_LOCAL_COPY", local_copy)  # the overlap's local rows: copied or in place
+    monkeypatch.setenv("COMMFUSE_AG_LOCAL", local)  # what the overlap's local GEMM reads
     torch.manual_seed(4)
     shards = [torch.randn(*shape) for _ in range(sim.world)]
     b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
     r = sim.mine.rank
     for p in sim.peers():
         sim.peer_data(p, shape).copy_(shards[p])  # the peer's shard, copied into its workspace
+    mine = sim.peer_data(r, shape)  # where this call must leave its shard for the peers
     out, gathered = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, sim.world, "0")
     want_gathered = torch.cat(shards, dim=gather_dim)
+    torch.testing.assert_close(mine, shards[r])
     torch.testing.assert_close(gathered, want_gathered)
     torch.testing.assert_close(out, _partial(want_gathered.reshape(-1, 6), b, bias))
     # a graph that does not use the gathered tensor: the same product, no gathered tensor promised
     for p in sim.peers():
         sim.peer_data(p, shape).copy_(shards[p])  # the next call's parity
+    mine = sim.peer_data(r, shape)
     out2, gathered2 = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, sim.world, "0",
                                                return_gathered=False)
+    torch.testing.assert_close(mine, shards[r])
     torch.testing.assert_close(out2, out)
     if gathered2 is not None:
         torch.testing.assert_close(gathered2, want_gathered)

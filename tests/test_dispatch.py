@@ -52,12 +52,13 @@ def test_forced_fused_falls_back_where_the_tile_kernel_cannot_go(monkeypatch):
     assert dispatch.fused_unsupported(1 << 15, 1024, 1 << 14, BF16, 8) is None
 
 
-def test_fused_reduce_scatter_is_taken_from_16384_rows_or_when_forced(monkeypatch):
+def test_fused_reduce_scatter_is_taken_from_16384_rows_above_2_ranks_or_when_forced(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) != "fused"  # it loses there
-    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 2) == "fused"  # it wins there
-    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 2, scatter_dim=1) != "fused"
-    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, torch.float32, 2) != "fused"
+    assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 4) != "fused"  # it loses there
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 4) == "fused"
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 2) == "ce_overlap"  # 4 chunks win at 2
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 4, scatter_dim=1) != "fused"
+    assert dispatch.mm_reduce_scatter(16384, 4096, 7168, torch.float32, 4) != "fused"
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "fused"
     assert dispatch.mm_reduce_scatter(14, 1024, 776, BF16, 2) == "fused"
@@ -444,7 +445,32 @@ def test_scatter_chunks_fit_the_flag_area(world, monkeypatch):
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // world
     monkeypatch.delenv("COMMFUSE_RS_CHUNKS", raising=False)
     assert dispatch.scatter_chunks(4096, world) == min(2, slots // (world - 1))
+    assert dispatch.scatter_chunks(8192, world) == min(4, slots // (world - 1))  # large shares
     monkeypatch.setenv("COMMFUSE_RS_CHUNKS", "64")
     chunks = dispatch.scatter_chunks(4096, world)
     assert 1 <= chunks <= 64 and chunks * (world - 1) <= slots
     assert dispatch.scatter_chunks(3, world) <= 3  # never more chunks than rows
+
+
+def test_gemm_bound_all_reduces_take_the_copy_engines_when_enabled(monkeypatch):
+    """``COMMFUSE_CE_MIN_K``: large-M, large-K all-reduces on 2 ranks take the copy-engine
+    overlap (no SMs taken from the GEMM); off by default, and never for other world sizes."""
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    monkeypatch.delenv("COMMFUSE_CE_MIN_K", raising=False)
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "fused"
+    monkeypatch.setenv("COMMFUSE_CE_MIN_K", "7168")
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "ce_overlap"
+    assert dispatch.mm_all_reduce(4096, 14336, 8192, BF16, 2) == "ce_overlap"
+    assert dispatch.mm_all_reduce(8192, 2048, 4096, BF16, 2) == "fused"  # comm-bound: the fused kernel
+    assert dispatch.mm_all_reduce(2048, 14336, 8192, BF16, 2) == "one_shot"  # too few rows
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 4) == "fused"  # untimed at 4 ranks
+    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")  # a forced path still wins
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "one_shot"
+
+
+def test_copy_engine_chunks_are_about_1024_rows(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_CE_CHUNKS", raising=False)
+    assert [dispatch.copy_engine_chunks(m) for m in (3, 1024, 4096, 8192, 65536)] == [2, 2, 4, 8, 8]
+    assert dispatch.copy_engine_chunks(1) == 1  # never more chunks than rows
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
+    assert dispatch.copy_engine_chunks(8192) == 3

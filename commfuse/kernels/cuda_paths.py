@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import os
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -160,33 +159,36 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     return out
 
 
-def _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool) -> None:
-    """Multiply the local shard (``mine``, its copy in the workspace) at once while the copy
-    engines pull the peers' shards (no SMs) on a side stream; then multiply the peers' rows.
-    ``COMMFUSE_AG_LOCAL_COPY=0`` multiplies the workspace copy itself and copies the local rows
-    into ``gathered`` on the side stream, only when the graph uses them."""
-    k, rows = mine.shape[-1], mine.numel() // mine.shape[-1]
-    g2 = gathered.view(-1, k)
-    side = _side_stream(mine.device)
-    main = torch.cuda.current_stream(mine.device)
-    side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
+def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool) -> None:
+    """Multiply the local shard at once while, on a side stream, the copy engines (no SMs) put it
+    into the workspace (``mine``) and, once every rank's is there, pull the peers' shards; then
+    multiply the peers' rows. ``COMMFUSE_AG_LOCAL`` says what the local GEMM reads: ``shard`` (the
+    caller's tensor: nothing waits before it, the default), ``copy`` (the local rows copied into
+    ``gathered`` first, on this stream) or ``workspace`` (the workspace copy, made first)."""
+    k, rows = shard.shape[-1], shard.numel() // shard.shape[-1]
+    g2, local = gathered.view(-1, k), shard.reshape(rows, k)
+    side = _side_stream(shard.device)
+    main = torch.cuda.current_stream(shard.device)
     lo, hi = ws.rank * rows, (ws.rank + 1) * rows
-    # the local rows from a copy on this stream by default: multiplying the workspace copy
-    # directly ran slower where it matters most (2xH200, explore/ag_local_copy{0,1}_5b4db3f.json,
-    # us, copy / workspace: 16384x4096x7168 1315 / 1413, 4096^3 205 / 210; 4096x8192x5120 480 / 460)
-    local_copy = os.environ.get("COMMFUSE_AG_LOCAL_COPY", "1") == "1"
+    mode = dispatch.gather_local_source()
+    if mode != "shard":
+        mine.copy_(shard)
+        if mode == "copy":
+            g2[lo:hi].copy_(local)
+            local = g2[lo:hi]
+        else:
+            local = mine.view(rows, k)
+    side.wait_stream(main)  # gathered and out were allocated on main
     with torch.cuda.stream(side):
+        if mode == "shard":
+            mine.copy_(shard)  # where the peers pull it from
         exchange.barrier(ws, epoch, OP_ALL_GATHER_MM)
         for p, view in enumerate(peers):
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
-        if return_gathered and not local_copy:
-            g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
-    if local_copy:
-        g2[lo:hi].copy_(mine.view(rows, k))
-        _matmul_into(g2[lo:hi], b, _rows(bias, lo, hi), out[lo:hi])
-    else:
-        _matmul_into(mine.view(rows, k), b, _rows(bias, lo, hi), out[lo:hi])
+        if return_gathered and mode != "copy":
+            g2[lo:hi].copy_(shard.reshape(rows, k), non_blocking=True)
+    _matmul_into(local, b, _rows(bias, lo, hi), out[lo:hi])
     main.wait_stream(side)
     for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
         if stop > start:
@@ -264,12 +266,12 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
     with _exchange(ws, "all_gather_mm") as (epoch, parity):
         mine = ws.data(parity, shard.shape, shard.dtype)
-        mine.copy_(shard)
         if algo == "overlap" and gather_dim == 0:
             peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
-                _gather_overlapped(ws, mine, b, bias, gathered, out, peers, epoch, return_gathered)
+                _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered)
                 return out, gathered if return_gathered else None
+        mine.copy_(shard)
         outer = math.prod(shard.shape[:gather_dim])
         inner = math.prod(shard.shape[gather_dim:])
         exchange.gather(ws, mine, gathered, outer, inner, epoch, OP_ALL_GATHER_MM)
@@ -294,12 +296,14 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     overlap = algo == "ce_overlap" and scatter_dim == 0
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
+    chunks = dispatch.scatter_chunks(m // world_size, world_size) if overlap else 0
+    own = torch.empty((m // world_size, n), dtype=a.dtype, device=a.device) if chunks == 1 else None
     with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if overlap:
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
-                _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, peers, epoch)
+                _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, own, chunks, peers, epoch)
                 return out
         _matmul_into(a, b, bias, partial)
         outer = math.prod(shape[:scatter_dim])
@@ -308,15 +312,16 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         return out
 
 
-def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
+def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, peers, epoch) -> None:
     """Multiply the peers' shares of the rows first, each in turn and in row chunks; as chunk c of
     share p lands, rank p's copy engines pull it on their side stream while this rank multiplies
     the next chunk. This rank's own share comes last, chunk by chunk: each GEMM adds the pulled
     partials of its rows (summed in rank order, then this rank's bias) in its epilogue
     (``addmm``), so no separate pass sums the shares; this rank's product is added last and
-    unrounded, which differs from the rank-order sum of rounded partials by rounding only."""
+    unrounded, which differs from the rank-order sum of rounded partials by rounding only.
+    With one chunk nothing is pulled before the own share's GEMM could start, so that GEMM runs
+    at once into ``own`` while the pulls land, and one pass sums the shares in rank order."""
     world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world
-    chunks = dispatch.scatter_chunks(rows, world)
     step_rows = -(-rows // chunks)
     bounds = [(lo, min(lo + step_rows, rows)) for lo in range(0, rows, step_rows)]
     side = _side_stream(a.device)
@@ -335,6 +340,14 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> Non
                 recv[step - 1, lo:hi].copy_(peers[q][rank * rows + lo:rank * rows + hi], non_blocking=True)
                 if step == world - 1:
                     landed.append(side.record_event())
+    if own is not None:  # one chunk: multiply the own share while the pulls run, sum after
+        r0, r1 = rank * rows, (rank + 1) * rows
+        _matmul_into(a[r0:r1], b, _rows(bias, r0, r1), own)
+        main.wait_event(landed[0])
+        # recv[step - 1] came from rank (rank - step) % world
+        _sum_rank_order([own if q == rank else recv[(rank - q) % world - 1] for q in range(world)], out)
+        main.wait_stream(side)
+        return
     for c, (lo, hi) in enumerate(bounds):
         main.wait_event(landed[c])  # every peer's partial of these rows is here
         # recv[step - 1] came from rank (rank - step) % world: add the peers' parts in rank order

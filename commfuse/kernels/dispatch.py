@@ -88,7 +88,10 @@ FUSED_AG_ROWS = (1024, 2048)
 #: 2f01995, so its runs vary) and torch's fused_matmul_reduce_scatter 1484; below it the form
 #: loses (4096^3 228 / 216, 4096x8192x5120 490 / 455, 2048x4096x7168 217 / 208) or wins by
 #: little (2048^3 46 / 48). 8192x8192x28672 (6048 / 5922) has fewer rows but a far larger
-#: GEMM, which the reducer-free form still pays its own-tile epilogue on.
+#: GEMM, which the reducer-free form still pays its own-tile epilogue on. At 2 ranks the
+#: copy-engine overlap in 4 chunks per share now beats it there (interleaved rounds,
+#: ``explore/paths_8f97686.json``: 1388 +-12 against 1452 +-1 us, 2 chunks 1462 +-17), so the
+#: rule holds above 2 ranks only, where neither is timed yet.
 FUSED_RS_MIN_M = 16384
 
 
@@ -315,6 +318,8 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "nccl"
     if nbytes <= lane_bytes:  # replays use the lane; a rank re-warming its graphs must meet them
         return "graph"
+    if world == 2 and m >= CE_MIN_M and 0 < ce_min_k() <= k:
+        return "ce_overlap"
     if fused_by_default(m, k, n, dtype, world):
         return "fused"
     if split_k_by_default(m, k, n, dtype, world):
@@ -340,13 +345,36 @@ def scatter_chunks(rows: int, world: int) -> int:
     barrier flag slot per chunk and step: at most what the flag area holds."""
     env = os.environ.get("COMMFUSE_RS_CHUNKS")
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1)
-    return max(1, min(int(env) if env else 2, rows, 64, slots))
+    return max(1, min(int(env) if env else RS_CHUNKS_LARGE if rows >= RS_LARGE_SHARE else 2, rows, 64, slots))
+
+
+#: Shares of this many rows and more use 4 row chunks, smaller ones 2 (2xH200, interleaved rounds,
+#: ``explore/paths_8f97686.json``, us, 2 / 4 chunks: 8192-row shares 1462 / 1388; 2048-row shares
+#: 206 / 231 and 474 / 527; 1024-row 206 / 226).
+RS_LARGE_SHARE, RS_CHUNKS_LARGE = 8192, 4
 
 
 def copy_engine_chunks(m: int) -> int:
-    """Row chunks of the copy-engine overlapped all-reduce; ``COMMFUSE_CE_CHUNKS`` overrides."""
+    """Row chunks of the copy-engine overlapped all-reduce: 1024-row chunks, 2 to 8 of them
+    (2xH200, interleaved rounds, ``explore/paths_8f97686.json``, us, 4 / 8 chunks: 8192 rows
+    2684 / 2647 and 737 / 714, 4096 rows 1340 / 1353 and 370 / 916 +-1024: 512-row chunks
+    sometimes run several times slower); ``COMMFUSE_CE_CHUNKS`` overrides."""
     env = os.environ.get("COMMFUSE_CE_CHUNKS")
-    return max(1, min(int(env) if env else 4, m, 256))  # one barrier flag slot per chunk
+    return max(1, min(int(env) if env else min(8, max(2, m // 1024)), m, 256))  # a flag slot per chunk
+
+
+#: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine
+#: overlap (2 ranks): such GEMM-bound calls lose to the fused kernel's reducer SMs and win when
+#: the copy engines, which take no SMs, move the partials (``explore/paths_8f97686.json``, us,
+#: fused / ce: 4096x14336x8192 1510 / 1340, 4096x7168x4096 443 / 370, 8192x14336x8192 3032 / 2647,
+#: 8192x7168x4096 800 / 714; one-shot is the default for the first three, 1443, 419, 2954).
+CE_MIN_M = 4096
+
+
+def ce_min_k() -> int:
+    """``COMMFUSE_CE_MIN_K``: the K from which ``CE_MIN_M``-row all-reduces take the copy-engine
+    overlap; 0 (the default until it is timed inside models) leaves it to ``COMMFUSE_ALGO``."""
+    return int(os.environ.get("COMMFUSE_CE_MIN_K", "0") or 0)
 
 
 #: Each gathered element feeds 2N flops, so from N = 16384 the gather is under ~6% of the GEMM on
@@ -354,6 +382,19 @@ def copy_engine_chunks(m: int) -> int:
 #: own run-to-run noise (±2%), and splitting the GEMM costs about that much (8192x8192x28672: 0.99-1.04x
 #: over five runs). Such calls take the unfused path.
 AG_GEMM_BOUND_N = 16384
+
+
+#: What the all-gather overlap's local GEMM reads (``COMMFUSE_AG_LOCAL``): ``shard``, the caller's
+#: tensor, while the side stream copies it into the workspace for the peers; ``copy``: the local rows
+#: copied into the gathered tensor first; ``workspace``: the workspace copy, made first.
+AG_LOCAL_SOURCES = ("shard", "copy", "workspace")
+
+
+def gather_local_source() -> str:
+    env = os.environ.get("COMMFUSE_AG_LOCAL", "").strip() or "shard"
+    if env not in AG_LOCAL_SOURCES:
+        raise ValueError(f"COMMFUSE_AG_LOCAL={env!r} is not one of {AG_LOCAL_SOURCES}")
+    return env
 
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
@@ -389,7 +430,7 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
-    if m >= FUSED_RS_MIN_M and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None:
+    if world > 2 and m >= FUSED_RS_MIN_M and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None:
         return "fused"
     if scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
         return "ce_overlap"
