@@ -29,7 +29,7 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                     for c in (2, 4, 8)}}
 AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"overlap_{src}": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL": src}
-                    for src in ("shard", "copy", "workspace")},
+                    for src in ("workspace", "copy")},
                  "fused": {"COMMFUSE_ALGO": "fused"}}
 RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}

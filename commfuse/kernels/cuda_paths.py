@@ -160,35 +160,28 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
 
 
 def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool) -> None:
-    """Multiply the local shard at once while, on a side stream, the copy engines (no SMs) put it
-    into the workspace (``mine``) and, once every rank's is there, pull the peers' shards; then
-    multiply the peers' rows. ``COMMFUSE_AG_LOCAL`` says what the local GEMM reads: ``shard`` (the
-    caller's tensor: nothing waits before it, the default), ``copy`` (the local rows copied into
-    ``gathered`` first, on this stream) or ``workspace`` (the workspace copy, made first)."""
+    """Copy the local shard into the workspace (``mine``), where the peers pull it; multiply it
+    at once while the copy engines (no SMs) pull the peers' shards on a side stream; then
+    multiply the peers' rows. ``COMMFUSE_AG_LOCAL`` says what the local GEMM reads: the
+    workspace copy (the default) or the local rows copied into ``gathered`` first (``copy``)."""
     k, rows = shard.shape[-1], shard.numel() // shard.shape[-1]
-    g2, local = gathered.view(-1, k), shard.reshape(rows, k)
+    g2 = gathered.view(-1, k)
     side = _side_stream(shard.device)
     main = torch.cuda.current_stream(shard.device)
     lo, hi = ws.rank * rows, (ws.rank + 1) * rows
-    mode = dispatch.gather_local_source()
-    if mode != "shard":
-        mine.copy_(shard)
-        if mode == "copy":
-            g2[lo:hi].copy_(local)
-            local = g2[lo:hi]
-        else:
-            local = mine.view(rows, k)
-    side.wait_stream(main)  # gathered and out were allocated on main
+    mine.copy_(shard)
+    copy = dispatch.gather_local_source() == "copy"
+    if copy:
+        g2[lo:hi].copy_(mine.view(rows, k))
+    side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
     with torch.cuda.stream(side):
-        if mode == "shard":
-            mine.copy_(shard)  # where the peers pull it from
         exchange.barrier(ws, epoch, OP_ALL_GATHER_MM)
         for p, view in enumerate(peers):
             if p != ws.rank:
                 g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
-        if return_gathered and mode != "copy":
-            g2[lo:hi].copy_(shard.reshape(rows, k), non_blocking=True)
-    _matmul_into(local, b, _rows(bias, lo, hi), out[lo:hi])
+        if return_gathered and not copy:
+            g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
+    _matmul_into(g2[lo:hi] if copy else mine.view(rows, k), b, _rows(bias, lo, hi), out[lo:hi])
     main.wait_stream(side)
     for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
         if stop > start:

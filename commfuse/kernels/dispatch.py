@@ -384,14 +384,18 @@ def ce_min_k() -> int:
 AG_GEMM_BOUND_N = 16384
 
 
-#: What the all-gather overlap's local GEMM reads (``COMMFUSE_AG_LOCAL``): ``shard``, the caller's
-#: tensor, while the side stream copies it into the workspace for the peers; ``copy``: the local rows
-#: copied into the gathered tensor first; ``workspace``: the workspace copy, made first.
-AG_LOCAL_SOURCES = ("shard", "copy", "workspace")
+#: What the all-gather overlap's local GEMM reads (``COMMFUSE_AG_LOCAL``): ``workspace``, the copy
+#: the peers pull from, or ``copy``, the local rows copied into the gathered tensor first. Over two
+#: runs of interleaved rounds (``explore/paths_{8f97686,f24116a}.json``, us, workspace / copy):
+#: 4096^3 207 / 203 and 204 / 215, 4096x8192x5120 471 / 486 and 457 / 474, 2048x4096x7168 187 / 192
+#: and 183 / 189, 16384x4096x7168 1411 / 1345 and 1407 / 1447. Multiplying the caller's shard
+#: while the side stream made the workspace copy ran slowest (4096^3 247, 4096x8192x5120 544): that
+#: copy and the barrier wait behind the GEMM for SMs, so the peers' pulls start late.
+AG_LOCAL_SOURCES = ("workspace", "copy")
 
 
 def gather_local_source() -> str:
-    env = os.environ.get("COMMFUSE_AG_LOCAL", "").strip() or "shard"
+    env = os.environ.get("COMMFUSE_AG_LOCAL", "").strip() or "workspace"
     if env not in AG_LOCAL_SOURCES:
         raise ValueError(f"COMMFUSE_AG_LOCAL={env!r} is not one of {AG_LOCAL_SOURCES}")
     return env
