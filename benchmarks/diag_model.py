@@ -13,6 +13,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -107,7 +108,7 @@ def main() -> None:
             for algo in (algos if backend == "commfuse" else ("",)):
                 os.environ["COMMFUSE_ALGO"] = algo
                 step()
-                ms = bench_model._time(step, device, 20)
+                ms = statistics.median(bench_model._step_times(step, device, 20))
                 _p(f"{mode} b{batch} {backend} algo={algo or 'default'}: {ms:.3f} ms")
             os.environ["COMMFUSE_ALGO"] = ""
             if mode == "prefill":
