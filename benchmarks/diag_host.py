@@ -1,0 +1,77 @@
+"""Host time of one commfuse call per path, and where it goes (cProfile), with the GPU kept busy
+so only the host is timed: a training step measured host-bound (``explore/diag_skew_ea260fa.log``:
+the copy-engine overlap's 14 calls took 20 ms of host in a 20 ms-GPU step).
+
+    torchrun --nproc_per_node=2 benchmarks/diag_host.py [--profile fused,ce_overlap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+CASES = {"fused": (8192, 2048, 4096), "one_shot": (8192, 2048, 4096), "split_k": (16, 2048, 4096),
+         "ce_overlap": (8192, 7168, 4096), "nccl": (8192, 2048, 4096)}
+
+
+def host_us(fn, n: int = 100) -> float:
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(int(3e9))  # GPU work ahead of the calls: only the host is timed
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--profile", default="fused,ce_overlap")
+    args = p.parse_args()
+    import commfuse  # noqa: F401
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    rank, group = dist.get_rank(), dist.group.WORLD
+    for algo, (m, k, n) in CASES.items():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+        os.environ["COMMFUSE_ALGO"] = algo
+        call = (lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group.group_name))
+        us = host_us(call)
+        ref = host_us(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)))
+        mm = host_us(lambda: torch.mm(a, b))
+        if rank == 0:
+            print(f"host us/call {algo} {m}x{k}x{n}: commfuse {us:.1f}, mm + funcol all_reduce {ref:.1f}, "
+                  f"mm {mm:.1f}", flush=True)
+        if algo in args.profile.split(","):
+            prof = cProfile.Profile()
+            torch.cuda._sleep(int(3e9))
+            prof.enable()
+            for _ in range(100):
+                call()
+            prof.disable()
+            torch.cuda.synchronize()
+            if rank == 0:
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+                print(f"--- cProfile of 100 {algo} calls (tottime)\n" + s.getvalue()[-5000:], flush=True)
+    os.environ["COMMFUSE_ALGO"] = ""
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
