@@ -36,9 +36,38 @@ def host_us(fn, n: int = 100) -> float:
     return us
 
 
+def parts(group_name: str, rank: int) -> None:
+    """The fused all-reduce call's host steps, each alone (8192x2048x4096, GPU kept busy)."""
+    from commfuse.kernels import cuda_paths, dispatch, fused_all_reduce, ops, symm
+
+    m, k, n = CASES["fused"]
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    cfg = dispatch.tile_config(m, k, n)
+    ws = symm.workspace(group_name, dispatch.fused_workspace_bytes(m, k, n, a.dtype, 2), a.device)
+    launch = fused_all_reduce.prepare(ws, a, b, None, out, cfg)
+    steps = {
+        "whole op (torch.ops)": lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group_name),
+        "cuda_paths.mm_all_reduce": lambda: cuda_paths.mm_all_reduce(a, b, None, group_name),
+        "ops validation": lambda: ops._validate_mm_all_reduce(a, b, None, group_name),
+        "dispatch.mm_all_reduce": lambda: dispatch.mm_all_reduce(m, k, n, a.dtype, 2, 0),
+        "tile_config + workspace bytes + symm.workspace": lambda: symm.workspace(
+            group_name, dispatch.fused_workspace_bytes(m, k, n, a.dtype, 2), a.device),
+        "torch.empty": lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
+        "prepare": lambda: fused_all_reduce.prepare(ws, a, b, None, out, cfg),
+        "launch (kernel only)": lambda: launch(*ws.next_epoch()),
+    }
+    for name, fn in steps.items():
+        us = host_us(fn)
+        if rank == 0:
+            print(f"host us, fused step: {name}: {us:.1f}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--profile", default="fused,ce_overlap")
+    p.add_argument("--parts", action="store_true", help="also time the fused call's steps one by one")
     args = p.parse_args()
     import commfuse  # noqa: F401
 
@@ -69,6 +98,8 @@ def main() -> int:
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
                 print(f"--- cProfile of 100 {algo} calls (tottime)\n" + s.getvalue()[-5000:], flush=True)
     os.environ["COMMFUSE_ALGO"] = ""
+    if args.parts:
+        parts(group.group_name, rank)
     dist.destroy_process_group()
     return 0
 

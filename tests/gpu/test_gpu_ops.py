@@ -88,6 +88,41 @@ def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, m
     assert relerr(out, total.chunk(2, dim=scatter_dim)[dist.get_rank()]) < 1e-2
 
 
+@pytest.mark.parametrize("key, value", [("COMMFUSE_AG_LOCAL", "copy"), ("COMMFUSE_RS_CHUNKS", "1"),
+                                        ("COMMFUSE_RS_CHUNKS", "4"), ("COMMFUSE_CE_CHUNKS", "3")])
+def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypatch):
+    """The copy-engine overlaps' settings (local source of the all-gather, chunks of the
+    reduce-scatter's shares and of the all-reduce) change the schedule, never the result."""
+    monkeypatch.setenv(key, value)
+    dtype, k, n = torch.bfloat16, 1003, 776
+    torch.manual_seed(53 + dist.get_rank())
+    a = torch.randn(2000, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+    c = torch.randn(n, device="cuda", dtype=dtype)
+    poison()
+    if key == "COMMFUSE_AG_LOCAL":
+        monkeypatch.setenv("COMMFUSE_ALGO", "overlap")
+        out, gathered = torch.ops.commfuse.all_gather_mm(a, b, c, 0, 2, nccl.group_name, True)
+        want = torch.cat(gather_all(a))
+        ref = want.float() @ b.float() + c.float()
+        check_errors()
+        assert torch.equal(gathered, want)
+    elif key == "COMMFUSE_RS_CHUNKS":
+        monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+        out = torch.ops.commfuse.mm_reduce_scatter(a, b, c, [2000, n], 0, 2, nccl.group_name)
+        ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
+        ref = ref.chunk(2)[dist.get_rank()]
+    else:
+        monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+        out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
+        ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
+    check_errors()
+    assert relerr(out, ref) < 1e-2
+    same = out.clone()
+    dist.broadcast(same, 0)
+    assert key == "COMMFUSE_RS_CHUNKS" or torch.equal(same, out)  # every rank holds the same bits
+
+
 def test_compiled_tp_mlp_matches_eager(nccl):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
