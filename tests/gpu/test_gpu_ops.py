@@ -118,9 +118,10 @@ def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypat
         ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
     check_errors()
     assert relerr(out, ref) < 1e-2
-    same = out.clone()
-    dist.broadcast(same, 0)
-    assert key == "COMMFUSE_RS_CHUNKS" or torch.equal(same, out)  # every rank holds the same bits
+    if key == "COMMFUSE_CE_CHUNKS":  # an all-reduce: every rank holds the same bits
+        same = out.clone()
+        dist.broadcast(same, 0)
+        assert torch.equal(same, out)
 
 
 def test_compiled_tp_mlp_matches_eager(nccl):
