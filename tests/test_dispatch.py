@@ -474,3 +474,18 @@ def test_copy_engine_chunks_are_about_1024_rows(monkeypatch):
     assert dispatch.copy_engine_chunks(1) == 1  # never more chunks than rows
     monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
     assert dispatch.copy_engine_chunks(8192) == 3
+
+
+def test_collectives_along_a_dim_with_only_ones_before_it_split_rows():
+    """A sequence-parallel [1, S, H] gathered or scattered along S moves the same row blocks as a
+    collective along dim 0, so the row-splitting paths (overlap, fused) take it."""
+    assert dispatch.rows_dim((1, 4, 6), 1) == 0
+    assert dispatch.rows_dim((1, 1, 3, 6), 2) == 0
+    assert dispatch.rows_dim([1, 4096, 4096], 1) == 0
+    assert dispatch.rows_dim((2, 4, 6), 1) == 1  # two batch rows: each rank's rows are two blocks
+    assert dispatch.rows_dim([-1, 4, 7], 1) == 1  # unknown leading size
+    assert dispatch.rows_dim((5, 6), 0) == 0
+    rows_dim = dispatch.rows_dim((1, 4096, 4096), 1)
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, rows_dim) == "overlap"
+    assert dispatch.mm_reduce_scatter(8192, 7168, 4096, BF16, 2, rows_dim) == "ce_overlap"
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1) == "symm"

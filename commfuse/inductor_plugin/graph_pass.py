@@ -115,7 +115,7 @@ def _all_gather_mm_bytes(node: fx.Node):
         return None  # symbolic: the workspace grows on first use
     from ..kernels import dispatch
 
-    return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, node.args[3])
+    return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, dispatch.rows_dim(shard.shape, node.args[3]))
 
 
 def _mm_reduce_scatter_bytes(node: fx.Node):
@@ -125,7 +125,7 @@ def _mm_reduce_scatter_bytes(node: fx.Node):
         return None  # symbolic: the workspace grows on first use
     from ..kernels import dispatch
 
-    return dispatch.scatter_workspace_bytes(m, k, n, a.dtype, node.args[5], node.args[4])
+    return dispatch.scatter_workspace_bytes(m, k, n, a.dtype, node.args[5], dispatch.rows_dim(node.args[3], node.args[4]))
 
 
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:

@@ -238,14 +238,15 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     ErrorWord.check("all_gather_mm")
     k = shard.shape[-1]
     rows = shard.numel() // k * world_size if k else 0
-    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, gather_dim)
+    rows_dim = dispatch.rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
+    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim)
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     shape = list(shard.shape)
     shape[gather_dim] *= world_size
     out = torch.empty((rows, b.shape[1]), dtype=shard.dtype, device=shard.device)
-    if algo == "fused":  # gather_dim 0 (dispatch): the shard is a block of the gathered rows
+    if algo == "fused":  # rows_dim 0 (dispatch): the shard is a block of the gathered rows
         gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device) if return_gathered else None
         ws = symm.workspace(group_name, dispatch.fused_gather_workspace_bytes(rows, k, shard.dtype, world_size),
                             shard.device)
@@ -259,7 +260,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
     with _exchange(ws, "all_gather_mm") as (epoch, parity):
         mine = ws.data(parity, shard.shape, shard.dtype)
-        if algo == "overlap" and gather_dim == 0:
+        if algo == "overlap" and rows_dim == 0:
             peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
                 _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered)
@@ -277,17 +278,18 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     ErrorWord.check("mm_reduce_scatter")
     m, n = a.shape[0], b.shape[1]
     shape = reference.resolve_shape(shape, m * n)
-    algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, scatter_dim)
+    rows_dim = dispatch.rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
+    algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim)
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
     out_shape = list(shape)
     out_shape[scatter_dim] //= world_size
     out = torch.empty(out_shape, dtype=a.dtype, device=a.device)  # allocations before the epoch
-    if algo == "fused":  # scatter_dim 0 (dispatch): the share is rows of the [m, n] product
+    if algo == "fused":  # rows_dim 0 (dispatch): the share is rows of the [m, n] product
         return _fused(a, b, bias, out, group_name, world_size, "mm_reduce_scatter", scatter=True)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
-    overlap = algo == "ce_overlap" and scatter_dim == 0
+    overlap = algo == "ce_overlap" and rows_dim == 0
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
     chunks = dispatch.scatter_chunks(m // world_size, world_size) if overlap else 0
     own = torch.empty((m // world_size, n), dtype=a.dtype, device=a.device) if chunks == 1 else None

@@ -250,6 +250,13 @@ def _warn_once(op: str, key: str, message: str, *args) -> None:
         log.warning(message, op, *args)
 
 
+def rows_dim(shape, dim: int) -> int:
+    """0 when every dimension before ``dim`` has size 1 (a sequence-parallel ``[1, S, H]``
+    gathered or scattered along S): the collective then moves the same blocks of rows as one
+    along dim 0, so the row-splitting paths take it; else ``dim``."""
+    return 0 if all(isinstance(s, int) and s == 1 for s in shape[:dim]) else dim
+
+
 def _fused_along_rows(what: str, dim: int, m: int, k: int, n: int, dtype: torch.dtype, world: int
                       ) -> str | None:
     """``fused_unsupported`` for the kernels that split the rows (``what``: "gather" or

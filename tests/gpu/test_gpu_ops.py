@@ -50,7 +50,8 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
     assert relerr(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003))])
+@pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003)),
+                                               (1, (1, 129, 1003))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ag_algo", ["symm", "overlap"])
 def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkeypatch):
@@ -69,7 +70,7 @@ def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkey
 
 
 @pytest.mark.parametrize("scatter_dim, shape", [(0, (2, 771)), (0, (14, 771)), (0, (258, 771)), (0, (2000, 771)),
-                                                (0, (8, 3, 771)), (1, (2, 500, 771))])
+                                                (0, (8, 3, 771)), (1, (2, 500, 771)), (1, (1, 258, 771))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rs_algo", ["symm", "ce_overlap"])
 def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, monkeypatch):
