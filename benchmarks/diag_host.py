@@ -13,27 +13,15 @@ import io
 import os
 import pstats
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from commfuse.bench import host_us
+
 CASES = {"fused": (8192, 2048, 4096), "one_shot": (8192, 2048, 4096), "split_k": (16, 2048, 4096),
          "ce_overlap": (8192, 7168, 4096), "nccl": (8192, 2048, 4096)}
-
-
-def host_us(fn, n: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda._sleep(int(3e9))  # GPU work ahead of the calls: only the host is timed
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def parts(group_name: str, rank: int) -> None:

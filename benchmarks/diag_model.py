@@ -15,28 +15,16 @@ import os
 import pstats
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+
+from commfuse.bench import host_us
 
 
 def _p(*args):
     if dist.get_rank() == 0:
         print(*args, file=sys.stderr, flush=True)
-
-
-def host_cost(fn, n: int = 200) -> float:
-    """Host µs per call while the GPU is busy (a long sleep queued first)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))  # ~1 s of GPU work ahead of the calls
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main() -> None:
@@ -60,12 +48,12 @@ def main() -> None:
             if algo == "ce_overlap" and m < 4096:
                 continue
             os.environ["COMMFUSE_ALGO"] = algo
-            us = host_cost(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group))
+            us = host_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group))
             _p(f"host M={m}: commfuse {algo}: {us:.1f} us/call")
         os.environ["COMMFUSE_ALGO"] = ""
-        us = host_cost(lambda: funcol.wait_tensor(funcol.all_reduce(a @ b, "sum", group)))
+        us = host_us(lambda: funcol.wait_tensor(funcol.all_reduce(a @ b, "sum", group)))
         _p(f"host M={m}: mm + funcol all_reduce + wait: {us:.1f} us/call")
-        us = host_cost(lambda: a @ b)
+        us = host_us(lambda: a @ b)
         _p(f"host M={m}: mm alone: {us:.1f} us/call")
         if m == 4 and dist.get_rank() == 0:
             os.environ["COMMFUSE_ALGO"] = "one_shot"

@@ -65,6 +65,21 @@ def time_us(fn, warmup: int = 5, iters: int = 20) -> float:
     return med.item()
 
 
+def host_us(fn, n: int = 100, sleep_cycles: int = int(3e9)) -> float:
+    """Host µs per call of ``fn`` while the GPU is kept busy (a long GPU sleep queued first), so
+    only the host's work is timed; the ranks start together (collective ``fn`` stay paired)."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda._sleep(sleep_cycles)
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def _forced(algo: str | None):
     class _Env:
         def __enter__(self):
