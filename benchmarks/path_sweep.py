@@ -51,27 +51,37 @@ def env(values: dict):
                 os.environ[key] = value
 
 
-def problem(op: str, m: int, k: int, n: int, group):
-    """(call, unfused call, fp32 reference) for one shape on fresh data (different per rank)."""
+def problem(op: str, m: int, k: int, n: int, group, batch: int = 1):
+    """(call, unfused call, fp32 reference) for one shape on fresh data (different per rank).
+    ``batch`` > 1: the all-gather and reduce-scatter run sequence-parallel style, on [batch, rows /
+    batch, ...] along dim 1 (the outputs are compared in that layout)."""
     gname, world, rank = group.group_name, group.size(), dist.get_rank()
     dt = torch.bfloat16
+    dim = 1 if batch > 1 else 0
     b = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).t()  # a linear layer's W.t()
     if op == "ag":
-        shard = torch.randn(m // world, k, device="cuda", dtype=dt)
+        shard = torch.randn(batch, m // world // batch, k, device="cuda", dtype=dt).squeeze(0)
         parts = [torch.empty_like(shard) for _ in range(world)]
         dist.all_gather(parts, shard, group=group)
-        ref = torch.cat(parts).float() @ b.float()
-        return (lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, False)[0],
-                lambda: torch.mm(funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group)), b), ref)
+        ref = torch.cat(parts, dim).reshape(-1, k).float() @ b.float()
+
+        def unfused():
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group))
+            if dim:  # funcol gathers along dim 0
+                gathered = torch.cat(gathered.chunk(world), dim)
+            return torch.mm(gathered.reshape(-1, k), b)
+        return (lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, dim, world, gname, False)[0],
+                unfused, ref)
     a = torch.randn(m, k, device="cuda", dtype=dt)
     ref = a.float() @ b.float()
     dist.all_reduce(ref, group=group)
     if op == "ar":
         return (lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname),
                 lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)), ref)
-    return (lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, world, gname),
-            lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b), "sum", 0, group)),
-            ref.chunk(world)[rank])
+    shape = [batch, m // batch, n] if dim else [m, n]
+    return (lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, shape, dim, world, gname),
+            lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b).view(shape), "sum", dim, group)),
+            ref.view(shape).chunk(world, dim)[rank])
 
 
 def main() -> int:
@@ -79,6 +89,8 @@ def main() -> int:
     p.add_argument("--ops", default="ar,ag,rs")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--ar-min-m", type=int, default=1024, help="all-reduce shapes from this many rows")
+    p.add_argument("--batch", type=int, default=1, help="all-gather / reduce-scatter along dim 1 of a "
+                   "[batch, rows / batch, ...] tensor (sequence parallel with a batch)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -88,7 +100,7 @@ def main() -> int:
         shapes = [s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "ar" else AG_MM_SHAPES
         for m, k, n in shapes:
             torch.manual_seed(99 + rank)
-            call, unfused, ref = problem(op, m, k, n, group)
+            call, unfused, ref = problem(op, m, k, n, group, 1 if op == "ar" else args.batch)
             errs, runs = {}, {"unfused": unfused}
             for name, values in candidates[op].items():
                 with env(values):
@@ -96,7 +108,7 @@ def main() -> int:
                         out = call()
                         torch.cuda.synchronize()
                         check_errors()
-                        errs[name] = ((out.float() - ref).norm() / ref.norm()).item()
+                        errs[name] = ((out.float().reshape(ref.shape) - ref).norm() / ref.norm()).item()
                         runs[name] = values
                     except Exception as exc:  # a path that cannot take the shape: recorded
                         errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"

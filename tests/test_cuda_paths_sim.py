@@ -117,7 +117,8 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
 
 @pytest.mark.parametrize("algo, gather_dim, shape", [
     ("symm", 0, (4, 6)), ("symm", 1, (2, 3, 6)), ("overlap", 0, (4, 6)), ("overlap", 0, (2, 2, 6)),
-    ("overlap", 1, (1, 4, 6)), ("overlap", 2, (1, 1, 3, 6))])  # leading 1s: blocks of rows, like dim 0
+    ("overlap", 1, (1, 4, 6)), ("overlap", 2, (1, 1, 3, 6)),  # leading 1s: blocks of rows, like dim 0
+    ("overlap", 1, (2, 3, 6)), ("overlap", 1, (3, 2, 2, 6))])  # a batch: a block in each slab
 @pytest.mark.parametrize("bias_kind", [None, "1d"])
 @pytest.mark.parametrize("local", ["workspace", "copy"])
 def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind, local):
@@ -146,7 +147,7 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
                                                return_gathered=False)
     torch.testing.assert_close(mine, shards[r])
     torch.testing.assert_close(out2, out)
-    assert len(overlapped) == (2 if algo == "overlap" else 0)  # leading 1s take the overlap too
+    assert len(overlapped) == (2 if algo == "overlap" else 0)  # any leading dims (as slabs) take it
     if gathered2 is not None:
         torch.testing.assert_close(gathered2, want_gathered)
 
@@ -154,7 +155,8 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
 @pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
     ("symm", 4, lambda w: [4 * w, 7], 0), ("symm", 4, lambda w: [2, 2 * w, 7], 1),
     ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0),
-    ("ce_overlap", 5, lambda w: [5 * w, 7], 0), ("ce_overlap", 4, lambda w: [1, 4 * w, 7], 1)])
+    ("ce_overlap", 5, lambda w: [5 * w, 7], 0), ("ce_overlap", 4, lambda w: [1, 4 * w, 7], 1),
+    ("ce_overlap", 4, lambda w: [2, 2 * w, 7], 1), ("ce_overlap", 6, lambda w: [3, w, 2, 7], 1)])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
 @pytest.mark.parametrize("chunks", ["1", "3"])
 def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind, chunks):
@@ -174,5 +176,5 @@ def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of
     total = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)).view(shape)
     torch.testing.assert_close(out, total.chunk(sim.world, dim=scatter_dim)[r])
     assert len(slots) == len(set(slots)), "every barrier of a call has its own flag slot"
-    # the copy-engine overlap takes scatters along dim 0 and along a dim with only 1s before it
-    assert len(overlapped) == (algo == "ce_overlap" and all(s == 1 for s in shape[:scatter_dim]))
+    # the copy-engine overlap takes scatters along any leading dim (a batch before it: as slabs)
+    assert len(overlapped) == (algo == "ce_overlap")

@@ -489,3 +489,20 @@ def test_collectives_along_a_dim_with_only_ones_before_it_split_rows():
     assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, rows_dim) == "overlap"
     assert dispatch.mm_reduce_scatter(8192, 7168, 4096, BF16, 2, rows_dim) == "ce_overlap"
     assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1) == "symm"
+
+
+def test_row_slabs_of_batched_sequence_collectives(monkeypatch):
+    """A [B, S, H] gathered or scattered along S cuts every rank's rows into B slabs: the
+    copy-engine overlaps take them slab by slab when forced (the default stays the symmetric pull
+    until timed), up to MAX_ROW_SLABS; the reduce-scatter's chunks per slab fit the flag area."""
+    assert dispatch.row_slabs((4, 1024, 4096), 0) == 1
+    assert dispatch.row_slabs((4, 1024, 4096), 1) == 4
+    assert dispatch.row_slabs((2, 3, 5, 8), 2) == 6
+    assert dispatch.row_slabs((dispatch.MAX_ROW_SLABS + 1, 8, 8), 1) == 0
+    assert dispatch.row_slabs([-1, 8, 8], 1) == 0  # unknown
+    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1) == "symm"
+    monkeypatch.delenv("COMMFUSE_RS_CHUNKS", raising=False)
+    slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // 64 // 63
+    assert dispatch.scatter_chunks(4096, 64, slabs=slots) == 1
+    assert dispatch.scatter_chunks(4096, 64, slabs=slots + 1) == 0  # not one chunk per slab fits

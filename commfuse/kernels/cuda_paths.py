@@ -159,33 +159,46 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     return out
 
 
-def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool) -> None:
+def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool,
+                       slabs: int = 1) -> None:
     """Copy the local shard into the workspace (``mine``), where the peers pull it; multiply it
     at once while the copy engines (no SMs) pull the peers' shards on a side stream; then
     multiply the peers' rows. ``COMMFUSE_AG_LOCAL`` says what the local GEMM reads: the
-    workspace copy (the default) or the local rows copied into ``gathered`` first (``copy``)."""
-    k, rows = shard.shape[-1], shard.numel() // shard.shape[-1]
-    g2 = gathered.view(-1, k)
+    workspace copy (the default) or the local rows copied into ``gathered`` first (``copy``).
+    ``slabs``: the gathered rows are that many slabs (a batch of sequences gathered along the
+    sequence), each holding every rank's block of rows in rank order; each slab is one GEMM
+    and one copy per block."""
+    world, rank, k = ws.world, ws.rank, shard.shape[-1]
+    inner = shard.numel() // k // slabs  # rows of one rank's block in one slab
+    g3, o3 = gathered.view(slabs, world * inner, k), out.view(slabs, world * inner, out.shape[-1])
+    mine3 = mine.view(slabs, inner, k)
     side = _side_stream(shard.device)
     main = torch.cuda.current_stream(shard.device)
-    lo, hi = ws.rank * rows, (ws.rank + 1) * rows
+    lo, hi = rank * inner, (rank + 1) * inner
+
+    def rows_of(o, start, stop):  # the bias of slab o's rows start:stop
+        return _rows(bias, o * world * inner + start, o * world * inner + stop)
+
     mine.copy_(shard)
     copy = dispatch.gather_local_source() == "copy"
-    if copy:
-        g2[lo:hi].copy_(mine.view(rows, k))
+    for o in range(slabs if copy else 0):
+        g3[o, lo:hi].copy_(mine3[o])
     side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
     with torch.cuda.stream(side):
         exchange.barrier(ws, epoch, OP_ALL_GATHER_MM)
         for p, view in enumerate(peers):
-            if p != ws.rank:
-                g2[p * rows:(p + 1) * rows].copy_(view.view(rows, k), non_blocking=True)
-        if return_gathered and not copy:
-            g2[lo:hi].copy_(mine.view(rows, k), non_blocking=True)
-    _matmul_into(g2[lo:hi] if copy else mine.view(rows, k), b, _rows(bias, lo, hi), out[lo:hi])
+            if p != rank:
+                for o, block in enumerate(view.view(slabs, inner, k)):
+                    g3[o, p * inner:(p + 1) * inner].copy_(block, non_blocking=True)
+        for o in range(slabs if return_gathered and not copy else 0):
+            g3[o, lo:hi].copy_(mine3[o], non_blocking=True)
+    for o in range(slabs):
+        _matmul_into(g3[o, lo:hi] if copy else mine3[o], b, rows_of(o, lo, hi), o3[o, lo:hi])
     main.wait_stream(side)
-    for start, stop in ((0, lo), (hi, g2.shape[0])):  # the peers' rows, in at most two GEMMs
-        if stop > start:
-            _matmul_into(g2[start:stop], b, _rows(bias, start, stop), out[start:stop])
+    for o in range(slabs):
+        for start, stop in ((0, lo), (hi, world * inner)):  # the peers' rows, in at most two GEMMs
+            if stop > start:
+                _matmul_into(g3[o, start:stop], b, rows_of(o, start, stop), o3[o, start:stop])
 
 
 def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
@@ -239,6 +252,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     k = shard.shape[-1]
     rows = shard.numel() // k * world_size if k else 0
     rows_dim = dispatch.rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
+    slabs = dispatch.row_slabs(shard.shape, rows_dim)  # else a block in each of these slabs
     algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim)
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
@@ -260,10 +274,10 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
     with _exchange(ws, "all_gather_mm") as (epoch, parity):
         mine = ws.data(parity, shard.shape, shard.dtype)
-        if algo == "overlap" and rows_dim == 0:
+        if algo == "overlap" and slabs:
             peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
-                _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered)
+                _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered, slabs)
                 return out, gathered if return_gathered else None
         mine.copy_(shard)
         outer = math.prod(shard.shape[:gather_dim])
@@ -279,6 +293,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     m, n = a.shape[0], b.shape[1]
     shape = reference.resolve_shape(shape, m * n)
     rows_dim = dispatch.rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
+    slabs = dispatch.row_slabs(shape, rows_dim)  # else a block in each of these slabs
     algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim)
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
@@ -289,16 +304,18 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     if algo == "fused":  # rows_dim 0 (dispatch): the share is rows of the [m, n] product
         return _fused(a, b, bias, out, group_name, world_size, "mm_reduce_scatter", scatter=True)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
-    overlap = algo == "ce_overlap" and rows_dim == 0
+    overlap = algo == "ce_overlap" and bool(slabs)
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
-    chunks = dispatch.scatter_chunks(m // world_size, world_size) if overlap else 0
-    own = torch.empty((m // world_size, n), dtype=a.dtype, device=a.device) if chunks == 1 else None
+    chunks = dispatch.scatter_chunks(m // world_size // max(slabs, 1), world_size, slabs) if overlap else 0
+    overlap = overlap and chunks > 0
+    own = torch.empty((m // world_size, n), dtype=a.dtype, device=a.device) if chunks * slabs == 1 else None
     with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if overlap:
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
-                _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, own, chunks, peers, epoch)
+                _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, own, chunks, peers, epoch,
+                                    slabs)
                 return out
         _matmul_into(a, b, bias, partial)
         outer = math.prod(shape[:scatter_dim])
@@ -307,7 +324,8 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         return out
 
 
-def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, peers, epoch) -> None:
+def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, peers, epoch,
+                        slabs: int = 1) -> None:
     """Multiply the peers' shares of the rows first, each in turn and in row chunks; as chunk c of
     share p lands, rank p's copy engines pull it on their side stream while this rank multiplies
     the next chunk. This rank's own share comes last, chunk by chunk: each GEMM adds the pulled
@@ -315,10 +333,14 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, pe
     (``addmm``), so no separate pass sums the shares; this rank's product is added last and
     unrounded, which differs from the rank-order sum of rounded partials by rounding only.
     With one chunk nothing is pulled before the own share's GEMM could start, so that GEMM runs
-    at once into ``own`` while the pulls land, and one pass sums the shares in rank order."""
-    world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world
+    at once into ``own`` while the pulls land, and one pass sums the shares in rank order.
+    ``slabs``: the rows are that many slabs (a batch of sequences scattered along the sequence),
+    each holding every rank's share in rank order; the chunks are taken slab by slab."""
+    world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world // slabs  # a share's rows in a slab
     step_rows = -(-rows // chunks)
-    bounds = [(lo, min(lo + step_rows, rows)) for lo in range(0, rows, step_rows)]
+    # (first row of the slab in the product, first of it in a share, chunk start, chunk stop)
+    bounds = [(o * world * rows, o * rows, lo, min(lo + step_rows, rows))
+              for o in range(slabs) for lo in range(0, rows, step_rows)]
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main
@@ -326,13 +348,14 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, pe
     for step in range(1, world):
         p = (rank + step) % world
         q = (rank - step) % world  # at this step rank q multiplies this rank's share
-        for c, (lo, hi) in enumerate(bounds):
-            r0, r1 = p * rows + lo, p * rows + hi
+        for c, (base, share, lo, hi) in enumerate(bounds):
+            r0, r1 = base + p * rows + lo, base + p * rows + hi
             _matmul_into(a[r0:r1], b, _rows(bias, r0, r1), partial[r0:r1])
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 exchange.barrier(ws, epoch, OP_MM_REDUCE_SCATTER, slot=(step - 1) * len(bounds) + c)
-                recv[step - 1, lo:hi].copy_(peers[q][rank * rows + lo:rank * rows + hi], non_blocking=True)
+                mine = base + rank * rows
+                recv[step - 1, share + lo:share + hi].copy_(peers[q][mine + lo:mine + hi], non_blocking=True)
                 if step == world - 1:
                     landed.append(side.record_event())
     if own is not None:  # one chunk: multiply the own share while the pulls run, sum after
@@ -343,16 +366,16 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, pe
         _sum_rank_order([own if q == rank else recv[(rank - q) % world - 1] for q in range(world)], out)
         main.wait_stream(side)
         return
-    for c, (lo, hi) in enumerate(bounds):
+    for c, (base, share, lo, hi) in enumerate(bounds):
         main.wait_event(landed[c])  # every peer's partial of these rows is here
         # recv[step - 1] came from rank (rank - step) % world: add the peers' parts in rank order
-        parts = [recv[(rank - q) % world - 1, lo:hi] for q in range(world) if q != rank]
+        parts = [recv[(rank - q) % world - 1, share + lo:share + hi] for q in range(world) if q != rank]
         acc = parts[0]
         if len(parts) > 1:
             _sum_rank_order(parts, acc)  # in place: the first part becomes the sum
-        r0, r1 = rank * rows + lo, rank * rows + hi
+        r0, r1 = base + rank * rows + lo, base + rank * rows + hi
         row_bias = _rows(bias, r0, r1)
         if row_bias is not None:
             acc.add_(row_bias)
-        torch.addmm(acc, a[r0:r1], b, out=out[lo:hi])
+        torch.addmm(acc, a[r0:r1], b, out=out[share + lo:share + hi])
     main.wait_stream(side)

@@ -8,6 +8,7 @@ The thresholds come from the ops benchmark on 2xH200 (``benchmarks/results/h200x
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -257,6 +258,25 @@ def rows_dim(shape, dim: int) -> int:
     return 0 if all(isinstance(s, int) and s == 1 for s in shape[:dim]) else dim
 
 
+#: At most this many row slabs (``row_slabs``) for the copy-engine overlaps: each slab costs one
+#: more GEMM and copy per rank block, launches that a larger batch would multiply.
+MAX_ROW_SLABS = 8
+
+
+def row_slabs(shape, dim: int) -> int:
+    """Into how many slabs of rows a collective along ``dim`` of ``shape`` (the rows being every
+    dimension but the last) cuts every rank's block: 1 along the rows (``rows_dim`` 0), else the
+    product of the dimensions before ``dim`` (a batch of sequences gathered along the sequence);
+    0 when that is unknown or above ``MAX_ROW_SLABS``."""
+    if dim == 0:
+        return 1
+    lead = shape[:dim]
+    if not all(isinstance(s, int) and s > 0 for s in lead):
+        return 0
+    slabs = math.prod(lead)
+    return slabs if slabs <= MAX_ROW_SLABS else 0
+
+
 def _fused_along_rows(what: str, dim: int, m: int, k: int, n: int, dtype: torch.dtype, world: int
                       ) -> str | None:
     """``fused_unsupported`` for the kernels that split the rows (``what``: "gather" or
@@ -345,13 +365,15 @@ def overlap_config(m: int) -> tuple[int, int]:
     return 4, 32
 
 
-def scatter_chunks(rows: int, world: int) -> int:
+def scatter_chunks(rows: int, world: int, slabs: int = 1) -> int:
     """Row chunks per share of the copy-engine overlapped reduce-scatter: each chunk's pull
     overlaps the next chunk's GEMM, and the last share's GEMMs add what was pulled in their
     epilogue, so the pull of the last chunk is what stays exposed; ``COMMFUSE_RS_CHUNKS``. One
-    barrier flag slot per chunk and step: at most what the flag area holds."""
+    barrier flag slot per chunk, slab and step: at most what the flag area holds (0: none fits)."""
     env = os.environ.get("COMMFUSE_RS_CHUNKS")
-    slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1)
+    slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1) // max(slabs, 1)
+    if slots < 1:  # not even one chunk per slab: no overlap
+        return 0
     return max(1, min(int(env) if env else RS_CHUNKS_LARGE if rows >= RS_LARGE_SHARE else 2, rows, 64, slots))
 
 
