@@ -99,8 +99,14 @@ def main() -> int:
     for op in args.ops.split(","):
         shapes = [s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "ar" else AG_MM_SHAPES
         for m, k, n in shapes:
+            batch = 1 if op == "ar" else args.batch
+            if m % (batch * group.size()):
+                if rank == 0:
+                    print(f"{op} {m}x{k}x{n}: skipped, {m} rows do not split into {batch} x {group.size()}",
+                          flush=True)
+                continue
             torch.manual_seed(99 + rank)
-            call, unfused, ref = problem(op, m, k, n, group, 1 if op == "ar" else args.batch)
+            call, unfused, ref = problem(op, m, k, n, group, batch)
             errs, runs = {}, {"unfused": unfused}
             for name, values in candidates[op].items():
                 with env(values):

@@ -185,11 +185,11 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
 
 
 def _with_algo(algo: str, step):
-    """``algo``: a path for ``COMMFUSE_ALGO``, or settings ``KEY=VALUE[+KEY=VALUE]`` for
-    ``COMMFUSE_KEY`` (``commfuse@CE_MIN_K=7168``), set around every call of ``step``."""
+    """``algo``: ``+``-joined items, each a path for ``COMMFUSE_ALGO`` or a setting ``KEY=VALUE``
+    for ``COMMFUSE_KEY`` (``commfuse@ce_overlap+CE_CHUNKS=4``), set around every call of ``step``."""
     if not algo:
         return step
-    pairs = [kv.split("=", 1) for kv in algo.split("+")] if "=" in algo else [("ALGO", algo)]
+    pairs = [item.split("=", 1) if "=" in item else ("ALGO", item) for item in algo.split("+")]
     values = {f"COMMFUSE_{key.upper()}": value for key, value in pairs}
 
     def forced():

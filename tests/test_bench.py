@@ -134,6 +134,7 @@ def test_model_backend_settings_hold_during_each_step_only(monkeypatch):
                      os.environ.get("COMMFUSE_CE_CHUNKS")))
     bench_model._with_algo("one_shot", step)()
     bench_model._with_algo("ce_min_k=7168+CE_CHUNKS=4", step)()
-    assert seen == [("one_shot", "1", None), (None, "7168", "4")]
+    bench_model._with_algo("ce_overlap+CE_CHUNKS=2", step)()
+    assert seen == [("one_shot", "1", None), (None, "7168", "4"), ("ce_overlap", "1", "2")]
     assert os.environ.get("COMMFUSE_ALGO") is None and os.environ["COMMFUSE_CE_MIN_K"] == "1"
     assert "COMMFUSE_CE_CHUNKS" not in os.environ

@@ -152,6 +152,17 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
         torch.testing.assert_close(gathered2, want_gathered)
 
 
+def test_a_bad_all_gather_setting_fails_before_the_exchange(sim, monkeypatch):
+    """A setting the overlap cannot read raises before the call's epoch: the workspace stays
+    usable (an error after the epoch began would mark it broken on this rank only)."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "overlap")
+    monkeypatch.setenv("COMMFUSE_AG_LOCAL", "1")
+    epoch = sim.mine.epoch
+    with pytest.raises(ValueError, match="COMMFUSE_AG_LOCAL"):
+        cuda_paths.all_gather_mm(torch.randn(4, 6), torch.randn(6, 5), None, 0, sim.world, "0")
+    assert sim.mine.broken is None and sim.mine.epoch == epoch
+
+
 @pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
     ("symm", 4, lambda w: [4 * w, 7], 0), ("symm", 4, lambda w: [2, 2 * w, 7], 1),
     ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0),

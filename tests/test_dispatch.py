@@ -57,6 +57,7 @@ def test_fused_reduce_scatter_is_taken_from_16384_rows_above_2_ranks_or_when_for
     assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 4) != "fused"  # it loses there
     assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 4) == "fused"
     assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 2) == "ce_overlap"  # 4 chunks win at 2
+    assert dispatch.mm_reduce_scatter(16384, 64, 64, BF16, 2) == "fused"  # no overlap for so little work
     assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, 4, scatter_dim=1) != "fused"
     assert dispatch.mm_reduce_scatter(16384, 4096, 7168, torch.float32, 4) != "fused"
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")

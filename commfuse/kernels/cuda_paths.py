@@ -160,11 +160,12 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
 
 
 def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered: bool,
-                       slabs: int = 1) -> None:
+                       slabs: int = 1, copy: bool = False) -> None:
     """Copy the local shard into the workspace (``mine``), where the peers pull it; multiply it
     at once while the copy engines (no SMs) pull the peers' shards on a side stream; then
     multiply the peers' rows. ``COMMFUSE_AG_LOCAL`` says what the local GEMM reads: the
-    workspace copy (the default) or the local rows copied into ``gathered`` first (``copy``).
+    workspace copy (the default) or the local rows copied into ``gathered`` first (``copy``;
+    read before the call's epoch begins, so a bad value cannot break the workspace).
     ``slabs``: the gathered rows are that many slabs (a batch of sequences gathered along the
     sequence), each holding every rank's block of rows in rank order; each slab is one GEMM
     and one copy per block."""
@@ -180,7 +181,6 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
         return _rows(bias, o * world * inner + start, o * world * inner + stop)
 
     mine.copy_(shard)
-    copy = dispatch.gather_local_source() == "copy"
     for o in range(slabs if copy else 0):
         g3[o, lo:hi].copy_(mine3[o])
     side.wait_stream(main)  # the shard is in the workspace; gathered and out were allocated on main
@@ -272,12 +272,14 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         return out, gathered
     ws = symm.workspace(group_name, shard.numel() * shard.element_size(), shard.device)
     gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device)  # before the epoch
+    copy = algo == "overlap" and dispatch.gather_local_source() == "copy"  # raises before it, too
     with _exchange(ws, "all_gather_mm") as (epoch, parity):
         mine = ws.data(parity, shard.shape, shard.dtype)
         if algo == "overlap" and slabs:
             peers = [ws.peer_data(p, parity, shard.shape, shard.dtype) for p in range(ws.world)]
             if all(p is not None for p in peers):
-                _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered, slabs)
+                _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered, slabs,
+                                   copy)
                 return out, gathered if return_gathered else None
         mine.copy_(shard)
         outer = math.prod(shard.shape[:gather_dim])
@@ -305,9 +307,9 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         return _fused(a, b, bias, out, group_name, world_size, "mm_reduce_scatter", scatter=True)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     overlap = algo == "ce_overlap" and bool(slabs)
-    recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
     chunks = dispatch.scatter_chunks(m // world_size // max(slabs, 1), world_size, slabs) if overlap else 0
     overlap = overlap and chunks > 0
+    recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
     own = torch.empty((m // world_size, n), dtype=a.dtype, device=a.device) if chunks * slabs == 1 else None
     with _exchange(ws, "mm_reduce_scatter") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)

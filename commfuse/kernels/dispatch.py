@@ -91,8 +91,8 @@ FUSED_AG_ROWS = (1024, 2048)
 #: little (2048^3 46 / 48). 8192x8192x28672 (6048 / 5922) has fewer rows but a far larger
 #: GEMM, which the reducer-free form still pays its own-tile epilogue on. At 2 ranks the
 #: copy-engine overlap in 4 chunks per share now beats it there (interleaved rounds,
-#: ``explore/paths_8f97686.json``: 1388 +-12 against 1452 +-1 us, 2 chunks 1462 +-17), so the
-#: rule holds above 2 ranks only, where neither is timed yet.
+#: ``explore/paths_8f97686.json``: 1388 +-12 against 1452 +-1 us, 2 chunks 1462 +-17), so at 2
+#: ranks the rule holds only where the overlap does not apply (a share under 2^33 of GEMM work).
 FUSED_RS_MIN_M = 16384
 
 
@@ -463,8 +463,8 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
-    if world > 2 and m >= FUSED_RS_MIN_M and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None:
+    overlap = scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK
+    if (m >= FUSED_RS_MIN_M and (world > 2 or not overlap)
+            and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None):
         return "fused"
-    if scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
-        return "ce_overlap"
-    return "symm"
+    return "ce_overlap" if overlap else "symm"
