@@ -69,7 +69,9 @@ def time_us(fn, warmup: int = 5, iters: int = 20) -> float:
 
 def host_us(fn, n: int = 100, sleep_cycles: int = int(3e9)) -> float:
     """Host µs per call of ``fn`` while the GPU is kept busy (a long GPU sleep queued first), so
-    only the host's work is timed; the ranks start together (collective ``fn`` stay paired)."""
+    only the host's work is timed; the ranks start together (collective ``fn`` stay paired). A
+    ``fn`` of many launches can fill CUDA's launch queue behind the sleep, and then this times the
+    sleep: keep ``n`` x launches per call under ~1000."""
     fn()
     torch.cuda.synchronize()
     dist.barrier()
