@@ -4,15 +4,15 @@
 1. One GEMM-bound all-reduce (8192x7168x4096 by default) per path while rank 1 starts each call
    late by a GPU sleep of 0 / 100 / 300 us: a path that only waits for the late rank costs
    about the skew more; one whose waits hold SMs that the GEMM needs costs more than that.
-2. The DTensor training step with the default dispatch and with ``COMMFUSE_CE_MIN_K=7168``,
-   timed, then profiled: GPU time per kernel family and per commfuse call.
+2. The DTensor training step with each of ``--model-settings`` (the defaults, the copy-engine
+   overlap for K >= 7168 with 8 or 4 chunks), timed, then profiled: GPU time per kernel family and
+   per commfuse call.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import os
 import statistics
 import sys
 
@@ -62,7 +62,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8192x7168x4096")
     p.add_argument("--skews", default="0,100,300")
-    p.add_argument("--paths", default="fused,one_shot,ce_overlap,nccl")
+    p.add_argument("--paths", default="fused,one_shot,ce_overlap,ce_overlap+CE_CHUNKS=4,nccl",
+                   help="paths, each a model-benchmark backend suffix (a path and/or KEY=VALUE settings)")
+    p.add_argument("--model-settings", default=",CE_MIN_K=7168,CE_MIN_K=7168+CE_CHUNKS=4",
+                   help="the training step's variants (empty: the defaults)")
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
     from commfuse import bench_model
@@ -79,10 +82,9 @@ def main() -> int:
             a = a.t().contiguous().t()
         for skew in (int(s) for s in args.skews.split(",")):
             row = {}
-            for algo in args.paths.split(","):
-                os.environ["COMMFUSE_ALGO"] = algo
-                row[algo] = skewed(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group), skew)
-            os.environ["COMMFUSE_ALGO"] = ""
+            for spec in args.paths.split(","):
+                row[spec] = skewed(bench_model._with_algo(
+                    spec, lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group)), skew)
             _p(f"{layout}, skew {skew} us, {args.shape}: " + ", ".join(f"{k_} {v:.0f}" for k_, v in row.items()))
     if args.no_model:
         dist.destroy_process_group()
@@ -98,9 +100,9 @@ def main() -> int:
     model = bench_model._build("dtensor", cfg, device, dtype)
     compiled = bench_model._compile("commfuse", model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False)
-    step = bench_model._make_step("train", compiled, x, None, opt, False)
-    for setting in ("", "7168"):
-        os.environ["COMMFUSE_CE_MIN_K"] = setting
+    plain = bench_model._make_step("train", compiled, x, None, opt, False)
+    for setting in args.model_settings.split(","):
+        step = bench_model._with_algo(setting, plain)
         for _ in range(3):
             step()
         ms = statistics.median(bench_model._step_times(step, device, 10))
@@ -114,11 +116,10 @@ def main() -> int:
                 calls[f"{evt.key} x{evt.count}"] += total
             elif getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
                 fams[family(evt.key)] += getattr(evt, "self_device_time_total", total)
-        _p(f"train CE_MIN_K={setting or 'off'}: {ms:.2f} ms/step; GPU us by family "
+        _p(f"train {setting or 'defaults'}: {ms:.2f} ms/step; GPU us by family "
            + ", ".join(f"{f} {v:.0f}" for f, v in fams.most_common()) + "; commfuse calls "
            + ", ".join(f"{c} {v:.0f}" for c, v in calls.items()))
         _p(prof.key_averages().table(sort_by="device_time_total", row_limit=16, max_name_column_width=70))
-    os.environ["COMMFUSE_CE_MIN_K"] = ""
     dist.destroy_process_group()
     return 0
 
