@@ -152,6 +152,32 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
         torch.testing.assert_close(gathered2, want_gathered)
 
 
+def test_paths_count_the_path_that_ran(sim, monkeypatch):
+    """A forced overlap that cannot take the call (more row slabs than it handles) runs the
+    symmetric pull, and PATHS (what tests read to know which path ran) says so."""
+    from commfuse.kernels import dispatch
+
+    slabs = dispatch.MAX_ROW_SLABS + 1
+    monkeypatch.setenv("COMMFUSE_ALGO", "overlap")
+    before = dict(cuda_paths.PATHS)
+    shards = [torch.randn(slabs, 2, 6) for _ in range(sim.world)]
+    for p in sim.peers():
+        sim.peer_data(p, (slabs, 2, 6)).copy_(shards[p])
+    out, gathered = cuda_paths.all_gather_mm(shards[sim.mine.rank], torch.randn(6, 5), None, 1, sim.world, "0")
+    torch.testing.assert_close(gathered, torch.cat(shards, dim=1))
+    assert cuda_paths.PATHS["all_gather_mm:symm"] == before.get("all_gather_mm:symm", 0) + 1
+    assert cuda_paths.PATHS["all_gather_mm:overlap"] == before.get("all_gather_mm:overlap", 0)
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    m, shape = 2 * sim.world * slabs, [slabs, 2 * sim.world, 7]
+    a, b, _ = _inputs(sim.world, m, 6, 7, None)
+    for p in sim.peers():
+        sim.peer_data(p, (m, 7)).copy_(a[p] @ b[p])
+    out = cuda_paths.mm_reduce_scatter(a[sim.mine.rank], b[sim.mine.rank], None, shape, 1, sim.world, "0")
+    want = sum(a[p] @ b[p] for p in range(sim.world)).view(shape).chunk(sim.world, dim=1)[sim.mine.rank]
+    torch.testing.assert_close(out, want)
+    assert cuda_paths.PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
+
+
 def test_a_bad_all_gather_setting_fails_before_the_exchange(sim, monkeypatch):
     """A setting the overlap cannot read raises before the call's epoch: the workspace stays
     usable (an error after the epoch began would mark it broken on this rank only)."""

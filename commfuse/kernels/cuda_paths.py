@@ -32,6 +32,12 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 PATHS: collections.Counter[str] = collections.Counter()
 
 
+def _ran_instead(op: str, algo: str, instead: str) -> None:
+    """``PATHS`` counts the path a call took: ``algo`` was chosen but ``instead`` ran."""
+    PATHS[f"{op}:{algo}"] -= 1
+    PATHS[f"{op}:{instead}"] += 1
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device.index not in _side_streams:
         _side_streams[device.index] = torch.cuda.Stream(device)
@@ -100,6 +106,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             if all(p is not None for p in peers):
                 _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch)
                 return out
+            _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # the provider has no peer views for the copy engines
         _matmul_into(a, b, bias, partial)
         exchange.all_reduce(ws, partial, out, epoch, algo, OP_MM_ALL_REDUCE)
@@ -281,6 +288,8 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
                 _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, return_gathered, slabs,
                                    copy)
                 return out, gathered if return_gathered else None
+        if algo == "overlap":  # too many slabs, or no peer views for the copy engines
+            _ran_instead("all_gather_mm", algo, "symm")
         mine.copy_(shard)
         outer = math.prod(shard.shape[:gather_dim])
         inner = math.prod(shard.shape[gather_dim:])
@@ -319,6 +328,8 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
                 _scatter_overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, own, chunks, peers, epoch,
                                     slabs)
                 return out
+        if algo == "ce_overlap":  # too many slabs, no chunk fits the flags, or no peer views
+            _ran_instead("mm_reduce_scatter", algo, "symm")
         _matmul_into(a, b, bias, partial)
         outer = math.prod(shape[:scatter_dim])
         exchange.reduce_scatter(ws, partial, out, outer, m * n // outer // world_size, epoch,

@@ -131,7 +131,7 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "three_d"])
 def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
-    """The kernel's reduce-scatter form (forced here; the default from 16384 rows): rank r gets share r of
+    """The kernel's reduce-scatter form (forced here; a default from 16384 rows, dispatch.py): rank r gets share r of
     the summed rows; a share whose rows are not a multiple of the tile height included."""
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     k, n = 1024, 776
