@@ -10,7 +10,6 @@ spread of its rounds beside unfused (cuBLAS + NCCL) timed in the same rounds. Un
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -20,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse  # noqa: F401
-from commfuse.bench import AG_MM_SHAPES, MM_AR_SHAPES, sweep_finish, sweep_setup, time_us
+from commfuse.bench import AG_MM_SHAPES, MM_AR_SHAPES, settings, sweep_finish, sweep_setup, time_us
 from commfuse.kernels.sync import check_errors
 
 AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
@@ -35,20 +34,6 @@ RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}
                     for c in (1, 2, 4)},
                  "fused": {"COMMFUSE_ALGO": "fused"}}
-
-
-@contextlib.contextmanager
-def env(values: dict):
-    old = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def problem(op: str, m: int, k: int, n: int, group, batch: int = 1):
@@ -109,7 +94,7 @@ def main() -> int:
             call, unfused, ref = problem(op, m, k, n, group, batch)
             errs, runs = {}, {"unfused": unfused}
             for name, values in candidates[op].items():
-                with env(values):
+                with settings(values):
                     try:
                         out = call()
                         torch.cuda.synchronize()
@@ -125,7 +110,7 @@ def main() -> int:
                     if name == "unfused":
                         times[name].append(time_us(unfused))
                     else:
-                        with env(values):
+                        with settings(values):
                             times[name].append(time_us(call))
             med = {name: statistics.median(v) for name, v in times.items()}
             bad = {name: e for name, e in errs.items() if not isinstance(e, float) or e > 2e-2}

@@ -13,6 +13,7 @@ winner. floor = max(mm alone, fastest exchange alone). Prints a markdown table
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -84,21 +85,29 @@ def host_us(fn, n: int = 100, sleep_cycles: int = int(3e9)) -> float:
     return us
 
 
-def _forced(algo: str | None):
-    class _Env:
-        def __enter__(self):
-            self.old = os.environ.get("COMMFUSE_ALGO")
-            if algo:
-                os.environ["COMMFUSE_ALGO"] = algo
+@contextlib.contextmanager
+def settings(values: dict):
+    """Set environment variables (``None``: unset) for the block, then restore what was there:
+    commfuse reads its settings per call, so a forced path or knob holds for the calls inside."""
+    old = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
             else:
-                os.environ.pop("COMMFUSE_ALGO", None)
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
-        def __exit__(self, *exc):
-            if self.old is None:
-                os.environ.pop("COMMFUSE_ALGO", None)
-            else:
-                os.environ["COMMFUSE_ALGO"] = self.old
-    return _Env()
+
+def _forced(algo: str | None):
+    """``COMMFUSE_ALGO=algo`` for the block (``None``: the default dispatch)."""
+    return settings({"COMMFUSE_ALGO": algo or None})
 
 
 def _try(fn):
@@ -186,16 +195,12 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
     t["mm_into_symm"] = time_us(lambda: torch.mm(a, b, out=ws_partial))
     if m >= 128:
         for chunks in ("2", "4", "8"):
-            os.environ["COMMFUSE_CE_CHUNKS"] = chunks
-            with _forced("ce_overlap"):
+            with settings({"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": chunks}):
                 t[f"commfuse_ce_overlap_{chunks}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
-            del os.environ["COMMFUSE_CE_CHUNKS"]
     if m >= 1024 and os.environ.get("COMMFUSE_BENCH_OVERLAP", "1") == "1":
         for cfg in ("2x32", "4x32", "4x16", "8x32", "4x66"):
-            os.environ["COMMFUSE_OVERLAP"] = cfg
-            with _forced("overlap"):
+            with settings({"COMMFUSE_ALGO": "overlap", "COMMFUSE_OVERLAP": cfg}):
                 t[f"commfuse_overlap_{cfg}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
-            del os.environ["COMMFUSE_OVERLAP"]
     peers = {}
     try:
         import torch.distributed._symmetric_memory as symm_mem

@@ -189,20 +189,14 @@ def _with_algo(algo: str, step):
     for ``COMMFUSE_KEY`` (``commfuse@ce_overlap+CE_CHUNKS=4``), set around every call of ``step``."""
     if not algo:
         return step
+    from commfuse.bench import settings
+
     pairs = [item.split("=", 1) if "=" in item else ("ALGO", item) for item in algo.split("+")]
     values = {f"COMMFUSE_{key.upper()}": value for key, value in pairs}
 
     def forced():
-        old = {key: os.environ.get(key) for key in values}
-        os.environ.update(values)
-        try:
+        with settings(values):
             return step()
-        finally:
-            for key, value in old.items():
-                if value is None:
-                    del os.environ[key]
-                else:
-                    os.environ[key] = value
 
     return forced
 

@@ -316,7 +316,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         return _fused(a, b, bias, out, group_name, world_size, "mm_reduce_scatter", scatter=True)
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     overlap = algo == "ce_overlap" and bool(slabs)
-    chunks = dispatch.scatter_chunks(m // world_size // max(slabs, 1), world_size, slabs) if overlap else 0
+    chunks = dispatch.scatter_chunks(m // world_size // slabs, world_size, slabs) if overlap else 0
     overlap = overlap and chunks > 0
     recv = torch.empty((world_size - 1, m // world_size, n), dtype=a.dtype, device=a.device) if overlap else None
     own = torch.empty((m // world_size, n), dtype=a.dtype, device=a.device) if chunks * slabs == 1 else None

@@ -255,7 +255,7 @@ def rows_dim(shape, dim: int) -> int:
     """0 when every dimension before ``dim`` has size 1 (a sequence-parallel ``[1, S, H]``
     gathered or scattered along S): the collective then moves the same blocks of rows as one
     along dim 0, so the row-splitting paths take it; else ``dim``."""
-    return 0 if all(isinstance(s, int) and s == 1 for s in shape[:dim]) else dim
+    return 0 if row_slabs(shape, dim) == 1 else dim
 
 
 #: At most this many row slabs (``row_slabs``) for the copy-engine overlaps: each slab costs one
