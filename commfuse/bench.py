@@ -89,20 +89,19 @@ def host_us(fn, n: int = 100, sleep_cycles: int = int(3e9)) -> float:
 def settings(values: dict):
     """Set environment variables (``None``: unset) for the block, then restore what was there:
     commfuse reads its settings per call, so a forced path or knob holds for the calls inside."""
+    def apply(mapping):
+        for key, value in mapping.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
     old = {key: os.environ.get(key) for key in values}
     try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        apply(values)
         yield
     finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        apply(old)
 
 
 def _forced(algo: str | None):
