@@ -3,6 +3,13 @@ so only the host is timed: a training step measured host-bound (``explore/diag_s
 the copy-engine overlap's 14 calls took 20 ms of host in a 20 ms-GPU step).
 
     torchrun --nproc_per_node=2 benchmarks/diag_host.py [--profile fused,ce_overlap]
+    torchrun --nproc_per_node=2 benchmarks/diag_host.py --bound [--fast 1,0]
+
+``--bound``: shapes so small that the GPU finishes each call long before the host issues the
+next, timed back to back with no sleep: µs per call is the host's cost, with the launch queue
+never full (a sleep-first loop of many launches can time the sleep instead). ``--fast`` times
+each path with the direct Triton launch on (1) and off (0) (``COMMFUSE_FAST_LAUNCH``), and
+``CE_CHUNKS=4`` beside the copy-engine overlap's default 8 chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ import torch.distributed._functional_collectives as funcol
 
 from commfuse.bench import host_us
 
+#: M x K x N per path: tiny, except M where the path's chunking needs rows (8 chunks of 1024)
+BOUND_CASES = {"fused": (1024, 256, 256), "one_shot": (1024, 256, 256), "split_k": (16, 256, 256),
+               "ce_overlap": (8192, 64, 256), "ce_overlap+CE_CHUNKS=4": (8192, 64, 256),
+               "overlap": (8192, 64, 256), "nccl": (1024, 256, 256)}
 CASES = {"fused": (8192, 2048, 4096), "one_shot": (8192, 2048, 4096), "split_k": (16, 2048, 4096),
          "ce_overlap": (8192, 7168, 4096), "nccl": (8192, 2048, 4096)}
 
@@ -52,16 +63,71 @@ def parts(group_name: str, rank: int) -> None:
             print(f"host us, fused step: {name}: {us:.1f}", flush=True)
 
 
+def bound(group, rank: int, fast: list[str], profile: list[str], n: int = 300) -> None:
+    """Host-bound loops (tiny shapes, no sleep): µs per call for each path and launch mode."""
+    import time
+
+    from commfuse.bench import settings
+
+    def per_call(fn):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n * 1e6
+
+    for case, (m, k, n_) in BOUND_CASES.items():
+        algo, _, knob = case.partition("+")
+        extra = dict([knob.split("=")]) if knob else {}
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n_, k, device="cuda", dtype=torch.bfloat16).t()
+        call = (lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group.group_name))
+        row = []
+        for mode in fast:
+            env = {"COMMFUSE_ALGO": algo, "COMMFUSE_FAST_LAUNCH": mode,
+                   **{f"COMMFUSE_{key}": value for key, value in extra.items()}}
+            with settings(env):
+                row.append(f"fast={mode} {per_call(call):.1f}")
+                if algo in profile and mode == fast[0]:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(100):
+                        call()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    if rank == 0:
+                        s = io.StringIO()
+                        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+                        print(f"--- cProfile of 100 host-bound {case} calls (fast={mode}, tottime)\n"
+                              + s.getvalue()[-6000:], flush=True)
+        ref = per_call(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)))
+        mm = per_call(lambda: torch.mm(a, b))
+        if rank == 0:
+            print(f"host-bound us/call {case} {m}x{k}x{n_}: commfuse {', '.join(row)}; "
+                  f"mm + funcol all_reduce {ref:.1f}; mm {mm:.1f}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--profile", default="fused,ce_overlap")
     p.add_argument("--parts", action="store_true", help="also time the fused call's steps one by one")
+    p.add_argument("--bound", action="store_true",
+                   help="only the host-bound loops of tiny shapes (no GPU sleep)")
+    p.add_argument("--fast", default="1,0", help="with --bound: COMMFUSE_FAST_LAUNCH values to time")
     args = p.parse_args()
     import commfuse  # noqa: F401
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, group = dist.get_rank(), dist.group.WORLD
+    if args.bound:
+        bound(group, rank, args.fast.split(","), args.profile.split(","))
+        dist.destroy_process_group()
+        return 0
     for algo, (m, k, n) in CASES.items():
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()

@@ -210,18 +210,23 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
 
 def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
-    of it on a side stream and one local add sums them, while the next chunk multiplies."""
-    chunks = dispatch.copy_engine_chunks(a.shape[0])
+    of it on a side stream and one local add sums them, while the next chunk multiplies. Every
+    GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
+    the same order on the GPU, and the host switches streams once per call, not per chunk."""
+    m = a.shape[0]
+    rows = -(-m // dispatch.copy_engine_chunks(m))
+    bounds = [(lo, min(lo + rows, m)) for lo in range(0, m, rows)]
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main
-    rows = -(-a.shape[0] // chunks)
-    others = [p for p in range(ws.world) if p != ws.rank]
-    for i, lo in enumerate(range(0, a.shape[0], rows)):
-        hi = min(lo + rows, a.shape[0])
+    done = []
+    for lo, hi in bounds:
         _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        done.append(main.record_event())
+    others = [p for p in range(ws.world) if p != ws.rank]
+    with torch.cuda.stream(side):
+        for i, ((lo, hi), event) in enumerate(zip(bounds, done)):
+            side.wait_event(event)
             exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
             for j, p in enumerate(others):
                 recv[j, lo:hi].copy_(peers[p][lo:hi], non_blocking=True)
@@ -357,20 +362,24 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, pe
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main
-    landed = []
+    done = []  # (step, chunk, the event after its GEMM): GEMMs queued first, as in the all-reduce
     for step in range(1, world):
         p = (rank + step) % world
-        q = (rank - step) % world  # at this step rank q multiplies this rank's share
         for c, (base, share, lo, hi) in enumerate(bounds):
             r0, r1 = base + p * rows + lo, base + p * rows + hi
             _matmul_into(a[r0:r1], b, _rows(bias, r0, r1), partial[r0:r1])
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                exchange.barrier(ws, epoch, OP_MM_REDUCE_SCATTER, slot=(step - 1) * len(bounds) + c)
-                mine = base + rank * rows
-                recv[step - 1, share + lo:share + hi].copy_(peers[q][mine + lo:mine + hi], non_blocking=True)
-                if step == world - 1:
-                    landed.append(side.record_event())
+            done.append((step, c, main.record_event()))
+    landed = []
+    with torch.cuda.stream(side):
+        for step, c, event in done:
+            q = (rank - step) % world  # at this step rank q multiplied this rank's share
+            base, share, lo, hi = bounds[c]
+            side.wait_event(event)
+            exchange.barrier(ws, epoch, OP_MM_REDUCE_SCATTER, slot=(step - 1) * len(bounds) + c)
+            mine = base + rank * rows
+            recv[step - 1, share + lo:share + hi].copy_(peers[q][mine + lo:mine + hi], non_blocking=True)
+            if step == world - 1:
+                landed.append(side.record_event())
     if own is not None:  # one chunk: multiply the own share while the pulls run, sum after
         r0, r1 = rank * rows, (rank + 1) * rows
         _matmul_into(a[r0:r1], b, _rows(bias, r0, r1), own)

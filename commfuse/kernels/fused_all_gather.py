@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import ErrorWord, FUSED_AG_OP, iris, now, require_iris, timeout_ns, wait_or_record
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
@@ -162,7 +163,7 @@ def data_elems(rows: int, k: int, world: int) -> int:
 
 def chunk_flag_slots(rows: int, world: int) -> int:
     """Tile-flag slots a call uses: one per pushed chunk of every rank's ``rows``."""
-    return world * triton.cdiv(rows, CHUNK_ROWS)
+    return world * tiles.cdiv(rows, CHUNK_ROWS)
 
 
 #: (config, dtype, world, weight layout, bias, device, push width, gathered) -> programs per SM
@@ -209,15 +210,15 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     per_sm = min(cfg.per_sm, _resident[key])
     if per_sm < 1:
         raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
-    count = world * triton.cdiv(rows, cfg.bm) * triton.cdiv(n, cfg.bn)
+    count = world * tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
     programs = per_sm * ws.max_programs
-    pushers = max(1, min(PUSHERS, triton.cdiv(rows, CHUNK_ROWS), programs // 4))
+    pushers = max(1, min(PUSHERS, tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
     compute = max(1, min(count, programs - pushers))
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
         gathered_rows[parity][ws.rank * rows:(ws.rank + 1) * rows].copy_(shard)
-        all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, **consts)
+        run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers, **consts)
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + count + pushers + compute
 

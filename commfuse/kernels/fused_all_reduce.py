@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import (ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris, timeout_ns,
                    wait_or_record, wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
@@ -251,8 +252,8 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
 
 def num_tiles(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
     """Tiles of a call (the reduce-scatter tiles each rank's share of the rows separately)."""
-    rows = world * triton.cdiv(m // world, cfg.bm) if scatter else triton.cdiv(m, cfg.bm)
-    return rows * triton.cdiv(n, cfg.bn)
+    rows = world * tiles.cdiv(m // world, cfg.bm) if scatter else tiles.cdiv(m, cfg.bm)
+    return rows * tiles.cdiv(n, cfg.bn)
 
 
 def tile_flag_slots(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
@@ -262,7 +263,7 @@ def tile_flag_slots(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: 
 def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
     """Elements per parity: ``world`` slabs of the owned tiles, and (all-reduce) the result area."""
     count = num_tiles(m, n, world, cfg, scatter)
-    slabs = world * triton.cdiv(count, world)
+    slabs = world * tiles.cdiv(count, world)
     return (slabs if scatter else slabs + count) * cfg.bm * cfg.bn
 
 
@@ -325,7 +326,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
-        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)
+        run_kernel(gemm_all_reduce_kernel, (compute + reducers,), *args(epoch, parity, base), compute, **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + count + compute
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, require_iris, timeout_ns, wait_other_ranks
 from .tiles import claim, mma_range, tile_epilogue
 
@@ -166,22 +167,22 @@ def config(m: int, k: int, n: int, programs: int, split: int | None = None,
         else:
             tile = tiles.TileConfig(bm=128, bn=128, bk=64, stages=4, warps=8, group_m=1, reducers=0)
     if split is None:
-        count = triton.cdiv(m, tile.bm) * triton.cdiv(n, tile.bn)
+        count = tiles.cdiv(m, tile.bm) * tiles.cdiv(n, tile.bn)
         split = 1
-        while split * 2 * count <= programs and split * 4 <= triton.cdiv(k, tile.bk):
+        while split * 2 * count <= programs and split * 4 <= tiles.cdiv(k, tile.bk):
             split *= 2
     return SplitConfig(tile, max(1, split))
 
 
 def num_tiles(m: int, n: int, cfg: SplitConfig) -> int:
-    return triton.cdiv(m, cfg.tile.bm) * triton.cdiv(n, cfg.tile.bn)
+    return tiles.cdiv(m, cfg.tile.bm) * tiles.cdiv(n, cfg.tile.bn)
 
 
 def data_bytes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype) -> int:
     """Per parity: the ranks' sums (output dtype), then the fp32 slices (256-byte aligned)."""
     block = cfg.tile.bm * cfg.tile.bn
     sums = world * num_tiles(m, n, cfg) * block * dtype.itemsize
-    return triton.cdiv(sums, 256) * 256 + num_tiles(m, n, cfg) * cfg.split * block * 4
+    return tiles.cdiv(sums, 256) * 256 + num_tiles(m, n, cfg) * cfg.split * block * 4
 
 
 def flag_slots(m: int, n: int, world: int, cfg: SplitConfig) -> int:
@@ -238,7 +239,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     block = cfg.tile.bm * cfg.tile.bn
     sums_elems = ws.world * count * block
-    parts_at = triton.cdiv(sums_elems * a.dtype.itemsize, 256) * 256
+    parts_at = tiles.cdiv(sums_elems * a.dtype.itemsize, 256) * 256
     units = count * cfg.split
     programs = max(1, min(units, ws.max_programs))
     if lane:
@@ -271,7 +272,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
 
     def launch(epoch: int = 0, parity: int = 0) -> None:
         base = 0 if lane else ws.ticket_base
-        split_k_all_reduce_kernel[(programs,)](*args(epoch, base), **consts)
+        run_kernel(split_k_all_reduce_kernel, (programs,), *args(epoch, base), **consts)
         if not lane:
             ws.ticket_base = base + units + programs  # every unit claimed once, one failed claim each
 

@@ -13,10 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import run as run_kernel
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # pragma: no cover - older Triton: dispatch offers no tile kernel
     TensorDescriptor = None
+
+
+def cdiv(x: int, y: int) -> int:
+    """Ceiling division for host code (``triton.cdiv`` is a constexpr function, slow to call)."""
+    return -(-x // y)
 
 
 @triton.jit
@@ -184,11 +191,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: Til
     out = torch.empty((m, n), dtype=a.dtype, device=a.device) if out is None else out
     a_desc, b_desc, b_t = descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = bias_strides(bias, m, n)
-    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    matmul_kernel[(max(1, min(tiles, programs)),)](
-        a_desc, b_desc, full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t,
+    run_kernel(
+        matmul_kernel, (max(1, min(tiles, programs)),), a_desc, b_desc,
+        full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t,
         HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
