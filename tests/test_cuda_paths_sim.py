@@ -115,6 +115,25 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
     torch.testing.assert_close(out, want)
 
 
+def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
+    """The copy-engine paths read the peers' halves through views the workspace keeps: the
+    provider makes each (peer, parity) view once, and later calls, of other shapes and dtypes
+    too, slice it."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    made = []
+    real = sim.get_buffer
+    monkeypatch.setattr(sim, "get_buffer", lambda *a: made.append(a[0]) or real(*a))
+    r = sim.mine.rank
+    for call, (m, n) in enumerate([(10, 7), (6, 5), (10, 7)]):
+        a, b, bias = _inputs(sim.world, m, 6, n, "1d")
+        for p in sim.peers():
+            sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
+        made_before = len(made)
+        out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+        assert len(made) - made_before == (sim.world if call < 2 else 0)  # every rank's view, per parity
+        torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
+
+
 @pytest.mark.parametrize("algo, gather_dim, shape", [
     ("symm", 0, (4, 6)), ("symm", 1, (2, 3, 6)), ("overlap", 0, (4, 6)), ("overlap", 0, (2, 2, 6)),
     ("overlap", 1, (1, 4, 6)), ("overlap", 2, (1, 1, 3, 6)),  # leading 1s: blocks of rows, like dim 0

@@ -28,6 +28,7 @@ only when a larger call arrives (the same on every rank, since sizes come from s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 
@@ -78,12 +79,15 @@ class Workspace:
     broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
     ticket_base: int = 0  # the ticket's value at the next fused call (claims so far, counted here)
     _keepalive: object = None  # provider handle (rendezvous handle / Iris context)
+    #: (peer, parity) -> that peer's data half as bytes, made once: the provider's view costs tens
+    #: of µs of host, and the copy-engine overlaps need one per peer per call
+    _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    @property
+    @functools.cached_property
     def flags(self) -> torch.Tensor:
         return self.buffer[:FLAG_BYTES - BASES_BYTES].view(torch.int32)
 
-    @property
+    @functools.cached_property
     def tile_flags(self) -> torch.Tensor:
         return self.buffer[FLAG_BYTES:FLAG_BYTES + 4 * TILE_FLAG_SLOTS].view(torch.int32)
 
@@ -129,11 +133,17 @@ class Workspace:
     def peer_data(self, peer: int, parity: int, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor aliasing ``peer``'s data half (copy-engine reads), or None if the provider has no
         such view (Iris)."""
-        get_buffer = getattr(self._keepalive, "get_buffer", None)
-        if get_buffer is None:
-            return None
-        offset = HEADER_BYTES + parity * self.data_bytes
-        return get_buffer(peer, list(shape), dtype, offset // dtype.itemsize)
+        half = self._peer_halves.get((peer, parity))
+        if half is None:
+            get_buffer = getattr(self._keepalive, "get_buffer", None)
+            if get_buffer is None:
+                return None
+            half = get_buffer(peer, [self.data_bytes], torch.uint8, HEADER_BYTES + parity * self.data_bytes)
+            self._peer_halves[(peer, parity)] = half
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if nbytes > self.data_bytes:
+            raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
+        return half[:nbytes].view(dtype).view(shape)
 
     def data(self, parity: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
         start = HEADER_BYTES + parity * self.data_bytes + offset_bytes
