@@ -23,14 +23,16 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
     assert dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world) == "fused"
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
-    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, world) == "fused"
+    # GEMM-bound (K >= 7168, M >= 4096): at 2 ranks the copy engines move the partials, no SMs
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, world) == ("ce_overlap" if world == 2 else "fused")
     # K larger than M: the GEMM dominates and the reducers' SMs cost more than the exchange they hide
     big = dispatch.mm_all_reduce(4096, 7168, 4096, BF16, world)
-    assert big == ("one_shot" if world == 2 else "two_shot")
+    assert big == ("ce_overlap" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(2048, 7168, 4096, BF16, world) == ("one_shot" if world == 2 else "two_shot")
     # fp32, and rows TMA cannot describe, keep the cuBLAS paths
     assert dispatch.mm_all_reduce(8192, 4096, 8192, torch.float32, world) != "fused"
     assert dispatch.mm_all_reduce(8192, 4095, 8192, BF16, world) != "fused"
-    # the copy-engine overlap lost inside models (launch-bound steps): only taken when forced
+    # elsewhere the copy-engine overlap lost inside models (launch-bound steps): taken when forced
     monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "ce_overlap"
     monkeypatch.delenv("COMMFUSE_ALGO")
@@ -453,13 +455,18 @@ def test_scatter_chunks_fit_the_flag_area(world, monkeypatch):
     assert dispatch.scatter_chunks(3, world) <= 3  # never more chunks than rows
 
 
-def test_gemm_bound_all_reduces_take_the_copy_engines_when_enabled(monkeypatch):
-    """``COMMFUSE_CE_MIN_K``: large-M, large-K all-reduces on 2 ranks take the copy-engine
-    overlap (no SMs taken from the GEMM); off by default, and never for other world sizes."""
+def test_gemm_bound_all_reduces_take_the_copy_engines(monkeypatch):
+    """Large-M, large-K all-reduces on 2 ranks take the copy-engine overlap (no SMs taken from
+    the GEMM), from K = 7168 by default; ``COMMFUSE_CE_MIN_K`` moves the bound, 0 turns it off;
+    never at other world sizes (untimed)."""
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    monkeypatch.delenv("COMMFUSE_CE_MIN_K", raising=False)
+    monkeypatch.setenv("COMMFUSE_CE_MIN_K", "0")
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "fused"
-    monkeypatch.setenv("COMMFUSE_CE_MIN_K", "7168")
+    monkeypatch.setenv("COMMFUSE_CE_MIN_K", "8192")
+    assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "fused"
+    assert dispatch.mm_all_reduce(4096, 14336, 8192, BF16, 2) == "ce_overlap"
+    monkeypatch.delenv("COMMFUSE_CE_MIN_K")
+    assert dispatch.ce_min_k() == dispatch.CE_MIN_K == 7168
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "ce_overlap"
     assert dispatch.mm_all_reduce(4096, 14336, 8192, BF16, 2) == "ce_overlap"
     assert dispatch.mm_all_reduce(8192, 2048, 4096, BF16, 2) == "fused"  # comm-bound: the fused kernel
@@ -494,16 +501,26 @@ def test_collectives_along_a_dim_with_only_ones_before_it_split_rows():
 
 def test_row_slabs_of_batched_sequence_collectives(monkeypatch):
     """A [B, S, H] gathered or scattered along S cuts every rank's rows into B slabs: the
-    copy-engine overlaps take them slab by slab when forced (the default stays the symmetric pull
-    until timed), up to MAX_ROW_SLABS; the reduce-scatter's chunks per slab fit the flag area."""
+    copy-engine overlaps take them slab by slab, up to MAX_ROW_SLABS, by default when each rank's
+    block in a slab has SLAB_MIN_ROWS rows (and the shard enough work), the reduce-scatter in one
+    chunk per slab; its chunks per slab fit the flag area."""
     assert dispatch.row_slabs((4, 1024, 4096), 0) == 1
     assert dispatch.row_slabs((4, 1024, 4096), 1) == 4
     assert dispatch.row_slabs((2, 3, 5, 8), 2) == 6
     assert dispatch.row_slabs((dispatch.MAX_ROW_SLABS + 1, 8, 8), 1) == 0
     assert dispatch.row_slabs([-1, 8, 8], 1) == 0  # unknown
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1) == "symm"
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1) == "symm"  # slabs unknown
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1, 4) == "overlap"  # 1024-row blocks
+    assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, 2, 1, 4) == "symm"  # 256-row blocks
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1, 0) == "symm"  # too many slabs
+    assert dispatch.all_gather_mm(8192, 64, 64, BF16, 2, 1, 4) == "symm"  # too little work
+    assert dispatch.mm_reduce_scatter(8192, 7168, 4096, BF16, 2, 1, 4) == "ce_overlap"
+    assert dispatch.mm_reduce_scatter(2048, 4096, 7168, BF16, 2, 1, 4) == "symm"
+    assert dispatch.mm_reduce_scatter(8192, 7168, 4096, BF16, 2, 1) == "symm"
     monkeypatch.delenv("COMMFUSE_RS_CHUNKS", raising=False)
+    assert dispatch.scatter_chunks(1024, 2, slabs=4) == 1
+    assert dispatch.scatter_chunks(8192, 2, slabs=1) == dispatch.RS_CHUNKS_LARGE
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // 64 // 63
     assert dispatch.scatter_chunks(4096, 64, slabs=slots) == 1
     assert dispatch.scatter_chunks(4096, 64, slabs=slots + 1) == 0  # not one chunk per slab fits

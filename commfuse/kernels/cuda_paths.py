@@ -265,7 +265,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     rows = shard.numel() // k * world_size if k else 0
     rows_dim = dispatch.rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
     slabs = dispatch.row_slabs(shard.shape, rows_dim)  # else a block in each of these slabs
-    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim)
+    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs)
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
@@ -310,7 +310,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     shape = reference.resolve_shape(shape, m * n)
     rows_dim = dispatch.rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
     slabs = dispatch.row_slabs(shape, rows_dim)  # else a block in each of these slabs
-    algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim)
+    algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs)
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

@@ -25,10 +25,10 @@ MM_REDUCE_SCATTER_ALGOS = ("nccl", "symm", "ce_overlap", "fused")
 ONE_SHOT_MAX_BYTES = 1 << 20
 #: Above this the symmetric workspace would be large; NCCL's ring bandwidth is then competitive.
 SYMM_MAX_BYTES = 1 << 30
-#: The copy-engine overlapped all-reduce (``ce_overlap``) is only taken when forced: it beats the
-#: sequential path in the ops benchmark from ~2^36 GEMM work (the GPU kept ahead of the host), but
-#: inside models, where steps are partly launch-bound, its extra launches (chunked GEMMs, barrier
-#: kernels, copies) made prefill and training slower than one-shot (7.41 vs 7.07 ms, 23.7 vs 22.4 ms).
+#: The copy-engine overlapped all-reduce (``ce_overlap``) is taken by GEMM-bound calls only
+#: (``CE_MIN_M``, ``CE_MIN_K``): its extra launches (chunked GEMMs, barrier kernels, copies) cost
+#: host time, which inside models, where steps are partly launch-bound, made smaller calls slower
+#: than one-shot (7.41 vs 7.07 ms prefill, 23.7 vs 22.4 ms training when it took every call).
 #: Overlap an all-gather / reduce-scatter with one shard's GEMM from this much work per shard
 #: (rows/world * K * N): below it the split GEMMs and the side stream cost more than they hide.
 OVERLAP_MIN_SHARD_MNK = 1 << 33
@@ -369,12 +369,15 @@ def scatter_chunks(rows: int, world: int, slabs: int = 1) -> int:
     """Row chunks per share of the copy-engine overlapped reduce-scatter: each chunk's pull
     overlaps the next chunk's GEMM, and the last share's GEMMs add what was pulled in their
     epilogue, so the pull of the last chunk is what stays exposed; ``COMMFUSE_RS_CHUNKS``. One
-    barrier flag slot per chunk, slab and step: at most what the flag area holds (0: none fits)."""
+    barrier flag slot per chunk, slab and step: at most what the flag area holds (0: none fits).
+    With slabs, one chunk per slab (``explore/paths_batch4_*.json``, [4, S, .], us, 1 / 2 / 4
+    chunks: 16384x4096x7168 1341 / 1555 / 1525, 4096^3 227 / 299 / 533)."""
     env = os.environ.get("COMMFUSE_RS_CHUNKS")
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1) // max(slabs, 1)
     if slots < 1:  # not even one chunk per slab: no overlap
         return 0
-    return max(1, min(int(env) if env else RS_CHUNKS_LARGE if rows >= RS_LARGE_SHARE else 2, rows, 64, slots))
+    default = 1 if slabs > 1 else RS_CHUNKS_LARGE if rows >= RS_LARGE_SHARE else 2
+    return max(1, min(int(env) if env else default, rows, 64, slots))
 
 
 #: Shares of this many rows and more use 4 row chunks, smaller ones 2 (2xH200, interleaved rounds,
@@ -402,8 +405,16 @@ CE_MIN_M = 4096
 
 def ce_min_k() -> int:
     """``COMMFUSE_CE_MIN_K``: the K from which ``CE_MIN_M``-row all-reduces take the copy-engine
-    overlap; 0 (the default until it is timed inside models) leaves it to ``COMMFUSE_ALGO``."""
-    return int(os.environ.get("COMMFUSE_CE_MIN_K", "0") or 0)
+    overlap (default ``CE_MIN_K``; 0 turns the rule off)."""
+    env = os.environ.get("COMMFUSE_CE_MIN_K")
+    return int(env) if env else CE_MIN_K
+
+
+#: Inside the DTensor model (2 layers, 4x2048 tokens, 2xH200, ``model/model_ce_*.json``, ms,
+#: without / with the rule at 7168): prefill 7.45 / 7.22, training step 21.29 / 21.26. Before the
+#: copy-engine call's host work was cut (one stream switch per call, peer views kept) the
+#: training step lost (21.99 / 23.76, ``model/model_f24116a.json``) while prefill gained (7.34 / 6.94).
+CE_MIN_K = 7168
 
 
 #: Each gathered element feeds 2N flops, so from N = 16384 the gather is under ~6% of the GEMM on
@@ -430,8 +441,29 @@ def gather_local_source() -> str:
     return env
 
 
-def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0) -> str:
-    """``rows``: of the gathered tensor (all ranks)."""
+#: A batch of sequences gathered or scattered along the sequence (``row_slabs`` > 1) takes the
+#: copy-engine overlaps slab by slab when each rank's block in a slab has this many rows (and the
+#: shard the work of ``OVERLAP_MIN_SHARD_MNK``). [4, S, .] along S, 2xH200, interleaved rounds
+#: (``explore/paths_batch4_*.json``, us, symmetric pull / overlap): all-gather 512-row blocks
+#: 4096^3 253 / 214, 4096x8192x5120 576 / 503, 16384x4096x7168 (2048 rows) 1510 / 1276, but 256-row
+#: blocks 2048x4096x7168 196 / 210; reduce-scatter (one chunk per slab) 4096^3 240 / 227,
+#: 16384x4096x7168 1597 / 1341, 256-row blocks 2048x4096x7168 208 / 231.
+SLAB_MIN_ROWS = 512
+
+
+def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) -> bool:
+    """Whether a gather / scatter of ``rows`` (all ranks) along ``dim`` takes its copy-engine
+    overlap: enough GEMM work per shard to hide the exchange, and rows that split into blocks
+    (along the rows, or in at most ``MAX_ROW_SLABS`` slabs of ``SLAB_MIN_ROWS``-row blocks)."""
+    if (rows // world) * k * n < OVERLAP_MIN_SHARD_MNK:
+        return False
+    return dim == 0 or (slabs > 0 and rows // world // slabs >= SLAB_MIN_ROWS)
+
+
+def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0,
+                  slabs: int = 0) -> str:
+    """``rows``: of the gathered tensor (all ranks); ``slabs``: ``row_slabs`` of the shard along
+    ``gather_dim`` (0, unknown: no overlap slab by slab)."""
     if capturing():
         return nccl_fallback("all_gather_mm", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(ALL_GATHER_MM_ALGOS)
@@ -446,12 +478,15 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
     if (FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
             and _fused_along_rows("gather", gather_dim, rows, k, n, dtype, world) is None):
         return "fused"
-    if gather_dim == 0 and (rows // world) * k * n >= OVERLAP_MIN_SHARD_MNK:
+    if _overlaps_rows(gather_dim, rows, k, n, world, slabs):
         return "overlap"
     return "symm"
 
 
-def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, scatter_dim: int = 0) -> str:
+def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, scatter_dim: int = 0,
+                      slabs: int = 0) -> str:
+    """``slabs``: ``row_slabs`` of the product's shape along ``scatter_dim`` (0, unknown: no
+    overlap slab by slab)."""
     if capturing():
         return nccl_fallback("mm_reduce_scatter", "in a CUDA-graph capture: no graph-lane path for this op yet")
     forced = _forced(MM_REDUCE_SCATTER_ALGOS)
@@ -463,7 +498,7 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
         return forced
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
-    overlap = scatter_dim == 0 and (m // world) * k * n >= OVERLAP_MIN_SHARD_MNK
+    overlap = _overlaps_rows(scatter_dim, m, k, n, world, slabs)
     if (m >= FUSED_RS_MIN_M and (world > 2 or not overlap)
             and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None):
         return "fused"

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import run as run_kernel
 from .sync import ErrorWord, FUSED_AG_OP, iris, now, require_iris, timeout_ns, wait_or_record
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
@@ -218,7 +217,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
         gathered_rows[parity][ws.rank * rows:(ws.rank + 1) * rows].copy_(shard)
-        run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers, **consts)
+        all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, **consts)
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + count + pushers + compute
 

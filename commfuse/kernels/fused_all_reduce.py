@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import run as run_kernel
 from .sync import (ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris, timeout_ns,
                    wait_or_record, wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
@@ -326,7 +325,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
-        run_kernel(gemm_all_reduce_kernel, (compute + reducers,), *args(epoch, parity, base), compute, **consts)
+        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + count + compute
 
