@@ -501,9 +501,9 @@ def test_collectives_along_a_dim_with_only_ones_before_it_split_rows():
 
 def test_row_slabs_of_batched_sequence_collectives(monkeypatch):
     """A [B, S, H] gathered or scattered along S cuts every rank's rows into B slabs: the
-    copy-engine overlaps take them slab by slab, up to MAX_ROW_SLABS, by default when each rank's
-    block in a slab has SLAB_MIN_ROWS rows (and the shard enough work), the reduce-scatter in one
-    chunk per slab; its chunks per slab fit the flag area."""
+    copy-engine overlaps take them slab by slab when forced, up to MAX_ROW_SLABS (by default only
+    with SLAB_OVERLAP, from SLAB_MIN_ROWS-row blocks: it lost inside the model), the
+    reduce-scatter in one chunk per slab; its chunks per slab fit the flag area."""
     assert dispatch.row_slabs((4, 1024, 4096), 0) == 1
     assert dispatch.row_slabs((4, 1024, 4096), 1) == 4
     assert dispatch.row_slabs((2, 3, 5, 8), 2) == 6
@@ -511,6 +511,9 @@ def test_row_slabs_of_batched_sequence_collectives(monkeypatch):
     assert dispatch.row_slabs([-1, 8, 8], 1) == 0  # unknown
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1) == "symm"  # slabs unknown
+    assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1, 4) == "symm"  # lost in the model
+    assert dispatch.mm_reduce_scatter(8192, 7168, 4096, BF16, 2, 1, 4) == "symm"
+    monkeypatch.setattr(dispatch, "SLAB_OVERLAP", True)
     assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1, 4) == "overlap"  # 1024-row blocks
     assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, 2, 1, 4) == "symm"  # 256-row blocks
     assert dispatch.all_gather_mm(8192, 4096, 7168, BF16, 2, 1, 0) == "symm"  # too many slabs

@@ -441,23 +441,28 @@ def gather_local_source() -> str:
     return env
 
 
-#: A batch of sequences gathered or scattered along the sequence (``row_slabs`` > 1) takes the
-#: copy-engine overlaps slab by slab when each rank's block in a slab has this many rows (and the
-#: shard the work of ``OVERLAP_MIN_SHARD_MNK``). [4, S, .] along S, 2xH200, interleaved rounds
-#: (``explore/paths_batch4_*.json``, us, symmetric pull / overlap): all-gather 512-row blocks
-#: 4096^3 253 / 214, 4096x8192x5120 576 / 503, 16384x4096x7168 (2048 rows) 1510 / 1276, but 256-row
-#: blocks 2048x4096x7168 196 / 210; reduce-scatter (one chunk per slab) 4096^3 240 / 227,
-#: 16384x4096x7168 1597 / 1341, 256-row blocks 2048x4096x7168 208 / 231.
-SLAB_MIN_ROWS = 512
+#: A batch of sequences gathered or scattered along the sequence (``row_slabs`` > 1) could take
+#: the copy-engine overlaps slab by slab. Alone they win from 512-row blocks ([4, S, .] along S,
+#: 2xH200, interleaved rounds, ``explore/paths_batch4_e84201d.json``, us, symmetric pull /
+#: overlap: all-gather 4096^3 253 / 214, 16384x4096x7168 1510 / 1276; reduce-scatter in one chunk
+#: per slab 16384x4096x7168 1597 / 1341; 256-row blocks lose), but inside the sequence-parallel
+#: model they made prefill 12.15 ms against Inductor's 8.27 and the training step 26.41 against
+#: 22.60 (``model/model_91f403e.json``): they stay forced-only (``COMMFUSE_ALGO``) until that is
+#: understood.
+SLAB_OVERLAP = False
 
 
 def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) -> bool:
     """Whether a gather / scatter of ``rows`` (all ranks) along ``dim`` takes its copy-engine
-    overlap: enough GEMM work per shard to hide the exchange, and rows that split into blocks
-    (along the rows, or in at most ``MAX_ROW_SLABS`` slabs of ``SLAB_MIN_ROWS``-row blocks)."""
+    overlap: enough GEMM work per shard to hide the exchange, and rows in one block per rank
+    (``dim`` 0; in ``slabs`` slabs only when ``SLAB_OVERLAP``)."""
     if (rows // world) * k * n < OVERLAP_MIN_SHARD_MNK:
         return False
-    return dim == 0 or (slabs > 0 and rows // world // slabs >= SLAB_MIN_ROWS)
+    return dim == 0 or (SLAB_OVERLAP and slabs > 0 and rows // world // slabs >= SLAB_MIN_ROWS)
+
+
+#: With ``SLAB_OVERLAP``, each rank's block in a slab needs this many rows.
+SLAB_MIN_ROWS = 512
 
 
 def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gather_dim: int = 0,
