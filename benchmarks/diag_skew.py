@@ -4,9 +4,14 @@
 1. One GEMM-bound all-reduce (8192x7168x4096 by default) per path while rank 1 starts each call
    late by a GPU sleep of 0 / 100 / 300 us: a path that only waits for the late rank costs
    about the skew more; one whose waits hold SMs that the GEMM needs costs more than that.
-2. The DTensor training step with each of ``--model-settings`` (the defaults, the copy-engine
-   overlap for K >= 7168 with 8 or 4 chunks), timed, then profiled: GPU time per kernel family and
-   per commfuse call.
+2. The DTensor training step (``--mode prefill``: the prefill) with each of ``--model-settings``
+   (commfuse settings; ``inductor`` and ``floor`` name those backends), timed, then profiled: GPU
+   time per kernel family, the GPU's busy time (the union of its kernels' intervals, against the
+   step's wall time: the rest is the GPU waiting for the host), and per input shape the mean GPU
+   time of each commfuse call and of each ``aten::mm`` (Inductor's GEMMs beside its NCCL kernels).
+
+    torchrun --nproc_per_node=2 benchmarks/diag_skew.py --skews "" --mode prefill \
+        --model-settings "inductor,,CE_MIN_K=0,floor"
 """
 
 from __future__ import annotations
@@ -58,14 +63,49 @@ def family(name: str) -> str:
     return "other"
 
 
+def _busy_ms(prof) -> float:
+    """Length of the union of the GPU kernels' intervals (ms)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if "CUDA" in str(getattr(e, "device_type", "")) and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / 1e3
+
+
+def _report(prof, label: str, ms: float) -> None:
+    fams = collections.Counter()
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            total = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+            fams[family(evt.key)] += getattr(evt, "self_device_time_total", total)
+    try:
+        busy = f"{_busy_ms(prof):.2f} ms"
+    except Exception as exc:  # profiler event fields differ across torch versions
+        busy = f"unknown ({type(exc).__name__})"
+    _p(f"{label}: {ms:.2f} ms/step, GPU busy {busy}; GPU us by family "
+       + ", ".join(f"{f} {v:.0f}" for f, v in fams.most_common()))
+    for evt in prof.key_averages(group_by_input_shape=True):
+        if evt.key.startswith("commfuse::") or evt.key in ("aten::mm", "aten::addmm"):
+            total = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+            if total:
+                shapes = [s for s in evt.input_shapes if s][:2]
+                _p(f"  {label}: {evt.key} {shapes} x{evt.count}: {total / evt.count:.0f} us GPU each")
+    _p(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=70))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="8192x7168x4096")
     p.add_argument("--skews", default="0,100,300")
     p.add_argument("--paths", default="fused,one_shot,ce_overlap,ce_overlap+CE_CHUNKS=4,nccl",
                    help="paths, each a model-benchmark backend suffix (a path and/or KEY=VALUE settings)")
-    p.add_argument("--model-settings", default=",CE_MIN_K=7168,CE_MIN_K=7168+CE_CHUNKS=4",
-                   help="the training step's variants (empty: the defaults)")
+    p.add_argument("--model-settings", default=",CE_MIN_K=0,CE_CHUNKS=4",
+                   help="the step's variants: commfuse settings (empty: the defaults), or the "
+                        "backends inductor / floor")
+    p.add_argument("--mode", default="train", choices=("train", "prefill"))
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
     from commfuse import bench_model
@@ -80,7 +120,7 @@ def main() -> int:
         a = torch.randn(m, k, device=device, dtype=dtype)
         if layout.startswith("column"):
             a = a.t().contiguous().t()
-        for skew in (int(s) for s in args.skews.split(",")):
+        for skew in (int(s) for s in args.skews.split(",") if s):
             row = {}
             for spec in args.paths.split(","):
                 row[spec] = skewed(bench_model._with_algo(
@@ -97,29 +137,23 @@ def main() -> int:
     x = torch.randn(4, 2048, cfg.dim, device=device, dtype=dtype)
     torch._dynamo.reset()
     bench_model._allow_many_compiles()
-    model = bench_model._build("dtensor", cfg, device, dtype)
-    compiled = bench_model._compile("commfuse", model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False)
-    plain = bench_model._make_step("train", compiled, x, None, opt, False)
+    compiled_by = {}
     for setting in args.model_settings.split(","):
-        step = bench_model._with_algo(setting, plain)
+        backend = setting if setting in ("inductor", "floor") else "commfuse"
+        if backend not in compiled_by:
+            model = bench_model._build("dtensor", cfg, device, dtype)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False) if args.mode == "train" else None
+            compiled_by[backend] = bench_model._make_step(
+                args.mode, bench_model._compile(backend, model), x, None, opt, False)
+        plain = compiled_by[backend]
+        step = plain if backend != "commfuse" else bench_model._with_algo(setting, plain)
         for _ in range(3):
             step()
         ms = statistics.median(bench_model._step_times(step, device, 10))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             step()
             torch.cuda.synchronize()
-        fams, calls = collections.Counter(), collections.Counter()
-        for evt in prof.key_averages():
-            total = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
-            if evt.key.startswith("commfuse::"):
-                calls[f"{evt.key} x{evt.count}"] += total
-            elif getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
-                fams[family(evt.key)] += getattr(evt, "self_device_time_total", total)
-        _p(f"train {setting or 'defaults'}: {ms:.2f} ms/step; GPU us by family "
-           + ", ".join(f"{f} {v:.0f}" for f, v in fams.most_common()) + "; commfuse calls "
-           + ", ".join(f"{c} {v:.0f}" for c, v in calls.items()))
-        _p(prof.key_averages().table(sort_by="device_time_total", row_limit=16, max_name_column_width=70))
+        _report(prof, f"{args.mode} {setting or 'defaults'}", ms)
     dist.destroy_process_group()
     return 0
 
