@@ -2,7 +2,8 @@
 # What the device tool runs on nvidia-h200-x2 (carry .whl): GPU tests, the ops benchmark (stages
 # tests|bench|all), the exchange tuning (tune), the model benchmark (model) and the path sweep
 # (paths, or tests+paths). PYTEST_K: a pytest -k expression (PYTEST_ARGS is split on spaces).
-# Logs and JSON land in $OUT (or benchmarks/results/h200x2 when OUT is unset).
+# Logs and JSON land in $OUT (or benchmarks/results/h200x2 when OUT is unset). The device's git may
+# report a stale commit: pass COMMFUSE_COMMIT=<the tree's commit> for the JSON records.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results/h200x2}; mkdir -p "$OUT"
