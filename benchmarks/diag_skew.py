@@ -1,11 +1,13 @@
-"""Why the copy-engine all-reduce overlap helps a prefill but slows a training step
-(``model/model_f24116a.*``): (torchrun --nproc_per_node=2 benchmarks/diag_skew.py)
+"""What a late rank costs each all-reduce path, and where a model step's time goes (written when
+the copy-engine overlap helped a prefill but slowed a training step, ``model/model_f24116a.*``):
+(torchrun --nproc_per_node=2 benchmarks/diag_skew.py)
 
 1. One GEMM-bound all-reduce (8192x7168x4096 by default) per path while rank 1 starts each call
    late by a GPU sleep of 0 / 100 / 300 us: a path that only waits for the late rank costs
    about the skew more; one whose waits hold SMs that the GEMM needs costs more than that.
-2. The DTensor training step (``--mode prefill``: the prefill) with each of ``--model-settings``
-   (commfuse settings; ``inductor`` and ``floor`` name those backends), timed, then profiled: GPU
+2. The DTensor (``--model sp``: sequence-parallel) training step (``--mode prefill``: the
+   prefill) with each of ``--model-settings`` (commfuse settings; ``inductor`` and ``floor``
+   name those backends), timed, then profiled: GPU
    time per kernel family, the GPU's busy time (the union of its kernels' intervals, against the
    step's wall time: the rest is the GPU waiting for the host), and per input shape the mean GPU
    time of each commfuse call and of each ``aten::mm`` (Inductor's GEMMs beside its NCCL kernels).
@@ -106,6 +108,9 @@ def main() -> int:
                    help="the step's variants: commfuse settings (empty: the defaults), or the "
                         "backends inductor / floor")
     p.add_argument("--mode", default="train", choices=("train", "prefill"))
+    p.add_argument("--model", default="dtensor", choices=("dtensor", "sp"),
+                   help="sp: the sequence-parallel split (its all-gathers and reduce-scatters; "
+                        "settings such as overlap / ce_overlap force their paths)")
     p.add_argument("--no-model", action="store_true")
     args = p.parse_args()
     from commfuse import bench_model
@@ -133,15 +138,16 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     cfg = demo.sized_config(False, 2, dist.get_world_size())
-    torch.manual_seed(5)
-    x = torch.randn(4, 2048, cfg.dim, device=device, dtype=dtype)
+    torch.manual_seed(5 + (dist.get_rank() if args.model == "sp" else 0))  # SP: each rank its own shard
+    x = torch.randn(4, 2048 // (dist.get_world_size() if args.model == "sp" else 1), cfg.dim,
+                    device=device, dtype=dtype)
     torch._dynamo.reset()
     bench_model._allow_many_compiles()
     compiled_by = {}
     for setting in args.model_settings.split(","):
         backend = setting if setting in ("inductor", "floor") else "commfuse"
         if backend not in compiled_by:
-            model = bench_model._build("dtensor", cfg, device, dtype)
+            model = bench_model._build(args.model, cfg, device, dtype)
             opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False) if args.mode == "train" else None
             compiled_by[backend] = bench_model._make_step(
                 args.mode, bench_model._compile(backend, model), x, None, opt, False)
@@ -153,7 +159,7 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             step()
             torch.cuda.synchronize()
-        _report(prof, f"{args.mode} {setting or 'defaults'}", ms)
+        _report(prof, f"{args.model} {args.mode} {setting or 'defaults'}", ms)
     dist.destroy_process_group()
     return 0
 

@@ -4,8 +4,8 @@
 while later ones multiply (``fused``, ``fused_all_reduce.py``); for few rows a split-K GEMM that
 pushes each tile's sum as it completes (``split_k``, ``fused_split_k.py``); or cuBLAS writes the partial
 straight into the workspace, then a Triton kernel reduces it over the peers (one-shot or
-two-shot); or, forced, cuBLAS in row chunks while the copy engines pull each finished chunk from
-the peers (``ce_overlap``). ``all_gather_mm``: the
+two-shot); or, for GEMM-bound calls, cuBLAS in row chunks while the copy engines pull each
+finished chunk from the peers (``ce_overlap``). ``all_gather_mm``: the
 shard is copied into the workspace (one copy); a Triton kernel pulls every shard, then cuBLAS
 multiplies; or the local shard multiplies while the copy engines pull the others (``overlap``);
 or one persistent Triton kernel multiplies the local rows while it pushes them to the peers
