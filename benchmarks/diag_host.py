@@ -3,13 +3,14 @@ so only the host is timed: a training step measured host-bound (``explore/diag_s
 the copy-engine overlap's 14 calls took 20 ms of host in a 20 ms-GPU step).
 
     torchrun --nproc_per_node=2 benchmarks/diag_host.py [--profile fused,ce_overlap]
-    torchrun --nproc_per_node=2 benchmarks/diag_host.py --bound [--fast 1,0]
+    torchrun --nproc_per_node=2 benchmarks/diag_host.py --bound [--rounds 2]
 
 ``--bound``: shapes so small that the GPU finishes each call long before the host issues the
-next, timed back to back with no sleep: µs per call is the host's cost, with the launch queue
-never full (a sleep-first loop of many launches can time the sleep instead). ``--fast`` times
-each path with the direct Triton launch on (1) and off (0) (``COMMFUSE_FAST_LAUNCH``), and
-``CE_CHUNKS=4`` beside the copy-engine overlap's default 8 chunks.
+next, timed back to back with no sleep: µs per call is the host's cost (of the slower rank: the
+ranks pair every call), with the launch queue never full (a sleep-first loop of many launches can
+time the sleep instead); ``CE_CHUNKS=4`` beside the copy-engine overlap's default 8 chunks, each
+path timed ``--rounds`` times in turn (``explore/diag_host_bound_*.log``: later rounds ran faster
+for every path, so compare within a round).
 """
 
 from __future__ import annotations
@@ -63,8 +64,28 @@ def parts(group_name: str, rank: int) -> None:
             print(f"host us, fused step: {name}: {us:.1f}", flush=True)
 
 
-def bound(group, rank: int, fast: list[str], profile: list[str], n: int = 300) -> None:
-    """Host-bound loops (tiny shapes, no sleep): µs per call for each path and launch mode."""
+def _print_profile(prof, label: str, rank: int, rows: int) -> None:
+    if rank == 0:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(rows)
+        print(f"--- cProfile of {label} (tottime)\n" + s.getvalue()[-6000:], flush=True)
+
+
+def _profiled(call, n: int = 100, sleep_cycles: int = 0) -> cProfile.Profile:
+    """A cProfile of ``n`` calls (after a GPU sleep of ``sleep_cycles``, if any)."""
+    prof = cProfile.Profile()
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    return prof
+
+
+def bound(group, rank: int, rounds: int, profile: list[str], n: int = 300) -> None:
+    """Host-bound loops (tiny shapes, no sleep): µs per call for each path, ``rounds`` times."""
     import time
 
     from commfuse.bench import settings
@@ -86,28 +107,15 @@ def bound(group, rank: int, fast: list[str], profile: list[str], n: int = 300) -
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n_, k, device="cuda", dtype=torch.bfloat16).t()
         call = (lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group.group_name))
-        row = []
-        for mode in fast:
-            env = {"COMMFUSE_ALGO": algo, "COMMFUSE_FAST_LAUNCH": mode,
-                   **{f"COMMFUSE_{key}": value for key, value in extra.items()}}
-            with settings(env):
-                row.append(f"fast={mode} {per_call(call):.1f}")
-                if algo in profile and mode == fast[0]:
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(100):
-                        call()
-                    prof.disable()
-                    torch.cuda.synchronize()
-                    if rank == 0:
-                        s = io.StringIO()
-                        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-                        print(f"--- cProfile of 100 host-bound {case} calls (fast={mode}, tottime)\n"
-                              + s.getvalue()[-6000:], flush=True)
+        env = {"COMMFUSE_ALGO": algo, **{f"COMMFUSE_{key}": value for key, value in extra.items()}}
+        with settings(env):
+            row = [f"{per_call(call):.1f}" for _ in range(rounds)]
+            if algo in profile:
+                _print_profile(_profiled(call), f"100 host-bound {case} calls", rank, 25)
         ref = per_call(lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)))
         mm = per_call(lambda: torch.mm(a, b))
         if rank == 0:
-            print(f"host-bound us/call {case} {m}x{k}x{n_}: commfuse {', '.join(row)}; "
+            print(f"host-bound us/call {case} {m}x{k}x{n_}: commfuse {' / '.join(row)}; "
                   f"mm + funcol all_reduce {ref:.1f}; mm {mm:.1f}", flush=True)
 
 
@@ -117,7 +125,7 @@ def main() -> int:
     p.add_argument("--parts", action="store_true", help="also time the fused call's steps one by one")
     p.add_argument("--bound", action="store_true",
                    help="only the host-bound loops of tiny shapes (no GPU sleep)")
-    p.add_argument("--fast", default="1,0", help="with --bound: COMMFUSE_FAST_LAUNCH values to time")
+    p.add_argument("--rounds", type=int, default=2, help="with --bound: timings per path, in turn")
     args = p.parse_args()
     import commfuse  # noqa: F401
 
@@ -125,7 +133,7 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, group = dist.get_rank(), dist.group.WORLD
     if args.bound:
-        bound(group, rank, args.fast.split(","), args.profile.split(","))
+        bound(group, rank, args.rounds, args.profile.split(","))
         dist.destroy_process_group()
         return 0
     for algo, (m, k, n) in CASES.items():
@@ -140,17 +148,7 @@ def main() -> int:
             print(f"host us/call {algo} {m}x{k}x{n}: commfuse {us:.1f}, mm + funcol all_reduce {ref:.1f}, "
                   f"mm {mm:.1f}", flush=True)
         if algo in args.profile.split(","):
-            prof = cProfile.Profile()
-            torch.cuda._sleep(int(3e9))
-            prof.enable()
-            for _ in range(100):
-                call()
-            prof.disable()
-            torch.cuda.synchronize()
-            if rank == 0:
-                s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
-                print(f"--- cProfile of 100 {algo} calls (tottime)\n" + s.getvalue()[-5000:], flush=True)
+            _print_profile(_profiled(call, sleep_cycles=int(3e9)), f"100 {algo} calls", rank, 22)
     os.environ["COMMFUSE_ALGO"] = ""
     if args.parts:
         parts(group.group_name, rank)
