@@ -7,10 +7,12 @@ the copy-engine overlap helped a prefill but slowed a training step, ``model/mod
    about the skew more; one whose waits hold SMs that the GEMM needs costs more than that.
 2. The DTensor (``--model sp``: sequence-parallel) training step (``--mode prefill``: the
    prefill) with each of ``--model-settings`` (commfuse settings; ``inductor`` and ``floor``
-   name those backends), timed, then profiled: GPU
-   time per kernel family, the GPU's busy time (the union of its kernels' intervals, against the
-   step's wall time: the rest is the GPU waiting for the host), and per input shape the mean GPU
-   time of each commfuse call and of each ``aten::mm`` (Inductor's GEMMs beside its NCCL kernels).
+   name those backends), timed (median of 10 steps), then one step profiled: GPU time per kernel
+   family, the GPU's busy time (the union of its kernels' intervals) against that profiled step's
+   wall time (the rest is the GPU waiting for the host; the profiler slows the host, so the
+   profiled step is slower than the timed ones), and per input shape the GPU time of the kernels
+   each commfuse call and each ``aten::mm`` launched (summed: concurrent streams and spin-waits
+   count in full; the ``aten::mm`` rows include commfuse's own cuBLAS calls).
 
     torchrun --nproc_per_node=2 benchmarks/diag_skew.py --skews "" --mode prefill \
         --model-settings "inductor,,CE_MIN_K=0,floor"
@@ -22,6 +24,7 @@ import argparse
 import collections
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,10 +68,16 @@ def family(name: str) -> str:
     return "other"
 
 
+def _annotation(evt) -> bool:
+    """A record_function span on the GPU timeline (e.g. a compiled graph's call), not a kernel."""
+    return bool(getattr(evt, "is_user_annotation", False))
+
+
 def _busy_ms(prof) -> float:
     """Length of the union of the GPU kernels' intervals (ms)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if "CUDA" in str(getattr(e, "device_type", "")) and e.time_range.end > e.time_range.start)
+                   if "CUDA" in str(getattr(e, "device_type", "")) and not _annotation(e)
+                   and e.time_range.end > e.time_range.start)
     busy, end = 0.0, float("-inf")
     for lo, hi in spans:
         if hi > end:
@@ -77,17 +86,18 @@ def _busy_ms(prof) -> float:
     return busy / 1e3
 
 
-def _report(prof, label: str, ms: float) -> None:
+def _report(prof, label: str, ms: float, profiled_ms: float) -> None:
     fams = collections.Counter()
     for evt in prof.key_averages():
-        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type) \
+                and not _annotation(evt):
             total = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
             fams[family(evt.key)] += getattr(evt, "self_device_time_total", total)
     try:
         busy = f"{_busy_ms(prof):.2f} ms"
     except Exception as exc:  # profiler event fields differ across torch versions
         busy = f"unknown ({type(exc).__name__})"
-    _p(f"{label}: {ms:.2f} ms/step, GPU busy {busy}; GPU us by family "
+    _p(f"{label}: {ms:.2f} ms/step; profiled step {profiled_ms:.2f} ms, GPU busy {busy}; GPU us by family "
        + ", ".join(f"{f} {v:.0f}" for f, v in fams.most_common()))
     for evt in prof.key_averages(group_by_input_shape=True):
         if evt.key.startswith("commfuse::") or evt.key in ("aten::mm", "aten::addmm"):
@@ -156,10 +166,13 @@ def main() -> int:
         for _ in range(3):
             step()
         ms = statistics.median(bench_model._step_times(step, device, 10))
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            start = time.perf_counter()
             step()
             torch.cuda.synchronize()
-        _report(prof, f"{args.model} {args.mode} {setting or 'defaults'}", ms)
+            profiled_ms = (time.perf_counter() - start) * 1e3
+        _report(prof, f"{args.model} {args.mode} {setting or 'defaults'}", ms, profiled_ms)
     dist.destroy_process_group()
     return 0
 

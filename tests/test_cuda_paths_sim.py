@@ -117,8 +117,8 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
 
 def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
     """The copy-engine paths read the peers' halves through views the workspace keeps: the
-    provider makes each (peer, parity) view once, and later calls, of other shapes and dtypes
-    too, slice it."""
+    provider makes each (peer, parity) view once, and later calls, of other shapes too, slice
+    it."""
     monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
     made = []
     real = sim.get_buffer
@@ -234,3 +234,30 @@ def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of
     assert len(slots) == len(set(slots)), "every barrier of a call has its own flag slot"
     # the copy-engine overlap takes scatters along any leading dim (a batch before it: as slabs)
     assert len(overlapped) == (algo == "ce_overlap")
+
+
+def test_forced_copy_engine_paths_with_no_rows_fall_back(sim, monkeypatch):
+    """Zero rows: nothing to chunk, so a forced copy-engine path takes the plain symmetric one
+    (counted as such) instead of failing inside the exchange, which would break the workspace."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    r = sim.mine.rank
+    a, b, bias = _inputs(sim.world, 0, 6, 7, "1d")
+    before = dict(cuda_paths.PATHS)
+    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    assert out.shape == (0, 7) and sim.mine.broken is None
+    assert cuda_paths.PATHS["mm_all_reduce:one_shot"] == before.get("mm_all_reduce:one_shot", 0) + 1
+    out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], [0, 7], 0, sim.world, "0")
+    assert out.shape == (0, 7) and sim.mine.broken is None
+    assert cuda_paths.PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
+
+
+def test_kept_views_made_in_inference_mode_take_writes_outside_it(sim):
+    """A workspace first used under ``torch.inference_mode`` (a prefill) keeps its flag and peer
+    views for later calls outside it (training), which write the flags in place."""
+    fresh = symm.Workspace("0", sim.mine.rank, sim.world, sim.bufs[sim.mine.rank].clone(),
+                           torch.zeros(sim.world, dtype=torch.int64), 1 << 16, _keepalive=sim)
+    with torch.inference_mode():
+        fresh.flags, fresh.tile_flags, fresh.peer_data(0, 0, (4, 4), torch.float32)
+    fresh.flags.zero_()
+    fresh.tile_flags.add_(1)
+    fresh.peer_data(0, 0, (4, 4), torch.float32).add_(1)

@@ -103,11 +103,11 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             return out
         if algo == "ce_overlap":
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
-            if all(p is not None for p in peers):
+            if m and all(p is not None for p in peers):
                 _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
-            algo = "one_shot"  # the provider has no peer views for the copy engines
+            algo = "one_shot"  # no rows to chunk, or the provider has no peer views
         _matmul_into(a, b, bias, partial)
         exchange.all_reduce(ws, partial, out, epoch, algo, OP_MM_ALL_REDUCE)
         return out
@@ -218,7 +218,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) ->
     bounds = [(lo, min(lo + rows, m)) for lo in range(0, m, rows)]
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
-    side.wait_stream(main)  # out and recv were allocated on main
+    side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
     done = []
     for lo, hi in bounds:
         _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
@@ -361,7 +361,7 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, pe
               for o in range(slabs) for lo in range(0, rows, step_rows)]
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
-    side.wait_stream(main)  # out and recv were allocated on main
+    side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
     done = []  # (step, chunk, the event after its GEMM): GEMMs queued first, as in the all-reduce
     for step in range(1, world):
         p = (rank + step) % world

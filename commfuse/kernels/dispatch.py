@@ -374,7 +374,7 @@ def scatter_chunks(rows: int, world: int, slabs: int = 1) -> int:
     chunks: 16384x4096x7168 1341 / 1555 / 1525, 4096^3 227 / 299 / 533)."""
     env = os.environ.get("COMMFUSE_RS_CHUNKS")
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1) // max(slabs, 1)
-    if slots < 1:  # not even one chunk per slab: no overlap
+    if slots < 1 or rows < 1:  # not even one chunk per slab, or no rows: no overlap
         return 0
     default = 1 if slabs > 1 else RS_CHUNKS_LARGE if rows >= RS_LARGE_SHARE else 2
     return max(1, min(int(env) if env else default, rows, 64, slots))

@@ -83,13 +83,17 @@ class Workspace:
     #: of µs of host, and the copy-engine overlaps need one per peer per call
     _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
 
+    # Views kept for the workspace's life are made outside inference mode: one made inside it would
+    # refuse the in-place writes (``_restart_epochs``) of a later call outside it.
     @functools.cached_property
     def flags(self) -> torch.Tensor:
-        return self.buffer[:FLAG_BYTES - BASES_BYTES].view(torch.int32)
+        with torch.inference_mode(False):
+            return self.buffer[:FLAG_BYTES - BASES_BYTES].view(torch.int32)
 
     @functools.cached_property
     def tile_flags(self) -> torch.Tensor:
-        return self.buffer[FLAG_BYTES:FLAG_BYTES + 4 * TILE_FLAG_SLOTS].view(torch.int32)
+        with torch.inference_mode(False):
+            return self.buffer[FLAG_BYTES:FLAG_BYTES + 4 * TILE_FLAG_SLOTS].view(torch.int32)
 
     @property
     def tile_counters(self) -> torch.Tensor:
@@ -138,7 +142,8 @@ class Workspace:
             get_buffer = getattr(self._keepalive, "get_buffer", None)
             if get_buffer is None:
                 return None
-            half = get_buffer(peer, [self.data_bytes], torch.uint8, HEADER_BYTES + parity * self.data_bytes)
+            with torch.inference_mode(False):
+                half = get_buffer(peer, [self.data_bytes], torch.uint8, HEADER_BYTES + parity * self.data_bytes)
             self._peer_halves[(peer, parity)] = half
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes > self.data_bytes:
