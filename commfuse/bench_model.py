@@ -90,6 +90,11 @@ def _step_times(step, device, n: int) -> list[float]:
     return times
 
 
+def hidden_share(inductor: float, commfuse: float, floor: float) -> float | None:
+    """The share of Inductor's communication time commfuse hides; None without any to hide."""
+    return (inductor - commfuse) / (inductor - floor) if inductor > floor else None
+
+
 def _max_over_ranks(value: float, device) -> float:
     t = torch.tensor([value], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -159,9 +164,12 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
         for _ in range(WARMUP):
             step()
     times: dict[str, list[float]] = {b: [] for b in steps}
+    rec["round_ms"] = {b: [] for b in steps}  # each round's median: how far one run's rounds agree
     for _ in range(ROUNDS):
         for backend, step in steps.items():
-            times[backend] += _step_times(step, device, max(1, iters // ROUNDS))
+            ts = _step_times(step, device, max(1, iters // ROUNDS))
+            times[backend] += ts
+            rec["round_ms"][backend].append(_max_over_ranks(statistics.median(ts), device))
     for backend, ts in times.items():
         rec["ms"][backend] = _max_over_ranks(statistics.median(ts), device)
         if rank == 0:
@@ -171,7 +179,11 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
     if "inductor" in ms and "commfuse" in ms:
         rec["speedup_vs_inductor"] = ms["inductor"] / ms["commfuse"]
         if "floor" in ms and ms["inductor"] > ms["floor"]:
-            rec["hidden_share"] = (ms["inductor"] - ms["commfuse"]) / (ms["inductor"] - ms["floor"])
+            rec["hidden_share"] = hidden_share(ms["inductor"], ms["commfuse"], ms["floor"])
+            per_round = zip(*(rec["round_ms"][b] for b in ("inductor", "commfuse", "floor")))
+            rounds = [h for h in (hidden_share(*r) for r in per_round) if h is not None]
+            if rounds:
+                rec["hidden_share_rounds"] = [min(rounds), max(rounds)]
         rec["compile_ratio"] = rec["compile_s"]["commfuse"] / rec["compile_s"]["inductor"]
     ref = outputs.get("eager", outputs.get("inductor"))
     if ref is not None and "commfuse" in outputs:
@@ -278,6 +290,9 @@ def _line(rec: dict) -> str:
         extra += f" commfuse/inductor {rec['speedup_vs_inductor']:.3f}x"
     if "hidden_share" in rec:
         extra += f", hides {100 * rec['hidden_share']:.0f}% of the communication"
+        if "hidden_share_rounds" in rec:
+            lo, hi = rec["hidden_share_rounds"]
+            extra += f" (rounds {100 * lo:.0f}..{100 * hi:.0f}%)"
     if "commfuse_rel_err" in rec:
         extra += f", rel err vs {rec.get('rel_err_against', 'eager')} {rec['commfuse_rel_err']:.1e}"
         if "inductor_rel_err" in rec:

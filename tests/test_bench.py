@@ -52,6 +52,9 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
         assert set(r["ms"]) == {"eager", "inductor", "commfuse", "floor"}
         assert r["fused"] > 0 and r["skipped"] >= 0
         assert "speedup_vs_inductor" in r
+        # one median per alternating round and backend; the run's median lies within their range
+        assert all(len(ts) == 3 for ts in r["round_ms"].values())
+        assert min(r["round_ms"]["commfuse"]) <= r["ms"]["commfuse"] <= max(r["round_ms"]["commfuse"])
     for r in records:
         if r["mode"] != "train":
             assert r["commfuse_rel_err"] < 1e-5
@@ -76,6 +79,16 @@ def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
         assert len(curve) == 50 and curve[-1] < curve[0]  # it trains
         assert r["commfuse_max_rel_dev"] < 1e-4
         assert r["fused"] > 0
+
+
+def test_hidden_share_and_its_range_over_rounds():
+    from commfuse import bench_model
+
+    assert bench_model.hidden_share(24.0, 22.0, 20.0) == 0.5
+    assert bench_model.hidden_share(20.0, 21.0, 20.0) is None  # nothing to hide
+    rec = {"model": "dtensor", "mode": "train", "ms": {"inductor": 24.0, "commfuse": 22.0, "floor": 20.0},
+           "hidden_share": 0.5, "hidden_share_rounds": [0.4, 0.6], "fused": 14}
+    assert "hides 50% of the communication (rounds 40..60%)" in bench_model._line(rec)
 
 
 def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
