@@ -467,6 +467,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="model: alternating rounds over the backends (--iters steps split among them)")
     p.add_argument("--loss-steps", type=int, default=50, help="model: training steps of the loss mode")
     p.add_argument("--small", action="store_true", help="model: small sizes (the default on CPU)")
     args = p.parse_args(argv)

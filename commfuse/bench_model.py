@@ -116,7 +116,7 @@ def _allow_many_compiles() -> None:
 
 
 def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int,
-             context: int = 0) -> dict:
+             context: int = 0, rounds: int = ROUNDS) -> dict:
     import commfuse
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -165,9 +165,9 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
             step()
     times: dict[str, list[float]] = {b: [] for b in steps}
     rec["round_ms"] = {b: [] for b in steps}  # each round's median: how far one run's rounds agree
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for backend, step in steps.items():
-            ts = _step_times(step, device, max(1, iters // ROUNDS))
+            ts = _step_times(step, device, max(1, iters // rounds))
             times[backend] += ts
             rec["round_ms"][backend].append(_max_over_ranks(statistics.median(ts), device))
     for backend, ts in times.items():
@@ -397,7 +397,8 @@ def main(args) -> int:
                 if mode == "loss":
                     rec = loss_case(kind, cfg, batch, args.seq, device, dtype, args.loss_steps)
                 else:
-                    rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters, **extra)
+                    rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters,
+                                   rounds=args.rounds, **extra)
                 records.append(rec)
                 if dist.get_rank() == 0:
                     print(_line(rec), file=sys.stderr, flush=True)

@@ -42,7 +42,7 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
            "model", "--models", "sp,hooks", "--modes", "prefill,decode,train", "--layers", "1", "--batch", "2",
            "--seq", "32", "--iters", "2", "--decode-batches", "2", "--context", "16",
-           "--backends", "eager,inductor,commfuse,floor", "--out", str(out)]
+           "--backends", "eager,inductor,commfuse,floor", "--rounds", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
@@ -52,9 +52,10 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
         assert set(r["ms"]) == {"eager", "inductor", "commfuse", "floor"}
         assert r["fused"] > 0 and r["skipped"] >= 0
         assert "speedup_vs_inductor" in r
-        # one median per alternating round and backend; the run's median lies within their range
-        assert all(len(ts) == 3 for ts in r["round_ms"].values())
-        assert min(r["round_ms"]["commfuse"]) <= r["ms"]["commfuse"] <= max(r["round_ms"]["commfuse"])
+        # one median per alternating round and backend (each the max over ranks, like the run's
+        # median, which therefore cannot exceed the largest of them)
+        assert all(len(ts) == 2 and min(ts) > 0 for ts in r["round_ms"].values())
+        assert r["ms"]["commfuse"] <= max(r["round_ms"]["commfuse"])
     for r in records:
         if r["mode"] != "train":
             assert r["commfuse_rel_err"] < 1e-5
