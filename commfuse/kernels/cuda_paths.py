@@ -24,7 +24,7 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k, reference, symm
+from . import dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k, reference, symm, tiles
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -214,7 +214,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) ->
     GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
     the same order on the GPU, and the host switches streams once per call, not per chunk."""
     m = a.shape[0]
-    rows = -(-m // dispatch.copy_engine_chunks(m))
+    rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     bounds = [(lo, min(lo + rows, m)) for lo in range(0, m, rows)]
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
@@ -244,7 +244,7 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out was allocated on main
-    rows = -(-a.shape[0] // chunks)
+    rows = tiles.cdiv(a.shape[0], chunks)
     for i, lo in enumerate(range(0, a.shape[0], rows)):
         hi = min(lo + rows, a.shape[0])
         _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
@@ -355,7 +355,7 @@ def _scatter_overlapped(ws, a, b, bias, partial, out, recv, own, chunks: int, pe
     ``slabs``: the rows are that many slabs (a batch of sequences scattered along the sequence),
     each holding every rank's share in rank order; the chunks are taken slab by slab."""
     world, rank, rows = ws.world, ws.rank, a.shape[0] // ws.world // slabs  # a share's rows in a slab
-    step_rows = -(-rows // chunks)
+    step_rows = tiles.cdiv(rows, chunks)
     # (first row of the slab in the product, first of it in a share, chunk start, chunk stop)
     bounds = [(o * world * rows, o * rows, lo, min(lo + step_rows, rows))
               for o in range(slabs) for lo in range(0, rows, step_rows)]

@@ -370,7 +370,7 @@ def scatter_chunks(rows: int, world: int, slabs: int = 1) -> int:
     overlaps the next chunk's GEMM, and the last share's GEMMs add what was pulled in their
     epilogue, so the pull of the last chunk is what stays exposed; ``COMMFUSE_RS_CHUNKS``. One
     barrier flag slot per chunk, slab and step: at most what the flag area holds (0: none fits).
-    With slabs, one chunk per slab (``explore/paths_batch4_*.json``, [4, S, .], us, 1 / 2 / 4
+    With slabs, one chunk per slab (``explore/paths_batch4_e84201d.json``, [4, S, .], us, 1 / 2 / 4
     chunks: 16384x4096x7168 1341 / 1555 / 1525, 4096^3 227 / 299 / 533)."""
     env = os.environ.get("COMMFUSE_RS_CHUNKS")
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1) // max(slabs, 1)
@@ -410,7 +410,7 @@ def ce_min_k() -> int:
     return int(env) if env else CE_MIN_K
 
 
-#: Inside the DTensor model (2 layers, 4x2048 tokens, 2xH200, ``model/model_ce_*.json``, ms,
+#: Inside the DTensor model (2 layers, 4x2048 tokens, 2xH200, ``model/model_ce_e84201d.json``, ms,
 #: without / with the rule at 7168): prefill 7.45 / 7.22, training step 21.29 / 21.26. Before the
 #: copy-engine call's host work was cut (one stream switch per call, peer views kept) the
 #: training step lost (21.99 / 23.76, ``model/model_f24116a.json``) while prefill gained (7.34 / 6.94).
