@@ -158,6 +158,7 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
         rec["compile_s"][backend] = time.perf_counter() - start
         if backend == "commfuse":
             rec["fused"] = len(commfuse.report().fused)
+            rec["merged"] = len(commfuse.report().merged)  # sums of matmuls made one (merge_sums)
             rec["skipped"] = len(commfuse.report().skipped)
         if mode != "train":
             outputs[backend] = out.float().clone()

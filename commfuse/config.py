@@ -8,8 +8,9 @@ from typing import Any
 
 import torch.nn as nn
 
-#: Names of the rewrites, in the order the graph pass applies them.
-PATTERNS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
+#: Names of the rewrites, in the order the graph pass applies them. ``merge_sums`` turns a sum of
+#: matmul partials that is reduced (or of reduced partials) into one matmul reduced once.
+PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 
 #: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing.
 DEFAULT_MIN_MNK = 1 << 15
@@ -86,8 +87,10 @@ class Settings:
     def key(self) -> str:
         """A stable text of every setting that changes what the pass does."""
         classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
+        import os
+
         return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk,
-                     self.launch_bound()))
+                     self.launch_bound(), os.environ.get("COMMFUSE_MERGE_SUMS", "1").strip()))
 
     def launch_bound(self) -> int:
         return default_launch_bound_bytes() if self.launch_bound_bytes is None else self.launch_bound_bytes

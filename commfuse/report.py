@@ -34,7 +34,7 @@ _configure_from_env()
 
 @dataclasses.dataclass(frozen=True)
 class MatchRecord:
-    pattern: str  # "mm_all_reduce" | "all_gather_mm"
+    pattern: str  # "merge_sums" | "mm_all_reduce" | "all_gather_mm" | "mm_reduce_scatter"
     graph: str  # "forward" | "backward" and the graph's number in this process
     collective: str  # name of the collective node
     matmul: str | None  # name of the matmul node, when one was found
@@ -45,11 +45,16 @@ class MatchRecord:
     group: str | None = None
     module: str | None = None  # qualified name of the module the matmul came from
 
+    @property
+    def merge(self) -> bool:
+        """A sum of matmuls made one matmul (``merge_sums``), not a fusion."""
+        return self.pattern == "merge_sums"
+
     def line(self) -> str:
-        what = "FUSED  " if self.fused else "skipped"
+        what = "MERGED " if self.merge else "FUSED  " if self.fused else "skipped"
         shape = "x".join(str(s) for s in self.shape) if self.shape else "-"
         where = f" in {self.module}" if self.module else ""
-        tail = "" if self.fused else f": {self.reason}"
+        tail = f": {self.reason}" if self.merge or not self.fused else ""
         return (
             f"{what} {self.pattern:<17} {self.graph:<12} {self.collective}<-{self.matmul or '?'}"
             f" MKN={shape} {self.dtype or ''} group={self.group}{where}{tail}"
@@ -61,7 +66,11 @@ class Report(list):
 
     @property
     def fused(self) -> list[MatchRecord]:
-        return [r for r in self if r.fused]
+        return [r for r in self if r.fused and not r.merge]
+
+    @property
+    def merged(self) -> list[MatchRecord]:
+        return [r for r in self if r.merge]
 
     @property
     def skipped(self) -> list[MatchRecord]:
@@ -69,7 +78,8 @@ class Report(list):
 
     def summary(self) -> str:
         reasons = collections.Counter(r.reason for r in self.skipped)
-        lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped"]
+        merged = f", {len(self.merged)} sums merged" if self.merged else ""
+        lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}"]
         lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
         return "\n".join(lines)
 

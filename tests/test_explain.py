@@ -20,9 +20,10 @@ def _explain(*args: str, env: dict | None = None) -> str:
 @pytest.mark.parametrize("world", ["2", "4", "8"])
 def test_explain_dtensor_training(world):
     out = _explain("--world-size", world, "--layers", "1")
-    # forward: wo, w2 (row-parallel); backward: wq, wk, wv, w1, w3 input gradients
-    assert "commfuse: 7 fused, 0 skipped" in out, out
-    assert out.count("FUSED   mm_all_reduce") == 7
+    # forward: wo, w2 (row-parallel); backward: the wq+wk+wv and w1+w3 input gradients, each sum
+    # merged into one matmul and fused
+    assert "commfuse: 4 fused, 0 skipped, 2 sums merged" in out, out
+    assert out.count("FUSED   mm_all_reduce") == 4 and out.count("MERGED  merge_sums") == 2
     assert "layers.0.attention.wo" in out and "layers.0.feed_forward.w1" in out
 
 
@@ -49,7 +50,7 @@ def test_explain_launch_bound_decode_sizes_fuse_only_with_cuda_graphs():
     out = _explain(*small, env=env)
     assert "commfuse: 0 fused, 2 skipped" in out and "launch-bound without CUDA graphs" in out, out
     assert "commfuse: 2 fused, 0 skipped" in _explain(*small, "--cuda-graphs", env=env)
-    assert "commfuse: 7 fused, 0 skipped" in _explain("--layers", "1", env=env)
+    assert "commfuse: 4 fused, 0 skipped, 2 sums merged" in _explain("--layers", "1", env=env)
 
 
 def test_explain_bad_sizes_are_clear_errors():

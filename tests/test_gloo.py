@@ -52,6 +52,8 @@ def _compare(name, fn, inputs, reference):
 
 
 def _worker(rank: int, init_file: str) -> None:
+    import commfuse
+
     torch._inductor.config.fx_graph_cache = False
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     group = dist.group.WORLD
@@ -88,6 +90,20 @@ def _worker(rank: int, init_file: str) -> None:
         reference = total.chunk(WORLD, dim=scatter_dim)[rank]
         fused = _compare(f"mm_reduce_scatter dim={scatter_dim} {shape}", fn, [x, w], reference)
         assert any(r.pattern == "mm_reduce_scatter" for r in fused)
+
+    # merge_sums: all-reduced partials summed (DTensor's q/k/v input gradients), and partials summed
+    # then reduce-scattered (the sequence-parallel form): one matmul of the concatenations, reduced once.
+    x1, x2 = torch.randn(4, 16, 32, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)
+    w1, w2 = torch.randn(24, 32, requires_grad=True), torch.randn(24, 8, requires_grad=True)
+    partial = F.linear(x1.detach().double(), w1.detach().double()) + F.linear(x2.detach().double(), w2.detach().double())
+    total = sum(_gather_all(partial))
+    fn = lambda x1, w1, x2, w2: (funcol.all_reduce(F.linear(x1, w1), "sum", group)
+                                 + funcol.all_reduce(F.linear(x2, w2), "sum", group))
+    _compare("merged all-reduces", fn, [x1, w1, x2, w2], total)
+    assert [r.reason for r in commfuse.report().merged] == ["merged 2 all-reduced partials (K=32+8)"]
+    fn = lambda x1, w1, x2, w2: funcol.reduce_scatter_tensor(F.linear(x1, w1) + F.linear(x2, w2), "sum", 1, group)
+    _compare("merged reduce-scatter", fn, [x1, w1, x2, w2], total.chunk(WORLD, dim=1)[rank])
+    assert [r.reason for r in commfuse.report().merged] == ["merged 2 partials of one reduction (K=32+8)"]
     dist.destroy_process_group()
 
 

@@ -31,6 +31,7 @@ from .. import patterns
 from ..config import Settings
 from ..exclusion import any_instance_excluded, module_stack
 from ..kernels import symm
+from ..patterns import merge_sums
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
 from ..report import MatchRecord, log, record
 
@@ -63,10 +64,26 @@ def _describe(pattern: str, label: str, anchor: fx.Node, mm: fx.Node | None, fus
                        fused, reason, shape, dtype, str(group), module)
 
 
+def _describe_merge(label: str, merged) -> MatchRecord:
+    terms, first = merged.terms, merged.terms[0]
+    ks = [t.a.shape[1] for t in terms]
+    stacks = [module_stack(t.mm) for t in terms]
+    modules = ",".join(s[-1][0] for s in stacks if s) or None
+    what = "all-reduced partials" if first.collective is not None else "partials of one reduction"
+    return MatchRecord(merge_sums.NAME, label, merged.collective, "+".join(t.names[0] for t in terms), True,
+                       f"merged {len(terms)} {what} (K={'+'.join(map(str, ks))})",
+                       (first.a.shape[0], sum(ks), first.b.shape[1]), str(first.a.dtype).replace("torch.", ""),
+                       merged.group, modules)
+
+
 def rewrite(graph: fx.Graph, settings: Settings) -> int:
     """Apply every enabled pattern to ``graph``; record each candidate. Returns the fused count."""
     label = graph_label(graph, next(_graph_numbers))
     fused = 0
+    if merge_sums.enabled(settings):
+        for merged in merge_sums.merge(graph, settings):
+            record(_describe_merge(label, merged))
+            fused += 1
     for pattern in patterns.ALL:
         anchors = [n for n in graph.nodes if n.op == "call_function" and n.target in pattern.ANCHORS]
         for anchor in anchors:

@@ -1,0 +1,155 @@
+"""``merge_sums``: a sum of matmul partials that is reduced (or of all-reduced partials) becomes one
+matmul of the concatenated operands, reduced once; each case it must leave alone stays unmerged.
+
+Fake process groups; the generated code is read back. Numerics with real ranks: ``test_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import commfuse
+from commfuse.demo import transformer as demo
+from helpers import calls, compile_code
+
+AR, RS = "commfuse.mm_all_reduce", "commfuse.mm_reduce_scatter"
+C10D_AR, C10D_RS = "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor"
+
+
+def _ar(t, group=None):
+    return funcol.all_reduce(t, "sum", group or dist.group.WORLD)
+
+
+def _merges():
+    return commfuse.report().merged
+
+
+def test_all_reduced_partials_become_one_all_reduce(world):
+    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
+    r = torch.randn(64, 48)
+
+    def f(x1, w1, x2, w2, r):  # a residual between the two reduced terms: the sum is reassociated
+        return (_ar(x1 @ w1) + r) + _ar(x2 @ w2)
+
+    out, code = compile_code(f, x1, w1, x2, w2, r)
+    assert calls(code, AR) == 1 and C10D_AR not in code, code
+    (rec,) = _merges()
+    assert rec.shape == (64, 48, 48) and rec.reason == "merged 2 all-reduced partials (K=32+16)"
+    torch.testing.assert_close(out, f(x1, w1, x2, w2, r))  # the fake group's all_reduce is the identity
+
+
+def test_three_terms_3d_views(world2):
+    xs = [torch.randn(2, 8, k) for k in (32, 8, 8)]
+    ws = [torch.randn(24, k) for k in (32, 8, 8)]
+
+    def f(a, b, c, wa, wb, wc):
+        return _ar(F.linear(a, wa)) + _ar(F.linear(b, wb)) + _ar(F.linear(c, wc))
+
+    out, code = compile_code(f, *xs, *ws)
+    assert calls(code, AR) == 1, code
+    assert [r.shape for r in _merges()] == [(16, 48, 24)]
+    torch.testing.assert_close(out, f(*xs, *ws))
+
+
+def test_summed_partials_reduce_scattered_fuse(world2):
+    x1, w1, x2, w2 = torch.randn(2, 8, 32), torch.randn(24, 32), torch.randn(2, 8, 16), torch.randn(24, 16)
+
+    def f(x1, w1, x2, w2):
+        return funcol.reduce_scatter_tensor(F.linear(x1, w1) + F.linear(x2, w2), "sum", 1, dist.group.WORLD)
+
+    out, code = compile_code(f, x1, w1, x2, w2)
+    assert calls(code, RS) == 1 and C10D_RS not in code, code
+    (rec,) = _merges()
+    assert rec.reason == "merged 2 partials of one reduction (K=32+16)"
+    assert out.shape == (2, 4, 24)
+
+
+def test_weight_gradient_reads_the_concatenation(world2):
+    """A partial's operand also read by another op (its weight gradient in a backward) is written
+    once, into the concatenation, and read back as a slice: no second copy, the same values."""
+    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
+
+    def f(x1, w1, x2, w2):
+        a1, a2 = x1.relu(), x2.sigmoid()
+        return _ar(a1 @ w1) + _ar(a2 @ w2), a1.t() @ a1, a2.sum(0)
+
+    out, code = compile_code(f, x1, w1, x2, w2)
+    assert calls(code, AR) == 1, code
+    for got, want in zip(out, f(x1, w1, x2, w2)):
+        torch.testing.assert_close(got, want)
+
+
+def test_left_alone(world2):
+    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
+    b = torch.randn(48)
+    sub = dist.new_group([0, 1])
+
+    cases = {
+        "control (merges)": lambda: _ar(x1 @ w1) + _ar(x2 @ w2),
+        "another group": lambda: _ar(x1 @ w1) + _ar(x2 @ w2, sub),
+        "a bias": lambda: _ar(torch.addmm(b, x1, w1)) + _ar(x2 @ w2),
+        "a partial read elsewhere": lambda: (lambda p: (_ar(p) + _ar(x2 @ w2), p))(x1 @ w1),
+        "a broadcasting add": lambda: _ar(x1 @ w1) + _ar((x2 @ w2)[:1]),
+        "a scaled add": lambda: torch.add(_ar(x1 @ w1), _ar(x2 @ w2), alpha=2),
+        "a product": lambda: _ar(x1 @ w1) * _ar(x2 @ w2),
+    }
+    for name, fn in cases.items():
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        compile_code(lambda: fn())
+        assert [r.pattern for r in commfuse.report()].count("mm_all_reduce") >= 1, commfuse.report()
+        assert bool(_merges()) == name.startswith("control"), f"{name}: {commfuse.report()}"
+
+
+def test_off_switches(world2, monkeypatch):
+    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
+
+    def f(x1, w1, x2, w2):
+        return _ar(x1 @ w1) + _ar(x2 @ w2)
+
+    monkeypatch.setenv("COMMFUSE_MERGE_SUMS", "0")
+    _, code = compile_code(f, x1, w1, x2, w2)
+    assert calls(code, AR) == 2 and not _merges()
+    monkeypatch.delenv("COMMFUSE_MERGE_SUMS")
+    torch._dynamo.reset()
+    patterns = [p for p in commfuse.PATTERNS if p != "merge_sums"]
+    _, code = compile_code(f, x1, w1, x2, w2, backend=commfuse.backend(min_mnk=0, patterns=patterns))
+    assert calls(code, AR) == 2 and not _merges()
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 48, bias=False), nn.Linear(16, 48, bias=False)
+
+    def forward(self, x1, x2):
+        return _ar(self.a(x1)) + _ar(self.b(x2))
+
+
+def test_excluded_module_is_not_merged(world2):
+    model = _Two()
+    x1, x2 = torch.randn(64, 32), torch.randn(64, 16)
+    _, code = compile_code(model, x1, x2, backend=commfuse.backend(min_mnk=0, exclude=["b"]))
+    assert not _merges() and calls(code, AR) == 1  # "a" alone fuses; "b" stays NCCL
+    assert C10D_AR in code
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["dtensor", "sequence_parallel"])
+def test_transformer_backward_reduces_each_input_gradient_once(world, sp):
+    """q/k/v and w1/w3 input gradients: one fused collective each per layer (the sequence-parallel
+    sum was left to NCCL before: its reduce-scatter read an add, not a matmul)."""
+    cfg = demo.sized_config(True, 2, world)
+    model = demo.parallelize_dtensor(demo.Transformer(cfg), init_device_mesh("cpu", (world,)), sequence_parallel=sp)
+    x = torch.randn(2, 32 // world if sp else 32, cfg.dim, requires_grad=True)
+    _, code = compile_code(model, x, train=True)
+    merged = sorted(len(r.matmul.split("+")) for r in _merges())
+    assert merged == [2, 2, 3, 3], commfuse.report()
+    backward = [r for r in commfuse.report() if r.graph.startswith("backward") and not r.merge]
+    assert backward and all(r.fused for r in backward), commfuse.report()
+    assert C10D_AR not in code and C10D_RS not in code, code
