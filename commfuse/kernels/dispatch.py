@@ -417,11 +417,11 @@ def ce_min_k() -> int:
 CE_MIN_K = 7168
 
 
-#: Each gathered element feeds 2N flops, so from N = 16384 the gather is under ~6% of the GEMM on
-#: H200 (~350 GB/s of NVLink reads against ~700 TFLOP/s): what fusion could save is within the GEMM's
-#: own run-to-run noise (±2%), and splitting the GEMM costs about that much (8192x8192x28672: 0.99-1.04x
-#: over five runs). Such calls take the unfused path.
-AG_GEMM_BOUND_N = 16384
+#: A GEMM-bound all-gather (large N: each gathered element feeds 2N flops) is still overlapped: the
+#: gather is a few % of the GEMM, but the copy-engine overlap took that much off in every sweep
+#: (8192x8192x28672 against unfused, interleaved rounds: 1.029x / 1.034x / 1.010x for the
+#: workspace source in ``explore/paths_8f97686``, ``paths_batch4_e84201d``, ``paths_f24116a``),
+#: where the unfused path timed 0.985-0.99x of itself. (It was left unfused until session 9.)
 
 
 #: What the all-gather overlap's local GEMM reads (``COMMFUSE_AG_LOCAL``): ``workspace``, the copy
@@ -448,8 +448,13 @@ def gather_local_source() -> str:
 #: per slab 16384x4096x7168 1597 / 1341; 256-row blocks lose), but inside the sequence-parallel
 #: model they made prefill 12.15 ms against Inductor's 8.27 and the training step 26.41 against
 #: 22.60 (``model/model_91f403e.json``): they stay forced-only (``COMMFUSE_ALGO``) until that is
-#: understood.
+#: understood. ``COMMFUSE_SLAB_OVERLAP=1`` turns them on for both ops (read per call).
 SLAB_OVERLAP = False
+
+
+def slab_overlap() -> bool:
+    env = os.environ.get("COMMFUSE_SLAB_OVERLAP", "").strip()
+    return SLAB_OVERLAP if not env else env not in ("0", "false", "off")
 
 
 def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) -> bool:
@@ -458,7 +463,7 @@ def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) 
     (``dim`` 0; in ``slabs`` slabs only when ``SLAB_OVERLAP``)."""
     if (rows // world) * k * n < OVERLAP_MIN_SHARD_MNK:
         return False
-    return dim == 0 or (SLAB_OVERLAP and slabs > 0 and rows // world // slabs >= SLAB_MIN_ROWS)
+    return dim == 0 or (slab_overlap() and slabs > 0 and rows // world // slabs >= SLAB_MIN_ROWS)
 
 
 #: With ``SLAB_OVERLAP``, each rank's block in a slab needs this many rows.
@@ -478,7 +483,7 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
                                "symm" if _symmetric_possible(rows * k * dtype.itemsize, world) else "nccl")
     if forced:
         return forced
-    if not _symmetric_possible(rows * k * dtype.itemsize, world) or n >= AG_GEMM_BOUND_N:
+    if not _symmetric_possible(rows * k * dtype.itemsize, world):
         return "nccl"
     if (FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
             and _fused_along_rows("gather", gather_dim, rows, k, n, dtype, world) is None):

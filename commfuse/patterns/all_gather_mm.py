@@ -30,7 +30,6 @@ import torch.fx as fx
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..kernels.dispatch import AG_GEMM_BOUND_N
 from .common import (
     MATMUL_OPS,
     VIEW_OPS,
@@ -115,9 +114,6 @@ class AllGatherMmMatch:
                 if depends_on([b, bias], {wait, gathered}):
                     raise Skip("the matmul's right operand or bias is computed from the gathered tensor")
                 check_fusable(mm, a, b, bias, settings)
-                if statically_known_true(val(b).shape[1] >= AG_GEMM_BOUND_N):
-                    raise Skip(f"N={val(b).shape[1]} >= {AG_GEMM_BOUND_N}: the GEMM dwarfs the gather "
-                               "(a few %), within its own run-to-run noise; left unfused")
             except Skip as exc:
                 first_skip = first_skip or Skip(str(exc), mm=mm)
                 continue

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 def _grads(model, x, run=None):
     """Input and parameter gradients of one step; ``run``: what computes it (a compiled model)."""
     x = x.detach().clone().requires_grad_(True)
-    (run or model)(x).float().pow(2).mean().backward()
+    (model if run is None else run)(x).float().pow(2).mean().backward()
     grads = {"x": x.grad}
     for name, p in model.named_parameters():
         g = p.grad
