@@ -110,6 +110,10 @@ def test_all_gather_mm_choice(monkeypatch):
     assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "overlap"
     # GEMM-bound (the gather is a few % of the GEMM): overlapped all the same (1.01-1.03x measured)
     assert dispatch.all_gather_mm(8192, 8192, 28672, BF16, 2) == "overlap"
+    # ... and only that: the other paths were never timed at such N
+    assert dispatch.all_gather_mm(2048, 8192, 28672, BF16, 2) == "overlap"  # not the fused kernel
+    assert dispatch.all_gather_mm(2048, 64, 16384, BF16, 2) == "nccl"  # too little work to overlap
+    assert dispatch.all_gather_mm(8192, 8192, 28672, BF16, 2, gather_dim=1, slabs=4) == "nccl"
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2, gather_dim=1) == "symm"
     assert dispatch.all_gather_mm(1 << 20, 8192, 1024, BF16, 2) == "nccl"
 

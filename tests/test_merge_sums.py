@@ -70,6 +70,39 @@ def test_summed_partials_reduce_scattered_fuse(world2):
     assert out.shape == (2, 4, 24)
 
 
+@pytest.mark.parametrize("reader", ["mutated", "as_strided", "feeds_another_term", "returned"])
+def test_other_readers_of_an_operand_keep_their_values(world2, reader):
+    """Only transposes feeding matmuls read an operand's slice of the concatenation: a mutation,
+    an ``as_strided`` view, a reader another term is computed from (a cycle) or a returned
+    operand keep reading the operand itself."""
+    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 32), torch.randn(32, 48)
+
+    def f(x1, w1, x2, w2):
+        a1 = x1.relu()
+        if reader == "feeds_another_term":
+            return _ar(a1 @ w1) + _ar(a1.sigmoid() @ w2)
+        y = _ar(a1 @ w1) + _ar(x2 @ w2)
+        if reader == "mutated":
+            x2.mul_(2)
+            return y
+        if reader == "as_strided":
+            return y, a1.as_strided((64, 16), (32, 2)) * 3
+        return y, a1
+
+    args = [x1, w1, x2, w2]
+    out, _ = compile_code(f, *[t.clone() for t in args])
+    assert _merges(), commfuse.report()
+    inputs = [t.clone() for t in args]
+    want = f(*inputs)
+    for got, ref in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(got, ref)
+        assert got.stride() == ref.stride()
+    if reader == "mutated":  # the caller's tensor is mutated as in eager
+        mutated = [t.clone() for t in args]
+        compile_code(f, *mutated)
+        torch.testing.assert_close(mutated[2], args[2] * 2)
+
+
 def test_weight_gradient_reads_the_concatenation(world2):
     """A partial's operand also read by another op (its weight gradient in a backward) is written
     once, into the concatenation, and read back as a slice: no second copy, the same values."""
@@ -90,21 +123,53 @@ def test_left_alone(world2):
     b = torch.randn(48)
     sub = dist.new_group([0, 1])
 
+    r = torch.randn(48)
+
+    def twice():
+        y = _ar(x1 @ w1)
+        return (y + y) + _ar(x2 @ w2)  # y counts twice: merging it once would be wrong
+
     cases = {
         "control (merges)": lambda: _ar(x1 @ w1) + _ar(x2 @ w2),
         "another group": lambda: _ar(x1 @ w1) + _ar(x2 @ w2, sub),
         "a bias": lambda: _ar(torch.addmm(b, x1, w1)) + _ar(x2 @ w2),
         "a partial read elsewhere": lambda: (lambda p: (_ar(p) + _ar(x2 @ w2), p))(x1 @ w1),
-        "a broadcasting add": lambda: _ar(x1 @ w1) + _ar((x2 @ w2)[:1]),
+        "a broadcasting add between": lambda: (_ar(x1 @ w1) + r) + _ar(x2 @ w2),
         "a scaled add": lambda: torch.add(_ar(x1 @ w1), _ar(x2 @ w2), alpha=2),
         "a product": lambda: _ar(x1 @ w1) * _ar(x2 @ w2),
+        "a term read twice": twice,
     }
     for name, fn in cases.items():
         torch._dynamo.reset()
         commfuse.clear_report()
-        compile_code(lambda: fn())
+        out, _ = compile_code(lambda: fn())
         assert [r.pattern for r in commfuse.report()].count("mm_all_reduce") >= 1, commfuse.report()
         assert bool(_merges()) == name.startswith("control"), f"{name}: {commfuse.report()}"
+        want = fn()  # the fake group's all_reduce is the identity
+        for got, ref in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(got, ref, msg=name)
+
+
+def test_size_guards_apply_to_each_term(world2):
+    """A sum whose terms the fusion would leave unfused (size threshold) is not merged: merging
+    it would only copy the weights."""
+    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
+    _, code = compile_code(lambda *t: _ar(t[0] @ t[1]) + _ar(t[2] @ t[3]), x1, w1, x2, w2,
+                           backend=commfuse.backend(min_mnk=64 * 32 * 48))
+    assert not _merges(), commfuse.report()
+
+
+def test_summed_partials_all_reduced_once_values(world2):
+    """Form A with an all-reduce (the fake group's is the identity, so values can be checked)."""
+    x1, w1, x2, w2 = torch.randn(2, 8, 32), torch.randn(24, 32), torch.randn(2, 8, 16), torch.randn(24, 16)
+
+    def f(x1, w1, x2, w2):
+        return _ar(F.linear(x1, w1) + F.linear(x2, w2)) * 2
+
+    out, code = compile_code(f, x1, w1, x2, w2)
+    assert calls(code, AR) == 1 and C10D_AR not in code, code
+    assert [r.reason for r in _merges()] == ["merged 2 partials of one reduction (K=32+16)"]
+    torch.testing.assert_close(out, f(x1, w1, x2, w2))
 
 
 def test_off_switches(world2, monkeypatch):

@@ -77,11 +77,18 @@ def _describe_merge(label: str, merged) -> MatchRecord:
 
 
 def rewrite(graph: fx.Graph, settings: Settings) -> int:
-    """Apply every enabled pattern to ``graph``; record each candidate. Returns the fused count."""
+    """Apply every enabled pattern to ``graph``; record each candidate. Returns how many rewrites
+    (fusions and merged sums) were made."""
     label = graph_label(graph, next(_graph_numbers))
     fused = 0
     if merge_sums.enabled(settings):
-        for merged in merge_sums.merge(graph, settings):
+        try:
+            merges = merge_sums.merge(graph, settings)
+        except Exception as exc:  # the graph may be half rewritten: stop with a clear error, not run it
+            raise RuntimeError(f"commfuse: merging sums of matmul partials failed in {label} ({type(exc).__name__}: "
+                               f"{exc}); COMMFUSE_MERGE_SUMS=0 (or patterns= without 'merge_sums') turns it off"
+                               ) from exc
+        for merged in merges:
             record(_describe_merge(label, merged))
             fused += 1
     for pattern in patterns.ALL:

@@ -421,7 +421,9 @@ CE_MIN_K = 7168
 #: gather is a few % of the GEMM, but the copy-engine overlap took that much off in every sweep
 #: (8192x8192x28672 against unfused, interleaved rounds: 1.029x / 1.034x / 1.010x for the
 #: workspace source in ``explore/paths_8f97686``, ``paths_batch4_e84201d``, ``paths_f24116a``),
-#: where the unfused path timed 0.985-0.99x of itself. (It was left unfused until session 9.)
+#: where the unfused path timed 0.985-0.99x of itself. (It was left unfused until session 9.) The
+#: other paths were never timed at such N: calls the overlap does not take stay unfused.
+AG_GEMM_BOUND_N = 16384
 
 
 #: What the all-gather overlap's local GEMM reads (``COMMFUSE_AG_LOCAL``): ``workspace``, the copy
@@ -453,8 +455,8 @@ SLAB_OVERLAP = False
 
 
 def slab_overlap() -> bool:
-    env = os.environ.get("COMMFUSE_SLAB_OVERLAP", "").strip()
-    return SLAB_OVERLAP if not env else env not in ("0", "false", "off")
+    env = os.environ.get("COMMFUSE_SLAB_OVERLAP", "").strip().lower()
+    return SLAB_OVERLAP if not env else env not in ("0", "false", "off", "no")
 
 
 def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) -> bool:
@@ -485,6 +487,8 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
         return forced
     if not _symmetric_possible(rows * k * dtype.itemsize, world):
         return "nccl"
+    if n >= AG_GEMM_BOUND_N:  # only the overlap was timed there; the others gain nothing measurable
+        return "overlap" if _overlaps_rows(gather_dim, rows, k, n, world, slabs) else "nccl"
     if (FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
             and _fused_along_rows("gather", gather_dim, rows, k, n, dtype, world) is None):
         return "fused"

@@ -16,9 +16,11 @@ the sum can cross the links once, as one fusable matmul -> collective::
 The sum is reassociated: the merged terms are accumulated in the matmul (fp32) instead of being
 rounded one by one and added, so results differ from the unmerged graph by rounding only. Terms
 are plain ``mm`` (no bias, no alpha) whose partials have no other user, of one dtype and one
-[M, N], outside excluded modules. Applied before the fusion patterns, and decided from the graph
-alone, so every rank merges alike. ``COMMFUSE_MERGE_SUMS=0`` (or leaving ``merge_sums`` out of
-``patterns=``) turns it off.
+[M, N], each of which the fusion patterns would take alone (dtype, size threshold, launch bound,
+opt-out); a term read twice leaves its tree alone. Applied before the fusion patterns, and decided
+from the graph alone, so every rank merges alike. ``COMMFUSE_MERGE_SUMS=0`` (or leaving
+``merge_sums`` out of ``patterns=``) turns it off; like every commfuse setting it must be set alike
+on every rank, or the ranks would run different collectives.
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ import os
 
 import torch.fx as fx
 
-from ..exclusion import excluded_by
 from .common import (
+    MATMUL_OPS,
+    VIEW_OPS,
     Skip,
     arg,
     aten,
     c10d,
+    check_fusable,
+    depends_on,
     insert_call,
     is_call,
     matmul_through_views,
     split_then_cat,
     val,
-    VIEW_OPS,
 )
 
 NAME = "merge_sums"
@@ -102,14 +106,20 @@ def _sum_tree(root: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     return leaves, adds
 
 
-def _mm_term(leaf: fx.Node, settings) -> Term | None:
+def _distinct(leaves: list[fx.Node]) -> bool:
+    """A term read twice (``y + y``) counts twice in the sum; such trees are left alone."""
+    return len(set(leaves)) == len(leaves)
+
+
+def _mm_term(leaf: fx.Node, settings, graph_lane: bool) -> Term | None:
+    """A plain ``mm`` partial under ``leaf`` that the fusion patterns could take alone (dtype, size,
+    launch-bound and opt-out guards): merging sums the fusion would skip only copies weights."""
     try:
         mm, views = matmul_through_views(leaf, "sum")
+        if mm.target is not aten.mm.default or any(val(x) is None or val(x).dim() != 2 for x in mm.args):
+            return None
+        check_fusable(mm, mm.args[0], mm.args[1], None, settings, graph_lane=graph_lane)
     except Skip:
-        return None
-    if mm.target is not aten.mm.default or any(val(x) is None or val(x).dim() != 2 for x in mm.args):
-        return None
-    if excluded_by(mm, settings):
         return None
     return Term(leaf, mm, views)
 
@@ -122,7 +132,7 @@ def _all_reduce_term(leaf: fx.Node, settings) -> Term | None:
         return None
     if str(arg(ar, 1, "reduceOp")).lower() != "sum":
         return None
-    term = _mm_term(ar.args[0], settings)
+    term = _mm_term(ar.args[0], settings, graph_lane=True)
     if term is None:
         return None
     return Term(leaf, term.mm, term.views, ar, leaf)
@@ -130,22 +140,41 @@ def _all_reduce_term(leaf: fx.Node, settings) -> Term | None:
 
 def _merged_mm(graph: fx.Graph, terms: list[Term], before: fx.Node) -> fx.Node:
     """``mm(cat(a, 1), cat(b, 0))`` over ``terms``, inserted before ``before``."""
-    first = terms[0].mm
-    a = insert_call(graph, before, aten.cat.default, ([t.mm.args[0] for t in terms], 1), first)
+    first, operands = terms[0].mm, [t.mm.args[0] for t in terms]
+    readers = _rewirable_readers(terms, operands)
+    a = insert_call(graph, before, aten.cat.default, (operands, 1), first)
     b = insert_call(graph, before, aten.cat.default, ([t.mm.args[1] for t in terms], 0), first)
-    # Other readers of a left operand (its weight gradient) read its slice of the concatenation,
-    # so Inductor writes each operand once, into the concatenation, instead of twice.
-    offset, done = 0, set()
-    for t in terms:
-        x, k = t.mm.args[0], t.a.shape[1]
-        others = [u for u in x.users if u is not t.mm and u is not a]
-        if x not in done and others and isinstance(k, int):
+    offset = 0
+    for t, x, users in zip(terms, operands, readers):
+        k = t.a.shape[1]
+        if users:
             piece = insert_call(graph, before, aten.slice.Tensor, (a, 1, offset, offset + k), x)
-            for user in others:
+            for user in users:
                 user.replace_input_with(x, piece)
-        done.add(x)
         offset += k
     return insert_call(graph, before, aten.mm.default, (a, b), first)
+
+
+_TRANSPOSES = (aten.permute.default, aten.t.default)
+
+
+def _rewirable_readers(terms: list[Term], operands: list[fx.Node]) -> list[list[fx.Node]]:
+    """Per term, the other readers of its left operand that will read its slice of the
+    concatenation instead, so that Inductor writes the operand once, into the concatenation (the
+    weight gradient's ``mm(permute(a), x)`` in a backward). Only transposes read solely by
+    matmuls qualify (a slice is strided: a view or ``as_strided`` of it would not be the same, a
+    mutation would land in the concatenation, an output would change strides), and none that a
+    concatenated operand depends on (a cycle); none when two terms share an operand."""
+    if len(set(operands)) != len(operands) or not all(isinstance(t.a.shape[1], int) for t in terms):
+        return [[] for _ in terms]
+    out = []
+    for t, x in zip(terms, operands):
+        users = [u for u in x.users if u is not t.mm]
+        if not users or not all(is_call(u, _TRANSPOSES) and u.users and all(is_call(m, MATMUL_OPS) for m in u.users)
+                                for u in users) or depends_on(operands, set(users)):
+            users = []
+        out.append(users)
+    return out
 
 
 def _view_shape(like: fx.Node) -> list[int] | None:
@@ -186,12 +215,14 @@ def _collective_inputs(graph: fx.Graph):
             yield node, x
 
 
-def _merge_before_collective(graph: fx.Graph, root: fx.Node, settings) -> list[Term] | None:
+def _merge_before_collective(graph: fx.Graph, root: fx.Node, settings, graph_lane: bool) -> list[Term] | None:
     """Form A: every summand is a matmul partial of one [M, N]; the sum becomes one matmul."""
     if not _plain_add(root) or len(root.users) != 1:
         return None
     leaves, adds = _sum_tree(root)
-    terms = [_mm_term(leaf, settings) for leaf in leaves]
+    if not _distinct(leaves):
+        return None
+    terms = [_mm_term(leaf, settings, graph_lane) for leaf in leaves]
     if any(t is None for t in terms) or len({t.key() for t in terms}) != 1 or _view_shape(root) is None:
         return None
     mm = _merged_mm(graph, terms, root)
@@ -203,6 +234,8 @@ def _merge_before_collective(graph: fx.Graph, root: fx.Node, settings) -> list[T
 def _merge_after_collective(graph: fx.Graph, root: fx.Node, settings) -> list[list[Term]]:
     """Form B: the all-reduced partials of one group and [M, N] in a sum become one all-reduce."""
     leaves, adds = _sum_tree(root)
+    if not _distinct(leaves):
+        return []
     terms = {leaf: _all_reduce_term(leaf, settings) for leaf in leaves}
     by_key: dict[tuple, list[Term]] = {}
     for term in terms.values():
@@ -245,7 +278,8 @@ def merge(graph: fx.Graph, settings) -> list[Merge]:
     for collective, root in list(_collective_inputs(graph)):
         name, group = collective.name, str(arg(collective, 3 if collective.target is
                                                 c10d.reduce_scatter_tensor.default else 2, "group_name"))
-        terms = _merge_before_collective(graph, root, settings)
+        # the all-reduce has a graph lane under CUDA graphs; the reduce-scatter not (as its pattern)
+        terms = _merge_before_collective(graph, root, settings, collective.target is c10d.all_reduce.default)
         if terms:
             done.append(Merge(terms, name, group))
     roots = [n for n in graph.nodes if _plain_add(n)

@@ -39,10 +39,11 @@ def _model(kind, dtype):
 def test_merged_backward_matches_fp32(nccl, kind):
     world, rank = dist.get_world_size(), dist.get_rank()
     seq = 1024 // world if kind == "sp" else 1024
-    torch.manual_seed(1 + (rank if kind == "sp" else 0))  # sequence parallel: each rank its own shard
     model, cfg = _model(kind, torch.bfloat16)
-    x = torch.randn(2, seq, cfg.dim, device="cuda", dtype=torch.bfloat16)
-    want = _grads(_model(kind, torch.float32)[0], x.float())
+    reference = _model(kind, torch.float32)[0]
+    torch.manual_seed(1 + (rank if kind == "sp" else 0))  # after the models: sequence parallel, each
+    x = torch.randn(2, seq, cfg.dim, device="cuda", dtype=torch.bfloat16)  # rank its own shard
+    want = _grads(reference, x.float())
     eager = _grads(model, x)
     for p in model.parameters():
         p.grad = None
