@@ -30,21 +30,8 @@ import os
 
 import torch.fx as fx
 
-from .common import (
-    MATMUL_OPS,
-    VIEW_OPS,
-    Skip,
-    arg,
-    aten,
-    c10d,
-    check_fusable,
-    depends_on,
-    insert_call,
-    is_call,
-    matmul_through_views,
-    split_then_cat,
-    val,
-)
+from .common import MATMUL_OPS, VIEW_OPS, Skip, arg, aten, c10d, check_fusable, depends_on
+from .common import insert_call, is_call, matmul_through_views, split_then_cat, val
 
 NAME = "merge_sums"
 _ADD = aten.add.Tensor
