@@ -29,6 +29,13 @@ def default_launch_bound_bytes() -> int:
     return int(os.environ.get("COMMFUSE_LAUNCH_BOUND_BYTES", DEFAULT_LAUNCH_BOUND_BYTES))
 
 
+def merge_sums_allowed() -> bool:
+    """``COMMFUSE_MERGE_SUMS=0`` switches the ``merge_sums`` rewrite off (read at compile time)."""
+    import os
+
+    return os.environ.get("COMMFUSE_MERGE_SUMS", "1").strip() != "0"
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What one configured backend does. Part of the pass's cache key (``key()``)."""
@@ -87,10 +94,8 @@ class Settings:
     def key(self) -> str:
         """A stable text of every setting that changes what the pass does."""
         classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
-        import os
-
         return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk,
-                     self.launch_bound(), os.environ.get("COMMFUSE_MERGE_SUMS", "1").strip()))
+                     self.launch_bound(), merge_sums_allowed()))
 
     def launch_bound(self) -> int:
         return default_launch_bound_bytes() if self.launch_bound_bytes is None else self.launch_bound_bytes

@@ -26,19 +26,20 @@ on every rank, or the ranks would run different collectives.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch.fx as fx
 
+from ..config import merge_sums_allowed
 from .common import MATMUL_OPS, VIEW_OPS, Skip, arg, aten, c10d, check_fusable, depends_on
-from .common import insert_call, is_call, matmul_through_views, split_then_cat, val
+from .common import insert_call, is_call, matmul_through_views, val
+from .mm_reduce_scatter import unsplit
 
 NAME = "merge_sums"
 _ADD = aten.add.Tensor
 
 
 def enabled(settings) -> bool:
-    return NAME in settings.patterns and os.environ.get("COMMFUSE_MERGE_SUMS", "1").strip() != "0"
+    return NAME in settings.patterns and merge_sums_allowed()
 
 
 @dataclasses.dataclass
@@ -176,7 +177,7 @@ def _reshape(graph: fx.Graph, x: fx.Node, like: fx.Node, before: fx.Node) -> fx.
     return insert_call(graph, before, aten.reshape.default, (x, _view_shape(like)), like)
 
 
-def _erase(graph: fx.Graph, root: fx.Node, adds: list[fx.Node], terms: list[Term]) -> None:
+def _erase(graph: fx.Graph, adds: list[fx.Node], terms: list[Term]) -> None:
     for node in adds:  # parent first (the root's readers were moved): each is then without users
         graph.erase_node(node)
     for term in terms:
@@ -191,12 +192,8 @@ def _collective_inputs(graph: fx.Graph):
             if str(arg(node, 1, "reduceOp")).lower() != "sum":
                 continue
             x = node.args[0]
-            if is_call(x, (aten.cat.default,)) and len(x.users) == 1:
-                pieces = x.args[0]
-                split = pieces[0].args[0] if pieces and isinstance(pieces[0], fx.Node) and pieces[0].args else None
-                world = arg(node, 2, "group_size") if node.target is c10d.reduce_scatter_tensor.default else None
-                if world and split_then_cat(split, x, world):
-                    x = split.args[0]
+            if node.target is c10d.reduce_scatter_tensor.default:  # DTensor's split/cat, as its pattern sees it
+                x = unsplit(x, arg(node, 2, "group_size"))[0]
             while is_call(x, VIEW_OPS) and len(x.users) == 1:
                 x = x.args[0]
             yield node, x
@@ -214,7 +211,7 @@ def _merge_before_collective(graph: fx.Graph, root: fx.Node, settings, graph_lan
         return None
     mm = _merged_mm(graph, terms, root)
     root.replace_all_uses_with(_reshape(graph, mm, root, root))
-    _erase(graph, root, adds, terms)
+    _erase(graph, adds, terms)
     return terms
 
 
@@ -246,7 +243,7 @@ def _merge_after_collective(graph: fx.Graph, root: fx.Node, settings) -> list[li
         if item is not None:
             total = item if total is None else insert_call(graph, root, _ADD, (total, item), root)
     root.replace_all_uses_with(total)
-    _erase(graph, root, adds, [t for ts in merges for t in ts])
+    _erase(graph, adds, [t for ts in merges for t in ts])
     return merges
 
 

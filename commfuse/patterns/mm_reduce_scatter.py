@@ -47,7 +47,7 @@ NAME = "mm_reduce_scatter"
 ANCHORS = (c10d.reduce_scatter_tensor.default,)
 
 
-def _unsplit(x: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]]:
+def unsplit(x: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]]:
     """(tensor before DTensor's split/cat, scatter dim, the split/cat nodes) or (x, 0, [])."""
     if is_call(x, (aten.cat.default,)) and len(x.users) == 1 and arg(x, 1, "dim", 0) == 0:
         pieces = x.args[0]
@@ -77,7 +77,7 @@ class MmReduceScatterMatch:
     def from_anchor(cls, rs: fx.Node, settings) -> "MmReduceScatterMatch":
         require_sum(rs)
         world = arg(rs, 2, "group_size")
-        x, dim, layout = _unsplit(rs.args[0], world)
+        x, dim, layout = unsplit(rs.args[0], world)
         mm, views = matmul_through_views(x, "reduce_scatter")
         try:
             a, b, bias = matmul_operands(mm)
