@@ -10,7 +10,6 @@ spread of its rounds beside unfused (cuBLAS + NCCL) timed in the same rounds. Un
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -26,14 +25,22 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  "fused": {"COMMFUSE_ALGO": "fused"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
                     for c in (2, 4, 8)}}
+#: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.
+TILINGS = {"128x128": "128x128x64s4w8g8r0o1", "128x64": "128x64x64s4w4g8r0o1",
+           "64x128": "64x128x64s4w4g8r0o1"}
 AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"overlap_{src}": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL": src}
                     for src in ("workspace", "copy")},
-                 "fused": {"COMMFUSE_ALGO": "fused"}}
+                 "fused": {"COMMFUSE_ALGO": "fused"},
+                 **{f"fused_p{p}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSHERS": str(p)} for p in (8, 32)},
+                 **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
+                    for name, cfg in TILINGS.items()}}
 RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}
                     for c in (1, 2, 4)},
-                 "fused": {"COMMFUSE_ALGO": "fused"}}
+                 "fused": {"COMMFUSE_ALGO": "fused"},
+                 **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
+                    for name, cfg in TILINGS.items()}}
 
 
 def problem(op: str, m: int, k: int, n: int, group, batch: int = 1):
@@ -76,14 +83,20 @@ def main() -> int:
     p.add_argument("--ar-min-m", type=int, default=1024, help="all-reduce shapes from this many rows")
     p.add_argument("--batch", type=int, default=1, help="all-gather / reduce-scatter along dim 1 of a "
                    "[batch, rows / batch, ...] tensor (sequence parallel with a batch)")
+    p.add_argument("--shapes", default=None, help="only these MxKxN (comma-separated)")
+    p.add_argument("--only", default=None, help="only these candidates (comma-separated names)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
+    keep = set(args.shapes.split(",")) if args.shapes else None
+    only = set(args.only.split(",")) if args.only else None
     candidates = {"ar": AR_CANDIDATES, "ag": AG_CANDIDATES, "rs": RS_CANDIDATES}
     records = []
     for op in args.ops.split(","):
         shapes = [s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "ar" else AG_MM_SHAPES
         for m, k, n in shapes:
+            if keep is not None and f"{m}x{k}x{n}" not in keep:
+                continue
             batch = 1 if op == "ar" else args.batch
             if m % (batch * group.size()):
                 if rank == 0:
@@ -94,6 +107,8 @@ def main() -> int:
             call, unfused, ref = problem(op, m, k, n, group, batch)
             errs, runs = {}, {"unfused": unfused}
             for name, values in candidates[op].items():
+                if only is not None and name not in only:
+                    continue
                 with settings(values):
                     try:
                         out = call()

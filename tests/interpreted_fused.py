@@ -101,7 +101,8 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
     ws = group(world, 1 << 17, 8)
     me = ws[rank]
     push_k = min(256, triton.next_power_of_2(k))
-    fused_all_gather._resident[(cfg, DT, world, True, bias, None, push_k, gathered)] = 1
+    for traced in (False, True):
+        fused_all_gather._resident[(cfg, DT, world, True, bias, None, push_k, gathered, traced)] = 1
     for call in range(calls):
         shards = [torch.randn(rows, k, dtype=DT) for _ in range(world)]
         w = torch.randn(n, k, dtype=DT) / k ** 0.5
@@ -116,8 +117,20 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
                     me.tile_flags[ch * world + p] = epoch
         out = torch.full((world * rows, n), float("nan"), dtype=DT)
         got_rows = torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
-        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg)
+        trace = torch.zeros(64 * fused_all_gather.TRACE_SLOTS, dtype=torch.int64) if call else None
+        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg, trace)
         launch(*me.next_epoch())
+        if trace is not None:  # the second call is traced: positions once each, with their times
+            # (the interpreter runs programs one by one: the first claims every position, and the
+            # trace holds a program's first TRACE_TILES)
+            slots = trace.view(-1, fused_all_gather.TRACE_SLOTS)
+            tiles_ = slots[:, 2:].reshape(slots.shape[0], -1, 3)
+            positions = sorted(int(p) for p in tiles_[:, :, 0].flatten() if p >= 0)
+            count = world * -(-rows // cfg.bm) * -(-n // 16)
+            assert len(set(positions)) == len(positions) == min(count, fused_all_gather.TRACE_TILES), positions
+            assert positions[-1] < count, positions
+            assert bool(((tiles_[:, :, 0] >= 0) == (tiles_[:, :, 2] >= 0)).all()), "a tile without its end"
+            assert int((slots[:, 0] >= 0).sum()) >= 2 and int((slots[:, 1] >= 0).sum()) >= 1
         want = full.float() @ w.float().t() + (c.float() if bias else 0)
         err = ((out.float() - want).norm() / want.norm()).item()
         assert err < 2e-3, (rows, k, n, world, rank, call, err)

@@ -38,8 +38,21 @@ from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 #: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
 CHUNK_ROWS = 32
-#: Programs that push the shard and then copy the peers' rows into the gathered tensor.
+#: Programs that push the shard and then copy the peers' rows into the gathered tensor
+#: (``COMMFUSE_AG_PUSHERS`` overrides, for sweeps; it must be set alike on every rank).
 PUSHERS = 16
+#: Slots per program of a trace (``prepare(trace=...)``): its start, the end of its pushes, then
+#: (position, end of its wait, end of its tile) for each of its first ``TRACE_TILES`` tiles.
+TRACE_TILES = 8
+TRACE_SLOTS = 2 + 3 * TRACE_TILES
+_TILES, _SLOTS = tl.constexpr(TRACE_TILES), tl.constexpr(TRACE_SLOTS)  # the same, for the kernel
+
+
+def pusher_count() -> int:
+    import os
+
+    env = os.environ.get("COMMFUSE_AG_PUSHERS", "").strip()
+    return max(1, int(env)) if env else PUSHERS
 
 
 @triton.jit
@@ -116,26 +129,38 @@ def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, O
     return late
 
 
+@triton.jit
+def _trace(trace, slot, TRACE: tl.constexpr):
+    """With ``TRACE``, the GPU time into this program's ``slot`` of the trace (one thread)."""
+    if TRACE:
+        tl.store(trace + tl.program_id(0) * _SLOTS + slot, now())
+
+
 @triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers"])
 def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
-                           timeout, ticket, ticket_base, pushers, OP: tl.constexpr,
+                           timeout, ticket, ticket_base, trace, pushers, OP: tl.constexpr,
                            WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, GROUP_M: tl.constexpr, CH: tl.constexpr,
                            PUSH_K: tl.constexpr, B_TRANSPOSED: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, GATHER: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+                           TRACE: tl.constexpr = False):
     """``out = all_gather(shard) @ b (+ bias)`` and, with ``GATHER``, ``gathered =
     all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``g_desc`` is over
     this parity's gathered rows in the workspace (``data``), whose own rows hold the shard
-    already. Pushers, once done, multiply too (their SMs are not lost to the GEMM)."""
+    already. Pushers, once done, multiply too (their SMs are not lost to the GEMM). ``TRACE``:
+    GPU times into ``trace`` (``TRACE_SLOTS`` per program), for the benchmarks."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
     late = pid * 0  # once a wait timed out, this program waits no more: its later tiles are NaN
+    _trace(trace, 0, TRACE)
     if pid < pushers:
         late = _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout,
                               pid, pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
+        _trace(trace, 1, TRACE)
     share_m = tl.cdiv(rows, BM)
     num_n = tl.cdiv(N, BN)
     per = share_m * num_n
+    j = 0  # tiles this program multiplied (the trace's index)
     i = claim(ticket, ticket_base)
     while i < WORLD * per:
         src = (rank + i // per) % WORLD  # own rows first, then the next ranks'
@@ -144,6 +169,10 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
             late = _wait_rows(flags, src, local_m * (BM // CH),
                               tl.minimum((local_m + 1) * (BM // CH), chunks), epoch, rank, err,
                               timeout, OP, WORLD)
+        if TRACE:
+            if j < _TILES:
+                tl.store(trace + pid * _SLOTS + 2 + 3 * j, i.to(tl.int64))
+                _trace(trace, 3 + 3 * j, TRACE)
         first = src * rows + local_m * BM
         acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
         r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
@@ -152,6 +181,10 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
             acc = tl.full((BM, BN), float("nan"), tl.float32)
         tl.store(out + r[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
                  mask=mask)
+        if TRACE:
+            if j < _TILES:
+                _trace(trace, 4 + 3 * j, TRACE)
+        j += 1
         i = claim(ticket, ticket_base)
 
 
@@ -170,12 +203,13 @@ _resident: dict[tuple, int] = {}
 
 
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
-            out: torch.Tensor, cfg: tiles.TileConfig):
+            out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless it is None, ``gathered``
     [world * rows, K], through ``ws`` (``data_elems`` per parity). ``shard`` is [rows, K], this
-    rank's rows."""
+    rank's rows. ``trace``: an int64 tensor of at least ``TRACE_SLOTS`` per program, which the
+    kernel fills with GPU times (benchmarks only; -1 where a program left slots unused)."""
     require_iris()
     rows, k = shard.shape
     n = b.shape[1]
@@ -194,14 +228,14 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         return (g_descs[parity], b_desc, gathered if gathered is not None else out,
                 full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
                 sbm, sbn, ws.tile_flags, ws.heap_bases, epoch, ws.rank, ErrorWord.get(),
-                timeout_ns(), ws.ticket, ticket_base)
+                timeout_ns(), ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
 
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, GATHER=gathered is not None, num_warps=cfg.warps,
-                  num_stages=cfg.stages)
+                  HAS_BIAS=bias is not None, GATHER=gathered is not None, TRACE=trace is not None,
+                  num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, shard.dtype, world, b_t, bias is not None, shard.device.index, push_k,
-           gathered is not None)
+           gathered is not None, trace is not None)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, grid=(1,), **consts)
         compiled._init_handles()
@@ -211,11 +245,15 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
     count = world * tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
     programs = per_sm * ws.max_programs
-    pushers = max(1, min(PUSHERS, tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
+    pushers = max(1, min(pusher_count(), tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
     compute = max(1, min(count, programs - pushers))
+    if trace is not None and trace.numel() < (pushers + compute) * TRACE_SLOTS:
+        raise ValueError(f"commfuse: the trace needs {(pushers + compute) * TRACE_SLOTS} slots")
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
+        if trace is not None:
+            trace.fill_(-1)
         gathered_rows[parity][ws.rank * rows:(ws.rank + 1) * rows].copy_(shard)
         all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, **consts)
         # every position claimed once, and one failed claim per program
