@@ -28,7 +28,7 @@ def call(shard, b, gname, world, gathered: bool):
     return torch.ops.commfuse.all_gather_mm(shard, b, None, 0, world, gname, gathered)
 
 
-def check(shard, b, gname, world, group, cfg) -> tuple[float, float]:
+def check(shard, b, gname, world, group, cfg, side=None) -> tuple[float, float]:
     """Relative errors of the fused kernel's (out, gathered) against the fp32 reference on fresh
     data, both outputs NaN-poisoned first."""
     shard = torch.randn_like(shard)
@@ -40,7 +40,7 @@ def check(shard, b, gname, world, group, cfg) -> tuple[float, float]:
     gathered = torch.full_like(full, float("nan"))
     ws = symm.workspace(gname, fused_all_gather.data_elems(shard.shape[0], shard.shape[1], world)
                         * shard.element_size(), shard.device)
-    launch = fused_all_gather.prepare(ws, shard, b, None, gathered, out, cfg)
+    launch = fused_all_gather.prepare(ws, shard, b, None, gathered, out, cfg, side=side)
     launch(*ws.next_epoch())
     torch.cuda.synchronize()
     ErrorWord.check("ag_sweep")

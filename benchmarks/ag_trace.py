@@ -71,6 +71,8 @@ def main() -> int:
     p.add_argument("--shapes", default="1024x1024x1024,2048x2048x2048")
     p.add_argument("--configs", default="128x128x64s4w8g8r0o1")
     p.add_argument("--pushers", default="16")
+    p.add_argument("--push", default="sm,ce", help="who pushes the shard: the kernel's programs (sm), "
+                   "the copy engines (ce; --pushers is then ignored)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -86,19 +88,22 @@ def main() -> int:
         ws = symm.workspace(gname, fused_all_gather.data_elems(m // world, k, world) * 2, shard.device)
         for text in args.configs.split(","):
             cfg = tiles.TileConfig.parse(text)
-            for pushers in (int(x) for x in args.pushers.split(",")):
-                with settings({"COMMFUSE_AG_PUSHERS": str(pushers)}):
-                    err = check(shard, b, gname, world, group, cfg)[0]
-                    launch = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg)
+            variants = [("sm", int(x)) for x in args.pushers.split(",") if "sm" in args.push.split(",")]
+            variants += [("ce", 0)] if "ce" in args.push.split(",") else []
+            for push, pushers in variants:
+                side = torch.cuda.Stream() if push == "ce" else None
+                with settings({"COMMFUSE_AG_PUSHERS": str(max(pushers, 1)), "COMMFUSE_AG_PUSH": push}):
+                    err = check(shard, b, gname, world, group, cfg, side)[0]
+                    launch = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, side=side)
                     us = time_us(lambda: launch(*ws.next_epoch()))
                     trace = torch.full((1024 * fused_all_gather.TRACE_SLOTS,), -1, dtype=torch.int64,
                                        device="cuda")
-                    traced = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, trace)
+                    traced = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, trace, side)
                     for _ in range(3):
                         launch(*ws.next_epoch())
                     traced(*ws.next_epoch())
                     torch.cuda.synchronize()
-                    rec = dict(M=m, K=k, N=n, config=text, pushers=pushers, err=err, us=us,
+                    rec = dict(M=m, K=k, N=n, config=text, push=push, pushers=pushers, err=err, us=us,
                                **summary(trace.cpu(), m // world, n, world, cfg, pushers))
                 records.append(rec)
                 if rank == 0:

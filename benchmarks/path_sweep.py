@@ -34,6 +34,11 @@ AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  "fused": {"COMMFUSE_ALGO": "fused"},
                  **{f"fused_p{p}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSHERS": str(p)} for p in (8, 32)},
                  **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
+                    for name, cfg in TILINGS.items()},
+                 **{f"fused_ce{c}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSH": "ce",
+                                     "COMMFUSE_AG_CE_CHUNKS": str(c)} for c in (1, 2, 4, 8)},
+                 **{f"fused_ce4_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSH": "ce",
+                                          "COMMFUSE_AG_CE_CHUNKS": "4", "COMMFUSE_TILE_CONFIG": cfg}
                     for name, cfg in TILINGS.items()}}
 RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}

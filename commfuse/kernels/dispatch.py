@@ -107,6 +107,20 @@ def gather_tile_config(rows: int, k: int, n: int):
     return _tile_config_override() or TileConfig(reducers=0)
 
 
+#: Who pushes the fused all-gather's shard into the peers' workspaces (``COMMFUSE_AG_PUSH``):
+#: ``ce``, the copy engines on a side stream, each chunk's flag a stream write (no SMs taken from
+#: the GEMM), or ``sm``, ``fused_all_gather.PUSHERS`` programs of the kernel.
+AG_PUSH_MODES = ("ce", "sm")
+AG_PUSH = "sm"
+
+
+def gather_push() -> str:
+    env = os.environ.get("COMMFUSE_AG_PUSH", "").strip() or AG_PUSH
+    if env not in AG_PUSH_MODES:
+        raise ValueError(f"COMMFUSE_AG_PUSH={env!r} is not one of {AG_PUSH_MODES}")
+    return env
+
+
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
                       scatter: bool = False, gather: bool = False) -> str | None:
     """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank

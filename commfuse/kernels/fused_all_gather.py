@@ -138,7 +138,8 @@ def _trace(trace, slot, TRACE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers"])
 def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
-                           timeout, ticket, ticket_base, trace, pushers, OP: tl.constexpr,
+                           timeout, ticket, ticket_base, trace, pushers, flag_rows,
+                           OP: tl.constexpr,
                            WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, GROUP_M: tl.constexpr, CH: tl.constexpr,
                            PUSH_K: tl.constexpr, B_TRANSPOSED: tl.constexpr,
@@ -147,8 +148,10 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
     """``out = all_gather(shard) @ b (+ bias)`` and, with ``GATHER``, ``gathered =
     all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``g_desc`` is over
     this parity's gathered rows in the workspace (``data``), whose own rows hold the shard
-    already. Pushers, once done, multiply too (their SMs are not lost to the GEMM). ``TRACE``:
-    GPU times into ``trace`` (``TRACE_SLOTS`` per program), for the benchmarks."""
+    already. Pushers, once done, multiply too (their SMs are not lost to the GEMM). A peer's
+    chunk of ``flag_rows`` rows is flagged once: ``CH`` with pushers; with none (the copy
+    engines push, ``prepare``), the host's chunk. ``TRACE``: GPU times into ``trace``
+    (``TRACE_SLOTS`` per program), for the benchmarks."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
     late = pid * 0  # once a wait timed out, this program waits no more: its later tiles are NaN
@@ -166,9 +169,9 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
         src = (rank + i // per) % WORLD  # own rows first, then the next ranks'
         local_m, pid_n = tile_coords(i % per, share_m, num_n, GROUP_M)
         if (src != rank) & (late == 0):
-            late = _wait_rows(flags, src, local_m * (BM // CH),
-                              tl.minimum((local_m + 1) * (BM // CH), chunks), epoch, rank, err,
-                              timeout, OP, WORLD)
+            late = _wait_rows(flags, src, local_m * BM // flag_rows,
+                              tl.cdiv(tl.minimum((local_m + 1) * BM, rows), flag_rows), epoch, rank,
+                              err, timeout, OP, WORLD)
         if TRACE:
             if j < _TILES:
                 tl.store(trace + pid * _SLOTS + 2 + 3 * j, i.to(tl.int64))
@@ -202,42 +205,79 @@ def chunk_flag_slots(rows: int, world: int) -> int:
 _resident: dict[tuple, int] = {}
 
 
+def copy_engine_flags():
+    """torch's stream write of a 32-bit value (the copy-engine pushes' flags), or None: it issues
+    a system-scope fence first, so the pushed rows are visible before their flag."""
+    try:
+        return torch.ops.symm_mem.stream_write_value32_
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def ce_chunks() -> int:
+    """Row chunks of a copy-engine push (one flag each): ``COMMFUSE_AG_CE_CHUNKS``, default
+    ``CE_CHUNKS``."""
+    import os
+
+    env = os.environ.get("COMMFUSE_AG_CE_CHUNKS", "").strip()
+    return max(1, int(env)) if env else CE_CHUNKS
+
+
+#: Chunks of a copy-engine push: each costs a copy and a flag write per peer.
+CE_CHUNKS = 4
+#: Calls whose shard the copy engines pushed, since import (tests check which push ran).
+CE_CALLS = 0
+
+
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
-            out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None):
-    """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
-    of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
-    which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless it is None, ``gathered``
-    [world * rows, K], through ``ws`` (``data_elems`` per parity). ``shard`` is [rows, K], this
-    rank's rows. ``trace``: an int64 tensor of at least ``TRACE_SLOTS`` per program, which the
-    kernel fills with GPU times (benchmarks only; -1 where a program left slots unused)."""
+            out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None,
+            side: torch.cuda.Stream | None = None):
+    """What of a call can fail on one rank alone (operand copies, descriptors, peer views, the
+    first compile of a configuration), done before the call's epoch begins; returns
+    ``launch(epoch, parity)``, which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless
+    it is None, ``gathered`` [world * rows, K], through ``ws`` (``data_elems`` per parity).
+    ``shard`` is [rows, K], this rank's rows. ``side``: a stream on which the copy engines push
+    the shard into the peers' workspaces, in ``ce_chunks()`` chunks each followed by its flag
+    (a stream write); every program then multiplies. Without it, or without peer views or the
+    stream write, ``PUSHERS`` programs push. ``trace``: an int64 tensor of at least
+    ``TRACE_SLOTS`` per program, which the kernel fills with GPU times (benchmarks only; -1
+    where a program left slots unused)."""
     require_iris()
     rows, k = shard.shape
     n = b.shape[1]
-    world = ws.world
+    world, rank = ws.world, ws.rank
     if cfg.bm % CHUNK_ROWS:
         raise RuntimeError(f"commfuse: tile height {cfg.bm} is not a multiple of {CHUNK_ROWS}")
     if chunk_flag_slots(rows, world) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many row chunks for the workspace's tile flags")
     gathered_rows = [ws.data(p, (world * rows, k), shard.dtype) for p in (0, 1)]
+    write_flag = copy_engine_flags() if side is not None else None
+    peers = [(rank - i) % world for i in range(1, world)]  # rank - 1 reads this rank's rows first
+    peer_rows = {(q, parity): ws.peer_data(q, parity, (world * rows, k), shard.dtype)
+                 for q in peers for parity in (0, 1)} if write_flag is not None else {}
+    peer_flags = {q: ws.peer_tile_flags(q) for q in peers} if write_flag is not None else {}
+    ce = write_flag is not None and all(v is not None for v in (*peer_rows.values(), *peer_flags.values()))
+    flag_rows = tiles.cdiv(rows, ce_chunks()) if ce else CHUNK_ROWS
     g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
     g_descs = [g0_desc, tiles.rows_descriptor(gathered_rows[1], [cfg.bm, cfg.bk])]
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
     push_k = min(256, triton.next_power_of_2(k))
+    gather_in_kernel = gathered is not None and not ce  # else copied from the workspace after
 
     def args(epoch, parity, ticket_base):
-        return (g_descs[parity], b_desc, gathered if gathered is not None else out,
+        return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
                 full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
-                sbm, sbn, ws.tile_flags, ws.heap_bases, epoch, ws.rank, ErrorWord.get(),
+                sbm, sbn, ws.tile_flags, ws.heap_bases, epoch, rank, ErrorWord.get(),
                 timeout_ns(), ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
 
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, GATHER=gathered is not None, TRACE=trace is not None,
+                  HAS_BIAS=bias is not None, GATHER=gather_in_kernel, TRACE=trace is not None,
                   num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, shard.dtype, world, b_t, bias is not None, shard.device.index, push_k,
-           gathered is not None, trace is not None)
+           gather_in_kernel, trace is not None)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, grid=(1,), **consts)
+        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, CHUNK_ROWS, grid=(1,), **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, shard.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -245,17 +285,42 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
     count = world * tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
     programs = per_sm * ws.max_programs
-    pushers = max(1, min(pusher_count(), tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
+    pushers = 0 if ce else max(1, min(pusher_count(), tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
     compute = max(1, min(count, programs - pushers))
     if trace is not None and trace.numel() < (pushers + compute) * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {(pushers + compute) * TRACE_SLOTS} slots")
+    mine = slice(rank * rows, (rank + 1) * rows)
+
+    def push(epoch: int, parity: int) -> None:
+        """The copy engines store the shard into every peer's rows, chunk by chunk, each chunk's
+        flag written after it. Queued behind everything this rank's stream holds: its previous
+        call has ended, so every peer has started that call and no longer reads this parity's
+        half from two calls ago (the kernel's own argument, module docstring)."""
+        main = torch.cuda.current_stream(shard.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for c, lo in enumerate(range(0, rows, flag_rows)):
+                hi = min(lo + flag_rows, rows)
+                for q in peers:
+                    peer_rows[(q, parity)][rank * rows + lo:rank * rows + hi].copy_(shard[lo:hi],
+                                                                                    non_blocking=True)
+                    write_flag(peer_flags[q], c * world + rank, epoch)
 
     def launch(epoch: int, parity: int) -> None:
+        global CE_CALLS
         base = ws.ticket_base
         if trace is not None:
             trace.fill_(-1)
-        gathered_rows[parity][ws.rank * rows:(ws.rank + 1) * rows].copy_(shard)
-        all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, **consts)
+        if ce:
+            CE_CALLS += 1
+            push(epoch, parity)
+        gathered_rows[parity][mine].copy_(shard)
+        all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, flag_rows,
+                                                     **consts)
+        if ce:
+            if gathered is not None:  # every peer's rows are in the workspace once the kernel ends
+                gathered.copy_(gathered_rows[parity])
+            torch.cuda.current_stream(shard.device).wait_stream(side)
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + count + pushers + compute
 

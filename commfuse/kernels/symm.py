@@ -82,6 +82,8 @@ class Workspace:
     #: (peer, parity) -> that peer's data half as bytes, made once: the provider's view costs tens
     #: of µs of host, and the copy-engine overlaps need one per peer per call
     _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
+    _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
     # refuse the in-place writes (``_restart_epochs``) of a later call outside it.
@@ -149,6 +151,19 @@ class Workspace:
         if nbytes > self.data_bytes:
             raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
         return half[:nbytes].view(dtype).view(shape)
+
+    def peer_tile_flags(self, peer: int) -> torch.Tensor | None:
+        """``peer``'s tile flags as a flat uint32 tensor (stream writes from this rank: torch's
+        ``stream_write_value32_`` takes uint32), or None without such views (Iris)."""
+        flags = self._peer_flags.get(peer)
+        if flags is None:
+            get_buffer = getattr(self._keepalive, "get_buffer", None)
+            if get_buffer is None:
+                return None
+            with torch.inference_mode(False):
+                flags = get_buffer(peer, [4 * TILE_FLAG_SLOTS], torch.uint8, FLAG_BYTES).view(torch.uint32)
+            self._peer_flags[peer] = flags
+        return flags
 
     def data(self, parity: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
         start = HEADER_BYTES + parity * self.data_bytes + offset_bytes

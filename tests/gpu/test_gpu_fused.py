@@ -100,9 +100,13 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tick
         assert int(ws.ticket.item()) == ws.ticket_base
 
 
-@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter", "all_gather_mm"])
+@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter", "all_gather_mm", "all_gather_mm_ce"])
 def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
-    """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both."""
+    """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both
+    (``all_gather_mm_ce``: the all-gather whose shard the copy engines push)."""
+    if op == "all_gather_mm_ce":
+        monkeypatch.setenv("COMMFUSE_AG_PUSH", "ce")
+        op = "all_gather_mm"
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     a, b, _ = _operands(512, 1024, 1024, torch.bfloat16, "weight_t")
@@ -148,14 +152,28 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
     assert relerr(out, ref) < 1e-2
 
 
+def _ce_pushes_expected(provider, push):
+    """Whether the copy engines push (``COMMFUSE_AG_PUSH=ce``): only with the torch provider,
+    whose peer views they need; with Iris the kernel's programs push."""
+    from commfuse.kernels import fused_all_gather
+
+    return push == "ce" and provider == "torch" and fused_all_gather.copy_engine_flags() is not None
+
+
+@pytest.mark.parametrize("push", ["sm", "ce"])
 @pytest.mark.parametrize("rows", [1, 7, 100, 1024, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "weight_t", "three_d", "no_gathered"])
-def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype, form, monkeypatch):
+def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype, form, push, monkeypatch):
     """The fused all-gather kernel (``fused_all_gather.py``): ``out`` equals the fp32 product of
     the gathered rows and ``gathered`` equals every rank's shard in rank order; shards whose rows
-    are not a multiple of the tile height or of the pushed chunk included."""
+    are not a multiple of the tile height or of the pushed chunk included; the shard pushed by
+    the kernel's programs or by the copy engines (``push``)."""
+    from commfuse.kernels import fused_all_gather
+
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    monkeypatch.setenv("COMMFUSE_AG_PUSH", push)
+    ce_before = fused_all_gather.CE_CALLS
     k, n = 1024, 776
     torch.manual_seed(5)  # the same weight and bias on every rank
     _, b, _ = _operands(1, k, n, dtype, "weight_t" if form == "weight_t" else "plain")
@@ -173,16 +191,44 @@ def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype
     ref = full.reshape(-1, k).float() @ bs[0].float() + (c.float() if c is not None else 0)
     check_errors()
     assert cuda_paths.PATHS["all_gather_mm:fused"] == before + 1
+    assert fused_all_gather.CE_CALLS == ce_before + _ce_pushes_expected(provider, push)
     assert torch.equal(bs[0], bs[1]), "the test needs the same weight on every rank"
     assert relerr(out, ref) < 1e-2
     if form != "no_gathered":
         assert torch.equal(gathered, full)
 
 
-def test_fused_all_gather_mixed_with_the_other_fused_kernels(nccl, monkeypatch):
+@pytest.mark.parametrize("push", ["sm", "ce"])
+def test_fused_all_gather_back_to_back_without_synchronising(nccl, push, monkeypatch):
+    """40 fused all-gathers queued with no synchronisation between them, shapes alternating
+    (1024 and 2048 gathered rows, so parities and chunk flags of both sizes interleave), each on
+    fresh data: every result is checked only at the end, so a push that overwrote rows a peer
+    still read, or a flag that let a tile read stale rows, would show."""
+    from commfuse.kernels import fused_all_gather
+
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    monkeypatch.setenv("COMMFUSE_AG_PUSH", push)
+    torch.manual_seed(77)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    torch.manual_seed(78 + dist.get_rank())
+    shards = [torch.randn(512 * (1 + i % 2), 1024, device="cuda", dtype=torch.bfloat16) for i in range(40)]
+    ce_before = fused_all_gather.CE_CALLS
+    outs = [torch.ops.commfuse.all_gather_mm(x, w, None, 0, 2, nccl.group_name, i % 3 == 0) for i, x in enumerate(shards)]
+    check_errors()
+    assert fused_all_gather.CE_CALLS - ce_before == (40 if _ce_pushes_expected("torch", push) else 0)
+    for i, (x, (out, gathered)) in enumerate(zip(shards, outs)):
+        full = torch.cat(gather_all(x))
+        assert relerr(out, full.float() @ w.float()) < 1e-2, f"call {i}"
+        if i % 3 == 0:
+            assert torch.equal(gathered, full), f"call {i}"
+
+
+@pytest.mark.parametrize("push", ["sm", "ce"])
+def test_fused_all_gather_mixed_with_the_other_fused_kernels(nccl, push, monkeypatch):
     """Back-to-back fused all-gathers, all-reduces and reduce-scatters share one workspace
     (parities, epochs, tile flags, the ticket): each result is checked."""
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    monkeypatch.setenv("COMMFUSE_AG_PUSH", push)
     before = cuda_paths.PATHS.copy()
     gen = torch.Generator().manual_seed(4)  # the same sequence on every rank
     torch.manual_seed(31 + dist.get_rank())
