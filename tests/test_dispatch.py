@@ -98,16 +98,33 @@ def test_tile_config_parses_and_round_trips(monkeypatch):
     assert dispatch.tile_config(4096, 4096, 4096) == TileConfig(64, 128, 64, 4, 4, 8, 8, 1)
 
 
+def test_small_outputs_take_small_tiles(monkeypatch):
+    """Up to 2^20 outputs the reduce-scatter and all-gather kernels take 64x128 tiles (more
+    waves to overlap); the all-reduce keeps its default; the same answer on every call."""
+    from commfuse.kernels.tiles import TileConfig
+
+    monkeypatch.delenv("COMMFUSE_TILE_CONFIG", raising=False)
+    small = TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
+    assert dispatch.tile_config(1024, 1024, 1024, scatter=True) == small
+    assert dispatch.gather_tile_config(1024, 1024, 1024) == small
+    assert dispatch.tile_config(1024, 1024, 1024) == TileConfig()  # the all-reduce
+    assert dispatch.tile_config(2048, 2048, 2048, scatter=True) == TileConfig()
+    assert dispatch.gather_tile_config(2048, 2048, 2048).bn == 128
+    assert dispatch.fused_unsupported(1024, 1024, 1024, BF16, 2, scatter=True) is None
+    assert dispatch.fused_unsupported(1024, 1024, 1024, BF16, 2, gather=True) is None
+
+
 def test_all_gather_mm_choice(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    # 1024-2048 gathered rows: the fused kernel (measured 1024^3, 2048^3, 2048x4096x7168)
+    # 1024-2048 gathered rows and small outputs: the fused kernel (measured 1024^3, 2048^3)
     assert dispatch.all_gather_mm(2048, 2048, 2048, BF16, 2) == "fused"
     assert dispatch.all_gather_mm(1024, 1024, 1024, BF16, 2) == "fused"
-    assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, 2) == "fused"
+    assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, 2) == "overlap"  # a larger output
+    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "fused"  # and again from 16384 rows
+    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2, gather_dim=1, slabs=4) == "symm"
     assert dispatch.all_gather_mm(2048, 2048, 2048, torch.float32, 2) == "symm"  # not fp32
     assert dispatch.all_gather_mm(512, 2048, 2048, BF16, 2) == "symm"  # not measured below
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"
-    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "overlap"
     # GEMM-bound (the gather is a few % of the GEMM): overlapped all the same (1.01-1.03x measured)
     assert dispatch.all_gather_mm(8192, 8192, 28672, BF16, 2) == "overlap"
     # ... and only that: the other paths were never timed at such N
@@ -129,7 +146,6 @@ def test_forced_algorithm(monkeypatch):
     monkeypatch.setenv("COMMFUSE_ALGO", "two_shot")
     assert dispatch.mm_all_reduce(16, 16, 16, BF16, 2) == "two_shot"
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "overlap"
-    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, 2) == "overlap"
     assert dispatch.all_gather_mm(8192, 8192, 28672, BF16, 2) == "overlap"  # two_shot is not one of its paths
     monkeypatch.setenv("COMMFUSE_ALGO", "nccl")
     assert dispatch.all_gather_mm(4096, 4096, 4096, BF16, 2) == "nccl"
@@ -188,7 +204,12 @@ def test_timeout_error_names_op_rank_and_peer(monkeypatch):
 
 def test_mm_reduce_scatter_choice(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    assert dispatch.mm_reduce_scatter(2048, 2048, 2048, BF16, 2) == "symm"
+    # small calls (1024-2048 rows, at most 2048^2 outputs): the fused kernel
+    assert dispatch.mm_reduce_scatter(2048, 2048, 2048, BF16, 2) == "fused"
+    assert dispatch.mm_reduce_scatter(1024, 1024, 1024, BF16, 2) == "fused"
+    assert dispatch.mm_reduce_scatter(2048, 4096, 7168, BF16, 2) == "ce_overlap"  # a larger output
+    assert dispatch.mm_reduce_scatter(512, 2048, 2048, BF16, 2) == "symm"  # not measured below
+    assert dispatch.mm_reduce_scatter(2048, 2048, 2048, BF16, 2, scatter_dim=1) == "symm"
     assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2) == "ce_overlap"
     assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 2, scatter_dim=1) == "symm"
     assert dispatch.mm_reduce_scatter(4096, 4096, 4096, BF16, 1) == "nccl"
@@ -341,11 +362,13 @@ def test_fused_kernels_at_4_and_8_ranks(world, monkeypatch):
 
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
-    assert dispatch.all_gather_mm(2048, 4096, 7168, BF16, world) == "fused"
+    assert dispatch.all_gather_mm(2048, 4096, 2048, BF16, world) == "fused"
+    assert dispatch.all_gather_mm(16384, 4096, 7168, BF16, world) == "fused"
     assert dispatch.mm_reduce_scatter(16384, 4096, 7168, BF16, world) == "fused"
+    assert dispatch.mm_reduce_scatter(2048, 4096, 2048, BF16, world) == "fused"
     assert "split" in dispatch.fused_unsupported(2049, 4096, 7168, BF16, world, gather=True)
     # all-gather: every rank's rows in the workspace, one flag per 32-row chunk of every rank
-    assert dispatch.gather_workspace_bytes(2048, 4096, 7168, BF16, world) == 2048 * 4096 * 2
+    assert dispatch.gather_workspace_bytes(2048, 4096, 2048, BF16, world) == 2048 * 4096 * 2
     assert fused_all_gather.chunk_flag_slots(2048 // world, world) == world * (2048 // world // 32)
     assert dispatch.gather_workspace_bytes(4096, 4096, 7168, BF16, world) == 4096 // world * 4096 * 2
     # all-reduce: world slabs of the owned tiles (rounded up to whole slabs) and the result area

@@ -363,7 +363,8 @@ def test_workspace_plan_sizes_for_the_fused_reduce_scatter(world2, monkeypatch):
     a, w = torch.randn(16384, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
     assert dispatch.mm_reduce_scatter(16384, 64, 64, torch.bfloat16, 2) == "fused"
     compile_code(lambda a, w: _rs(a @ w), a, w)
-    slabs = fused_all_reduce.data_elems(16384, 64, 2, dispatch.tile_config(16384, 64, 64), scatter=True)
+    slabs = fused_all_reduce.data_elems(16384, 64, 2, dispatch.tile_config(16384, 64, 64, scatter=True),
+                                        scatter=True)
     assert symm._planned == {dist.group.WORLD.group_name: slabs * 2}
 
 

@@ -117,7 +117,7 @@ def _fused(a, b, bias, out, group_name: str, world: int, op: str, scatter: bool)
     """One persistent Triton kernel: GEMM tiles, their exchange and sum overlapped
     (``fused_all_reduce.py``); ``scatter``: its reduce-scatter form along rows."""
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    cfg = dispatch.tile_config(m, k, n)
+    cfg = dispatch.tile_config(m, k, n, scatter)
     ws = symm.workspace(group_name, dispatch.fused_workspace_bytes(m, k, n, a.dtype, world, scatter), a.device)
     launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, n), cfg, scatter)  # before the epoch
     with _exchange(ws, op) as (epoch, parity):

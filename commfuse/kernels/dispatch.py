@@ -66,29 +66,55 @@ def _tile_config_override():
     return TileConfig.parse(env) if env else None
 
 
-def tile_config(m: int, k: int, n: int):
-    """The fused all-reduce / reduce-scatter kernel's tiling: the default for every shape (the
-    same on every rank); ``COMMFUSE_TILE_CONFIG`` overrides."""
+def tile_config(m: int, k: int, n: int, scatter: bool = False):
+    """The fused all-reduce / reduce-scatter kernel's tiling (shape only: the same on every
+    rank): the default, but 64x128 tiles for a reduce-scatter of at most ``SMALL_TILES_ELEMS``
+    outputs, where 128x256 ones would be too few to overlap anything;
+    ``COMMFUSE_TILE_CONFIG`` overrides."""
     from .tiles import TileConfig
 
+    if scatter and m * n <= SMALL_TILES_ELEMS:
+        return _tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
     return _tile_config_override() or TileConfig()
 
 
-#: The fused all-gather kernel (``fused_all_gather.py``) for gathered rows in this range (2xH200,
-#: de7b7b9 ``benchmarks/results/h200x2/ops.json``, fused against the path it replaced, us):
-#: 1024^3 21 / 22 (symm), 2048^3 49 / 53 (symm), 2048x4096x7168 196 / 199 (copy-engine overlap)
-#: fuse; from 4096 rows the overlap stays ahead (4096^3 216 / 210, 4096x8192x5120 494 / 490,
-#: 16384x4096x7168 1399 / 1350; ``explore/ag_sweep3_315f2b7.json`` has 212 / 207, 484 / 477):
-#: the kernel's shard copy into the workspace and its tile GEMM cost more there than the
-#: side-stream pull. Below 1024 rows it is not measured.
+#: Outputs up to this many elements take 64x128 tiles in the fused reduce-scatter and all-gather
+#: (2xH200, interleaved rounds, ``explore/paths_tilings_a87251c.json``, us, 1024^3: reduce-scatter
+#: 17.2 against 26.4 with 128x256 tiles and 19.5 for the symmetric pull; all-gather 18.8 against
+#: 20.8 with 128x128); at 2048^3 they lose (reduce-scatter 54.5 against 46.2, all-gather 53.2
+#: against 47.8).
+SMALL_TILES_ELEMS = 1 << 20
+
+
+#: The fused all-gather kernel (``fused_all_gather.py``) for gathered rows in this range whose
+#: output has at most ``FUSED_SMALL_ELEMS`` elements (2xH200, de7b7b9 ``ops.json``, fused against
+#: the path it replaced, us: 1024^3 21 / 22 (symm), 2048^3 49 / 53 (symm)); from 4096 rows the
+#: overlap stays ahead (4096^3 216 / 210, 4096x8192x5120 494 / 490; ``explore/ag_sweep3_315f2b7.json``
+#: 212 / 207, 484 / 477): the kernel's shard copy into the workspace and its tile GEMM cost more
+#: there than the side-stream pull. 2048x4096x7168 (a larger output) goes to the overlap too: it
+#: was ahead in three of five runs (``explore/paths_tilings_a87251c.json`` 183.7 / 194.3, ops
+#: runs c89064a 188.9 / 194.3 and 2df67b4 188 / 195; behind by 3 us in ``ag_sweep3`` and
+#: ``ag_sweep4``). Below 1024 rows it is not measured.
 FUSED_AG_ROWS = (1024, 2048)
+FUSED_SMALL_ELEMS = 2048 * 2048
 
 
-#: The fused tile kernel's reduce-scatter form from this many rows (2xH200, 2b5d2e9 ``ops.json``,
+#: From this many gathered rows the fused all-gather is ahead of the copy-engine overlap again
+#: (2xH200, 16384x4096x7168, us, fused / overlap: ``explore/paths_tilings_a87251c.json`` 1382 /
+#: 1437 in interleaved rounds, ops runs c89064a 1369 / 1423 and 2df67b4 1386 / 1436): with 8192-row
+#: shards its shard copy is small against the GEMM, and the overlap's two half GEMMs lose a
+#: little to one persistent kernel.
+FUSED_AG_MIN_LARGE_ROWS = 16384
+
+
+#: The fused tile kernel's reduce-scatter form takes the same small calls as the all-gather
+#: (``FUSED_AG_ROWS`` rows, at most ``FUSED_SMALL_ELEMS`` outputs; 2xH200, interleaved rounds,
+#: ``explore/paths_tilings_a87251c.json``, us, fused / symmetric pull: 1024^3 17.2 / 19.5 with
+#: ``SMALL_TILES_ELEMS``' 64x128 tiles, 2048^3 46.2 / 49.2; ops run 2df67b4 46.4 / 48.0), and
+#: everything from this many rows (2xH200, 2b5d2e9 ``ops.json``,
 #: fused against the default, us): 16384x4096x7168 1409 / 1582 (the copy-engine overlap; 1374 at
-#: 2f01995, so its runs vary) and torch's fused_matmul_reduce_scatter 1484; below it the form
-#: loses (4096^3 228 / 216, 4096x8192x5120 490 / 455, 2048x4096x7168 217 / 208) or wins by
-#: little (2048^3 46 / 48). 8192x8192x28672 (6048 / 5922) has fewer rows but a far larger
+#: 2f01995, so its runs vary) and torch's fused_matmul_reduce_scatter 1484; between the two it
+#: loses (4096^3 228 / 216, 4096x8192x5120 490 / 455, 2048x4096x7168 217 / 208). 8192x8192x28672 (6048 / 5922) has fewer rows but a far larger
 #: GEMM, which the reducer-free form still pays its own-tile epilogue on. At 2 ranks the
 #: copy-engine overlap in 4 chunks per share now beats it there (interleaved rounds,
 #: ``explore/paths_8f97686.json``: 1388 +-12 against 1452 +-1 us, 2 chunks 1462 +-17), so at 2
@@ -97,11 +123,13 @@ FUSED_RS_MIN_M = 16384
 
 
 def gather_tile_config(rows: int, k: int, n: int):
-    """The fused all-gather's tiling: 128x128 tiles while 128x256 ones would not fill the GPU
-    (two ranks' 2048x2048 outputs are 128 such tiles), else the default; ``COMMFUSE_TILE_CONFIG``
-    overrides."""
+    """The fused all-gather's tiling: 64x128 tiles up to ``SMALL_TILES_ELEMS`` outputs, 128x128
+    while 128x256 ones would not fill the GPU (two ranks' 2048x2048 outputs are 128 such tiles),
+    else the default; ``COMMFUSE_TILE_CONFIG`` overrides."""
     from .tiles import TileConfig
 
+    if rows * n <= SMALL_TILES_ELEMS:
+        return _tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
     if rows * n <= 2048 * 2048:
         return _tile_config_override() or TileConfig(bm=128, bn=128, stages=4, reducers=0)
     return _tile_config_override() or TileConfig(reducers=0)
@@ -141,7 +169,7 @@ def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
     if (scatter or gather) and m % world:
         return "rows that do not split into world shares"
-    cfg = gather_tile_config(m, k, n) if gather else tile_config(m, k, n)
+    cfg = gather_tile_config(m, k, n) if gather else tile_config(m, k, n, scatter)
     if gather:
         if cfg.bm % fused_all_gather.CHUNK_ROWS:
             return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
@@ -219,7 +247,7 @@ def fused_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int
     """Per-parity bytes of the fused tile kernel (``scatter``: its reduce-scatter form)."""
     from . import fused_all_reduce
 
-    return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n), scatter) * dtype.itemsize
+    return fused_all_reduce.data_elems(m, n, world, tile_config(m, k, n, scatter), scatter) * dtype.itemsize
 
 
 def fused_gather_workspace_bytes(rows: int, k: int, dtype: torch.dtype, world: int) -> int:
@@ -503,7 +531,8 @@ def all_gather_mm(rows: int, k: int, n: int, dtype: torch.dtype, world: int, gat
         return "nccl"
     if n >= AG_GEMM_BOUND_N:  # only the overlap was timed there; the others gain nothing measurable
         return "overlap" if _overlaps_rows(gather_dim, rows, k, n, world, slabs) else "nccl"
-    if (FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1]
+    if ((FUSED_AG_ROWS[0] <= rows <= FUSED_AG_ROWS[1] and rows * n <= FUSED_SMALL_ELEMS
+         or rows >= FUSED_AG_MIN_LARGE_ROWS)
             and _fused_along_rows("gather", gather_dim, rows, k, n, dtype, world) is None):
         return "fused"
     if _overlaps_rows(gather_dim, rows, k, n, world, slabs):
@@ -527,7 +556,8 @@ def mm_reduce_scatter(m: int, k: int, n: int, dtype: torch.dtype, world: int, sc
     if not _symmetric_possible(m * n * dtype.itemsize, world):  # the partial every rank exposes
         return "nccl"
     overlap = _overlaps_rows(scatter_dim, m, k, n, world, slabs)
-    if (m >= FUSED_RS_MIN_M and (world > 2 or not overlap)
+    small = FUSED_AG_ROWS[0] <= m <= FUSED_AG_ROWS[1] and m * n <= FUSED_SMALL_ELEMS
+    if ((small or m >= FUSED_RS_MIN_M and (world > 2 or not overlap))
             and _fused_along_rows("scatter", scatter_dim, m, k, n, dtype, world) is None):
         return "fused"
     return "ce_overlap" if overlap else "symm"
