@@ -45,7 +45,10 @@ RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                     for c in (1, 2, 4)},
                  "fused": {"COMMFUSE_ALGO": "fused"},
                  **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
-                    for name, cfg in TILINGS.items()}}
+                    for name, cfg in TILINGS.items()},
+                 "fused_pull": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1"},
+                 **{f"fused_pull_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1",
+                                           "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()}}
 
 
 def problem(op: str, m: int, k: int, n: int, group, batch: int = 1):

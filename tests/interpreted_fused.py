@@ -26,7 +26,10 @@ def block(full: torch.Tensor, off_m: int, pid_n: int) -> torch.Tensor:
     return out
 
 
-def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: bool, calls: int = 2) -> None:
+def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: bool, calls: int = 2,
+         pull: bool = False) -> None:
+    """``pull`` (reduce-scatter): the peers' partials of this rank's tiles wait in their own slabs,
+    flagged in their own memory; this rank's partials of theirs must land in its own slabs."""
     torch.manual_seed(m + k + n + world + rank + scatter)
     cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=1, per_sm=1)
     count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)
@@ -39,7 +42,8 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     ws = group(world, data_bytes, 4)
     me = ws[rank]
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
-    fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0)] = 1
+    fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
+                                pull)] = 1
 
     def place(t):
         """(owner, slot, first row, column block) of tile t."""
@@ -63,13 +67,15 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
             if owner == rank:  # the peers' partials of this rank's tile, and their ready flags
                 for p in range(world):
                     if p != rank:
-                        slab(rank, p, slot).copy_(block(partial[p], off_m, pid_n).flatten())
-                        me.tile_flags[t * world + p] = epoch
+                        # pulled from this rank's slab in the peer's memory, or pushed here
+                        where, index = (p, rank) if pull else (rank, p)
+                        slab(where, index, slot).copy_(block(partial[p], off_m, pid_n).flatten())
+                        ws[where].tile_flags[t * world + p] = epoch
             elif not scatter:  # the owner's sum of its tile, pushed back, and its done flag
                 result(rank, t).copy_(block(total, off_m, pid_n).to(DT).flatten())
                 me.tile_flags[count * world + t] = epoch
         out = torch.full((share if scatter else m, n), float("nan"), dtype=DT)
-        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter)
+        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter, pull=pull)
         launch(*me.next_epoch())
         want = total[rank * share:(rank + 1) * share] if scatter else total
         err = ((out.float() - want).norm() / want.norm()).item()
@@ -77,11 +83,13 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
         for t in range(count):  # what this rank pushed into its peers
             owner, slot, off_m, pid_n = place(t)
             if owner != rank:
-                got = slab(owner, rank, slot).view(BM, BN).float()
+                # left in the owner's slab in this rank's memory, or pushed into the owner's
+                where, index = (rank, owner) if pull else (owner, rank)
+                got = slab(where, index, slot).view(BM, BN).float()
                 mine = block(partial[rank], off_m, pid_n).float()
                 rows = min(BM, (owner + 1) * share - off_m) if scatter else BM
                 assert torch.allclose(got[:rows], mine[:rows], atol=2e-3, rtol=2e-3), (t, owner)
-                assert int(ws[owner].tile_flags[t * world + rank]) == epoch, ("ready", t, owner)
+                assert int(ws[where].tile_flags[t * world + rank]) == epoch, ("ready", t, owner)
             elif not scatter:
                 for p in range(world):
                     if p != rank:
@@ -149,6 +157,8 @@ def main() -> None:
         case(40, 48, 40, world, rank, scatter=False, bias=True)
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
+        case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)
+        case(3 * world, 32, 40, world, rank, scatter=True, bias=True, pull=True)
         gather_case(40, 48, 24, world, rank, bias=True, gathered=True)  # 2 chunks, the last short
         gather_case(7, 32, 16, world, rank, bias=False, gathered=False)
     print("ok")

@@ -119,7 +119,8 @@ def _fused(a, b, bias, out, group_name: str, world: int, op: str, scatter: bool)
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     cfg = dispatch.tile_config(m, k, n, scatter)
     ws = symm.workspace(group_name, dispatch.fused_workspace_bytes(m, k, n, a.dtype, world, scatter), a.device)
-    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, n), cfg, scatter)  # before the epoch
+    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, n), cfg, scatter,
+                                      pull=scatter and dispatch.scatter_pull())  # before the epoch
     with _exchange(ws, op) as (epoch, parity):
         launch(epoch, parity)
     return out

@@ -149,6 +149,17 @@ def gather_push() -> str:
     return env
 
 
+#: The fused reduce-scatter's owners pull the peers' partials of their tiles, loads started
+#: before each own tile's K loop, instead of the peers pushing them from their epilogues
+#: (``COMMFUSE_RS_PULL=1``; read per call, set alike on every rank).
+RS_PULL = False
+
+
+def scatter_pull() -> bool:
+    env = os.environ.get("COMMFUSE_RS_PULL", "").strip().lower()
+    return RS_PULL if not env else env not in ("0", "false", "off", "no")
+
+
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
                       scatter: bool = False, gather: bool = False) -> str | None:
     """Why the fused tile kernel cannot take this call (shape and dtype only, so every rank

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from . import tiles
 from .sync import (ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris, timeout_ns,
-                   wait_or_record, wait_other_ranks)
+                   wait_or_record, wait_other_ranks, wait_remote_or_record)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
@@ -147,31 +147,70 @@ def _release(flags, tile, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD:
 
 
 @triton.jit
+def _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank, heap_bases, err, timeout, late,
+                   OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   ABLATE: tl.constexpr):
+    """``PULL``, an own tile, before its K loop: wait until every peer released its partial of
+    ``tile`` in its own workspace, then load them (remote loads, in flight while the K loop
+    runs) and sum them in fp32. Each rank keeps its partials of owner o's tiles in slab o of its
+    own workspace (its slab of its own tiles stays unused). Returns (sum, late)."""
+    if (late == 0) & (ABLATE & NO_WAIT == 0):
+        start = now()
+        for k in tl.static_range(1, WORLD):
+            peer = (rank + k) % WORLD
+            if late == 0:
+                late = wait_remote_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err,
+                                             OP, rank, peer, heap_bases)
+        tl.debug_barrier()  # every thread reads the partials after the acquires
+    pulled = tl.zeros((BM, BN), tl.float32)
+    for k in tl.static_range(1, WORLD):
+        peer = (rank + k) % WORLD
+        src = rank if ABLATE & NO_REMOTE else peer
+        pulled += iris.load(_tile_block(data, rank * slab_tiles + slot, BM, BN), rank, src, heap_bases,
+                            hint=(1, 16)).to(tl.float32)
+    return pulled, late
+
+
+@triton.jit
 def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
                        stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
                        num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SCATTER: tl.constexpr, ABLATE: tl.constexpr):
+                       SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr = False):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
-    to the peers; reduce-scatter: this rank's share of the rows). Returns (tile, late)."""
+    to the peers; reduce-scatter: this rank's share of the rows). ``PULL`` (reduce-scatter only):
+    a peer's tile is stored in this rank's own slab and released at once; an own tile loads the
+    peers' partials from their slabs before its K loop (``_pull_partials``). Returns (the tile
+    to release after the next one, or -1; late)."""
     tile, off_m, pid_n, row_end = _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M, WORLD, BM,
                                          SCATTER)
+    owner = _owner(tile, slab_tiles, WORLD, SCATTER)
+    slot = _slot(tile, slab_tiles, WORLD, SCATTER)
+    if PULL:
+        pulled = tl.zeros((BM, BN), tl.float32)
+        if owner == rank:
+            pulled, late = _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank, heap_bases,
+                                          err, timeout, late, OP, WORLD, BM, BN, ABLATE)
     acc = mma_tile(a_desc, b_desc, off_m, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
     rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
     if prev >= 0:
         _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
-    owner = _owner(tile, slab_tiles, WORLD, SCATTER)
+    later = tile
+    if PULL:
+        later = tile * 0 - 1  # a peer's tile was released below, with its local stores
     if owner == rank:
-        if (late == 0) & (ABLATE & NO_WAIT == 0):
-            late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
-        for k in tl.static_range(1, WORLD):
-            peer = (rank + k) % WORLD
-            acc += tl.load(_tile_block(data, peer * slab_tiles + _slot(tile, slab_tiles, WORLD, SCATTER),
-                                       BM, BN)).to(tl.float32)
+        if PULL:
+            acc += pulled
+        else:
+            if (late == 0) & (ABLATE & NO_WAIT == 0):
+                late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
+            for k in tl.static_range(1, WORLD):
+                peer = (rank + k) % WORLD
+                acc += tl.load(_tile_block(data, peer * slab_tiles + slot, BM, BN)).to(tl.float32)
         if late != 0:
             acc = tl.full((BM, BN), float("nan"), tl.float32)
         val = acc.to(out.dtype.element_ty)
@@ -185,10 +224,15 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                 to = rank if ABLATE & NO_REMOTE else (rank + k) % WORLD
                 iris.store(dst, val, rank, to, heap_bases, hint=(1, 16))
     else:
-        dst = _tile_block(data, rank * slab_tiles + _slot(tile, slab_tiles, WORLD, SCATTER), BM, BN)
-        to = rank if ABLATE & NO_REMOTE else owner
-        iris.store(dst, acc.to(out.dtype.element_ty), rank, to, heap_bases, hint=(1, 16))
-    return tile, late
+        if PULL:  # into this rank's own memory, in the owner's slab there; the owner pulls it
+            tl.store(_tile_block(data, owner * slab_tiles + slot, BM, BN), acc.to(out.dtype.element_ty))
+            tl.debug_barrier()  # every thread's stores before the release below
+            tl.atomic_xchg(flags + tile * WORLD + rank, epoch, sem="release", scope="sys")
+        else:
+            to = rank if ABLATE & NO_REMOTE else owner
+            iris.store(_tile_block(data, rank * slab_tiles + slot, BM, BN), acc.to(out.dtype.element_ty),
+                       rank, to, heap_bases, hint=(1, 16))
+    return later, late
 
 
 @triton.jit(do_not_specialize=["epoch", "ticket_base", "compute"])
@@ -198,7 +242,8 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                            SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
-                           SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0):
+                           SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
+                           PULL: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``ABLATE``: bits of
@@ -222,7 +267,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER, ABLATE)
+                    SCATTER, ABLATE, PULL)
                 i = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
@@ -230,7 +275,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER, ABLATE)
+                    SCATTER, ABLATE, PULL)
         if prev >= 0:
             _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     else:
@@ -279,13 +324,14 @@ _resident: dict[tuple, int] = {}
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
-            scatter: bool = False, ablate: int = 0):
+            scatter: bool = False, ablate: int = 0, pull: bool = False):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
     parity); with ``scatter``, this rank's share of its rows (``out`` is [M / world, N], M a
     multiple of the world size). The launch itself still encodes the TMA descriptors and
-    compiles a new specialisation of a known configuration."""
+    compiles a new specialisation of a known configuration. ``pull`` (with ``scatter``): the
+    owners pull the peers' partials instead of the peers pushing them (``_pull_partials``)."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
@@ -305,9 +351,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
-                  num_warps=cfg.warps, num_stages=cfg.stages)
+                  PULL=pull and scatter, num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
-           ablate)
+           ablate, consts["PULL"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, grid=(1,), **consts)
         compiled._init_handles()

@@ -97,6 +97,21 @@ def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer
 
 
 @triton.jit
+def wait_remote_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer, heap_bases):
+    """``wait_or_record`` for a flag in ``peer``'s memory (``ptr`` is this rank's address of the
+    same slot): each poll is an acquire over NVLink, at system scope."""
+    seen = iris.atomic_add(ptr, 0, rank, peer, heap_bases, sem="acquire", scope="sys")
+    late = 0
+    while (seen < epoch) & (late == 0):
+        seen = iris.atomic_add(ptr, 0, rank, peer, heap_bases, sem="acquire", scope="sys")
+        if now() - start > timeout:
+            late = 1
+    if late != 0:
+        record_late(err, OP, rank, peer)
+    return late
+
+
+@triton.jit
 def wait_other_ranks(flags, row, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr):
     """Wait until every other rank raised flag ``[row, peer]`` (``flags + row * WORLD + peer``) to
     ``epoch``, all within ``timeout`` ns of one start; after a late one waits no more (the error

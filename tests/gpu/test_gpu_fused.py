@@ -100,13 +100,18 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tick
         assert int(ws.ticket.item()) == ws.ticket_base
 
 
-@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter", "all_gather_mm", "all_gather_mm_ce"])
+@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter", "all_gather_mm", "all_gather_mm_ce",
+                                "mm_reduce_scatter_pull"])
 def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both
-    (``all_gather_mm_ce``: the all-gather whose shard the copy engines push)."""
+    (``all_gather_mm_ce``: the all-gather whose shard the copy engines push;
+    ``mm_reduce_scatter_pull``: the reduce-scatter whose owners pull the partials)."""
     if op == "all_gather_mm_ce":
         monkeypatch.setenv("COMMFUSE_AG_PUSH", "ce")
         op = "all_gather_mm"
+    if op == "mm_reduce_scatter_pull":
+        monkeypatch.setenv("COMMFUSE_RS_PULL", "1")
+        op = "mm_reduce_scatter"
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     a, b, _ = _operands(512, 1024, 1024, torch.bfloat16, "weight_t")
@@ -131,13 +136,16 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
 
 
+@pytest.mark.parametrize("pull", [False, True])
 @pytest.mark.parametrize("m", [2, 14, 258, 2000, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "three_d"])
-def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
-    """The kernel's reduce-scatter form (forced here; a default from 16384 rows, dispatch.py): rank r gets share r of
-    the summed rows; a share whose rows are not a multiple of the tile height included."""
+def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtype, form, pull, monkeypatch):
+    """The kernel's reduce-scatter form (forced here; dispatch.py has its defaults): rank r gets
+    share r of the summed rows; a share whose rows are not a multiple of the tile height
+    included; the peers' partials pushed to their owners or pulled by them (``pull``)."""
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    monkeypatch.setenv("COMMFUSE_RS_PULL", "1" if pull else "0")
     k, n = 1024, 776
     torch.manual_seed(2000 * dist.get_rank() + m)
     a, b, c = _operands(m, k, n, dtype, "plain" if form == "three_d" else form)
@@ -196,6 +204,25 @@ def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype
     assert relerr(out, ref) < 1e-2
     if form != "no_gathered":
         assert torch.equal(gathered, full)
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_fused_reduce_scatter_back_to_back_without_synchronising(nccl, pull, monkeypatch):
+    """40 fused reduce-scatters queued with no synchronisation, shapes alternating (1024 and 2048
+    rows, both tilings), fresh data each: checked only at the end, so a partial overwritten
+    before its owner read it (pushed or pulled) would show."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    monkeypatch.setenv("COMMFUSE_RS_PULL", "1" if pull else "0")
+    torch.manual_seed(87 + dist.get_rank())
+    calls = []
+    for i in range(40):
+        m = 1024 * (1 + i % 2)
+        a = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+        calls.append((a, w, torch.ops.commfuse.mm_reduce_scatter(a, w, None, [m, 1024], 0, 2, nccl.group_name)))
+    check_errors()
+    for i, (a, w, out) in enumerate(calls):
+        assert relerr(out, _reference(a, w, None).chunk(2)[dist.get_rank()]) < 1e-2, f"call {i}"
 
 
 @pytest.mark.parametrize("push", ["sm", "ce"])
