@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 from commfuse.kernels import fused_all_gather, fused_all_reduce, tiles
 from commfuse.kernels.sync import ErrorWord
@@ -152,6 +153,14 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
         assert int(ErrorWord._word[0]) == 0
 
 
+_peers_ready = fused_all_reduce._peers_ready
+
+
+@triton.jit
+def _never_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
+    return rank * 0
+
+
 def main() -> None:
     for world, rank in ((2, 0), (2, 1), (4, 2), (8, 5)):
         case(40, 48, 40, world, rank, scatter=False, bias=True)
@@ -159,6 +168,9 @@ def main() -> None:
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True, pull=True)
+        fused_all_reduce._peers_ready = _never_ready  # the pull after the K loop
+        case(16 * world, 32, 24, world, rank, scatter=True, bias=True, pull=True)
+        fused_all_reduce._peers_ready = _peers_ready
         gather_case(40, 48, 24, world, rank, bias=True, gathered=True)  # 2 chunks, the last short
         gather_case(7, 32, 16, world, rank, bias=False, gathered=False)
     print("ok")

@@ -147,13 +147,25 @@ def _release(flags, tile, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD:
 
 
 @triton.jit
+def _peers_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
+    """1 if every peer has released its partial of ``tile`` already (one poll each, no wait)."""
+    ready = rank * 0 + 1
+    for k in tl.static_range(1, WORLD):
+        peer = (rank + k) % WORLD
+        seen = iris.atomic_add(flags + tile * WORLD + peer, 0, rank, peer, heap_bases, sem="acquire",
+                               scope="sys")
+        ready = tl.where(seen >= epoch, ready, 0)
+    return ready
+
+
+@triton.jit
 def _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank, heap_bases, err, timeout, late,
                    OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    ABLATE: tl.constexpr):
-    """``PULL``, an own tile, before its K loop: wait until every peer released its partial of
-    ``tile`` in its own workspace, then load them (remote loads, in flight while the K loop
-    runs) and sum them in fp32. Each rank keeps its partials of owner o's tiles in slab o of its
-    own workspace (its slab of its own tiles stays unused). Returns (sum, late)."""
+    """``PULL``, an own tile: wait until every peer released its partial of ``tile`` in its own
+    workspace, then load them (remote loads) and sum them in fp32. Each rank keeps its partials
+    of owner o's tiles in slab o of its own workspace (its slab of its own tiles stays unused).
+    Returns (sum, late)."""
     if (late == 0) & (ABLATE & NO_WAIT == 0):
         start = now()
         for k in tl.static_range(1, WORLD):
@@ -182,18 +194,21 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
     to the peers; reduce-scatter: this rank's share of the rows). ``PULL`` (reduce-scatter only):
-    a peer's tile is stored in this rank's own slab and released at once; an own tile loads the
-    peers' partials from their slabs before its K loop (``_pull_partials``). Returns (the tile
-    to release after the next one, or -1; late)."""
+    a peer's tile is stored in this rank's own memory and released at once; an own tile loads
+    the peers' partials from theirs (``_pull_partials``): before its K loop if they are released
+    already, else after it. Returns (the tile to release after the next one, or -1; late)."""
     tile, off_m, pid_n, row_end = _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M, WORLD, BM,
                                          SCATTER)
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     slot = _slot(tile, slab_tiles, WORLD, SCATTER)
-    if PULL:
+    if PULL:  # partials already released are loaded before the K loop, in flight while it runs
         pulled = tl.zeros((BM, BN), tl.float32)
+        early = rank * 0
         if owner == rank:
-            pulled, late = _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank, heap_bases,
-                                          err, timeout, late, OP, WORLD, BM, BN, ABLATE)
+            early = _peers_ready(flags, tile, epoch, rank, heap_bases, WORLD)
+            if early != 0:
+                pulled, late = _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank,
+                                              heap_bases, err, timeout, late, OP, WORLD, BM, BN, ABLATE)
     acc = mma_tile(a_desc, b_desc, off_m, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
     rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
@@ -204,6 +219,9 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
         later = tile * 0 - 1  # a peer's tile was released below, with its local stores
     if owner == rank:
         if PULL:
+            if early == 0:  # released during the K loop (or not yet): wait, then load
+                pulled, late = _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank,
+                                              heap_bases, err, timeout, late, OP, WORLD, BM, BN, ABLATE)
             acc += pulled
         else:
             if (late == 0) & (ABLATE & NO_WAIT == 0):
