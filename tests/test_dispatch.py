@@ -98,6 +98,23 @@ def test_tile_config_parses_and_round_trips(monkeypatch):
     assert dispatch.tile_config(4096, 4096, 4096) == TileConfig(64, 128, 64, 4, 4, 8, 8, 1)
 
 
+def test_all_gather_push_by_shard_size(monkeypatch):
+    """The fused all-gather's copy engines push shards from 2 MiB (one chunk), its programs push
+    smaller ones; ``COMMFUSE_AG_PUSH`` forces either and rejects anything else."""
+    from commfuse.kernels import fused_all_gather
+
+    monkeypatch.delenv("COMMFUSE_AG_PUSH", raising=False)
+    monkeypatch.delenv("COMMFUSE_AG_CE_CHUNKS", raising=False)
+    assert dispatch.gather_push(1024 * 2048 * 2) == "ce"  # 2048^3 on 2 ranks
+    assert dispatch.gather_push(512 * 1024 * 2) == "sm"  # 1024^3
+    assert fused_all_gather.ce_chunks() == 1
+    monkeypatch.setenv("COMMFUSE_AG_PUSH", "sm")
+    assert dispatch.gather_push(1 << 30) == "sm"
+    monkeypatch.setenv("COMMFUSE_AG_PUSH", "dma")
+    with pytest.raises(ValueError, match="COMMFUSE_AG_PUSH"):
+        dispatch.gather_push(1 << 30)
+
+
 def test_small_outputs_take_small_tiles(monkeypatch):
     """Up to 2^20 outputs the reduce-scatter and all-gather kernels take 64x128 tiles (more
     waves to overlap); the all-reduce keeps its default; the same answer on every call."""

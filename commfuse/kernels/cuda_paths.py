@@ -277,7 +277,8 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         gathered = torch.empty(shape, dtype=shard.dtype, device=shard.device) if return_gathered else None
         ws = symm.workspace(group_name, dispatch.fused_gather_workspace_bytes(rows, k, shard.dtype, world_size),
                             shard.device)
-        side = _side_stream(shard.device) if dispatch.gather_push() == "ce" else None
+        push = dispatch.gather_push(shard.numel() * shard.element_size())
+        side = _side_stream(shard.device) if push == "ce" else None
         launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
                                           None if gathered is None else gathered.view(-1, k), out,
                                           dispatch.gather_tile_config(rows, k, b.shape[1]), side=side)

@@ -135,15 +135,23 @@ def gather_tile_config(rows: int, k: int, n: int):
     return _tile_config_override() or TileConfig(reducers=0)
 
 
-#: Who pushes the fused all-gather's shard into the peers' workspaces (``COMMFUSE_AG_PUSH``):
-#: ``ce``, the copy engines on a side stream, each chunk's flag a stream write (no SMs taken from
-#: the GEMM), or ``sm``, ``fused_all_gather.PUSHERS`` programs of the kernel.
+#: Who pushes the fused all-gather's shard into the peers' workspaces: ``ce``, the copy engines
+#: on a side stream, each chunk's flag a stream write (no SMs taken from the GEMM), from shards of
+#: ``AG_CE_MIN_SHARD_BYTES``; ``sm``, ``fused_all_gather.PUSHERS`` programs of the kernel, below.
+#: 2xH200, interleaved rounds (``explore/paths_ce_pull_d912fa0.json``, us, programs / copy
+#: engines in one chunk): 2048^3 49.6 / 40.1 (the 16 pushers' SMs cost a third wave of tiles,
+#: ``explore/ag_trace_*``), 16384x4096x7168 1383 / 1370, 4096^3 213 / 201; 1024^3 (1 MiB shards)
+#: 19.5 / 21.7: the copy's start-up latency is more than the pushers cost there. More chunks
+#: lose (2048^3: 2 / 4 / 8 chunks 44.6 / 55.7 / 78.9): each copy adds its latency.
+#: ``COMMFUSE_AG_PUSH=ce|sm`` forces one (set alike on every rank).
 AG_PUSH_MODES = ("ce", "sm")
-AG_PUSH = "sm"
+AG_CE_MIN_SHARD_BYTES = 2 << 20
 
 
-def gather_push() -> str:
-    env = os.environ.get("COMMFUSE_AG_PUSH", "").strip() or AG_PUSH
+def gather_push(shard_bytes: int) -> str:
+    env = os.environ.get("COMMFUSE_AG_PUSH", "").strip()
+    if not env:
+        return "ce" if shard_bytes >= AG_CE_MIN_SHARD_BYTES else "sm"
     if env not in AG_PUSH_MODES:
         raise ValueError(f"COMMFUSE_AG_PUSH={env!r} is not one of {AG_PUSH_MODES}")
     return env
@@ -151,7 +159,9 @@ def gather_push() -> str:
 
 #: The fused reduce-scatter's owners pull the peers' partials of their tiles, loads started
 #: before each own tile's K loop, instead of the peers pushing them from their epilogues
-#: (``COMMFUSE_RS_PULL=1``; read per call, set alike on every rank).
+#: (``COMMFUSE_RS_PULL=1``; read per call, set alike on every rank). Off: it lost on every shape
+#: (2xH200, interleaved rounds, ``explore/paths_ce_pull_d912fa0.json``, us, push / pull: 1024^3
+#: 17.0 / 18.9, 2048^3 46.1 / 50.9, 16384x4096x7168 1440 / 1499).
 RS_PULL = False
 
 

@@ -223,8 +223,9 @@ def ce_chunks() -> int:
     return max(1, int(env)) if env else CE_CHUNKS
 
 
-#: Chunks of a copy-engine push: each costs a copy and a flag write per peer.
-CE_CHUNKS = 4
+#: Chunks of a copy-engine push: each costs a copy and a flag write per peer, and each copy its
+#: start-up latency (``dispatch.AG_CE_MIN_SHARD_BYTES`` has the numbers): one.
+CE_CHUNKS = 1
 #: Calls whose shard the copy engines pushed, since import (tests check which push ran).
 CE_CALLS = 0
 
