@@ -148,13 +148,23 @@ AG_PUSH_MODES = ("ce", "sm")
 AG_CE_MIN_SHARD_BYTES = 2 << 20
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """A switch read per call: unset keeps ``default``; 0, false, off or no turn it off."""
+    env = os.environ.get(name, "").strip().lower()
+    return default if not env else env not in ("0", "false", "off", "no")
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """A setting that names one of ``choices``, or None when unset; anything else raises."""
+    env = os.environ.get(name, "").strip()
+    if env and env not in choices:
+        raise ValueError(f"{name}={env!r} is not one of {choices}")
+    return env or None
+
+
 def gather_push(shard_bytes: int) -> str:
-    env = os.environ.get("COMMFUSE_AG_PUSH", "").strip()
-    if not env:
-        return "ce" if shard_bytes >= AG_CE_MIN_SHARD_BYTES else "sm"
-    if env not in AG_PUSH_MODES:
-        raise ValueError(f"COMMFUSE_AG_PUSH={env!r} is not one of {AG_PUSH_MODES}")
-    return env
+    return _env_choice("COMMFUSE_AG_PUSH", AG_PUSH_MODES) or (
+        "ce" if shard_bytes >= AG_CE_MIN_SHARD_BYTES else "sm")
 
 
 #: The fused reduce-scatter's owners pull the peers' partials of their tiles, loads started
@@ -166,8 +176,7 @@ RS_PULL = False
 
 
 def scatter_pull() -> bool:
-    env = os.environ.get("COMMFUSE_RS_PULL", "").strip().lower()
-    return RS_PULL if not env else env not in ("0", "false", "off", "no")
+    return _env_flag("COMMFUSE_RS_PULL", RS_PULL)
 
 
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
@@ -500,10 +509,7 @@ AG_LOCAL_SOURCES = ("workspace", "copy")
 
 
 def gather_local_source() -> str:
-    env = os.environ.get("COMMFUSE_AG_LOCAL", "").strip() or "workspace"
-    if env not in AG_LOCAL_SOURCES:
-        raise ValueError(f"COMMFUSE_AG_LOCAL={env!r} is not one of {AG_LOCAL_SOURCES}")
-    return env
+    return _env_choice("COMMFUSE_AG_LOCAL", AG_LOCAL_SOURCES) or "workspace"
 
 
 #: A batch of sequences gathered or scattered along the sequence (``row_slabs`` > 1) could take
@@ -518,8 +524,7 @@ SLAB_OVERLAP = False
 
 
 def slab_overlap() -> bool:
-    env = os.environ.get("COMMFUSE_SLAB_OVERLAP", "").strip().lower()
-    return SLAB_OVERLAP if not env else env not in ("0", "false", "off", "no")
+    return _env_flag("COMMFUSE_SLAB_OVERLAP", SLAB_OVERLAP)
 
 
 def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) -> bool:
