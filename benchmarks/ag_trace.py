@@ -22,7 +22,7 @@ import torch.distributed as dist
 import commfuse  # noqa: F401
 from ag_sweep import check
 from commfuse.bench import settings, sweep_finish, sweep_setup, time_us
-from commfuse.kernels import fused_all_gather, symm, tiles
+from commfuse.kernels import fused_all_gather, symm, sync, tiles
 
 BIN_NS = 2000
 
@@ -30,7 +30,7 @@ BIN_NS = 2000
 def summary(trace: torch.Tensor, rows: int, n: int, world: int, cfg, pushers: int) -> dict:
     """The trace of one call (``TRACE_SLOTS`` int64 per program, -1 unused) in us from the
     earliest start: push ends, tile ends by source, waits of peer-row tiles, a busy profile."""
-    slots = trace.view(-1, fused_all_gather.TRACE_SLOTS).tolist()
+    slots = trace.view(-1, sync.TRACE_SLOTS).tolist()
     per = tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
     t0 = min(s[0] for s in slots if s[0] >= 0)
     us = lambda ns: (ns - t0) / 1e3
@@ -40,7 +40,7 @@ def summary(trace: torch.Tensor, rows: int, n: int, world: int, cfg, pushers: in
         if s[0] < 0:
             continue
         prev = s[1] if s[1] >= 0 else s[0]
-        for j in range(fused_all_gather.TRACE_TILES):
+        for j in range(sync.TRACE_TILES):
             pos, waited, end = s[2 + 3 * j:5 + 3 * j]
             if pos < 0:
                 break
@@ -96,7 +96,7 @@ def main() -> int:
                     err = check(shard, b, gname, world, group, cfg, side)[0]
                     launch = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, side=side)
                     us = time_us(lambda: launch(*ws.next_epoch()))
-                    trace = torch.full((1024 * fused_all_gather.TRACE_SLOTS,), -1, dtype=torch.int64,
+                    trace = torch.full((1024 * sync.TRACE_SLOTS,), -1, dtype=torch.int64,
                                        device="cuda")
                     traced = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, trace, side)
                     for _ in range(3):

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, tiles
+from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, sync, tiles
 
 
 def _group(world: int, data_bytes: int) -> list:
@@ -56,7 +56,7 @@ def main() -> int:
             try:
                 fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter, pull=pull)
                 key = next(key for key in fused_all_reduce._resident
-                           if key[0] == cfg and key[-3] == scatter and key[-1] == pull)
+                           if key[0] == cfg and key[-4] == scatter and key[-2] == pull)
                 print(f"{name}: {fused_all_reduce._resident[key]} programs per SM {_last}", flush=True)
             except Exception as exc:  # reported, the others still compile
                 failures += 1
@@ -67,7 +67,7 @@ def main() -> int:
             b = torch.randn(n, k, device="cuda", dtype=dt).t()
             out = torch.empty(2 * rows, n, device="cuda", dtype=dt)
             g = torch.empty(2 * rows, k, device="cuda", dtype=dt) if gathered else None
-            trace = torch.empty(1024 * fused_all_gather.TRACE_SLOTS, dtype=torch.int64, device="cuda") if traced else None
+            trace = torch.empty(1024 * sync.TRACE_SLOTS, dtype=torch.int64, device="cuda") if traced else None
             name = f"ag{' gathered' if gathered else ''}{' traced' if traced else ''} {text}"
             _last.clear()
             try:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, tiles
+from commfuse.kernels import fused_all_gather, fused_all_reduce, sync, tiles
 from commfuse.kernels.sync import ErrorWord
 from interpreter_peers import DT, group
 BM = BN = 16
@@ -43,8 +43,9 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     ws = group(world, data_bytes, 4)
     me = ws[rank]
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
-    fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
-                                pull)] = 1
+    for traced in (False, True):
+        fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
+                                    pull, traced)] = 1
 
     def place(t):
         """(owner, slot, first row, column block) of tile t."""
@@ -76,8 +77,17 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
                 result(rank, t).copy_(block(total, off_m, pid_n).to(DT).flatten())
                 me.tile_flags[count * world + t] = epoch
         out = torch.full((share if scatter else m, n), float("nan"), dtype=DT)
-        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter, pull=pull)
+        trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
+        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter, pull=pull,
+                                          trace=trace)
         launch(*me.next_epoch())
+        if trace is not None:  # the second call is traced: positions once each, with start and end
+            slots = trace.view(-1, sync.TRACE_SLOTS)
+            tiles_ = slots[:, 2:].reshape(slots.shape[0], -1, 3)
+            positions = sorted(int(p) for p in tiles_[:, :, 0].flatten() if p >= 0)
+            assert len(set(positions)) == len(positions) == min(count, sync.TRACE_TILES), positions
+            assert bool(((tiles_[:, :, 0] >= 0) == (tiles_[:, :, 2] >= 0)).all()), "a tile without its end"
+            assert bool((slots[:, 1] >= 0).any()), "no program recorded its end"
         want = total[rank * share:(rank + 1) * share] if scatter else total
         err = ((out.float() - want).norm() / want.norm()).item()
         assert err < 2e-3, (m, k, n, world, rank, scatter, call, err)
@@ -126,17 +136,17 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
                     me.tile_flags[ch * world + p] = epoch
         out = torch.full((world * rows, n), float("nan"), dtype=DT)
         got_rows = torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
-        trace = torch.zeros(64 * fused_all_gather.TRACE_SLOTS, dtype=torch.int64) if call else None
+        trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
         launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg, trace)
         launch(*me.next_epoch())
         if trace is not None:  # the second call is traced: positions once each, with their times
             # (the interpreter runs programs one by one: the first claims every position, and the
             # trace holds a program's first TRACE_TILES)
-            slots = trace.view(-1, fused_all_gather.TRACE_SLOTS)
+            slots = trace.view(-1, sync.TRACE_SLOTS)
             tiles_ = slots[:, 2:].reshape(slots.shape[0], -1, 3)
             positions = sorted(int(p) for p in tiles_[:, :, 0].flatten() if p >= 0)
             count = world * -(-rows // cfg.bm) * -(-n // 16)
-            assert len(set(positions)) == len(positions) == min(count, fused_all_gather.TRACE_TILES), positions
+            assert len(set(positions)) == len(positions) == min(count, sync.TRACE_TILES), positions
             assert positions[-1] < count, positions
             assert bool(((tiles_[:, :, 0] >= 0) == (tiles_[:, :, 2] >= 0)).all()), "a tile without its end"
             assert int((slots[:, 0] >= 0).sum()) >= 2 and int((slots[:, 1] >= 0).sum()) >= 1

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import ErrorWord, FUSED_AG_OP, iris, now, require_iris, timeout_ns, wait_or_record
+from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AG_OP, iris, now, require_iris,
+                   timeout_ns, trace_tile, trace_time, wait_or_record)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 #: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
@@ -41,11 +42,6 @@ CHUNK_ROWS = 32
 #: Programs that push the shard and then copy the peers' rows into the gathered tensor
 #: (``COMMFUSE_AG_PUSHERS`` overrides, for sweeps; it must be set alike on every rank).
 PUSHERS = 16
-#: Slots per program of a trace (``prepare(trace=...)``): its start, the end of its pushes, then
-#: (position, end of its wait, end of its tile) for each of its first ``TRACE_TILES`` tiles.
-TRACE_TILES = 8
-TRACE_SLOTS = 2 + 3 * TRACE_TILES
-_TILES, _SLOTS = tl.constexpr(TRACE_TILES), tl.constexpr(TRACE_SLOTS)  # the same, for the kernel
 
 
 def pusher_count() -> int:
@@ -129,13 +125,6 @@ def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, O
     return late
 
 
-@triton.jit
-def _trace(trace, slot, TRACE: tl.constexpr):
-    """With ``TRACE``, the GPU time into this program's ``slot`` of the trace (one thread)."""
-    if TRACE:
-        tl.store(trace + tl.program_id(0) * _SLOTS + slot, now())
-
-
 @triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers"])
 def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
                            timeout, ticket, ticket_base, trace, pushers, flag_rows,
@@ -151,15 +140,16 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
     already. Pushers, once done, multiply too (their SMs are not lost to the GEMM). A peer's
     chunk of ``flag_rows`` rows is flagged once: ``CH`` with pushers; with none (the copy
     engines push, ``prepare``), the host's chunk. ``TRACE``: GPU times into ``trace``
-    (``TRACE_SLOTS`` per program), for the benchmarks."""
+    (``sync.TRACE_SLOTS`` per program: the second time is the pushes' end, each tile's middle
+    time its wait's end), for the benchmarks."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
     late = pid * 0  # once a wait timed out, this program waits no more: its later tiles are NaN
-    _trace(trace, 0, TRACE)
+    trace_time(trace, 0, TRACE)
     if pid < pushers:
         late = _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout,
                               pid, pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
-        _trace(trace, 1, TRACE)
+        trace_time(trace, 1, TRACE)  # the pushes' end
     share_m = tl.cdiv(rows, BM)
     num_n = tl.cdiv(N, BN)
     per = share_m * num_n
@@ -172,10 +162,7 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
             late = _wait_rows(flags, src, local_m * BM // flag_rows,
                               tl.cdiv(tl.minimum((local_m + 1) * BM, rows), flag_rows), epoch, rank,
                               err, timeout, OP, WORLD)
-        if TRACE:
-            if j < _TILES:
-                tl.store(trace + pid * _SLOTS + 2 + 3 * j, i.to(tl.int64))
-                _trace(trace, 3 + 3 * j, TRACE)
+        trace_tile(trace, j, i, 0, TRACE)  # the wait's end
         first = src * rows + local_m * BM
         acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
         r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
@@ -184,9 +171,7 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
             acc = tl.full((BM, BN), float("nan"), tl.float32)
         tl.store(out + r[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
                  mask=mask)
-        if TRACE:
-            if j < _TILES:
-                _trace(trace, 4 + 3 * j, TRACE)
+        trace_tile(trace, j, i, 1, TRACE)
         j += 1
         i = claim(ticket, ticket_base)
 

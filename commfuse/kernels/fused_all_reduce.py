@@ -39,8 +39,9 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import (ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris, timeout_ns,
-                   wait_or_record, wait_other_ranks, wait_remote_or_record)
+from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris,
+                   timeout_ns, trace_tile, trace_time, wait_or_record, wait_other_ranks,
+                   wait_remote_or_record)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
@@ -256,16 +257,18 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
 @triton.jit(do_not_specialize=["epoch", "ticket_base", "compute"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                            flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
-                           compute, OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr,
+                           trace, compute, OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                            SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-                           PULL: tl.constexpr = False):
+                           PULL: tl.constexpr = False, TRACE: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``ABLATE``: bits of
-    ``ABLATIONS``, for timing only (results are wrong); 0 in every real call."""
+    ``ABLATIONS``, for timing only (results are wrong); 0 in every real call. ``TRACE`` (ticket
+    order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program: its start, its end,
+    each position's start and end), for the benchmarks."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -276,16 +279,21 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     slab_tiles = tl.cdiv(num_tiles, WORLD)
     result_at = WORLD * slab_tiles  # the result area follows the slabs
     late = pid * 0  # once a wait timed out, this program waits no more: the rest of its tiles are NaN
+    trace_time(trace, 0, TRACE)
     if pid < compute:
         prev = pid * 0 - 1
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
+            j = 0  # positions this program took (the trace's index)
             i = claim(ticket, ticket_base)
             while i < num_tiles:
+                trace_tile(trace, j, i, 0, TRACE)
                 prev, late = _multiply_position(
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
                     SCATTER, ABLATE, PULL)
+                trace_tile(trace, j, i, 1, TRACE)
+                j += 1
                 i = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
@@ -310,6 +318,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     tl.debug_barrier()
                 if ABLATE & NO_COPY == 0:
                     _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
+    trace_time(trace, 1, TRACE)
 
 
 def num_tiles(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
@@ -342,14 +351,17 @@ _resident: dict[tuple, int] = {}
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
-            scatter: bool = False, ablate: int = 0, pull: bool = False):
+            scatter: bool = False, ablate: int = 0, pull: bool = False,
+            trace: torch.Tensor | None = None):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
     parity); with ``scatter``, this rank's share of its rows (``out`` is [M / world, N], M a
     multiple of the world size). The launch itself still encodes the TMA descriptors and
     compiles a new specialisation of a known configuration. ``pull`` (with ``scatter``): the
-    owners pull the peers' partials instead of the peers pushing them (``_pull_partials``)."""
+    owners pull the peers' partials instead of the peers pushing them (``_pull_partials``).
+    ``trace``: an int64 tensor of at least ``TRACE_SLOTS`` per program, filled with GPU times
+    (benchmarks only; the ticket order; -1 where a program left slots unused)."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
@@ -364,14 +376,16 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     def args(epoch, parity, ticket_base):
         return (a_desc, b_desc, full_bias if full_bias is not None else out,
                 ws.data(parity, (elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
-                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ws.ticket, ticket_base)
+                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ws.ticket, ticket_base,
+                trace if trace is not None else ws.ticket)
 
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
-                  PULL=pull and scatter, num_warps=cfg.warps, num_stages=cfg.stages)
+                  PULL=pull and scatter, TRACE=trace is not None, num_warps=cfg.warps,
+                  num_stages=cfg.stages)
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"])
+           ablate, consts["PULL"], trace is not None)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, grid=(1,), **consts)
         compiled._init_handles()
@@ -387,8 +401,13 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         compute = max(1, min(count, programs - cfg.reducers))
         reducers = max(1, min(cfg.reducers, programs - compute))
 
+    if trace is not None and trace.numel() < (compute + reducers) * TRACE_SLOTS:
+        raise ValueError(f"commfuse: the trace needs {(compute + reducers) * TRACE_SLOTS} slots")
+
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
+        if trace is not None:
+            trace.fill_(-1)
         gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + count + compute

@@ -64,6 +64,33 @@ def now():
     return tl.min(t, axis=0)
 
 
+#: Slots per program of a kernel trace (benchmarks: ``prepare(trace=...)`` of the fused kernels):
+#: its start, a second time (the all-gather: its pushes' end; the all-reduce: its end), then
+#: (position, a time, its end) for each of its first ``TRACE_TILES`` positions (the middle time:
+#: the all-gather's wait end, the all-reduce's start of the position).
+TRACE_TILES = 8
+TRACE_SLOTS = 2 + 3 * TRACE_TILES
+_TILES, _SLOTS = tl.constexpr(TRACE_TILES), tl.constexpr(TRACE_SLOTS)  # the same, for kernels
+
+
+@triton.jit
+def trace_time(trace, slot, TRACE: tl.constexpr):
+    """With ``TRACE``, the GPU time into this program's ``slot`` of the trace."""
+    if TRACE:
+        tl.store(trace + tl.program_id(0) * _SLOTS + slot, now())
+
+
+@triton.jit
+def trace_tile(trace, j, i, part, TRACE: tl.constexpr):
+    """With ``TRACE``: ``part`` 0 records position ``i`` and the time as the program's ``j``-th
+    tile's middle time, ``part`` 1 the time as its end (the first ``TRACE_TILES`` tiles only)."""
+    if TRACE:
+        if j < _TILES:
+            if part == 0:
+                tl.store(trace + tl.program_id(0) * _SLOTS + 2 + 3 * j, i.to(tl.int64))
+            trace_time(trace, 3 + part + 3 * j, TRACE)
+
+
 @triton.jit
 def wait_flag(ptr, epoch, start, timeout):
     """Spin until ``*ptr >= epoch`` (acquire, system scope) or ``timeout`` ns after ``start`` (a
