@@ -66,6 +66,7 @@ def main() -> int:
     p.add_argument("--ops", default="rs,ar")
     p.add_argument("--shapes", default="2048x2048x2048,8192x2048x4096")
     p.add_argument("--configs", default="128x256x64s3w8g8r16o1,128x128x64s4w8g8r16o1")
+    p.add_argument("--pull", default="0", help="reduce-scatter: 0, 1 or 0,1 (owners pull the partials)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -75,7 +76,9 @@ def main() -> int:
         scatter = op == "rs"
         for shape in args.shapes.split(","):
             m, k, n = (int(x) for x in shape.split("x"))
-            for text in args.configs.split(","):
+            variants = [(text, pull == "1") for text in args.configs.split(",")
+                        for pull in (args.pull.split(",") if scatter else ["0"])]
+            for text, pull in variants:
                 cfg = tiles.TileConfig.parse(text)
                 ws = symm.workspace(gname, fused_all_reduce.data_elems(m, n, world, cfg, scatter) * 2,
                                     torch.device("cuda", torch.cuda.current_device()))
@@ -87,14 +90,14 @@ def main() -> int:
                 if scatter:
                     ref = ref.chunk(world)[rank]
                 out = torch.full(ref.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-                launch = fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter)
+                launch = fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter, pull=pull)
                 launch(*ws.next_epoch())
                 torch.cuda.synchronize()
                 ErrorWord.check("tile_trace")
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 us = time_us(lambda: launch(*ws.next_epoch()))
                 trace = torch.full((1024 * sync.TRACE_SLOTS,), -1, dtype=torch.int64, device="cuda")
-                traced = fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter, trace=trace)
+                traced = fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter, pull=pull, trace=trace)
                 for _ in range(3):
                     launch(*ws.next_epoch())
                 traced(*ws.next_epoch())
@@ -104,7 +107,7 @@ def main() -> int:
                 own = (count // world if scatter else len(range(rank, count, world)))
                 programs = cfg.per_sm * ws.max_programs  # as prepare counts them (per_sm 1 fits here)
                 compute = min(count, programs) if scatter else max(1, min(count, programs - cfg.reducers))
-                rec = dict(op=op, M=m, K=k, N=n, config=text, err=err, us=us,
+                rec = dict(op=op, M=m, K=k, N=n, config=text, pull=pull, err=err, us=us,
                            **summary(trace.cpu(), count - own, compute))
                 records.append(rec)
                 if rank == 0:
