@@ -163,6 +163,92 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
         assert int(ErrorWord._word[0]) == 0
 
 
+class _PeerViews:
+    """The provider's ``get_buffer`` over one process's simulated ranks (the copy-engine push)."""
+
+    def __init__(self, bufs):
+        self.bufs = bufs
+
+    def get_buffer(self, peer, sizes, dtype, offset):
+        assert dtype == torch.uint8
+        return self.bufs[peer][offset:offset + sizes[0]]
+
+
+class _NoStream:
+    def wait_stream(self, other):
+        pass
+
+
+def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: bool, chunks: int,
+                   calls: int = 3) -> None:
+    """The copy-engine push, every rank in this process: each rank's host push (copies into the
+    peers' rows and stream writes of their flags, here plain writes) runs first, then each
+    rank's kernel, which waits on the copy engines' flags only. Rows not pushed are NaN."""
+    import contextlib
+    import os
+
+    os.environ["COMMFUSE_AG_CE_CHUNKS"] = str(chunks)
+    saved = (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags,
+             fused_all_gather.all_gather_gemm_kernel)
+    torch.cuda.current_stream = lambda *a, **kw: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+
+    def write_flag(flags, offset, value):
+        flags[offset] = value
+
+    fused_all_gather.copy_engine_flags = lambda: write_flag
+    try:
+        torch.manual_seed(rows + k + n + world + chunks)
+        cfg = tiles.TileConfig(bm=bm, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0, per_sm=1)
+        ws = group(world, 1 << 17, 8)
+        for x in ws:
+            x._keepalive = _PeerViews([y.buffer for y in ws])
+        push_k = min(256, triton.next_power_of_2(k))
+        fused_all_gather._resident[(cfg, DT, world, True, False, None, push_k, False, False)] = 1
+        for call in range(calls):
+            shards = [torch.randn(rows, k, dtype=DT) for _ in range(world)]
+            w = torch.randn(n, k, dtype=DT) / k ** 0.5
+            epoch = ws[0].epoch + 1
+            for x in ws:  # rows nobody pushed would show
+                x.data(epoch % 2, (world * rows, k), DT).fill_(float("nan"))
+            outs = [torch.full((world * rows, n), float("nan"), dtype=DT) for _ in range(world)]
+            got = [torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
+                   for _ in range(world)]
+            launches = [fused_all_gather.prepare(ws[r], shards[r], w.t(), None, got[r], outs[r], cfg,
+                                                 side=_NoStream()) for r in range(world)]
+            kernels = []  # the kernels wait until every rank has pushed (one process)
+
+            class Deferred:
+                def __getitem__(self, grid):
+                    return lambda *a, **kw: kernels.append((grid, a, kw))
+
+            fused_all_gather.all_gather_gemm_kernel = Deferred()
+            epochs = [x.next_epoch() for x in ws]
+            for r in range(world):
+                launches[r](*epochs[r])
+            fused_all_gather.all_gather_gemm_kernel = saved[3]
+            for r, (grid, a, kw) in enumerate(kernels):
+                saved[3][grid](*a, **kw)
+            full = torch.cat(shards)
+            want = full.float() @ w.float().t()
+            for r in range(world):
+                err = ((outs[r].float() - want).norm() / want.norm()).item()
+                assert err < 2e-3, (rows, world, chunks, r, call, err)
+                if gathered:  # its copy ran before the deferred kernel: the rows it copies are there now
+                    got[r].copy_(ws[r].data(epochs[r][1], (world * rows, k), DT))
+                    assert torch.equal(got[r], full), (rows, world, chunks, r, call)
+                base = fused_all_gather.ce_flag_base(rows, world)
+                flags = ws[r].tile_flags
+                assert int((flags[:base] != 0).sum()) == 0, "a copy-engine flag below its base"
+                written = {(c, p) for c in range(fused_all_gather.ce_chunks(rows)) for p in range(world) if p != r}
+                assert all(int(flags[base + c * world + p]) == epochs[r][0] for c, p in written), (r, call)
+            assert int(ErrorWord._word[0]) == 0
+    finally:
+        (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags,
+         fused_all_gather.all_gather_gemm_kernel) = saved
+        os.environ.pop("COMMFUSE_AG_CE_CHUNKS", None)
+
+
 _peers_ready = fused_all_reduce._peers_ready
 
 
@@ -183,6 +269,9 @@ def main() -> None:
         fused_all_reduce._peers_ready = _peers_ready
         gather_case(40, 48, 24, world, rank, bias=True, gathered=True)  # 2 chunks, the last short
         gather_case(7, 32, 16, world, rank, bias=False, gathered=False)
+    for rows, world, bm, gathered, chunks in ((40, 2, 32, True, 1), (7, 3, 32, True, 1), (100, 4, 64, False, 3),
+                                              (70, 2, 32, True, 2), (64, 8, 32, False, 2)):
+        ce_gather_case(rows, 32, 16, world, bm, gathered, chunks)
     print("ok")
 
 

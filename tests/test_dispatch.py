@@ -107,7 +107,10 @@ def test_all_gather_push_by_shard_size(monkeypatch):
     monkeypatch.delenv("COMMFUSE_AG_CE_CHUNKS", raising=False)
     assert dispatch.gather_push(1024 * 2048 * 2) == "ce"  # 2048^3 on 2 ranks
     assert dispatch.gather_push(512 * 1024 * 2) == "sm"  # 1024^3
-    assert fused_all_gather.ce_chunks() == 1
+    assert fused_all_gather.ce_chunks(1024) == 1
+    monkeypatch.setenv("COMMFUSE_AG_CE_CHUNKS", "1000")
+    assert fused_all_gather.ce_chunks(1024) == 1024 // 32  # chunks of at least 32 rows
+    assert fused_all_gather.ce_chunks(5) == 1
     monkeypatch.setenv("COMMFUSE_AG_PUSH", "sm")
     assert dispatch.gather_push(1 << 30) == "sm"
     monkeypatch.setenv("COMMFUSE_AG_PUSH", "dma")
@@ -386,7 +389,8 @@ def test_fused_kernels_at_4_and_8_ranks(world, monkeypatch):
     assert "split" in dispatch.fused_unsupported(2049, 4096, 7168, BF16, world, gather=True)
     # all-gather: every rank's rows in the workspace, one flag per 32-row chunk of every rank
     assert dispatch.gather_workspace_bytes(2048, 4096, 2048, BF16, world) == 2048 * 4096 * 2
-    assert fused_all_gather.chunk_flag_slots(2048 // world, world) == world * (2048 // world // 32)
+    assert fused_all_gather.chunk_flag_slots(2048 // world, world) == 2 * world * (2048 // world // 32)
+    assert fused_all_gather.ce_flag_base(2048 // world, world) == world * (2048 // world // 32)
     assert dispatch.gather_workspace_bytes(4096, 4096, 7168, BF16, world) == 4096 // world * 4096 * 2
     # all-reduce: world slabs of the owned tiles (rounded up to whole slabs) and the result area
     cfg = dispatch.tile_config(8192, 4096, 8192)

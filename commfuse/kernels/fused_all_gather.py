@@ -40,7 +40,7 @@ from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 #: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
 CHUNK_ROWS = 32
 #: Programs that push the shard and then copy the peers' rows into the gathered tensor
-#: (``COMMFUSE_AG_PUSHERS`` overrides, for sweeps; it must be set alike on every rank).
+#: (``COMMFUSE_AG_PUSHERS`` overrides, for sweeps; ranks may differ: chunk slots do not depend on it).
 PUSHERS = 16
 
 
@@ -125,7 +125,7 @@ def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, O
     return late
 
 
-@triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers"])
+@triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers", "flag_rows"])
 def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
                            timeout, ticket, ticket_base, trace, pushers, flag_rows,
                            OP: tl.constexpr,
@@ -182,7 +182,17 @@ def data_elems(rows: int, k: int, world: int) -> int:
 
 
 def chunk_flag_slots(rows: int, world: int) -> int:
-    """Tile-flag slots a call uses: one per pushed chunk of every rank's ``rows``."""
+    """Tile-flag slots a call may use: one per ``CHUNK_ROWS`` chunk of every rank's ``rows``
+    (the programs' pushes), then as many again from ``ce_flag_base`` (the copy engines' pushes,
+    whose chunks are never smaller)."""
+    return 2 * ce_flag_base(rows, world)
+
+
+def ce_flag_base(rows: int, world: int) -> int:
+    """First tile-flag slot of the copy engines' chunk flags, past every slot the programs' pushes
+    use (a multiple of ``world``: slot = writer mod world still holds). Two ranks that disagree on
+    who pushes (``COMMFUSE_AG_PUSH``) then wait for flags nobody writes and time out with an error,
+    instead of one of them reading rows that were not pushed yet."""
     return world * tiles.cdiv(rows, CHUNK_ROWS)
 
 
@@ -199,13 +209,13 @@ def copy_engine_flags():
         return None
 
 
-def ce_chunks() -> int:
-    """Row chunks of a copy-engine push (one flag each): ``COMMFUSE_AG_CE_CHUNKS``, default
-    ``CE_CHUNKS``."""
+def ce_chunks(rows: int) -> int:
+    """Row chunks of a copy-engine push of ``rows`` (one flag each): ``COMMFUSE_AG_CE_CHUNKS``
+    (set alike on every rank), default ``CE_CHUNKS``; at most one per ``CHUNK_ROWS`` rows."""
     import os
 
     env = os.environ.get("COMMFUSE_AG_CE_CHUNKS", "").strip()
-    return max(1, int(env)) if env else CE_CHUNKS
+    return max(1, min(int(env) if env else CE_CHUNKS, tiles.cdiv(rows, CHUNK_ROWS)))
 
 
 #: Chunks of a copy-engine push: each costs a copy and a flag write per peer, and each copy its
@@ -243,7 +253,8 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                  for q in peers for parity in (0, 1)} if write_flag is not None else {}
     peer_flags = {q: ws.peer_tile_flags(q) for q in peers} if write_flag is not None else {}
     ce = write_flag is not None and all(v is not None for v in (*peer_rows.values(), *peer_flags.values()))
-    flag_rows = tiles.cdiv(rows, ce_chunks()) if ce else CHUNK_ROWS
+    flag_rows = tiles.cdiv(rows, ce_chunks(rows)) if ce else CHUNK_ROWS
+    flag_base = ce_flag_base(rows, world) if ce else 0  # the kernel waits on flags from here
     g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
     g_descs = [g0_desc, tiles.rows_descriptor(gathered_rows[1], [cfg.bm, cfg.bk])]
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
@@ -253,7 +264,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     def args(epoch, parity, ticket_base):
         return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
                 full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
-                sbm, sbn, ws.tile_flags, ws.heap_bases, epoch, rank, ErrorWord.get(),
+                sbm, sbn, ws.tile_flags[flag_base:], ws.heap_bases, epoch, rank, ErrorWord.get(),
                 timeout_ns(), ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
 
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
@@ -263,7 +274,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     key = (cfg, shard.dtype, world, b_t, bias is not None, shard.device.index, push_k,
            gather_in_kernel, trace is not None)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, CHUNK_ROWS, grid=(1,), **consts)
+        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, flag_rows, grid=(1,), **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, shard.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -290,7 +301,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                 for q in peers:
                     peer_rows[(q, parity)][rank * rows + lo:rank * rows + hi].copy_(shard[lo:hi],
                                                                                     non_blocking=True)
-                    write_flag(peer_flags[q], c * world + rank, epoch)
+                    write_flag(peer_flags[q], flag_base + c * world + rank, epoch)
 
     def launch(epoch: int, parity: int) -> None:
         global CE_CALLS

@@ -1,6 +1,7 @@
 """``mm_all_reduce`` in one persistent kernel: each tile is reduced in the epilogue of the program
 that multiplied it, while other tiles are still being multiplied, and every byte that crosses
-NVLink is a store (pushed), never a load, so no program waits a remote round trip per element.
+NVLink is a store (pushed), never a load, so no program waits a remote round trip per element
+(except in the reduce-scatter's ``PULL`` form, below).
 
 Tile t belongs to rank t % world. Every rank multiplies the tiles of the ranks after it first and
 its own tiles last ("own last"), so by the time it multiplies a tile it owns, the peers pushed
@@ -27,7 +28,10 @@ tile t at index t // world) and a result area indexed by tile, each tile a dense
 
 With ``SCATTER`` the same kernel is ``mm_reduce_scatter`` along rows: rank o owns the tiles of its
 share of the rows (numbered o * per + slot), and an own tile's sum is this rank's output only:
-no result area, no ``done`` flags, no reducers.
+no result area, no ``done`` flags, no reducers. With ``PULL`` too (``COMMFUSE_RS_PULL=1``, off:
+slower on every shape timed) a peer's tile stays in the writer's own memory, in the owner's slab
+there, released at once, and the owner loads it (``_pull_partials``); the reuse argument is the
+same, as an owner's call e + 1 waits for every writer's partials of e + 1.
 """
 
 from __future__ import annotations
@@ -346,7 +350,11 @@ def tickets() -> bool:
     return os.environ.get("COMMFUSE_FUSED_TICKETS", "1") != "0"
 
 
-#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate) -> programs per SM
+#: Reduce-scatter calls whose owners pulled the partials, since import (tests check the path ran).
+PULL_CALLS = 0
+
+#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced) ->
+#: programs per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -405,7 +413,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         raise ValueError(f"commfuse: the trace needs {(compute + reducers) * TRACE_SLOTS} slots")
 
     def launch(epoch: int, parity: int) -> None:
+        global PULL_CALLS
         base = ws.ticket_base
+        PULL_CALLS += consts["PULL"]
         if trace is not None:
             trace.fill_(-1)
         gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)

@@ -144,8 +144,11 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
     """The kernel's reduce-scatter form (forced here; dispatch.py has its defaults): rank r gets
     share r of the summed rows; a share whose rows are not a multiple of the tile height
     included; the peers' partials pushed to their owners or pulled by them (``pull``)."""
+    from commfuse.kernels import fused_all_reduce
+
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     monkeypatch.setenv("COMMFUSE_RS_PULL", "1" if pull else "0")
+    pulls_before = fused_all_reduce.PULL_CALLS
     k, n = 1024, 776
     torch.manual_seed(2000 * dist.get_rank() + m)
     a, b, c = _operands(m, k, n, dtype, "plain" if form == "three_d" else form)
@@ -156,6 +159,7 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
     ref = _reference(a, b, c).view(shape).chunk(2, dim=0)[dist.get_rank()]
     check_errors()
     assert cuda_paths.PATHS["mm_reduce_scatter:fused"] == before + 1
+    assert fused_all_reduce.PULL_CALLS == pulls_before + pull
     assert out.shape == ref.shape
     assert relerr(out, ref) < 1e-2
 
@@ -211,8 +215,11 @@ def test_fused_reduce_scatter_back_to_back_without_synchronising(nccl, pull, mon
     """40 fused reduce-scatters queued with no synchronisation, shapes alternating (1024 and 2048
     rows, both tilings), fresh data each: checked only at the end, so a partial overwritten
     before its owner read it (pushed or pulled) would show."""
+    from commfuse.kernels import fused_all_reduce
+
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     monkeypatch.setenv("COMMFUSE_RS_PULL", "1" if pull else "0")
+    pulls_before = fused_all_reduce.PULL_CALLS
     torch.manual_seed(87 + dist.get_rank())
     calls = []
     for i in range(40):
@@ -221,6 +228,7 @@ def test_fused_reduce_scatter_back_to_back_without_synchronising(nccl, pull, mon
         w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
         calls.append((a, w, torch.ops.commfuse.mm_reduce_scatter(a, w, None, [m, 1024], 0, 2, nccl.group_name)))
     check_errors()
+    assert fused_all_reduce.PULL_CALLS - pulls_before == (40 if pull else 0)
     for i, (a, w, out) in enumerate(calls):
         assert relerr(out, _reference(a, w, None).chunk(2)[dist.get_rank()]) < 1e-2, f"call {i}"
 
@@ -242,7 +250,7 @@ def test_fused_all_gather_back_to_back_without_synchronising(nccl, push, monkeyp
     ce_before = fused_all_gather.CE_CALLS
     outs = [torch.ops.commfuse.all_gather_mm(x, w, None, 0, 2, nccl.group_name, i % 3 == 0) for i, x in enumerate(shards)]
     check_errors()
-    assert fused_all_gather.CE_CALLS - ce_before == (40 if _ce_pushes_expected("torch", push) else 0)
+    assert fused_all_gather.CE_CALLS - ce_before == (40 if _ce_pushes_expected(symm.provider_name(), push) else 0)
     for i, (x, (out, gathered)) in enumerate(zip(shards, outs)):
         full = torch.cat(gather_all(x))
         assert relerr(out, full.float() @ w.float()) < 1e-2, f"call {i}"
