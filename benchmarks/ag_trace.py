@@ -17,11 +17,10 @@ import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 
 import commfuse  # noqa: F401
 from ag_sweep import check
-from commfuse.bench import settings, sweep_finish, sweep_setup, time_us
+from commfuse.bench import settings, sweep_finish, sweep_record, sweep_setup, sweep_trace
 from commfuse.kernels import fused_all_gather, symm, sync, tiles
 
 BIN_NS = 2000
@@ -95,20 +94,13 @@ def main() -> int:
                 with settings({"COMMFUSE_AG_PUSHERS": str(max(pushers, 1)), "COMMFUSE_AG_PUSH": push}):
                     err = check(shard, b, gname, world, group, cfg, side)[0]
                     launch = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, side=side)
-                    us = time_us(lambda: launch(*ws.next_epoch()))
                     trace = torch.full((1024 * sync.TRACE_SLOTS,), -1, dtype=torch.int64,
                                        device="cuda")
                     traced = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, trace, side)
-                    for _ in range(3):
-                        launch(*ws.next_epoch())
-                    traced(*ws.next_epoch())
-                    torch.cuda.synchronize()
-                    rec = dict(M=m, K=k, N=n, config=text, push=push, pushers=pushers, err=err, us=us,
-                               **summary(trace.cpu(), m // world, n, world, cfg, pushers))
-                records.append(rec)
-                if rank == 0:
-                    print(rec, flush=True)
-                dist.barrier()
+                    us = sweep_trace(ws, launch, traced)
+                    sweep_record(records, dict(M=m, K=k, N=n, config=text, push=push, pushers=pushers,
+                                               err=err, us=us,
+                                               **summary(trace.cpu(), m // world, n, world, cfg, pushers)))
     return sweep_finish(records, args.out)
 
 

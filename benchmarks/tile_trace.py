@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse  # noqa: F401
-from commfuse.bench import sweep_finish, sweep_setup, time_us
+from commfuse.bench import sweep_finish, sweep_record, sweep_setup, sweep_trace
 from commfuse.kernels import fused_all_reduce, symm, sync, tiles
 from commfuse.kernels.sync import ErrorWord
 
@@ -95,24 +95,15 @@ def main() -> int:
                 torch.cuda.synchronize()
                 ErrorWord.check("tile_trace")
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                us = time_us(lambda: launch(*ws.next_epoch()))
                 trace = torch.full((1024 * sync.TRACE_SLOTS,), -1, dtype=torch.int64, device="cuda")
                 traced = fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter, pull=pull, trace=trace)
-                for _ in range(3):
-                    launch(*ws.next_epoch())
-                traced(*ws.next_epoch())
-                torch.cuda.synchronize()
-                ErrorWord.check("tile_trace")
+                us = sweep_trace(ws, launch, traced)
                 count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)
                 own = (count // world if scatter else len(range(rank, count, world)))
                 programs = cfg.per_sm * ws.max_programs  # as prepare counts them (per_sm 1 fits here)
                 compute = min(count, programs) if scatter else max(1, min(count, programs - cfg.reducers))
-                rec = dict(op=op, M=m, K=k, N=n, config=text, pull=pull, err=err, us=us,
-                           **summary(trace.cpu(), count - own, compute))
-                records.append(rec)
-                if rank == 0:
-                    print(rec, flush=True)
-                dist.barrier()
+                sweep_record(records, dict(op=op, M=m, K=k, N=n, config=text, pull=pull, err=err, us=us,
+                                           **summary(trace.cpu(), count - own, compute)))
     return sweep_finish(records, args.out)
 
 

@@ -276,6 +276,29 @@ def sweep_variant(errs: dict, times: dict, name: str, check, runs: dict) -> None
         torch.cuda.synchronize()
 
 
+def sweep_trace(ws, launch, traced) -> float:
+    """The trace scripts' timing: ``launch`` (a fused kernel's ``prepare`` result) timed with
+    ``time_us``, then three calls back to back and ``traced`` (the same call, recording its trace)
+    after them, so the trace shows a call that follows others; returns the time in us."""
+    from commfuse.kernels.sync import ErrorWord
+
+    us = time_us(lambda: launch(*ws.next_epoch()))
+    for _ in range(3):
+        launch(*ws.next_epoch())
+    traced(*ws.next_epoch())
+    torch.cuda.synchronize()
+    ErrorWord.check("a traced call")
+    return us
+
+
+def sweep_record(records: list, rec: dict) -> None:
+    """Keep one sweep record; rank 0 prints it; the ranks meet before the next."""
+    records.append(rec)
+    if dist.get_rank() == 0:
+        print(rec, flush=True)
+    dist.barrier()
+
+
 def sweep_details(times: dict, errs: dict) -> None:
     """Rank 0's detail lines of one sweep shape: every time, and every variant's error."""
     print("   ", {key: round(v, 1) for key, v in times.items()}, flush=True)
