@@ -13,56 +13,40 @@ number of programs multiplying / waiting in each 2 us bin.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 import commfuse  # noqa: F401
 from ag_sweep import check
-from commfuse.bench import settings, sweep_finish, sweep_record, sweep_setup, sweep_trace
+from commfuse.bench import (settings, spread, sweep_finish, sweep_record, sweep_setup, sweep_trace, trace_bins,
+                            trace_positions, trace_rows)
 from commfuse.kernels import fused_all_gather, symm, sync, tiles
 
-BIN_NS = 2000
-
-
 def summary(trace: torch.Tensor, rows: int, n: int, world: int, cfg, pushers: int) -> dict:
-    """The trace of one call (``TRACE_SLOTS`` int64 per program, -1 unused) in us from the
-    earliest start: push ends, tile ends by source, waits of peer-row tiles, a busy profile."""
-    slots = trace.view(-1, sync.TRACE_SLOTS).tolist()
+    """The trace of one call in us from the earliest start: push ends, tile ends by source,
+    waits of peer-row tiles, how many programs multiply / wait per bin."""
+    slots, t0 = trace_rows(trace)
     per = tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
-    t0 = min(s[0] for s in slots if s[0] >= 0)
     us = lambda ns: (ns - t0) / 1e3
-    push_end = [us(s[1]) for s in slots[:pushers] if s[1] >= 0]
     own_end, peer_end, waits, spans = [], [], [], []
     for s in slots:
         if s[0] < 0:
             continue
         prev = s[1] if s[1] >= 0 else s[0]
-        for j in range(sync.TRACE_TILES):
-            pos, waited, end = s[2 + 3 * j:5 + 3 * j]
-            if pos < 0:
-                break
+        for pos, waited, end in trace_positions(s):
             (own_end if pos < per else peer_end).append(us(end))
             if pos >= per:
                 waits.append((waited - prev) / 1e3)
             spans.append((prev, waited, end))
             prev = end
     last = max(end for _, _, end in spans)
-    bins = int((last - t0) // BIN_NS) + 1
-    busy, wait = [0] * bins, [0] * bins
-    for start, waited, end in spans:
-        for b in range(int((start - t0) // BIN_NS), int((end - t0) // BIN_NS) + 1):
-            lo, hi = t0 + b * BIN_NS, t0 + (b + 1) * BIN_NS
-            if min(hi, waited) - max(lo, start) > BIN_NS / 2:
-                wait[b] += 1
-            elif min(hi, end) - max(lo, waited) > BIN_NS / 2:
-                busy[b] += 1
-    q = lambda v: [round(x, 1) for x in (min(v), statistics.median(v), max(v))] if v else None
     return {"start_spread_us": round(max(us(s[0]) for s in slots if s[0] >= 0), 1),
-            "push_end_us": q(push_end), "own_tile_end_us": q(own_end), "peer_tile_end_us": q(peer_end),
-            "peer_wait_us": q(waits), "last_end_us": round(us(last), 1),
-            "tiles_traced": len(spans), "busy_per_2us": busy, "waiting_per_2us": wait}
+            "push_end_us": spread([us(s[1]) for s in slots[:pushers] if s[1] >= 0]),
+            "own_tile_end_us": spread(own_end), "peer_tile_end_us": spread(peer_end),
+            "peer_wait_us": spread(waits), "last_end_us": round(us(last), 1), "tiles_traced": len(spans),
+            "busy_per_2us": trace_bins([(waited, end) for _, waited, end in spans], t0, last),
+            "waiting_per_2us": trace_bins([(start, waited) for start, waited, _ in spans], t0, last)}
 
 
 def main() -> int:

@@ -14,51 +14,37 @@ kind took, when the programs and the reducers end, and how many programs hold a 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 import commfuse  # noqa: F401
-from commfuse.bench import sweep_finish, sweep_record, sweep_setup, sweep_trace
+from commfuse.bench import (spread, sweep_finish, sweep_record, sweep_setup, sweep_trace, trace_bins,
+                            trace_positions, trace_rows)
 from commfuse.kernels import fused_all_reduce, symm, sync, tiles
 from commfuse.kernels.sync import ErrorWord
-
-BIN_NS = 2000
-
 
 def summary(trace: torch.Tensor, own_from: int, compute: int) -> dict:
     """One traced call in us from the earliest start: positions from ``own_from`` on are this
     rank's own tiles; programs from ``compute`` on are reducers."""
-    slots = trace.view(-1, sync.TRACE_SLOTS).tolist()
-    t0 = min(s[0] for s in slots if s[0] >= 0)
+    slots, t0 = trace_rows(trace)
     us = lambda ns: round((ns - t0) / 1e3, 1)
-    q = lambda v: [round(x, 1) for x in (min(v), statistics.median(v), max(v))] if v else None
     kinds = {"peer": ([], []), "own": ([], [])}  # (durations, ends)
     spans = []
     for s in slots[:compute]:
-        for j in range(sync.TRACE_TILES):
-            pos, begin, end = s[2 + 3 * j:5 + 3 * j]
-            if pos < 0:
-                break
+        for pos, begin, end in trace_positions(s):
             durations, ends = kinds["own" if pos >= own_from else "peer"]
             durations.append((end - begin) / 1e3)
             ends.append(us(end))
             spans.append((begin, end))
-    last = max(end for _, end in spans)
-    busy = [0] * (int((last - t0) // BIN_NS) + 1)
-    for begin, end in spans:
-        for b in range(int((begin - t0) // BIN_NS), int((end - t0) // BIN_NS) + 1):
-            lo, hi = t0 + b * BIN_NS, t0 + (b + 1) * BIN_NS
-            if min(hi, end) - max(lo, begin) > BIN_NS / 2:
-                busy[b] += 1
     return {"start_spread_us": max(us(s[0]) for s in slots if s[0] >= 0),
-            "peer_tile_us": q(kinds["peer"][0]), "peer_tile_end_us": q(kinds["peer"][1]),
-            "own_tile_us": q(kinds["own"][0]), "own_tile_end_us": q(kinds["own"][1]),
-            "program_end_us": q([us(s[1]) for s in slots[:compute] if s[1] >= 0]),
-            "reducer_end_us": q([us(s[1]) for s in slots[compute:] if s[1] >= 0]),
-            "last_tile_end_us": us(last), "tiles_traced": len(spans), "busy_per_2us": busy}
+            "peer_tile_us": spread(kinds["peer"][0]), "peer_tile_end_us": spread(kinds["peer"][1]),
+            "own_tile_us": spread(kinds["own"][0]), "own_tile_end_us": spread(kinds["own"][1]),
+            "program_end_us": spread([us(s[1]) for s in slots[:compute] if s[1] >= 0]),
+            "reducer_end_us": spread([us(s[1]) for s in slots[compute:] if s[1] >= 0]),
+            "last_tile_end_us": us(max(end for _, end in spans)), "tiles_traced": len(spans),
+            "busy_per_2us": trace_bins(spans, t0)}
 
 
 def main() -> int:

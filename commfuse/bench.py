@@ -291,6 +291,50 @@ def sweep_trace(ws, launch, traced) -> float:
     return us
 
 
+#: Bin width of the trace scripts' busy profiles.
+TRACE_BIN_NS = 2000
+
+
+def trace_rows(trace: torch.Tensor) -> tuple[list, int]:
+    """A fused kernel's trace (``sync.TRACE_SLOTS`` int64 per program, -1 unused) as one list per
+    program, and the earliest program start (ns)."""
+    from commfuse.kernels import sync
+
+    rows = trace.view(-1, sync.TRACE_SLOTS).tolist()
+    return rows, min(row[0] for row in rows if row[0] >= 0)
+
+
+def trace_positions(row: list) -> list[tuple[int, int, int]]:
+    """(position, middle time, end) of every tile one program's row of a trace recorded."""
+    from commfuse.kernels import sync
+
+    out = []
+    for j in range(sync.TRACE_TILES):
+        pos, middle, end = row[2 + 3 * j:5 + 3 * j]
+        if pos < 0:
+            break
+        out.append((pos, middle, end))
+    return out
+
+
+def trace_bins(spans: list, t0: int, last: int | None = None) -> list[int]:
+    """Per ``TRACE_BIN_NS`` bin from ``t0`` to ``last`` (default: the spans' last end), how many
+    (begin, end) spans cover more than half of it."""
+    last = max(end for _, end in spans) if last is None else last
+    counts = [0] * (int((last - t0) // TRACE_BIN_NS) + 1)
+    for begin, end in spans:
+        for b in range(int((begin - t0) // TRACE_BIN_NS), int((end - t0) // TRACE_BIN_NS) + 1):
+            lo, hi = t0 + b * TRACE_BIN_NS, t0 + (b + 1) * TRACE_BIN_NS
+            if min(hi, end) - max(lo, begin) > TRACE_BIN_NS / 2:
+                counts[b] += 1
+    return counts
+
+
+def spread(values: list) -> list | None:
+    """[min, median, max] of ``values``, rounded to 0.1, or None when there are none."""
+    return [round(x, 1) for x in (min(values), statistics.median(values), max(values))] if values else None
+
+
 def sweep_record(records: list, rec: dict) -> None:
     """Keep one sweep record; rank 0 prints it; the ranks meet before the next."""
     records.append(rec)

@@ -28,6 +28,8 @@ of any op, writes the same region. Ranks push to rank - 1 first: it reads their 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -45,8 +47,6 @@ PUSHERS = 16
 
 
 def pusher_count() -> int:
-    import os
-
     env = os.environ.get("COMMFUSE_AG_PUSHERS", "").strip()
     return max(1, int(env)) if env else PUSHERS
 
@@ -212,8 +212,6 @@ def copy_engine_flags():
 def ce_chunks(rows: int) -> int:
     """Row chunks of a copy-engine push of ``rows`` (one flag each): ``COMMFUSE_AG_CE_CHUNKS``
     (set alike on every rank), default ``CE_CHUNKS``; at most one per ``CHUNK_ROWS`` rows."""
-    import os
-
     env = os.environ.get("COMMFUSE_AG_CE_CHUNKS", "").strip()
     return max(1, min(int(env) if env else CE_CHUNKS, tiles.cdiv(rows, CHUNK_ROWS)))
 
