@@ -252,7 +252,8 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     peer_flags = {q: ws.peer_tile_flags(q) for q in peers} if write_flag is not None else {}
     ce = write_flag is not None and all(v is not None for v in (*peer_rows.values(), *peer_flags.values()))
     flag_rows = tiles.cdiv(rows, ce_chunks(rows)) if ce else CHUNK_ROWS
-    flag_base = ce_flag_base(rows, world) if ce else 0  # the kernel waits on flags from here
+    flag_base = ce_flag_base(rows, world) if ce else 0
+    flags = ws.tile_flags[flag_base:]  # the kernel waits on flags from here
     g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
     g_descs = [g0_desc, tiles.rows_descriptor(gathered_rows[1], [cfg.bm, cfg.bk])]
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
@@ -262,7 +263,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     def args(epoch, parity, ticket_base):
         return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
                 full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
-                sbm, sbn, ws.tile_flags[flag_base:], ws.heap_bases, epoch, rank, ErrorWord.get(),
+                sbm, sbn, flags, ws.heap_bases, epoch, rank, ErrorWord.get(),
                 timeout_ns(), ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
 
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
