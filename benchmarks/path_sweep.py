@@ -23,6 +23,12 @@ from commfuse.kernels.sync import check_errors
 
 AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  "fused": {"COMMFUSE_ALGO": "fused"},
+                 "fused_reducers": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r16o1"},
+                 # the copies of the pushed sums inline, COMMFUSE_AR_COPY_LAG waves behind
+                 **{f"fused_inline_lag{lag}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AR_COPY_LAG": lag,
+                                               "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r0o1"}
+                    for lag in ("0.5", "1", "2", "4", "100")},
+                 "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
                     for c in (2, 4, 8)}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.

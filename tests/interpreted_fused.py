@@ -9,6 +9,8 @@ programs one after another (no concurrent claims; no wait ever spins): those run
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,11 +30,14 @@ def block(full: torch.Tensor, off_m: int, pid_n: int) -> torch.Tensor:
 
 
 def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: bool, calls: int = 2,
-         pull: bool = False) -> None:
+         pull: bool = False, inline: bool = False) -> None:
     """``pull`` (reduce-scatter): the peers' partials of this rank's tiles wait in their own slabs,
-    flagged in their own memory; this rank's partials of theirs must land in its own slabs."""
+    flagged in their own memory; this rank's partials of theirs must land in its own slabs.
+    ``inline`` (all-reduce): no reducers, the copies of the pushed sums in the ticket order."""
     torch.manual_seed(m + k + n + world + rank + scatter)
-    cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=1, per_sm=1)
+    cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=0 if inline else 1,
+                           per_sm=1)
+    inline_before = fused_all_reduce.INLINE_CALLS
     count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)
     slab_tiles = -(-count // world)
     result_at = world * slab_tiles
@@ -109,6 +114,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
                         assert int(ws[p].tile_flags[count * world + t]) == epoch, ("done", t, p)
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
         assert int(ErrorWord._word[0]) == 0
+    assert fused_all_reduce.INLINE_CALLS - inline_before == (calls if inline else 0), "inline copies ran"
 
 
 def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, gathered: bool,
@@ -260,6 +266,10 @@ def _never_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
 def main() -> None:
     for world, rank in ((2, 0), (2, 1), (4, 2), (8, 5)):
         case(40, 48, 40, world, rank, scatter=False, bias=True)
+        for lag in ("0", "0.5", "2", "40"):  # copies right behind, spread, all after the last tile
+            os.environ["COMMFUSE_AR_COPY_LAG"] = lag
+            case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
+        os.environ.pop("COMMFUSE_AR_COPY_LAG")
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)

@@ -77,6 +77,34 @@ def _tile_block(data, index, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _interleaved(q, rank, num_tiles, slab_tiles, lag, WORLD: tl.constexpr):
+    """Ticket position ``q`` of the order with the copies inline (no reducers): (kind, where),
+    kind 0 a multiplication at position ``where`` of ``_schedule``'s order, 1 the copy of the
+    pushed sum of tile ``where``, 2 nothing. The peers' tiles come first, as in ``_schedule``;
+    then units of ``WORLD`` positions: this rank's u-th own tile, then for each peer the copy of
+    its (u - ``lag``)-th own tile, which every peer multiplies at about the time this rank
+    multiplies its u-th: ``lag`` units later its sum has usually been pushed and released."""
+    own = (num_tiles - rank + WORLD - 1) // WORLD
+    first = num_tiles - own  # positions of the peers' tiles
+    v = q - first
+    unit = v // WORLD
+    sub = v % WORLD
+    peer = (rank + sub) % WORLD
+    j = unit - lag
+    copy_tile = peer + WORLD * j
+    kind = tl.where(q < first, 0, tl.where(sub == 0, tl.where(unit < own, 0, 2),
+                                             tl.where((j >= 0) & (copy_tile < num_tiles), 1, 2)))
+    where = tl.where(q < first, q, tl.where(sub == 0, first + unit, copy_tile))
+    return kind, where
+
+
+def inline_positions(count: int, world: int, rank: int, lag: int) -> int:
+    """Ticket positions of the inline order (``_interleaved``) for ``count`` tiles."""
+    own = (count - rank + world - 1) // world
+    return count - own + world * (tiles.cdiv(count, world) + lag)
+
+
+@triton.jit
 def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.constexpr,
                  BN: tl.constexpr, SUB_M: tl.constexpr):
     """Copy the sum a peer pushed for one of its tiles into ``out``; NaN if its wait was late."""
@@ -90,6 +118,29 @@ def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.co
         cols = pid_n * BN + c
         tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val,
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _copy_position(tile, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M, N,
+                   num_m, num_n, num_tiles, slab_tiles, result_at, OP: tl.constexpr,
+                   WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+                   SUB_M: tl.constexpr, SCATTER: tl.constexpr, ABLATE: tl.constexpr):
+    """Inline copy: a peer's pushed sum of ``tile`` into ``out``. A sum not yet released is waited
+    for only after this program released its own pending tile (``prev``), so no two programs wait
+    on each other's unreleased flags. Returns (prev, late)."""
+    owner = _owner(tile, slab_tiles, WORLD, SCATTER)
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    if (late == 0) & (ABLATE & NO_WAIT == 0):
+        flag = flags + num_tiles * WORLD + tile
+        if tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+            if prev >= 0:
+                _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+                prev = prev * 0 - 1
+            late = wait_or_record(flag, epoch, now(), timeout, err, OP, rank, owner)
+        tl.debug_barrier()
+    if ABLATE & NO_COPY == 0:
+        _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
+    return prev, late
 
 
 @triton.jit
@@ -258,21 +309,24 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     return later, late
 
 
-@triton.jit(do_not_specialize=["epoch", "ticket_base", "compute"])
+@triton.jit(do_not_specialize=["epoch", "ticket_base", "compute", "lag"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                            flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
-                           trace, compute, OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                           SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
+                           trace, compute, lag, OP: tl.constexpr, WORLD: tl.constexpr,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           GROUP_M: tl.constexpr, SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
-                           PULL: tl.constexpr = False, TRACE: tl.constexpr = False):
+                           PULL: tl.constexpr = False, TRACE: tl.constexpr = False,
+                           INLINE: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
-    back (no result area, no reducers: launch ``compute`` programs only). ``ABLATE``: bits of
-    ``ABLATIONS``, for timing only (results are wrong); 0 in every real call. ``TRACE`` (ticket
-    order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program: its start, its end,
-    each position's start and end), for the benchmarks."""
+    back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
+    ticket order): no reducers either; the copies of the peers' pushed sums are positions of the
+    ticket order (``_interleaved``, ``lag`` units behind), so every program multiplies.
+    ``ABLATE``: bits of ``ABLATIONS``, for timing only (results are wrong); 0 in every real call.
+    ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
+    its start, its end, each multiplied position's start and end), for the benchmarks."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -287,18 +341,32 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     if pid < compute:
         prev = pid * 0 - 1
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
-            j = 0  # positions this program took (the trace's index)
-            i = claim(ticket, ticket_base)
-            while i < num_tiles:
-                trace_tile(trace, j, i, 0, TRACE)
-                prev, late = _multiply_position(
-                    i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
-                    flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
-                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER, ABLATE, PULL)
-                trace_tile(trace, j, i, 1, TRACE)
-                j += 1
-                i = claim(ticket, ticket_base)
+            j = 0  # positions this program multiplied (the trace's index)
+            positions = num_tiles
+            if INLINE:
+                own = (num_tiles - rank + WORLD - 1) // WORLD
+                positions = num_tiles - own + WORLD * (slab_tiles + lag)
+            q = claim(ticket, ticket_base)
+            while q < positions:
+                kind = q * 0
+                i = q
+                if INLINE:
+                    kind, i = _interleaved(q, rank, num_tiles, slab_tiles, lag, WORLD)
+                if kind == 0:
+                    trace_tile(trace, j, i, 0, TRACE)
+                    prev, late = _multiply_position(
+                        i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
+                        stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
+                        num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M,
+                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL)
+                    trace_tile(trace, j, i, 1, TRACE)
+                    j += 1
+                elif kind == 1:
+                    prev, late = _copy_position(
+                        i, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M,
+                        N, num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN,
+                        GROUP_M, SUB_M, SCATTER, ABLATE)
+                q = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
                 prev, late = _multiply_position(
@@ -350,8 +418,20 @@ def tickets() -> bool:
     return os.environ.get("COMMFUSE_FUSED_TICKETS", "1") != "0"
 
 
-#: Reduce-scatter calls whose owners pulled the partials, since import (tests check the path ran).
-PULL_CALLS = 0
+#: Reduce-scatter calls whose owners pulled the partials, and all-reduce calls with the copies
+#: inline (no reducers), since import (tests check the path ran).
+PULL_CALLS = INLINE_CALLS = 0
+
+
+def copy_lag(compute: int) -> int:
+    """Units (``_interleaved``) the inline copies trail this rank's own tiles by: a peer's own
+    tile is released after that program's next tile, about two waves of ``compute`` tiles after
+    it began, so by default twice ``compute``; ``COMMFUSE_AR_COPY_LAG`` sets the number of waves
+    (a float; the same on every rank is not needed: it only orders this rank's own work)."""
+    waves = float(os.environ.get("COMMFUSE_AR_COPY_LAG", "2"))
+    if waves < 0:
+        raise ValueError(f"commfuse: COMMFUSE_AR_COPY_LAG={waves} must be at least 0")
+    return int(round(waves * compute))
 
 #: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced) ->
 #: programs per SM
@@ -387,15 +467,16 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                 ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ws.ticket, ticket_base,
                 trace if trace is not None else ws.ticket)
 
+    inline = not scatter and cfg.reducers == 0 and tickets()
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
-                  PULL=pull and scatter, TRACE=trace is not None, num_warps=cfg.warps,
-                  num_stages=cfg.stages)
+                  PULL=pull and scatter, TRACE=trace is not None, INLINE=inline,
+                  num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
            ablate, consts["PULL"], trace is not None)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, grid=(1,), **consts)
+        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, 0, grid=(1,), **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, a.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -403,7 +484,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         raise RuntimeError(f"commfuse: the fused kernel with {cfg} does not fit on an SM")
     programs = per_sm * ws.max_programs
     count = num_tiles(m, n, ws.world, cfg, scatter)
-    if scatter:  # nothing is pushed back: every program multiplies
+    if scatter or inline:  # nothing pushed back, or copied by the multiplying programs
         compute, reducers = max(1, min(count, programs)), 0
     else:
         compute = max(1, min(count, programs - cfg.reducers))
@@ -412,15 +493,19 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     if trace is not None and trace.numel() < (compute + reducers) * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {(compute + reducers) * TRACE_SLOTS} slots")
 
+    lag = copy_lag(compute) if inline else 0
+    positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
+
     def launch(epoch: int, parity: int) -> None:
-        global PULL_CALLS
+        global PULL_CALLS, INLINE_CALLS
         base = ws.ticket_base
         PULL_CALLS += consts["PULL"]
+        INLINE_CALLS += inline
         if trace is not None:
             trace.fill_(-1)
-        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, **consts)
+        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, lag, **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
-            ws.ticket_base = base + count + compute
+            ws.ticket_base = base + positions + compute
 
     return launch
 

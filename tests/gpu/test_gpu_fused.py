@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfuse.kernels import cuda_paths, symm
+from commfuse.kernels import cuda_paths, fused_all_reduce, symm
 from commfuse.kernels.sync import check_errors
 from gpu_util import gather_all, poison, relerr
 
@@ -55,14 +55,52 @@ def provider(request, monkeypatch):
     return request.param
 
 
+#: How the peers' pushed sums reach the output: ``COMMFUSE_TILE_CONFIG`` and
+#: ``COMMFUSE_AR_COPY_LAG`` per form (``inline_lag0``: each copy right behind its own tile, so
+#: copies usually wait for the peer's flag, releasing their pending tile first).
+COPIES = {"reducers": ("128x256x64s3w8g8r16o1", None), "inline": ("128x256x64s3w8g8r0o1", None),
+          "inline_lag0": ("128x256x64s3w8g8r0o1", "0")}
+
+
+def _copies(monkeypatch, copies):
+    cfg, lag = COPIES[copies]
+    monkeypatch.setenv("COMMFUSE_TILE_CONFIG", cfg)
+    if lag is None:
+        monkeypatch.delenv("COMMFUSE_AR_COPY_LAG", raising=False)
+    else:
+        monkeypatch.setenv("COMMFUSE_AR_COPY_LAG", lag)
+    return fused_all_reduce.INLINE_CALLS
+
+
+@pytest.mark.parametrize("copies", sorted(COPIES))
 @pytest.mark.parametrize("m", [1, 7, 129, 1000, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "a_transposed"])
-def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
+def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, copies, monkeypatch):
+    if copies == "inline_lag0" and dtype == torch.float16:
+        pytest.skip("the copies' order does not depend on the dtype: bf16 covers it")
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    inline_before = _copies(monkeypatch, copies)
     k, n = 1024, 776  # N is not a multiple of the 256-wide tile; rows are 16-byte multiples
     torch.manual_seed(1000 * dist.get_rank() + m)
     _fused_call(*_operands(m, k, n, dtype, form), nccl.group_name)
+    assert fused_all_reduce.INLINE_CALLS == inline_before + (copies != "reducers")
+
+
+@pytest.mark.parametrize("copies", sorted(COPIES))
+def test_prefill_sized_call_back_to_back_without_synchronising(nccl, monkeypatch, copies):
+    """20 calls of an o_proj-sized all-reduce queued without a host synchronisation between
+    them (the parities alternate while a peer may still be in the previous call), each result
+    kept and checked against fp32 afterwards."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
+    inline_before = _copies(monkeypatch, copies)
+    torch.manual_seed(17 + dist.get_rank())
+    calls = [_operands(4096, 1024, 2048, torch.bfloat16, "weight_t") for _ in range(20)]
+    outs = [torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name) for a, b, _ in calls]
+    check_errors()
+    for i, ((a, b, _), out) in enumerate(zip(calls, outs)):
+        assert relerr(out, _reference(a, b, None)) < 1e-2, f"call {i}"
+    assert fused_all_reduce.INLINE_CALLS - inline_before == (0 if copies == "reducers" else 20)
 
 
 @pytest.mark.parametrize("tickets", ["0", "1"])
@@ -100,8 +138,8 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tick
         assert int(ws.ticket.item()) == ws.ticket_base
 
 
-@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_reduce_scatter", "all_gather_mm", "all_gather_mm_ce",
-                                "mm_reduce_scatter_pull"])
+@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_all_reduce_inline", "mm_reduce_scatter", "all_gather_mm",
+                                "all_gather_mm_ce", "mm_reduce_scatter_pull"])
 def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both
     (``all_gather_mm_ce``: the all-gather whose shard the copy engines push;
@@ -109,6 +147,9 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     if op == "all_gather_mm_ce":
         monkeypatch.setenv("COMMFUSE_AG_PUSH", "ce")
         op = "all_gather_mm"
+    if op.startswith("mm_all_reduce"):  # the copies by reducers, or inline
+        _copies(monkeypatch, "inline" if op.endswith("inline") else "reducers")
+        op = "mm_all_reduce"
     if op == "mm_reduce_scatter_pull":
         monkeypatch.setenv("COMMFUSE_RS_PULL", "1")
         op = "mm_reduce_scatter"
