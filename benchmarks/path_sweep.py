@@ -28,11 +28,6 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  **{f"fused_inline_lag{lag}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AR_COPY_LAG": lag,
                                                "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r0o1"}
                     for lag in ("0.5", "1", "2", "4", "100")},
-                 **{f"fused_inline_lag{lag}_early": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AR_COPY_LAG": lag,
-                                                     "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r0o1",
-                                                     "COMMFUSE_FUSED_EARLY_CLAIM": "1"}
-                    for lag in ("2", "4")},
-                 "fused_early": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_EARLY_CLAIM": "1"},
                  "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
                     for c in (2, 4, 8)}}
@@ -55,11 +50,8 @@ RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}
                     for c in (1, 2, 4)},
                  "fused": {"COMMFUSE_ALGO": "fused"},
-                 "fused_early": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_EARLY_CLAIM": "1"},
                  **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
                     for name, cfg in TILINGS.items()},
-                 **{f"fused_early_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_EARLY_CLAIM": "1",
-                                            "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()},
                  "fused_pull": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1"},
                  **{f"fused_pull_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1",
                                            "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()}}

@@ -245,18 +245,14 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                        num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr,
-                       ticket, ticket_base, EARLY: tl.constexpr):
+                       SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr = False):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
     to the peers; reduce-scatter: this rank's share of the rows). ``PULL`` (reduce-scatter only):
     a peer's tile is stored in this rank's own memory and released at once; an own tile loads
     the peers' partials from theirs (``_pull_partials``): before its K loop if they are released
-    already, else after it. ``EARLY`` (ticket order): the program's next position is claimed
-    after the K loop, before this tile's stores, as an atomic issued behind a burst of NVLink
-    stores waits for them to drain. Returns (the tile to release after the next one, or -1;
-    late; the next position, or -1 if not claimed)."""
+    already, else after it. Returns (the tile to release after the next one, or -1; late)."""
     tile, off_m, pid_n, row_end = _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M, WORLD, BM,
                                          SCATTER)
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
@@ -270,9 +266,6 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                 pulled, late = _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank,
                                               heap_bases, err, timeout, late, OP, WORLD, BM, BN, ABLATE)
     acc = mma_tile(a_desc, b_desc, off_m, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
-    nxt = i * 0 - 1
-    if EARLY:
-        nxt = claim(ticket, ticket_base)
     rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
     if prev >= 0:
@@ -313,7 +306,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
             to = rank if ABLATE & NO_REMOTE else owner
             iris.store(_tile_block(data, rank * slab_tiles + slot, BM, BN), acc.to(out.dtype.element_ty),
                        rank, to, heap_bases, hint=(1, 16))
-    return later, late, nxt
+    return later, late
 
 
 @triton.jit(do_not_specialize=["epoch", "ticket_base", "compute", "lag"])
@@ -325,14 +318,13 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
                            PULL: tl.constexpr = False, TRACE: tl.constexpr = False,
-                           INLINE: tl.constexpr = False, EARLY: tl.constexpr = False):
+                           INLINE: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
     ticket order): no reducers either; the copies of the peers' pushed sums are positions of the
     ticket order (``_interleaved``, ``lag`` units behind), so every program multiplies.
-    ``EARLY`` (ticket order): next positions claimed before the epilogue's stores
-    (``_multiply_position``). ``ABLATE``: bits of ``ABLATIONS``, for timing only (results are wrong); 0 in every real call.
+    ``ABLATE``: bits of ``ABLATIONS``, for timing only (results are wrong); 0 in every real call.
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
     its start, its end, each multiplied position's start and end), for the benchmarks."""
     pid = tl.program_id(0)
@@ -360,14 +352,13 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                 i = q
                 if INLINE:
                     kind, i = _interleaved(q, rank, num_tiles, slab_tiles, lag, WORLD)
-                nxt = q * 0 - 1
                 if kind == 0:
                     trace_tile(trace, j, i, 0, TRACE)
-                    prev, late, nxt = _multiply_position(
+                    prev, late = _multiply_position(
                         i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
                         stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
                         num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M,
-                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, ticket, ticket_base, EARLY)
+                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL)
                     trace_tile(trace, j, i, 1, TRACE)
                     j += 1
                 elif kind == 1:
@@ -375,16 +366,14 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                         i, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M,
                         N, num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN,
                         GROUP_M, SUB_M, SCATTER, ABLATE)
-                if nxt < 0:
-                    nxt = claim(ticket, ticket_base)
-                q = nxt
+                q = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
-                prev, late, _ = _multiply_position(
+                prev, late = _multiply_position(
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER, ABLATE, PULL, ticket, ticket_base, False)
+                    SCATTER, ABLATE, PULL)
         if prev >= 0:
             _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
     else:
@@ -434,12 +423,6 @@ def tickets() -> bool:
 PULL_CALLS = INLINE_CALLS = 0
 
 
-def early_claim() -> bool:
-    """``COMMFUSE_FUSED_EARLY_CLAIM=1``: claim the next position before a tile's stores
-    (``_multiply_position``); it only orders this rank's own work, so ranks may differ."""
-    return os.environ.get("COMMFUSE_FUSED_EARLY_CLAIM", "0") == "1"
-
-
 def copy_lag(compute: int) -> int:
     """Units (``_interleaved``) the inline copies trail this rank's own tiles by: a peer's own
     tile is released after that program's next tile, about two waves of ``compute`` tiles after
@@ -450,8 +433,8 @@ def copy_lag(compute: int) -> int:
         raise ValueError(f"commfuse: COMMFUSE_AR_COPY_LAG={waves} must be at least 0")
     return int(round(waves * compute))
 
-#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced,
-#: early claims) -> programs per SM
+#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced) ->
+#: programs per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -489,10 +472,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
                   PULL=pull and scatter, TRACE=trace is not None, INLINE=inline,
-                  EARLY=early_claim() and tickets(),
                   num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"], trace is not None, consts["EARLY"])
+           ablate, consts["PULL"], trace is not None)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, 0, grid=(1,), **consts)
         compiled._init_handles()
