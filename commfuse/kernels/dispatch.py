@@ -68,14 +68,17 @@ def _tile_config_override():
 
 def tile_config(m: int, k: int, n: int, scatter: bool = False):
     """The fused all-reduce / reduce-scatter kernel's tiling (shape only: the same on every
-    rank): the default, but 64x128 tiles for a reduce-scatter of at most ``SMALL_TILES_ELEMS``
-    outputs, where 128x256 ones would be too few to overlap anything;
+    rank): 128x256 tiles with no reducers (the all-reduce copies the pushed sums inline:
+    ``explore/paths_inline_1ba9d08``, ``paths_early_19ac9eb``, us, inline / 16 reducers:
+    4096x4096x8192 463 / 509, 8192x4096x8192 905 / 963, 8192x2048x4096 290 / 320,
+    4096x2048x4096 165 / 183), but 64x128 tiles for a reduce-scatter of at most
+    ``SMALL_TILES_ELEMS`` outputs, where 128x256 ones would be too few to overlap anything;
     ``COMMFUSE_TILE_CONFIG`` overrides."""
     from .tiles import TileConfig
 
     if scatter and m * n <= SMALL_TILES_ELEMS:
         return _tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
-    return _tile_config_override() or TileConfig()
+    return _tile_config_override() or TileConfig(reducers=0)
 
 
 #: Outputs up to this many elements take 64x128 tiles in the fused reduce-scatter and all-gather

@@ -80,28 +80,36 @@ def _tile_block(data, index, BM: tl.constexpr, BN: tl.constexpr):
 def _interleaved(q, rank, num_tiles, slab_tiles, lag, WORLD: tl.constexpr):
     """Ticket position ``q`` of the order with the copies inline (no reducers): (kind, where),
     kind 0 a multiplication at position ``where`` of ``_schedule``'s order, 1 the copy of the
-    pushed sum of tile ``where``, 2 nothing. The peers' tiles come first, as in ``_schedule``;
-    then units of ``WORLD`` positions: this rank's u-th own tile, then for each peer the copy of
-    its (u - ``lag``)-th own tile, which every peer multiplies at about the time this rank
-    multiplies its u-th: ``lag`` units later its sum has usually been pushed and released."""
+    pushed sum of tile ``where``, 2 nothing (a peer with fewer tiles). The peers' tiles come
+    first, as in ``_schedule``; then this rank's own tiles, the u-th followed, from u = ``lag``
+    on, by the copy of each peer's (u - ``lag``)-th own tile, which that peer multiplied at
+    about the time this rank multiplied its (u - ``lag``)-th: ``lag`` units later its sum has
+    usually been pushed and released; then the copies left."""
     own = (num_tiles - rank + WORLD - 1) // WORLD
     first = num_tiles - own  # positions of the peers' tiles
+    solo = tl.minimum(lag, own)  # own tiles with no copy after them
+    paired = tl.maximum(own - lag, 0)  # own tiles followed by WORLD - 1 copies
     v = q - first
-    unit = v // WORLD
-    sub = v % WORLD
-    peer = (rank + sub) % WORLD
-    j = unit - lag
+    w = v - solo
+    unit = lag + w // WORLD
+    sub = w % WORLD
+    r = w - WORLD * paired  # the copies left, WORLD - 1 per tile index
+    PEERS: tl.constexpr = WORLD - 1 if WORLD > 1 else 1
+    peer = tl.where(r >= 0, rank + 1 + r % PEERS, rank + sub) % WORLD
+    j = tl.where(r >= 0, paired + r // PEERS, unit - lag)
     copy_tile = peer + WORLD * j
-    kind = tl.where(q < first, 0, tl.where(sub == 0, tl.where(unit < own, 0, 2),
-                                             tl.where((j >= 0) & (copy_tile < num_tiles), 1, 2)))
-    where = tl.where(q < first, q, tl.where(sub == 0, first + unit, copy_tile))
+    multiply = (q < first) | (v < solo) | ((r < 0) & (sub == 0))
+    kind = tl.where(multiply, 0, tl.where(copy_tile < num_tiles, 1, 2))
+    where = tl.where(q < first, q, tl.where(v < solo, first + v,
+                                             tl.where(multiply, first + unit, copy_tile)))
     return kind, where
 
 
 def inline_positions(count: int, world: int, rank: int, lag: int) -> int:
     """Ticket positions of the inline order (``_interleaved``) for ``count`` tiles."""
     own = (count - rank + world - 1) // world
-    return count - own + world * (tiles.cdiv(count, world) + lag)
+    paired = max(own - lag, 0)
+    return count - own + min(lag, own) + world * paired + (world - 1) * (tiles.cdiv(count, world) - paired)
 
 
 @triton.jit
@@ -343,9 +351,11 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
             j = 0  # positions this program multiplied (the trace's index)
             positions = num_tiles
-            if INLINE:
+            if INLINE:  # inline_positions
                 own = (num_tiles - rank + WORLD - 1) // WORLD
-                positions = num_tiles - own + WORLD * (slab_tiles + lag)
+                paired = tl.maximum(own - lag, 0)
+                positions = (num_tiles - own + tl.minimum(lag, own) + WORLD * paired
+                             + (WORLD - 1) * (slab_tiles - paired))
             q = claim(ticket, ticket_base)
             while q < positions:
                 kind = q * 0
@@ -423,15 +433,21 @@ def tickets() -> bool:
 PULL_CALLS = INLINE_CALLS = 0
 
 
+#: Reducers of a tiling without any (``reducers`` 0: inline copies) when the tile order is static.
+STATIC_REDUCERS = 16
+
+
 def copy_lag(compute: int) -> int:
     """Units (``_interleaved``) the inline copies trail this rank's own tiles by: a peer's own
     tile is released after that program's next tile, about two waves of ``compute`` tiles after
-    it began, so by default twice ``compute``; ``COMMFUSE_AR_COPY_LAG`` sets the number of waves
-    (a float; the same on every rank is not needed: it only orders this rank's own work)."""
-    waves = float(os.environ.get("COMMFUSE_AR_COPY_LAG", "2"))
+    it began, so at least twice ``compute``; by default 4 waves (``explore/paths_inline_*``).
+    ``COMMFUSE_AR_COPY_LAG`` sets the number of waves (a float; ranks may differ: it only orders
+    this rank's own work)."""
+    waves = float(os.environ.get("COMMFUSE_AR_COPY_LAG", "4"))
     if waves < 0:
         raise ValueError(f"commfuse: COMMFUSE_AR_COPY_LAG={waves} must be at least 0")
     return int(round(waves * compute))
+
 
 #: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced) ->
 #: programs per SM
@@ -487,8 +503,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     if scatter or inline:  # nothing pushed back, or copied by the multiplying programs
         compute, reducers = max(1, min(count, programs)), 0
     else:
-        compute = max(1, min(count, programs - cfg.reducers))
-        reducers = max(1, min(cfg.reducers, programs - compute))
+        wanted = cfg.reducers or STATIC_REDUCERS  # the static order cannot copy inline
+        compute = max(1, min(count, programs - wanted))
+        reducers = max(1, min(wanted, programs - compute))
 
     if trace is not None and trace.numel() < (compute + reducers) * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {(compute + reducers) * TRACE_SLOTS} slots")
