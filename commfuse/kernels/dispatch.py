@@ -34,8 +34,9 @@ SYMM_MAX_BYTES = 1 << 30
 OVERLAP_MIN_SHARD_MNK = 1 << 33
 
 
-#: The fused tile kernel (``fused_all_reduce.py``) from this many rows, when K <= M: it gives up
-#: ~12% of the SMs to the reducers and pays some epilogue stores, which the hidden exchange repays
+#: The fused tile kernel (``fused_all_reduce.py``) from this many rows, when K <= M: it gave up
+#: ~12% of the SMs to the reducers (until the copies went inline, 6e0500b) and pays some epilogue
+#: stores, which the hidden exchange repays
 #: when the exchange is large against the GEMM (K small against M; exchange ~ M*N, GEMM ~ M*N*K)
 #: and there are enough waves of tiles. Every measured shape agrees with the rule (2xH200,
 #: benchmarks/results/h200x2/explore/ops_2f01995.json and sweep4.log, fused against one-shot, us;

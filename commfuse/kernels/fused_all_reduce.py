@@ -9,8 +9,12 @@ their partials of that tile long ago. A peer-owned tile's partial is stored stra
 owner's workspace (its slab for this rank). An owned tile adds the peers' slabs (local reads) to
 its fp32 accumulator, writes the output and pushes the sum into each peer's result area. Flags
 (``ready`` on the owner, ``done`` on the peers) are released after the program's *next* tile is
-multiplied, so the release finds the stores landed instead of stalling on them. A few
-``reducers`` programs copy the sums that peers pushed into this rank's output as they arrive.
+multiplied, so the release finds the stores landed instead of stalling on them. The sums that
+peers pushed are copied into this rank's output by the multiplying programs themselves: the
+copies are positions of the ticket order, each some waves behind the own tile the peer
+multiplied at the same time (``_interleaved``), so every program multiplies. With the static
+order (or a tiling with ``reducers`` > 0) a few ``reducers`` programs copy them instead, as they
+arrive.
 
 Each rank sends (world - 1) / world of the partial and of the result, as a two-shot all-reduce
 does, spread over the whole GEMM instead of after it. Waits are bounded (``sync.wait_flag``): a
