@@ -29,6 +29,7 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                                                "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r0o1"}
                     for lag in ("0.5", "1", "2", "4", "100")},
                  "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
+                 "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
                     for c in (2, 4, 8)}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.
@@ -50,8 +51,11 @@ RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}
                     for c in (1, 2, 4)},
                  "fused": {"COMMFUSE_ALGO": "fused"},
+                 "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
                  **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
                     for name, cfg in TILINGS.items()},
+                 **{f"fused_tma_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1",
+                                          "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()},
                  "fused_pull": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1"},
                  **{f"fused_pull_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1",
                                            "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()}}

@@ -50,7 +50,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
     for traced in (False, True):
         fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
-                                    pull, traced)] = 1
+                                    pull, traced, fused_all_reduce.tma_push() and not pull)] = 1
 
     def place(t):
         """(owner, slot, first row, column block) of tile t."""
@@ -270,6 +270,12 @@ def main() -> None:
             os.environ["COMMFUSE_AR_COPY_LAG"] = lag
             case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
         os.environ.pop("COMMFUSE_AR_COPY_LAG")
+        os.environ["COMMFUSE_FUSED_TMA_PUSH"] = "1"  # pushes through device-made TMA descriptors
+        case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
+        case(40, 48, 40, world, rank, scatter=False, bias=False)
+        case(3 * world, 32, 40, world, rank, scatter=True, bias=True)
+        case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)  # the pull ignores it
+        os.environ.pop("COMMFUSE_FUSED_TMA_PUSH")
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)

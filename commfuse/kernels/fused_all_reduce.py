@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, require_iris,
-                   timeout_ns, trace_tile, trace_time, wait_or_record, wait_other_ranks,
-                   wait_remote_or_record)
+from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
+                   require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
+                   wait_other_ranks, wait_remote_or_record)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
@@ -136,7 +136,8 @@ def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.co
 def _copy_position(tile, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M, N,
                    num_m, num_n, num_tiles, slab_tiles, result_at, OP: tl.constexpr,
                    WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                   SUB_M: tl.constexpr, SCATTER: tl.constexpr, ABLATE: tl.constexpr):
+                   SUB_M: tl.constexpr, SCATTER: tl.constexpr, ABLATE: tl.constexpr,
+                   TMA_PUSH: tl.constexpr):
     """Inline copy: a peer's pushed sum of ``tile`` into ``out``. A sum not yet released is waited
     for only after this program released its own pending tile (``prev``), so no two programs wait
     on each other's unreleased flags. Returns (prev, late)."""
@@ -146,7 +147,7 @@ def _copy_position(tile, prev, late, data, out, flags, heap_bases, epoch, rank, 
         flag = flags + num_tiles * WORLD + tile
         if tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
             if prev >= 0:
-                _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+                _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER, TMA_PUSH)
                 prev = prev * 0 - 1
             late = wait_or_record(flag, epoch, now(), timeout, err, OP, rank, owner)
         tl.debug_barrier()
@@ -192,11 +193,36 @@ def _slot(tile, slab_tiles, WORLD: tl.constexpr, SCATTER: tl.constexpr):
 
 
 @triton.jit
+def _bulk_stores_done():
+    """Wait until this thread's TMA stores (``TMA_PUSH``) have been written, then order them
+    before its later generic accesses (the flag's release): a wait on every bulk group, not only
+    on their shared-memory reads as Triton's own wait, and a proxy fence."""
+    tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                              "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _push(data, index, val, rank, to, heap_bases, rows, BM: tl.constexpr, BN: tl.constexpr,
+          TMA_PUSH: tl.constexpr):
+    """Store dense tile ``index`` of a workspace area into rank ``to``'s copy of it: from the
+    registers (each thread's stores held up until NVLink takes them), or with ``TMA_PUSH`` by
+    the TMA unit from shared memory (the program goes on at once; ``_release`` waits for it)."""
+    if TMA_PUSH:
+        desc = tl.make_tensor_descriptor(peer_pointer(data, rank, to, heap_bases), shape=[rows, BN],
+                                         strides=[BN, 1], block_shape=[BM, BN])
+        desc.store([index * BM, 0], val)
+    else:
+        iris.store(_tile_block(data, index, BM, BN), val, rank, to, heap_bases, hint=(1, 16))
+
+
+@triton.jit
 def _release(flags, tile, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD: tl.constexpr,
-             SCATTER: tl.constexpr):
+             SCATTER: tl.constexpr, TMA_PUSH: tl.constexpr = False):
     """After a tile's stores: ``ready`` on its owner for a peer's tile; for an owned tile,
     ``done`` on every peer (all-reduce: the sum was pushed) or nothing (reduce-scatter: the sum
     goes nowhere else)."""
+    if TMA_PUSH:
+        _bulk_stores_done()
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
     if SCATTER:
         if owner != rank:
@@ -257,14 +283,16 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                        num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr = False):
+                       SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr = False,
+                       TMA_PUSH: tl.constexpr = False):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
     to the peers; reduce-scatter: this rank's share of the rows). ``PULL`` (reduce-scatter only):
     a peer's tile is stored in this rank's own memory and released at once; an own tile loads
     the peers' partials from theirs (``_pull_partials``): before its K loop if they are released
-    already, else after it. Returns (the tile to release after the next one, or -1; late)."""
+    already, else after it. ``TMA_PUSH``: pushes go through the TMA unit (``_push``). Returns
+    (the tile to release after the next one, or -1; late)."""
     tile, off_m, pid_n, row_end = _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M, WORLD, BM,
                                          SCATTER)
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
@@ -281,7 +309,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
     if prev >= 0:
-        _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+        _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER, TMA_PUSH)
     later = tile
     if PULL:
         later = tile * 0 - 1  # a peer's tile was released below, with its local stores
@@ -305,10 +333,10 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                      val, mask=mask)
         else:
             tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
-            dst = _tile_block(data, result_at + tile, BM, BN)
             for k in tl.static_range(1, WORLD):
                 to = rank if ABLATE & NO_REMOTE else (rank + k) % WORLD
-                iris.store(dst, val, rank, to, heap_bases, hint=(1, 16))
+                _push(data, result_at + tile, val, rank, to, heap_bases, (result_at + num_tiles) * BM,
+                      BM, BN, TMA_PUSH)
     else:
         if PULL:  # into this rank's own memory, in the owner's slab there; the owner pulls it
             tl.store(_tile_block(data, owner * slab_tiles + slot, BM, BN), acc.to(out.dtype.element_ty))
@@ -316,8 +344,8 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
             tl.atomic_xchg(flags + tile * WORLD + rank, epoch, sem="release", scope="sys")
         else:
             to = rank if ABLATE & NO_REMOTE else owner
-            iris.store(_tile_block(data, rank * slab_tiles + slot, BM, BN), acc.to(out.dtype.element_ty),
-                       rank, to, heap_bases, hint=(1, 16))
+            _push(data, rank * slab_tiles + slot, acc.to(out.dtype.element_ty), rank, to, heap_bases,
+                  (result_at + num_tiles) * BM, BM, BN, TMA_PUSH)
     return later, late
 
 
@@ -330,12 +358,13 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
                            PULL: tl.constexpr = False, TRACE: tl.constexpr = False,
-                           INLINE: tl.constexpr = False):
+                           INLINE: tl.constexpr = False, TMA_PUSH: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
     ticket order): no reducers either; the copies of the peers' pushed sums are positions of the
     ticket order (``_interleaved``, ``lag`` units behind), so every program multiplies.
+    ``TMA_PUSH`` (pushed forms): the pushes are TMA stores into the peers' memory.
     ``ABLATE``: bits of ``ABLATIONS``, for timing only (results are wrong); 0 in every real call.
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
     its start, its end, each multiplied position's start and end), for the benchmarks."""
@@ -372,14 +401,14 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                         i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
                         stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
                         num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M,
-                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL)
+                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, TMA_PUSH)
                     trace_tile(trace, j, i, 1, TRACE)
                     j += 1
                 elif kind == 1:
                     prev, late = _copy_position(
                         i, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M,
                         N, num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN,
-                        GROUP_M, SUB_M, SCATTER, ABLATE)
+                        GROUP_M, SUB_M, SCATTER, ABLATE, TMA_PUSH)
                 q = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
@@ -387,9 +416,9 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER, ABLATE, PULL)
+                    SCATTER, ABLATE, PULL, TMA_PUSH)
         if prev >= 0:
-            _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER)
+            _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER, TMA_PUSH)
     else:
         reducers = tl.num_programs(0) - compute
         # the peers' tiles in the order their sums arrive: j-th tile of every peer, then the next
@@ -432,9 +461,17 @@ def tickets() -> bool:
     return os.environ.get("COMMFUSE_FUSED_TICKETS", "1") != "0"
 
 
-#: Reduce-scatter calls whose owners pulled the partials, and all-reduce calls with the copies
-#: inline (no reducers), since import (tests check the path ran).
-PULL_CALLS = INLINE_CALLS = 0
+#: Reduce-scatter calls whose owners pulled the partials, all-reduce calls with the copies inline
+#: (no reducers), and calls that pushed through the TMA unit, since import (tests check the path
+#: ran).
+PULL_CALLS = INLINE_CALLS = TMA_CALLS = 0
+
+
+def tma_push() -> bool:
+    """``COMMFUSE_FUSED_TMA_PUSH=1``: the fused all-reduce / reduce-scatter push through the TMA
+    unit (an experiment, off: written and compiled for sm_90 on the CPU in session 11, not yet
+    run on GPUs; NOTES.md §28). Ranks may differ: it changes how bytes travel, not which."""
+    return os.environ.get("COMMFUSE_FUSED_TMA_PUSH", "0") == "1"
 
 
 #: Reducers of a tiling without any (``reducers`` 0: inline copies) when the tile order is static.
@@ -453,8 +490,8 @@ def copy_lag(compute: int) -> int:
     return int(round(waves * compute))
 
 
-#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced) ->
-#: programs per SM
+#: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced,
+#: TMA pushes) -> programs per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -492,9 +529,10 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
                   PULL=pull and scatter, TRACE=trace is not None, INLINE=inline,
+                  TMA_PUSH=tma_push() and not (pull and scatter),
                   num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"], trace is not None)
+           ablate, consts["PULL"], trace is not None, consts["TMA_PUSH"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, 0, grid=(1,), **consts)
         compiled._init_handles()
@@ -517,11 +555,15 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     lag = copy_lag(compute) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
 
+    if consts["TMA_PUSH"]:  # device-made descriptors need scratch memory from an allocator
+        tiles.ensure_allocator()
+
     def launch(epoch: int, parity: int) -> None:
-        global PULL_CALLS, INLINE_CALLS
+        global PULL_CALLS, INLINE_CALLS, TMA_CALLS
         base = ws.ticket_base
         PULL_CALLS += consts["PULL"]
         INLINE_CALLS += inline
+        TMA_CALLS += consts["TMA_PUSH"]
         if trace is not None:
             trace.fill_(-1)
         gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, lag, **consts)

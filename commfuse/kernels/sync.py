@@ -19,8 +19,11 @@ import triton.language as tl
 
 try:
     import iris
+    # iris's own translation of a symmetric address into a peer's (what iris.store does), for
+    # stores iris has no primitive for: TMA stores through a descriptor made on the device
+    from iris.mem.triton.context import __translate as peer_pointer
 except Exception as exc:  # pragma: no cover - import failure is reported when a kernel is used
-    iris = None
+    iris = peer_pointer = None
     _IRIS_ERROR = exc
 
 #: Op codes the kernels write into the error word on a timeout, and the names they stand for.

@@ -123,6 +123,18 @@ class TileConfig:
         return cls(*(int(x) for x in m.groups() if x is not None))
 
 
+def ensure_allocator() -> None:
+    """Kernels that make TMA descriptors on the device need global scratch memory, which Triton
+    asks an allocator for at each launch; set one (the current stream's caching allocator)
+    unless the process already has its own."""
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator  # a ContextVar: this thread's allocator
+    if isinstance(current.get() if hasattr(current, "get") else current, _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                         device="cuda"))
+
+
 def resident_programs(kernel, device: torch.device) -> int:
     """How many programs of a compiled ``kernel`` fit on one SM at once (registers, shared memory,
     threads): a grid of at most that many per SM is entirely resident, so programs may spin-wait

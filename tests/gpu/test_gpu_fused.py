@@ -58,12 +58,14 @@ def provider(request, monkeypatch):
 #: How the peers' pushed sums reach the output: ``COMMFUSE_TILE_CONFIG`` and
 #: ``COMMFUSE_AR_COPY_LAG`` per form (``inline_lag0``: each copy right behind its own tile, so
 #: copies usually wait for the peer's flag, releasing their pending tile first).
+#: ``inline_tma``: the pushes are TMA stores (``COMMFUSE_FUSED_TMA_PUSH=1``, an experiment).
 COPIES = {"reducers": ("128x256x64s3w8g8r16o1", None), "inline": ("128x256x64s3w8g8r0o1", None),
-          "inline_lag0": ("128x256x64s3w8g8r0o1", "0")}
+          "inline_lag0": ("128x256x64s3w8g8r0o1", "0"), "inline_tma": ("128x256x64s3w8g8r0o1", None)}
 
 
 def _copies(monkeypatch, copies):
     cfg, lag = COPIES[copies]
+    monkeypatch.setenv("COMMFUSE_FUSED_TMA_PUSH", "1" if copies == "inline_tma" else "0")
     monkeypatch.setenv("COMMFUSE_TILE_CONFIG", cfg)
     if lag is None:
         monkeypatch.delenv("COMMFUSE_AR_COPY_LAG", raising=False)
@@ -77,14 +79,16 @@ def _copies(monkeypatch, copies):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "a_transposed"])
 def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, copies, monkeypatch):
-    if copies == "inline_lag0" and dtype == torch.float16:
+    if copies in ("inline_lag0", "inline_tma") and dtype == torch.float16:
         pytest.skip("the copies' order does not depend on the dtype: bf16 covers it")
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     inline_before = _copies(monkeypatch, copies)
+    tma_before = fused_all_reduce.TMA_CALLS
     k, n = 1024, 776  # N is not a multiple of the 256-wide tile; rows are 16-byte multiples
     torch.manual_seed(1000 * dist.get_rank() + m)
     _fused_call(*_operands(m, k, n, dtype, form), nccl.group_name)
     assert fused_all_reduce.INLINE_CALLS == inline_before + (copies != "reducers")
+    assert fused_all_reduce.TMA_CALLS == tma_before + (copies == "inline_tma")
 
 
 @pytest.mark.parametrize("copies", sorted(COPIES))
@@ -138,8 +142,9 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, monkeypatch, tick
         assert int(ws.ticket.item()) == ws.ticket_base
 
 
-@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_all_reduce_inline", "mm_reduce_scatter", "all_gather_mm",
-                                "all_gather_mm_ce", "mm_reduce_scatter_pull"])
+@pytest.mark.parametrize("op", ["mm_all_reduce", "mm_all_reduce_inline", "mm_all_reduce_inline_tma",
+                                "mm_reduce_scatter", "all_gather_mm", "all_gather_mm_ce",
+                                "mm_reduce_scatter_pull"])
 def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     """Rank 1 skips a fused call: rank 0 gets NaN, not its partial, and an error naming both
     (``all_gather_mm_ce``: the all-gather whose shard the copy engines push;
@@ -148,7 +153,7 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
         monkeypatch.setenv("COMMFUSE_AG_PUSH", "ce")
         op = "all_gather_mm"
     if op.startswith("mm_all_reduce"):  # the copies by reducers, or inline
-        _copies(monkeypatch, "inline" if op.endswith("inline") else "reducers")
+        _copies(monkeypatch, op[len("mm_all_reduce_"):] or "reducers")
         op = "mm_all_reduce"
     if op == "mm_reduce_scatter_pull":
         monkeypatch.setenv("COMMFUSE_RS_PULL", "1")
@@ -177,18 +182,24 @@ def test_fused_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, op):
     symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("pull", [False, True])
 @pytest.mark.parametrize("m", [2, 14, 258, 2000, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "three_d"])
-def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtype, form, pull, monkeypatch):
+def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtype, form, pull, tma, monkeypatch):
     """The kernel's reduce-scatter form (forced here; dispatch.py has its defaults): rank r gets
     share r of the summed rows; a share whose rows are not a multiple of the tile height
-    included; the peers' partials pushed to their owners or pulled by them (``pull``)."""
+    included; the peers' partials pushed to their owners or pulled by them (``pull``), pushed
+    through the TMA unit (``tma``, an experiment; the pull ignores it)."""
     from commfuse.kernels import fused_all_reduce
 
+    if tma and (pull or dtype == torch.float16):
+        pytest.skip("the TMA push is an option of the pushed form; bf16 covers it")
+    monkeypatch.setenv("COMMFUSE_FUSED_TMA_PUSH", "1" if tma else "0")
     monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     monkeypatch.setenv("COMMFUSE_RS_PULL", "1" if pull else "0")
+    tma_before = fused_all_reduce.TMA_CALLS
     pulls_before = fused_all_reduce.PULL_CALLS
     k, n = 1024, 776
     torch.manual_seed(2000 * dist.get_rank() + m)
@@ -201,6 +212,7 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
     check_errors()
     assert cuda_paths.PATHS["mm_reduce_scatter:fused"] == before + 1
     assert fused_all_reduce.PULL_CALLS == pulls_before + pull
+    assert fused_all_reduce.TMA_CALLS == tma_before + tma
     assert out.shape == ref.shape
     assert relerr(out, ref) < 1e-2
 
