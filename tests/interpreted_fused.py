@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -258,6 +259,91 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
 _peers_ready = fused_all_reduce._peers_ready
 
 
+_SPY: dict = {}
+
+
+def _copy_arrives(flag, epoch) -> None:
+    """At a copy's wait: every tile this rank finished must be released by now (a copy never
+    waits holding one), then the peer "arrives": its sum is written and its flag raised."""
+    s = _SPY
+    tile = (int(np.asarray(flag.handle.data).reshape(-1)[0]) - s["flags"].data_ptr()) // 4 - s["count"] * s["world"]
+    ep = int(np.asarray(epoch.handle.data).reshape(-1)[0])
+    world, rank = s["world"], s["rank"]
+    assert 0 <= tile < s["count"] and tile % world != rank, tile
+    for u in range(s["count"]):
+        owner, slot, off_m, pid_n = s["place"](u)
+        if owner == rank and not torch.isnan(s["out"][off_m:off_m + BM, pid_n * BN:(pid_n + 1) * BN]).any():
+            for p in range(world):  # a finished own tile: its sum released to every peer
+                if p != rank:
+                    assert int(s["ws"][p].tile_flags[s["count"] * world + u]) == ep, ("held across a wait", u)
+        elif owner != rank and bool(s["slab"](owner, rank, slot).abs().sum() > 0):  # a pushed partial
+            assert int(s["ws"][owner].tile_flags[u * world + rank]) == ep, ("held across a wait", u)
+    s["result"](rank, tile).copy_(s["sums"][tile])
+    s["flags"][s["count"] * world + tile] = ep
+    s["waits"] += 1
+
+
+@triton.jit
+def _spy_wait(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer):
+    _copy_arrives(ptr, epoch)
+    return sync.wait_or_record(ptr, epoch, start, timeout, err, OP, rank, peer)
+
+
+def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
+    """The inline copies against peers that have not pushed their sums at the launch: the result
+    area holds garbage and the done flags are down until a copy waits (``_copy_arrives``), so a
+    copy that does not wait, accepts a stale flag or waits holding an unreleased tile fails."""
+    torch.manual_seed(m + world + rank)
+    cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=0, per_sm=1)
+    count = fused_all_reduce.num_tiles(m, n, world, cfg)
+    slab_tiles, num_n, data_bytes = -(-count // world), -(-n // BN), 1 << 17
+    result_at = world * slab_tiles
+    ws = group(world, data_bytes, 4)
+    me = ws[rank]
+    for traced in (False, True):
+        fused_all_reduce._resident[(cfg, DT, world, True, True, None, True, False, 0, False, traced,
+                                    False)] = 1
+    place = lambda u: (u % world, u // world, (u // num_n) * BM, u % num_n)  # noqa: E731
+    saved, fused_all_reduce.wait_or_record = fused_all_reduce.wait_or_record, _spy_wait
+    try:
+        for lag in ("0", "0.5", "40"):
+            os.environ["COMMFUSE_AR_COPY_LAG"] = lag
+            a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
+            w = [torch.randn(n, k, dtype=DT) / k ** 0.5 for _ in range(world)]
+            c = [torch.randn(n, dtype=DT) for _ in range(world)]
+            partial = [(a[r].float() @ w[r].float().t() + c[r].float()).to(DT) for r in range(world)]
+            total = sum(x.float() for x in partial)
+            epoch = me.epoch + 1
+            data = [x.data(epoch % 2, (data_bytes // 2,), DT) for x in ws]
+            for d in data:
+                d.zero_()
+            slab = lambda r, p, slot: data[r][(p * slab_tiles + slot) * BM * BN:(p * slab_tiles + slot + 1) * BM * BN]  # noqa: E731,E501
+            result = lambda r, u: data[r][(result_at + u) * BM * BN:(result_at + u + 1) * BM * BN]  # noqa: E731
+            sums = {}
+            for u in range(count):
+                owner, slot, off_m, pid_n = place(u)
+                if owner == rank:  # the peers' partials are there, as in ``case``
+                    for p in range(world):
+                        if p != rank:
+                            slab(rank, p, slot).copy_(block(partial[p], off_m, pid_n).flatten())
+                            me.tile_flags[u * world + p] = epoch
+                else:  # the sums are not: garbage until the peer arrives
+                    sums[u] = block(total, off_m, pid_n).to(DT).flatten()
+                    result(rank, u).fill_(1234.0)
+            out = torch.full((m, n), float("nan"), dtype=DT)
+            _SPY.update(ws=ws, flags=me.tile_flags, world=world, rank=rank, count=count, place=place,
+                        out=out, slab=slab, result=result, sums=sums, waits=0)
+            launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, False)
+            launch(*me.next_epoch())
+            err = ((out.float() - total).norm() / total.norm()).item()
+            assert err < 2e-3, ("wrong result", world, rank, lag, err)
+            assert _SPY["waits"] == len(sums), ("copies that did not wait", _SPY["waits"], len(sums))
+            assert int(me.ticket.item()) == me.ticket_base
+    finally:
+        fused_all_reduce.wait_or_record = saved
+        os.environ.pop("COMMFUSE_AR_COPY_LAG", None)
+
+
 @triton.jit
 def _never_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
     return rank * 0
@@ -270,6 +356,7 @@ def main() -> None:
             os.environ["COMMFUSE_AR_COPY_LAG"] = lag
             case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
         os.environ.pop("COMMFUSE_AR_COPY_LAG")
+        waiting_copies_case(40, 32, 40, world, rank)
         os.environ["COMMFUSE_FUSED_TMA_PUSH"] = "1"  # pushes through device-made TMA descriptors
         case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
         case(40, 48, 40, world, rank, scatter=False, bias=False)

@@ -20,7 +20,7 @@ def _compile(tma: bool, scatter: bool):
            "bias": "*bf16", "data": "*bf16", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_bm": "i32", "stride_bn": "i32", "flags": "*i32", "heap_bases": "*i64", "epoch": "i32",
            "rank": "i32", "err": "*i32", "timeout": "i64", "ticket": "*i32", "ticket_base": "i32",
-           "trace": "*i64", "compute": "i32", "lag": "i32"}
+           "trace": "*i64", "compute": "i32", "lag": "i32", "positions": "i32"}
     consts = dict(OP=5, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, SUB_M=64, B_TRANSPOSED=True,
                   HAS_BIAS=False, TICKETS=True, SCATTER=scatter, ABLATE=0, PULL=False, TRACE=False,
                   INLINE=not scatter, TMA_PUSH=tma)

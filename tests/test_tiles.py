@@ -20,7 +20,11 @@ INTERPRETED = {
     "interpreted_split_k.py": "the split-K kernel's slices, sums, pushes, flags, counters, ticket "
                               "and (graph lane) device epochs",
     "interpreted_fused.py": "the fused all-reduce (both forms: slabs, slots, pushes, ready/done "
-                            "flags, reducers) and the fused all-gather (chunk pushes and flags)",
+                            "flags, reducers, inline copies waiting for late peers, TMA pushes) and the fused "
+                            "all-gather (chunk pushes and flags)",
+    "interpreted_inline_order.py": "the fused all-reduce's inline-copy order (the kernel's own "
+                                   "function) and an exhaustive model of its waits: never stuck, "
+                                   "stuck without a copy's release before its wait",
     "interpreted_exchange.py": "one-shot, two-shot (both phases), the pull gather, the "
                                "reduce-scatter and the graph lane's staged one-shot",
 }

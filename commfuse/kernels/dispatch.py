@@ -472,7 +472,8 @@ def copy_engine_chunks(m: int) -> int:
 
 
 #: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine
-#: overlap (2 ranks): such GEMM-bound calls lose to the fused kernel's reducer SMs and win when
+#: overlap (2 ranks): such GEMM-bound calls lost to the fused kernel's reducer SMs (still ahead
+#: of its inline form, 6e0500b: 8192x7168x4096 705 / 723, 4096x14336x8192 1316 / 1365) and win when
 #: the copy engines, which take no SMs, move the partials (``explore/paths_8f97686.json``, us,
 #: fused / ce: 4096x14336x8192 1510 / 1340, 4096x7168x4096 443 / 370, 8192x14336x8192 3032 / 2647,
 #: 8192x7168x4096 800 / 714; one-shot is the default for the first three, 1443, 419, 2954).

@@ -11,17 +11,23 @@ its fp32 accumulator, writes the output and pushes the sum into each peer's resu
 (``ready`` on the owner, ``done`` on the peers) are released after the program's *next* tile is
 multiplied, so the release finds the stores landed instead of stalling on them. The sums that
 peers pushed are copied into this rank's output by the multiplying programs themselves: the
-copies are positions of the ticket order, each some waves behind the own tile the peer
-multiplied at the same time (``_interleaved``), so every program multiplies. With the static
-order (or a tiling with ``reducers`` > 0) a few ``reducers`` programs copy them instead, as they
-arrive.
+copies are positions of the ticket order after this rank's own tiles (``_interleaved``; with
+the default lag and up to ~1000 tiles at 2 ranks all of them come after the last own tile, in
+larger calls they interleave with the own tiles, ``lag`` tiles behind), so every program
+multiplies. With the static order (or a tiling with ``reducers`` > 0) a few ``reducers``
+programs copy them instead, as they arrive.
 
 Each rank sends (world - 1) / world of the partial and of the result, as a two-shot all-reduce
 does, spread over the whole GEMM instead of after it. Waits are bounded (``sync.wait_flag``): a
 program whose wait timed out writes NaN for the rest of its tiles (and still releases them), and
-the error word names the op, this rank and the peer. Only the last segment waits, and only for
-pushes of the peers' earlier segments, which never wait; with the static tile assignment that
-argument needs every compute program resident (as the exchange kernels need theirs). Parity
+the error word names the op, this rank and the peer (a copy's timeout too, which makes that
+program's later own tiles NaN on every rank, as an own tile's timeout always did). Own tiles
+wait only for the peers' earlier segments, which never wait. A copy of a peer's tile j waits
+for that peer's own tile j, which a running program claimed or will claim: every program of
+that peer that could be stuck is at an earlier position, a copy of a tile with a smaller index,
+so a cycle of waits would need ever smaller indices; and no program waits while it holds an
+unreleased tile (a copy releases it first). With the static tile assignment the argument needs
+every compute program resident (as the exchange kernels need theirs). Parity
 halves alternate between calls as in ``exchange.py``: a rank finishes call e only after every
 owner pushed it the sums of e, so every peer has started e (and finished e - 1); a rank can
 therefore be at most one call ahead, and call e + 2, the next to reuse e's half, cannot start on
@@ -349,11 +355,11 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     return later, late
 
 
-@triton.jit(do_not_specialize=["epoch", "ticket_base", "compute", "lag"])
+@triton.jit(do_not_specialize=["epoch", "ticket_base", "compute", "lag", "positions"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                            flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
-                           trace, compute, lag, OP: tl.constexpr, WORLD: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           trace, compute, lag, positions, OP: tl.constexpr,
+                           WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            GROUP_M: tl.constexpr, SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
@@ -364,6 +370,8 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
     ticket order): no reducers either; the copies of the peers' pushed sums are positions of the
     ticket order (``_interleaved``, ``lag`` units behind), so every program multiplies.
+    ``positions``: how many positions the ticket order has (``inline_positions``; the tile count
+    without ``INLINE``), counted once on the host.
     ``TMA_PUSH`` (pushed forms): the pushes are TMA stores into the peers' memory.
     ``ABLATE``: bits of ``ABLATIONS``, for timing only (results are wrong); 0 in every real call.
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
@@ -383,12 +391,6 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
         prev = pid * 0 - 1
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
             j = 0  # positions this program multiplied (the trace's index)
-            positions = num_tiles
-            if INLINE:  # inline_positions
-                own = (num_tiles - rank + WORLD - 1) // WORLD
-                paired = tl.maximum(own - lag, 0)
-                positions = (num_tiles - own + tl.minimum(lag, own) + WORLD * paired
-                             + (WORLD - 1) * (slab_tiles - paired))
             q = claim(ticket, ticket_base)
             while q < positions:
                 kind = q * 0
@@ -479,11 +481,13 @@ STATIC_REDUCERS = 16
 
 
 def copy_lag(compute: int) -> int:
-    """Units (``_interleaved``) the inline copies trail this rank's own tiles by: a peer's own
-    tile is released after that program's next tile, about two waves of ``compute`` tiles after
-    it began, so at least twice ``compute``; by default 4 waves (``explore/paths_inline_*``).
-    ``COMMFUSE_AR_COPY_LAG`` sets the number of waves (a float; ranks may differ: it only orders
-    this rank's own work)."""
+    """Own tiles (``_interleaved``'s units) the inline copies trail this rank's own tiles by: a
+    peer's own tile is released after that program's next tile, about two waves of ``compute``
+    tiles after it began, so at least twice ``compute``; by default 4 ``compute`` (which at 2
+    ranks puts every copy after the last own tile in calls of up to ~8 * ``compute`` tiles;
+    lags of 2, 4 and 100 timed alike, ``explore/paths_lag_6e0500b``). ``COMMFUSE_AR_COPY_LAG``
+    sets the multiple of ``compute`` (a float; ranks may differ: it only orders this rank's own
+    work)."""
     waves = float(os.environ.get("COMMFUSE_AR_COPY_LAG", "4"))
     if waves < 0:
         raise ValueError(f"commfuse: COMMFUSE_AR_COPY_LAG={waves} must be at least 0")
@@ -534,7 +538,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
            ablate, consts["PULL"], trace is not None, consts["TMA_PUSH"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, 0, grid=(1,), **consts)
+        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, 0, 1, grid=(1,), **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, a.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -552,7 +556,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     if trace is not None and trace.numel() < (compute + reducers) * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {(compute + reducers) * TRACE_SLOTS} slots")
 
-    lag = copy_lag(compute) if inline else 0
+    # any lag past this rank's own tiles gives the same order (all copies after them); the
+    # clamp keeps the kernel argument a 32-bit integer
+    lag = min(copy_lag(compute), count) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
 
     if consts["TMA_PUSH"]:  # device-made descriptors need scratch memory from an allocator
@@ -566,7 +572,8 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         TMA_CALLS += consts["TMA_PUSH"]
         if trace is not None:
             trace.fill_(-1)
-        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, lag, **consts)
+        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, lag, positions,
+                                                      **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + positions + compute
 
