@@ -55,7 +55,7 @@ import triton.language as tl
 from . import tiles
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
                    require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
-                   wait_other_ranks, wait_remote_or_record)
+                   wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
@@ -271,8 +271,8 @@ def _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank, heap_bases,
         for k in tl.static_range(1, WORLD):
             peer = (rank + k) % WORLD
             if late == 0:
-                late = wait_remote_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err,
-                                             OP, rank, peer, heap_bases)
+                late = wait_or_record(flags + tile * WORLD + peer, epoch, start, timeout, err, OP, rank,
+                                      peer, heap_bases, True)
         tl.debug_barrier()  # every thread reads the partials after the acquires
     pulled = tl.zeros((BM, BN), tl.float32)
     for k in tl.static_range(1, WORLD):
@@ -427,14 +427,11 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
         for u in range(pid - compute, (WORLD - 1) * slab_tiles, reducers):
             owner = (rank + 1 + u % (WORLD - 1)) % WORLD
             tile = owner + WORLD * (u // (WORLD - 1))
-            if tile < num_tiles:
-                pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-                if (late == 0) & (ABLATE & NO_WAIT == 0):
-                    late = wait_or_record(flags + num_tiles * WORLD + tile, epoch, now(),
-                                          timeout, err, OP, rank, owner)
-                    tl.debug_barrier()
-                if ABLATE & NO_COPY == 0:
-                    _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
+            if tile < num_tiles:  # a reducer holds no tile of its own (prev -1)
+                _, late = _copy_position(
+                    tile, pid * 0 - 1, late, data, out, flags, heap_bases, epoch, rank, err, timeout,
+                    M, N, num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, GROUP_M,
+                    SUB_M, SCATTER, ABLATE, TMA_PUSH)
     trace_time(trace, 1, TRACE)
 
 

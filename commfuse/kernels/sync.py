@@ -95,14 +95,25 @@ def trace_tile(trace, j, i, part, TRACE: tl.constexpr):
 
 
 @triton.jit
-def wait_flag(ptr, epoch, start, timeout):
+def _poll(ptr, rank, peer, heap_bases, REMOTE: tl.constexpr):
+    """One acquire read (system scope) of a flag: this rank's, or with ``REMOTE`` the same slot in
+    ``peer``'s memory (over NVLink)."""
+    if REMOTE:
+        return iris.atomic_add(ptr, 0, rank, peer, heap_bases, sem="acquire", scope="sys")
+    else:
+        return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def wait_flag(ptr, epoch, start, timeout, rank=0, peer=0, heap_bases=None, REMOTE: tl.constexpr = False):
     """Spin until ``*ptr >= epoch`` (acquire, system scope) or ``timeout`` ns after ``start`` (a
     ``now()`` reading); returns 1 if the flag came late. Every thread of the program takes the
-    same decision: the flag comes from one scalar atomic and the time from ``now()``."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    same decision: the flag comes from one scalar atomic and the time from ``now()``. With
+    ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is this rank's address of the slot)."""
+    seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
     late = 0
     while (seen < epoch) & (late == 0):
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
         if now() - start > timeout:
             late = 1
     return late
@@ -118,24 +129,11 @@ def record_late(err, OP: tl.constexpr, rank, peer):
 
 
 @triton.jit
-def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer):
-    """``wait_flag`` for the flag ``peer`` raises; a late one is named in the error word."""
-    late = wait_flag(ptr, epoch, start, timeout)
-    if late != 0:
-        record_late(err, OP, rank, peer)
-    return late
-
-
-@triton.jit
-def wait_remote_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer, heap_bases):
-    """``wait_or_record`` for a flag in ``peer``'s memory (``ptr`` is this rank's address of the
-    same slot): each poll is an acquire over NVLink, at system scope."""
-    seen = iris.atomic_add(ptr, 0, rank, peer, heap_bases, sem="acquire", scope="sys")
-    late = 0
-    while (seen < epoch) & (late == 0):
-        seen = iris.atomic_add(ptr, 0, rank, peer, heap_bases, sem="acquire", scope="sys")
-        if now() - start > timeout:
-            late = 1
+def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer, heap_bases=None,
+                   REMOTE: tl.constexpr = False):
+    """``wait_flag`` for the flag ``peer`` raises (with ``REMOTE``, in ``peer``'s memory); a late
+    one is named in the error word."""
+    late = wait_flag(ptr, epoch, start, timeout, rank, peer, heap_bases, REMOTE)
     if late != 0:
         record_late(err, OP, rank, peer)
     return late

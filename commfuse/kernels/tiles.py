@@ -97,8 +97,9 @@ def claim(ticket, base):
 class TileConfig:
     """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums
     instead of multiplying (0: the multiplying programs copy them, in the ticket order, which
-    ``dispatch.tile_config`` picks for every call; 16, this class's default, for sweeps); ``per_sm``: programs per SM (2 lets one program's epilogue stores
-    drain while the other multiplies; the launcher lowers it to what the compiled kernel fits)."""
+    ``dispatch.tile_config`` picks for every call; 16, this class's default, for sweeps);
+    ``per_sm``: programs per SM (2 lets one program's epilogue stores drain while the other
+    multiplies; the launcher lowers it to what the compiled kernel fits)."""
 
     bm: int = 128
     bn: int = 256
