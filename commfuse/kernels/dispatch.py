@@ -47,6 +47,14 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 #: than cuBLAS (no split-K).
 FUSED_MIN_M = 4096
 
+#: Since the copies went inline (6e0500b) the fused kernel also wins 1024-row calls with K up to
+#: 4096 at 2 ranks, by 2-4% (interleaved sweeps, us, fused / cuBLAS + one-shot:
+#: ``explore/paths_lag_6e0500b.json`` 1024x4096x8192 149.7 / 152.5, 1024x2048x4096 60.4 / 61.1;
+#: ``explore/paths_tma_9288ea7.json`` 148.9 / 154.8, 59.4 / 61.3), and ties at K = 7168 (113.4 /
+#: 113.1, 113.5 / 114.3) and 14336. From ``FUSED_MID_M`` rows, K up to ``FUSED_MID_MAX_K`` and
+#: outputs of at least ``FUSED_MID_MIN_ELEMS`` (one wave of 128x256 tiles: the smallest measured).
+FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MIN_ELEMS = 1024, 4096, 1024 * 4096
+
 
 #: The split-K kernel (``fused_split_k.py``) up to this many rows and output elements: it beat
 #: cuBLAS + one-shot on every such shape measured (2xH200, ``benchmarks/results/h200x2/explore/
@@ -273,7 +281,9 @@ def split_k_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: i
 def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
     """Whether an eager call of this shape takes the fused tile kernel (the graph pass sizes the
     workspace by it, too)."""
-    return m >= FUSED_MIN_M and k <= m and fused_unsupported(m, k, n, dtype, world) is None
+    many_rows = m >= FUSED_MIN_M and k <= m
+    mid_rows = (world == 2 and m >= FUSED_MID_M and k <= FUSED_MID_MAX_K and m * n >= FUSED_MID_MIN_ELEMS)
+    return (many_rows or mid_rows) and fused_unsupported(m, k, n, dtype, world) is None
 
 
 def fused_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int,
