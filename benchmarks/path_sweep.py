@@ -101,20 +101,18 @@ def main() -> int:
     p.add_argument("--ar-min-m", type=int, default=1024, help="all-reduce shapes from this many rows")
     p.add_argument("--batch", type=int, default=1, help="all-gather / reduce-scatter along dim 1 of a "
                    "[batch, rows / batch, ...] tensor (sequence parallel with a batch)")
-    p.add_argument("--shapes", default=None, help="only these MxKxN (comma-separated)")
+    p.add_argument("--shapes", default=None, help="these MxKxN instead of the benchmark's (comma-separated)")
     p.add_argument("--only", default=None, help="only these candidates (comma-separated names)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
-    keep = set(args.shapes.split(",")) if args.shapes else None
+    given = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
     only = set(args.only.split(",")) if args.only else None
     candidates = {"ar": AR_CANDIDATES, "ag": AG_CANDIDATES, "rs": RS_CANDIDATES}
     records = []
     for op in args.ops.split(","):
         shapes = [s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "ar" else AG_MM_SHAPES
-        for m, k, n in shapes:
-            if keep is not None and f"{m}x{k}x{n}" not in keep:
-                continue
+        for m, k, n in given or shapes:
             batch = 1 if op == "ar" else args.batch
             if m % (batch * group.size()):
                 if rank == 0:

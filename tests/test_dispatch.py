@@ -19,15 +19,17 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     assert dispatch.mm_all_reduce(0, 4096, 8192, BF16, world) == "nccl"
     assert dispatch.mm_all_reduce(16, 4096, 8192, BF16, world) == "split_k"  # decode: few rows
     assert dispatch.mm_all_reduce(256, 4096, 8192, BF16, world) in ("one_shot", "two_shot")  # 4 MiB
-    # 1024 rows, K up to 4096: fused at 2 ranks (measured there), the symmetric paths elsewhere
-    mid = dispatch.mm_all_reduce(1024, 2048, 4096, BF16, world)
-    assert mid == ("fused" if world == 2 else "two_shot")
+    # from 1024 rows, K up to 4096 and more than one wave of 128x256 tiles: fused at 2 ranks
+    # (measured there), the symmetric paths elsewhere
     assert dispatch.mm_all_reduce(1024, 4096, 8192, BF16, world) == ("fused" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(2048, 2048, 4096, BF16, world) == ("fused" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(1536, 2048, 4096, BF16, world) == ("fused" if world == 2 else "two_shot")
     assert dispatch.mm_all_reduce(1024, 7168, 4096, BF16, world) == ("one_shot" if world == 2 else "two_shot")
-    assert dispatch.mm_all_reduce(1023, 2048, 4096, BF16, world) == ("one_shot" if world == 2 else "two_shot")
-    # ... with at least one wave of tiles: a narrower output keeps cuBLAS + one-shot
-    assert dispatch.mm_all_reduce(1024, 2048, 2048, BF16, world) == ("one_shot" if world == 2 else "two_shot")
-    assert dispatch.mm_all_reduce(2048, 2048, 2048, BF16, world) == ("fused" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(1023, 2048, 8192, BF16, world) == ("one_shot" if world == 2 else "two_shot")
+    # ... one wave (2^22 outputs) or less: cuBLAS + one-shot
+    mid = dispatch.mm_all_reduce(1024, 2048, 4096, BF16, world)
+    assert mid == ("one_shot" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(2048, 1024, 2048, BF16, world) == ("one_shot" if world == 2 else "two_shot")
     # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
     assert dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world) == "fused"
     assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"

@@ -43,17 +43,19 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 #: the final ops.json of de7b7b9 agrees):
 #: 8192x2048x4096 318/401, 4096x4096x8192 510/573, 8192x7168x4096 796/834 fuse;
 #: 4096x7168x4096 448/421, 4096x14336x8192 1491/1478, 8192x14336x8192 2977/2972 and every
-#: M = 1024 shape (too few waves) do not; below M = 1024 the tile GEMM itself is 2-3x slower
+#: M = 1024 shape (too few waves) did not, with the reducers; below M = 1024 the tile GEMM is 2-3x slower
 #: than cuBLAS (no split-K).
 FUSED_MIN_M = 4096
 
-#: Since the copies went inline (6e0500b) the fused kernel also wins 1024-row calls with K up to
-#: 4096 at 2 ranks, by 2-4% (interleaved sweeps, us, fused / cuBLAS + one-shot:
-#: ``explore/paths_lag_6e0500b.json`` 1024x4096x8192 149.7 / 152.5, 1024x2048x4096 60.4 / 61.1;
-#: ``explore/paths_tma_9288ea7.json`` 148.9 / 154.8, 59.4 / 61.3), and ties at K = 7168 (113.4 /
-#: 113.1, 113.5 / 114.3) and 14336. From ``FUSED_MID_M`` rows, K up to ``FUSED_MID_MAX_K`` and
-#: outputs of at least ``FUSED_MID_MIN_ELEMS`` (one wave of 128x256 tiles: the smallest measured).
-FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MIN_ELEMS = 1024, 4096, 1024 * 4096
+#: Since the copies went inline (6e0500b) the fused kernel also wins calls of 1024 to 4096 rows
+#: with K up to 4096 at 2 ranks once the output is more than one wave of 128x256 tiles (over 2^22
+#: elements); at one wave it ties or loses. Interleaved sweeps, us, fused / cuBLAS + one-shot
+#: (``explore/paths_mid_rows_ac8d005.json``): 2048x4096x8192 251 / 292, 3072x4096x4096 194 / 223,
+#: 1024x4096x16384 252 / 292, 2048x2048x4096 104 / 109, 1024x1024x8192 83 / 88, 1536x2048x4096
+#: 84 / 86, 1024x2048x8192 106 / 109; 1024x4096x8192 148-150 / 152-155 (three sweeps); one
+#: wave: 1024x4096x4096 82.9 / 82.0, 1024x512x4096 46.8 / 45.6, 2048x1024x2048 51.6 / 50.5,
+#: 1024x2048x4096 59.4-60.4 / 61.1-61.8. K = 7168 ties at 1024 rows (113.4 / 113.1).
+FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MORE_THAN = 1024, 4096, 1 << 22
 
 
 #: The split-K kernel (``fused_split_k.py``) up to this many rows and output elements: it beat
@@ -282,7 +284,7 @@ def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> 
     """Whether an eager call of this shape takes the fused tile kernel (the graph pass sizes the
     workspace by it, too)."""
     many_rows = m >= FUSED_MIN_M and k <= m
-    mid_rows = (world == 2 and m >= FUSED_MID_M and k <= FUSED_MID_MAX_K and m * n >= FUSED_MID_MIN_ELEMS)
+    mid_rows = world == 2 and m >= FUSED_MID_M and k <= FUSED_MID_MAX_K and m * n > FUSED_MID_MORE_THAN
     return (many_rows or mid_rows) and fused_unsupported(m, k, n, dtype, world) is None
 
 
