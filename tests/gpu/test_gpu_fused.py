@@ -91,6 +91,18 @@ def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, copies
     assert fused_all_reduce.TMA_CALLS == tma_before + (copies == "inline_tma")
 
 
+@pytest.mark.parametrize("m, k, n, path", [(1536, 2048, 4096, "fused"), (1024, 512, 8192, "fused"),
+                                          (2048, 4096, 4104, "fused"), (1024, 512, 4096, "one_shot")])
+def test_default_dispatch_of_1024_to_4096_rows(nccl, monkeypatch, m, k, n, path):
+    """Without ``COMMFUSE_ALGO`` a call of 1024-4096 rows, K <= 4096 and more than one wave of
+    128x256 tiles takes the fused kernel (one wave: cuBLAS + one-shot), with the default tiling,
+    and equals the fp32 reference."""
+    for name in ("COMMFUSE_ALGO", "COMMFUSE_TILE_CONFIG", "COMMFUSE_AR_COPY_LAG", "COMMFUSE_FUSED_TMA_PUSH"):
+        monkeypatch.delenv(name, raising=False)
+    torch.manual_seed(23 + dist.get_rank() + m + n)
+    _fused_call(*_operands(m, k, n, torch.bfloat16, "weight_t"), nccl.group_name, path=path)
+
+
 @pytest.mark.parametrize("copies", sorted(COPIES))
 def test_prefill_sized_call_back_to_back_without_synchronising(nccl, monkeypatch, copies):
     """20 calls of an o_proj-sized all-reduce queued without a host synchronisation between
