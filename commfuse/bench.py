@@ -538,6 +538,9 @@ def main(argv=None) -> int:
                    help="model: alternating rounds over the backends (--iters steps split among them)")
     p.add_argument("--loss-steps", type=int, default=50, help="model: training steps of the loss mode")
     p.add_argument("--small", action="store_true", help="model: small sizes (the default on CPU)")
+    p.add_argument("--call-times", type=int, default=0, metavar="STEPS",
+                   help="model: after the timed rounds, STEPS more commfuse steps with every commfuse call "
+                   "timed by CUDA events, each call's median against the same call alone (GPUs only)")
     args = p.parse_args(argv)
     if args.what == "model":
         from commfuse import bench_model

@@ -18,7 +18,10 @@ Reported for the timed modes: median step time (wall clock, synchronised, max ov
 Inductor, the share of Inductor's communication time commfuse hides,
 ``(inductor - commfuse) / (inductor - floor)``, first-call (compile) time with Inductor's caches
 off and its ratio to Inductor's, the fused-match count, and commfuse's error against eager (or
-against Inductor where eager is not run).
+against Inductor where eager is not run). ``--call-times STEPS`` (GPUs): every commfuse call's
+GPU time inside the step, timed by CUDA events over STEPS more steps, against the same call
+alone on fresh operands (``commfuse.kernels.call_times``): where a step loses time inside the
+model that the op benchmark does not show.
 """
 
 from __future__ import annotations
@@ -115,8 +118,62 @@ def _allow_many_compiles() -> None:
             setattr(torch._dynamo.config, name, 256)
 
 
+def call_times_case(step, device, dtype, steps: int) -> list[dict]:
+    """Every commfuse call of ``step``, timed by CUDA events on the caller's stream over ``steps``
+    synchronised steps (median, max over ranks), beside the same ``mm_all_reduce`` call alone:
+    fresh operands of the same shapes and weight layout, the path forced (``time_us``, the WORLD
+    group). Only the calls every rank made are reported (they pair up collectively)."""
+    from commfuse.bench import settings, time_us
+    from commfuse.kernels import call_times
+
+    call_times.collect()  # nothing recorded earlier counts
+    call_times.record(True)
+    try:
+        for _ in range(steps):
+            step()
+            _sync(device)
+    finally:
+        call_times.record(False)
+    times = call_times.collect()
+    keys = [set(times)]
+    if dist.get_world_size() > 1:
+        keys = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, set(times))
+    rows = []
+    for key in sorted(set.intersection(*keys)):
+        op, a_shape, b_shape, b_transposed, path = key
+        row = {"op": op, "a": list(a_shape), "b": list(b_shape), "b_transposed": b_transposed, "path": path,
+               "calls_per_step": len(times[key]) / steps,
+               "in_model_us": _max_over_ranks(statistics.median(times[key]), device)}
+        if op == "mm_all_reduce" and path != "?":
+            a = torch.randn(a_shape, device=device, dtype=dtype)
+            b = torch.randn(b_shape[::-1] if b_transposed else b_shape, device=device, dtype=dtype)
+            b = (b.t() if b_transposed else b) / a_shape[-1] ** 0.5
+            group = dist.group.WORLD.group_name
+            with settings({"COMMFUSE_ALGO": path}):
+                row["alone_us"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group))
+        rows.append(row)
+    return rows
+
+
+def _call_lines(rows: list[dict], step_ms: float | None) -> list[str]:
+    lines, extra = [], 0.0
+    for r in rows:
+        shape = "x".join(map(str, r["a"])) + " @ " + "x".join(map(str, r["b"])) + (" (W.t())" if r["b_transposed"] else "")
+        line = f"    {r['op']} {shape} {r['path']}, {r['calls_per_step']:g}/step: in the step {r['in_model_us']:.0f} us"
+        if "alone_us" in r:
+            line += f", alone {r['alone_us']:.0f} us"
+            extra += (r["in_model_us"] - r["alone_us"]) * r["calls_per_step"] / 1e3
+        lines.append(line)
+    total = sum(r["in_model_us"] * r["calls_per_step"] for r in rows) / 1e3
+    lines.append(f"    commfuse calls: {total:.2f} ms of GPU time per step"
+                 + (f" (step {step_ms:.2f} ms)" if step_ms else "")
+                 + f"; {extra:+.2f} ms per step against the same calls alone")
+    return lines
+
+
 def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int,
-             context: int = 0, rounds: int = ROUNDS) -> dict:
+             context: int = 0, rounds: int = ROUNDS, call_steps: int = 0) -> dict:
     import commfuse
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -176,6 +233,12 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
         if rank == 0:
             print(f"  {kind} {label} {backend}: first call {rec['compile_s'][backend]:.1f} s, "
                   f"step {rec['ms'][backend]:.3f} ms", file=sys.stderr, flush=True)
+    if call_steps and device.type == "cuda" and "commfuse" in steps and not graphs:
+        rec["call_times"] = call_times_case(steps["commfuse"], device, dtype, call_steps)
+        if rank == 0:
+            print("\n".join([f"  {kind} {label} commfuse, per call:"]
+                            + _call_lines(rec["call_times"], rec["ms"].get("commfuse"))),
+                  file=sys.stderr, flush=True)
     ms = rec["ms"]
     if "inductor" in ms and "commfuse" in ms:
         rec["speedup_vs_inductor"] = ms["inductor"] / ms["commfuse"]
@@ -399,7 +462,7 @@ def main(args) -> int:
                     rec = loss_case(kind, cfg, batch, args.seq, device, dtype, args.loss_steps)
                 else:
                     rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters,
-                                   rounds=args.rounds, **extra)
+                                   rounds=args.rounds, call_steps=getattr(args, "call_times", 0), **extra)
                 records.append(rec)
                 if dist.get_rank() == 0:
                     print(_line(rec), file=sys.stderr, flush=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import types
+
+import torch
 
 from commfuse import bench
 
@@ -42,7 +45,7 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
            "model", "--models", "sp,hooks", "--modes", "prefill,decode,train", "--layers", "1", "--batch", "2",
            "--seq", "32", "--iters", "2", "--decode-batches", "2", "--context", "16",
-           "--backends", "eager,inductor,commfuse,floor", "--rounds", "2", "--out", str(out)]
+           "--backends", "eager,inductor,commfuse,floor", "--rounds", "2", "--call-times", "1", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(out.read_text())
@@ -60,6 +63,24 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
         if r["mode"] != "train":
             assert r["commfuse_rel_err"] < 1e-5
     assert next(r for r in records if r["mode"] == "decode_b2")["seq"] == 16
+    assert not any("call_times" in r for r in records)  # CUDA events: GPUs only
+
+
+def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
+    from commfuse import bench_model
+
+    rows = [{"op": "mm_all_reduce", "a": [8192, 2048], "b": [2048, 4096], "b_transposed": True, "path": "fused",
+             "calls_per_step": 2.0, "in_model_us": 400.0, "alone_us": 290.0},
+            {"op": "mm_all_reduce", "a": [8192, 7168], "b": [7168, 4096], "b_transposed": False,
+             "path": "ce_overlap", "calls_per_step": 2.0, "in_model_us": 700.0, "alone_us": 710.0},
+            {"op": "all_gather_mm", "a": [4096, 4096], "b": [4096, 7168], "b_transposed": True, "path": "symm",
+             "calls_per_step": 1.0, "in_model_us": 100.0}]  # not timed alone
+    lines = bench_model._call_lines(rows, 7.0)
+    assert lines[0] == "    mm_all_reduce 8192x2048 @ 2048x4096 (W.t()) fused, 2/step: in the step 400 us, alone 290 us"
+    assert lines[2].endswith("in the step 100 us")
+    # (400 - 290) * 2 + (700 - 710) * 2 = 200 us; 2 * 400 + 2 * 700 + 100 = 2300 us of calls
+    assert lines[-1] == ("    commfuse calls: 2.30 ms of GPU time per step (step 7.00 ms); +0.20 ms per step "
+                         "against the same calls alone")
 
 
 def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
@@ -152,3 +173,35 @@ def test_model_backend_settings_hold_during_each_step_only(monkeypatch):
     assert seen == [("one_shot", "1", None), (None, "7168", "4"), ("ce_overlap", "1", "2")]
     assert os.environ.get("COMMFUSE_ALGO") is None and os.environ["COMMFUSE_CE_MIN_K"] == "1"
     assert "COMMFUSE_CE_CHUNKS" not in os.environ
+
+
+def test_call_times_case_rows(monkeypatch):
+    """``--call-times``: each recorded call's median per step, and the same mm_all_reduce alone
+    with its path forced and its weight in the recorded layout (CUDA timing replaced)."""
+    from commfuse import bench, bench_model
+    from commfuse.kernels import call_times
+
+    recorded = {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [5.0, 7.0, 6.0, 9.0],
+                ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [3.0, 3.0]}
+    steps, alone = [], []
+
+    def time_us(fn):
+        alone.append(os.environ.get("COMMFUSE_ALGO"))
+        return 4.0
+
+    def step():
+        steps.append(call_times._on)
+
+    monkeypatch.setattr(call_times, "collect", lambda: dict(recorded) if steps else {})
+    monkeypatch.setattr(bench, "time_us", time_us)
+    monkeypatch.setattr(bench_model, "_max_over_ranks", lambda v, device: v)
+    monkeypatch.setattr(bench_model.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(bench_model.dist, "group", types.SimpleNamespace(WORLD=types.SimpleNamespace(group_name="0")))
+    rows = bench_model.call_times_case(step, torch.device("cpu"), torch.bfloat16, 2)
+    assert steps == [True, True] and not call_times._on  # recording on for the steps only
+    assert alone == ["fused"]  # only mm_all_reduce is timed alone, on its recorded path
+    assert rows == [
+        {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
+         "calls_per_step": 1.0, "in_model_us": 3.0},
+        {"op": "mm_all_reduce", "a": [8, 4], "b": [4, 6], "b_transposed": True, "path": "fused",
+         "calls_per_step": 2.0, "in_model_us": 6.5, "alone_us": 4.0}]

@@ -261,3 +261,58 @@ def test_kept_views_made_in_inference_mode_take_writes_outside_it(sim):
     fresh.flags.zero_()
     fresh.tile_flags.add_(1)
     fresh.peer_data(0, 0, (4, 4), torch.float32).add_(1)
+
+
+class _FakeEvent:
+    """A timing event whose time is the number of events recorded before it (in ms)."""
+    clock = 0
+
+    def record(self, stream=None):
+        _FakeEvent.clock += 1
+        self.at = _FakeEvent.clock
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch):
+    """``call_times.record(True)``: each call of an op's entry is timed on the caller's stream,
+    keyed by the op, its operands' shapes and layout and the path it took (a forced path that fell back
+    counts as the path that ran); nothing is kept while recording is off; ``collect`` empties."""
+    from commfuse.kernels import call_times
+
+    monkeypatch.setattr(call_times, "_event", _FakeEvent)
+    monkeypatch.setattr(call_times, "_timeable", lambda a: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    r = sim.mine.rank
+
+    def call(algo, m):
+        monkeypatch.setenv("COMMFUSE_ALGO", algo)
+        a, b, bias = _inputs(sim.world, m, 6, 7, None)
+        for p in sim.peers():
+            sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
+        cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+
+    call("one_shot", 10)  # not recording
+    call_times.record(True)
+    try:
+        call("one_shot", 10)
+        call("two_shot", 10)
+        call("one_shot", 10)
+        call("ce_overlap", 0)  # no rows to chunk: runs one-shot instead
+        monkeypatch.setenv("COMMFUSE_ALGO", "symm")  # an entry with a keyword argument
+        shards = [torch.randn(4, 6) for _ in range(sim.world)]
+        for p in sim.peers():
+            sim.peer_data(p, (4, 6)).copy_(shards[p])
+        b = torch.randn(6, 5)
+        out, _ = cuda_paths.all_gather_mm(shards[r], b, None, 0, sim.world, "0", return_gathered=False)
+        torch.testing.assert_close(out, torch.cat(shards) @ b)
+    finally:
+        call_times.record(False)
+    call("one_shot", 10)
+    times = call_times.collect()
+    assert times == {("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [1e3, 1e3],
+                     ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [1e3],
+                     ("mm_all_reduce", (0, 6), (6, 7), False, "one_shot"): [1e3],
+                     ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [1e3]}
+    assert call_times.collect() == {}

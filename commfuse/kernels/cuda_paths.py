@@ -24,7 +24,8 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k, reference, symm, tiles
+from . import (call_times, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k, reference, symm,
+               tiles)
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -78,6 +79,7 @@ def _exchange(ws, op: str):
         raise
 
 
+@call_times.timed("mm_all_reduce", PATHS)
 def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
     ErrorWord.check("mm_all_reduce")
     group = _resolve_process_group(group_name)
@@ -257,6 +259,7 @@ def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
     main.wait_stream(side)
 
 
+@call_times.timed("all_gather_mm", PATHS)
 def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
                   world_size: int, group_name: str, return_gathered: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -307,6 +310,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         return out, gathered
 
 
+@call_times.timed("mm_reduce_scatter", PATHS)
 def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list[int],
                       scatter_dim: int, world_size: int, group_name: str) -> torch.Tensor:
     ErrorWord.check("mm_reduce_scatter")

@@ -1,0 +1,73 @@
+"""GPU time of each commfuse call inside a model, measured without a profiler.
+
+Under ``torch.profiler`` every call that waits for its peer also waits for the host delays the
+profiler adds on the other rank (a fused o_proj call took 1341 us in a profiled training step
+against 287 us alone, ``NOTES.md`` §29), so a profile cannot say whether a call is slower inside a
+model than alone. While ``record(True)`` is on, each op's CUDA entry point (``cuda_paths``)
+records a pair of timing events on the caller's stream around its work, keyed by the op, its
+operands' shapes and layout and the path it took; ``collect()`` synchronises and returns the times. Calls
+inside a CUDA-graph capture are not timed (a timing event cannot be captured).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Callable
+
+import torch
+
+#: At most this many calls are kept between two ``collect()`` calls (two events each).
+LIMIT = 100_000
+_on = False
+_pending: list = []  # (key, start event, end event)
+
+
+def record(on: bool) -> None:
+    """Start (``True``) or stop timing the calls; recorded times stay until ``collect()``."""
+    global _on
+    _on = on
+
+
+def _event():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _timeable(a: torch.Tensor) -> bool:
+    """A CUDA call outside a graph capture."""
+    return a.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def timed(op: str, paths: collections.Counter) -> Callable:
+    """Decorator for an op's CUDA entry ``fn(a, b, ...)`` (any further arguments pass through): while recording, time each call on the
+    caller's stream. ``paths`` is the per-path call counter the entry increments
+    (``cuda_paths.PATHS``): the path whose count went up names the call's path."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(a, b, *args, **kwargs):
+            if not _on or len(_pending) >= LIMIT or not _timeable(a):
+                return fn(a, b, *args, **kwargs)
+            before = {k: v for k, v in paths.items() if k.startswith(op + ":")}
+            start, end = _event(), _event()
+            start.record()
+            out = fn(a, b, *args, **kwargs)
+            end.record()
+            taken = [k for k, v in paths.items() if k.startswith(op + ":") and v > before.get(k, 0)]
+            path = taken[0].partition(":")[2] if len(taken) == 1 else "?"
+            b_transposed = b.dim() == 2 and b.shape[0] > 1 and b.stride(0) == 1  # a weight's W.t()
+            _pending.append(((op, tuple(a.shape), tuple(b.shape), b_transposed, path), start, end))
+            return out
+        return call
+    return wrap
+
+
+def collect() -> dict[tuple, list[float]]:
+    """The recorded calls' GPU times in us, per (op, a's shape, b's shape, whether b is a
+    transposed view, path), in call order; clears them. Synchronises the device when there are any."""
+    times: dict[tuple, list[float]] = {}
+    if _pending:
+        torch.cuda.synchronize()
+    for key, start, end in _pending:
+        times.setdefault(key, []).append(start.elapsed_time(end) * 1e3)
+    _pending.clear()
+    return times
