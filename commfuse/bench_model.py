@@ -159,8 +159,10 @@ def call_times_case(step, device, dtype, steps: int) -> list[dict]:
 def _call_lines(rows: list[dict], step_ms: float | None) -> list[str]:
     lines, extra = [], 0.0
     for r in rows:
-        shape = "x".join(map(str, r["a"])) + " @ " + "x".join(map(str, r["b"])) + (" (W.t())" if r["b_transposed"] else "")
-        line = f"    {r['op']} {shape} {r['path']}, {r['calls_per_step']:g}/step: in the step {r['in_model_us']:.0f} us"
+        shape = "x".join(map(str, r["a"])) + " @ " + "x".join(map(str, r["b"]))
+        shape += " (W.t())" if r["b_transposed"] else ""
+        line = (f"    {r['op']} {shape} {r['path']}, {r['calls_per_step']:g}/step: "
+                f"in the step {r['in_model_us']:.0f} us")
         if "alone_us" in r:
             line += f", alone {r['alone_us']:.0f} us"
             extra += (r["in_model_us"] - r["alone_us"]) * r["calls_per_step"] / 1e3

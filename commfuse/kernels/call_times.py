@@ -5,8 +5,11 @@ profiler adds on the other rank (a fused o_proj call took 1341 us in a profiled 
 against 287 us alone, ``NOTES.md`` §29), so a profile cannot say whether a call is slower inside a
 model than alone. While ``record(True)`` is on, each op's CUDA entry point (``cuda_paths``)
 records a pair of timing events on the caller's stream around its work, keyed by the op, its
-operands' shapes and layout and the path it took; ``collect()`` synchronises and returns the times. Calls
-inside a CUDA-graph capture are not timed (a timing event cannot be captured).
+operands' shapes and layout and the path it took; ``collect()`` synchronises and returns the
+times. A call's time includes its wait for a late peer and any gap where the GPU, having caught
+up with the host, waited for the call's own launches: both are what the model pays and a call
+timed alone does not. Calls inside a CUDA-graph capture are not timed (a timing event cannot be
+captured).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ def _timeable(a: torch.Tensor) -> bool:
 
 
 def timed(op: str, paths: collections.Counter) -> Callable:
-    """Decorator for an op's CUDA entry ``fn(a, b, ...)`` (any further arguments pass through): while recording, time each call on the
-    caller's stream. ``paths`` is the per-path call counter the entry increments
-    (``cuda_paths.PATHS``): the path whose count went up names the call's path."""
+    """Decorator for an op's CUDA entry ``fn(a, b, ...)`` (further arguments pass through): while
+    recording, time each call on the caller's stream. ``paths`` is the per-path call counter the
+    entry increments (``cuda_paths.PATHS``): the path whose count went up names the call's path."""
     def wrap(fn):
         @functools.wraps(fn)
         def call(a, b, *args, **kwargs):
@@ -63,7 +66,7 @@ def timed(op: str, paths: collections.Counter) -> Callable:
 
 def collect() -> dict[tuple, list[float]]:
     """The recorded calls' GPU times in us, per (op, a's shape, b's shape, whether b is a
-    transposed view, path), in call order; clears them. Synchronises the device when there are any."""
+    transposed view, path), in call order; clears them. Synchronises the device if there are any."""
     times: dict[tuple, list[float]] = {}
     if _pending:
         torch.cuda.synchronize()
