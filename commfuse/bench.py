@@ -540,7 +540,8 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="model: small sizes (the default on CPU)")
     p.add_argument("--call-times", type=int, default=0, metavar="STEPS",
                    help="model: after the timed rounds, STEPS more commfuse steps with every commfuse call "
-                   "timed by CUDA events, each call's median against the same call alone (GPUs only)")
+                   "timed by CUDA events, each call's median against the same call alone (GPUs; prefill "
+                   "and train)")
     args = p.parse_args(argv)
     if args.what == "model":
         from commfuse import bench_model

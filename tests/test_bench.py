@@ -185,8 +185,13 @@ def test_call_times_case_rows(monkeypatch):
                 ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [3.0, 3.0]}
     steps, alone = [], []
 
+    def mm_all_reduce(a, b, bias, group):
+        alone.append((tuple(a.shape), a.dtype, tuple(b.shape), b.stride(), bias, group,
+                      os.environ.get("COMMFUSE_ALGO")))
+        return a @ b
+
     def time_us(fn):
-        alone.append(os.environ.get("COMMFUSE_ALGO"))
+        fn()
         return 4.0
 
     def step():
@@ -194,14 +199,47 @@ def test_call_times_case_rows(monkeypatch):
 
     monkeypatch.setattr(call_times, "collect", lambda: dict(recorded) if steps else {})
     monkeypatch.setattr(bench, "time_us", time_us)
+    monkeypatch.setattr(torch.ops.commfuse, "mm_all_reduce", mm_all_reduce)
     monkeypatch.setattr(bench_model, "_max_over_ranks", lambda v, device: v)
     monkeypatch.setattr(bench_model.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(bench_model.dist, "group", types.SimpleNamespace(WORLD=types.SimpleNamespace(group_name="0")))
     rows = bench_model.call_times_case(step, torch.device("cpu"), torch.bfloat16, 2)
     assert steps == [True, True] and not call_times._on  # recording on for the steps only
-    assert alone == ["fused"]  # only mm_all_reduce is timed alone, on its recorded path
+    # only mm_all_reduce is timed alone: the recorded shapes, the weight as W.t(), no bias, the
+    # WORLD group, the recorded path forced
+    assert alone == [((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
+    assert os.environ.get("COMMFUSE_ALGO") is None
     assert rows == [
         {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
          "calls_per_step": 1.0, "in_model_us": 3.0},
         {"op": "mm_all_reduce", "a": [8, 4], "b": [4, 6], "b_transposed": True, "path": "fused",
          "calls_per_step": 2.0, "in_model_us": 6.5, "alone_us": 4.0}]
+
+
+def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
+    import pytest
+
+    from commfuse.kernels import call_times
+
+    monkeypatch.setattr(call_times, "LIMIT", 2)
+    monkeypatch.setattr(call_times, "_event", lambda: types.SimpleNamespace(record=lambda: None,
+                                                                          elapsed_time=lambda end: 1.0))
+    monkeypatch.setattr(call_times, "_timeable", lambda a: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    counter = {}
+
+    @call_times.timed("mm_all_reduce", counter)
+    def entry(a, b):
+        counter["mm_all_reduce:one_shot"] = counter.get("mm_all_reduce:one_shot", 0) + 1
+        return a @ b
+
+    a, b = torch.ones(2, 3), torch.ones(3, 4)
+    call_times.record(True)
+    try:
+        outs = [entry(a, b) for _ in range(3)]
+    finally:
+        call_times.record(False)
+    assert all(torch.equal(o, a @ b) for o in outs)  # the call past the limit still runs
+    with pytest.warns(UserWarning, match="1 calls past the first 2 were not timed"):
+        times = call_times.collect()
+    assert times == {("mm_all_reduce", (2, 3), (3, 4), False, "one_shot"): [1e3, 1e3]}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 from typing import Callable
 
 import torch
@@ -24,6 +25,7 @@ import torch
 LIMIT = 100_000
 _on = False
 _pending: list = []  # (key, start event, end event)
+_dropped = 0  # calls past LIMIT, not timed
 
 
 def record(on: bool) -> None:
@@ -48,7 +50,11 @@ def timed(op: str, paths: collections.Counter) -> Callable:
     def wrap(fn):
         @functools.wraps(fn)
         def call(a, b, *args, **kwargs):
-            if not _on or len(_pending) >= LIMIT or not _timeable(a):
+            global _dropped
+            if not _on or not _timeable(a):
+                return fn(a, b, *args, **kwargs)
+            if len(_pending) >= LIMIT:
+                _dropped += 1
                 return fn(a, b, *args, **kwargs)
             before = {k: v for k, v in paths.items() if k.startswith(op + ":")}
             start, end = _event(), _event()
@@ -67,6 +73,11 @@ def timed(op: str, paths: collections.Counter) -> Callable:
 def collect() -> dict[tuple, list[float]]:
     """The recorded calls' GPU times in us, per (op, a's shape, b's shape, whether b is a
     transposed view, path), in call order; clears them. Synchronises the device if there are any."""
+    global _dropped
+    if _dropped:
+        warnings.warn(f"commfuse call_times: {_dropped} calls past the first {LIMIT} were not timed; "
+                      "collect() more often")
+        _dropped = 0
     times: dict[tuple, list[float]] = {}
     if _pending:
         torch.cuda.synchronize()

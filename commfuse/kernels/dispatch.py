@@ -47,14 +47,15 @@ OVERLAP_MIN_SHARD_MNK = 1 << 33
 #: than cuBLAS (no split-K).
 FUSED_MIN_M = 4096
 
-#: Since the copies went inline (6e0500b) the fused kernel also wins calls of 1024 to 4096 rows
-#: with K up to 4096 at 2 ranks once the output is more than one wave of 128x256 tiles (over 2^22
-#: elements); at one wave it is within 3% of cuBLAS + one-shot either way. Interleaved sweeps,
-#: us, fused / one-shot (``explore/paths_mid_rows_ac8d005.json``): 2048x4096x8192 251 / 292, 3072x4096x4096 194 / 223,
-#: 1024x4096x16384 252 / 292, 2048x2048x4096 104 / 109, 1024x1024x8192 83 / 88, 1536x2048x4096
-#: 84 / 86, 1024x2048x8192 106 / 109; 1024x4096x8192 148-150 / 152-155 (three sweeps); one
-#: wave: 1024x4096x4096 82.9 / 82.0, 1024x512x4096 46.8 / 45.6, 2048x1024x2048 51.6 / 50.5,
-#: 1024x2048x4096 59.4-60.4 / 61.1-61.8. K = 7168 ties at 1024 rows (113.4 / 113.1).
+#: Since the copies went inline (6e0500b) the fused kernel also wins calls of 1024 to 4095 rows
+#: with K up to 4096 at 2 ranks once the output is more than 128 tiles of 128x256 (over 2^22
+#: elements); at 128 tiles, one wave, it is within 3% of cuBLAS + one-shot either way (129-132
+#: tiles, still one wave on 132 SMs, were not measured). Interleaved sweeps, us, fused /
+#: one-shot (``explore/paths_mid_rows_ac8d005.json``): 2048x4096x8192 251 / 292, 3072x4096x4096
+#: 194 / 223, 1024x4096x16384 252 / 292, 2048x2048x4096 104 / 109, 1024x1024x8192 83 / 88,
+#: 1536x2048x4096 84 / 86, 1024x2048x8192 106 / 109; 1024x4096x8192 148-150 / 152-155 (three
+#: sweeps); 128 tiles: 1024x4096x4096 82.9 / 82.0, 1024x512x4096 46.8 / 45.6, 2048x1024x2048
+#: 51.6 / 50.5, 1024x2048x4096 59.4-60.4 / 61.1-61.8. K = 7168 ties at 1024 rows (113.4 / 113.1).
 FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MORE_THAN = 1024, 4096, 1 << 22
 
 
