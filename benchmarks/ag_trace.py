@@ -20,8 +20,8 @@ import torch
 import commfuse  # noqa: F401
 from ag_sweep import check
 from commfuse.bench import (settings, spread, sweep_finish, sweep_record, sweep_setup, sweep_trace, trace_bins,
-                            trace_positions, trace_rows)
-from commfuse.kernels import fused_all_gather, symm, sync, tiles
+                            trace_buffer, trace_positions, trace_rows)
+from commfuse.kernels import fused_all_gather, symm, tiles
 
 def summary(trace: torch.Tensor, rows: int, n: int, world: int, cfg, pushers: int) -> dict:
     """The trace of one call in us from the earliest start: push ends, tile ends by source,
@@ -78,8 +78,7 @@ def main() -> int:
                 with settings({"COMMFUSE_AG_PUSHERS": str(max(pushers, 1)), "COMMFUSE_AG_PUSH": push}):
                     err = check(shard, b, gname, world, group, cfg, side)[0]
                     launch = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, side=side)
-                    trace = torch.full((1024 * sync.TRACE_SLOTS,), -1, dtype=torch.int64,
-                                       device="cuda")
+                    trace = trace_buffer()
                     traced = fused_all_gather.prepare(ws, shard, b, None, None, out, cfg, trace, side)
                     us = sweep_trace(ws, launch, traced)
                     sweep_record(records, dict(M=m, K=k, N=n, config=text, push=push, pushers=pushers,

@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, sync, tiles
+from commfuse.bench import trace_buffer
+from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, tiles
 
 
 def _group(world: int, data_bytes: int) -> list:
@@ -67,7 +68,7 @@ def main() -> int:
             b = torch.randn(n, k, device="cuda", dtype=dt).t()
             out = torch.empty(2 * rows, n, device="cuda", dtype=dt)
             g = torch.empty(2 * rows, k, device="cuda", dtype=dt) if gathered else None
-            trace = torch.empty(1024 * sync.TRACE_SLOTS, dtype=torch.int64, device="cuda") if traced else None
+            trace = trace_buffer() if traced else None
             name = f"ag{' gathered' if gathered else ''}{' traced' if traced else ''} {text}"
             _last.clear()
             try:

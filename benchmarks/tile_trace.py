@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import commfuse  # noqa: F401
 from commfuse.bench import (spread, sweep_finish, sweep_record, sweep_setup, sweep_trace, trace_bins,
-                            trace_positions, trace_rows)
-from commfuse.kernels import fused_all_reduce, symm, sync, tiles
+                            trace_buffer, trace_positions, trace_rows)
+from commfuse.kernels import fused_all_reduce, symm, tiles
 from commfuse.kernels.sync import ErrorWord
 
 def summary(trace: torch.Tensor, own_from: int, compute: int) -> dict:
@@ -81,7 +81,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 ErrorWord.check("tile_trace")
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                trace = torch.full((1024 * sync.TRACE_SLOTS,), -1, dtype=torch.int64, device="cuda")
+                trace = trace_buffer()
                 traced = fused_all_reduce.prepare(ws, a, b, None, out, cfg, scatter, pull=pull, trace=trace)
                 us = sweep_trace(ws, launch, traced)
                 count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)

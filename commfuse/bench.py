@@ -295,6 +295,14 @@ def sweep_trace(ws, launch, traced) -> float:
 TRACE_BIN_NS = 2000
 
 
+def trace_buffer(programs: int = 1024) -> torch.Tensor:
+    """Room for a fused kernel's trace of up to ``programs`` programs (more than any grid here);
+    the kernels' launchers mark every slot unused (-1) before each traced launch."""
+    from commfuse.kernels import sync
+
+    return torch.empty(programs * sync.TRACE_SLOTS, dtype=torch.int64, device="cuda")
+
+
 def trace_rows(trace: torch.Tensor) -> tuple[list, int]:
     """A fused kernel's trace (``sync.TRACE_SLOTS`` int64 per program, -1 unused) as one list per
     program, and the earliest program start (ns)."""

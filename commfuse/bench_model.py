@@ -465,7 +465,7 @@ def main(args) -> int:
                     rec = loss_case(kind, cfg, batch, args.seq, device, dtype, args.loss_steps)
                 else:
                     rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters,
-                                   rounds=args.rounds, call_steps=getattr(args, "call_times", 0), **extra)
+                                   rounds=args.rounds, call_steps=args.call_times, **extra)
                 records.append(rec)
                 if dist.get_rank() == 0:
                     print(_line(rec), file=sys.stderr, flush=True)

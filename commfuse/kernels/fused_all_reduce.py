@@ -468,8 +468,9 @@ PULL_CALLS = INLINE_CALLS = TMA_CALLS = 0
 
 def tma_push() -> bool:
     """``COMMFUSE_FUSED_TMA_PUSH=1``: the fused all-reduce / reduce-scatter push through the TMA
-    unit (an experiment, off: written and compiled for sm_90 on the CPU in session 11, not yet
-    run on GPUs; NOTES.md §28). Ranks may differ: it changes how bytes travel, not which."""
+    unit (an experiment, off: correct on 2xH200 and 1-3% slower on every shape timed,
+    ``explore/paths_tma_9288ea7``; NOTES.md §28-29). Ranks may differ: it changes how bytes
+    travel, not which."""
     return os.environ.get("COMMFUSE_FUSED_TMA_PUSH", "0") == "1"
 
 
