@@ -118,33 +118,47 @@ def _allow_many_compiles() -> None:
             setattr(torch._dynamo.config, name, 256)
 
 
-def call_times_case(step, device, dtype, steps: int) -> list[dict]:
+def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]:
     """Every commfuse call of ``step``, timed by CUDA events on the caller's stream over ``steps``
-    synchronised steps (median, max over ranks), beside the same ``mm_all_reduce`` call alone:
-    fresh operands of the same shapes and weight layout, the path forced (``time_us``, the WORLD
-    group). Only the calls every rank made are reported (they pair up collectively)."""
+    synchronised steps, beside the same ``mm_all_reduce`` call alone: fresh operands of the same
+    shapes and weight layout, the path forced (``time_us``, the WORLD group). Per call: the median
+    GPU time on each rank (``in_model_us``: the larger), the median host time inside the call and
+    the share of calls that found the caller's stream already idle (the larger over ranks: where
+    the host, not the GPU, set the pace). Only the calls every rank made are reported (they pair
+    up collectively). Also returns the median host time to enqueue a step (before its
+    synchronisation; the larger over ranks) in ms: near the step's time, the host sets the pace."""
     from commfuse.bench import settings, time_us
     from commfuse.kernels import call_times
 
     call_times.collect()  # nothing recorded earlier counts
     call_times.record(True)
+    enqueue = []
     try:
         for _ in range(steps):
+            start = time.perf_counter()
             step()
+            enqueue.append((time.perf_counter() - start) * 1e3)
             _sync(device)
     finally:
         call_times.record(False)
-    times = call_times.collect()
-    keys = [set(times)]
+    calls = call_times.collect(detail=True)
+    mine = {key: (statistics.median(c.gpu_us for c in cs), statistics.median(c.host_us for c in cs),
+                  sum(c.idle for c in cs) / len(cs), len(cs))
+            for key, cs in calls.items()}
+    ranks = [mine]
     if dist.get_world_size() > 1:
-        keys = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, set(times))
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
     rows = []
-    for key in sorted(set.intersection(*keys)):
+    for key in sorted(set.intersection(*(set(r) for r in ranks))):
         op, a_shape, b_shape, b_transposed, path = key
+        per_rank = [r[key] for r in ranks]
         row = {"op": op, "a": list(a_shape), "b": list(b_shape), "b_transposed": b_transposed, "path": path,
-               "calls_per_step": len(times[key]) / steps,
-               "in_model_us": _max_over_ranks(statistics.median(times[key]), device)}
+               "calls_per_step": mine[key][3] / steps,
+               "in_model_us": max(r[0] for r in per_rank),
+               "in_model_us_ranks": [r[0] for r in per_rank],
+               "host_us": max(r[1] for r in per_rank),
+               "idle_at_entry": max(r[2] for r in per_rank)}
         if op == "mm_all_reduce" and path != "?":
             a = torch.randn(a_shape, device=device, dtype=dtype)
             b = torch.randn(b_shape[::-1] if b_transposed else b_shape, device=device, dtype=dtype)
@@ -153,16 +167,18 @@ def call_times_case(step, device, dtype, steps: int) -> list[dict]:
             with settings({"COMMFUSE_ALGO": path}):
                 row["alone_us"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group))
         rows.append(row)
-    return rows
+    return rows, _max_over_ranks(statistics.median(enqueue), device)
 
 
-def _call_lines(rows: list[dict], step_ms: float | None) -> list[str]:
+def _call_lines(rows: list[dict], step_ms: float | None, host_ms: float) -> list[str]:
     lines, extra = [], 0.0
     for r in rows:
         shape = "x".join(map(str, r["a"])) + " @ " + "x".join(map(str, r["b"]))
         shape += " (W.t())" if r["b_transposed"] else ""
+        ranks = "/".join(f"{t:.0f}" for t in r["in_model_us_ranks"])
         line = (f"    {r['op']} {shape} {r['path']}, {r['calls_per_step']:g}/step: "
-                f"in the step {r['in_model_us']:.0f} us")
+                f"in the step {r['in_model_us']:.0f} us (ranks {ranks}; host {r['host_us']:.0f} us, "
+                f"stream idle at entry {r['idle_at_entry']:.0%})")
         if "alone_us" in r:
             line += f", alone {r['alone_us']:.0f} us"
             extra += (r["in_model_us"] - r["alone_us"]) * r["calls_per_step"] / 1e3
@@ -170,7 +186,8 @@ def _call_lines(rows: list[dict], step_ms: float | None) -> list[str]:
     total = sum(r["in_model_us"] * r["calls_per_step"] for r in rows) / 1e3
     lines.append(f"    commfuse calls: {total:.2f} ms of GPU time per step"
                  + (f" (step {step_ms:.2f} ms)" if step_ms else "")
-                 + f"; {extra:+.2f} ms per step against the same calls alone")
+                 + f"; {extra:+.2f} ms per step against the same calls alone; the host enqueues a "
+                 f"step in {host_ms:.2f} ms")
     return lines
 
 
@@ -237,10 +254,10 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
                   f"step {rec['ms'][backend]:.3f} ms", file=sys.stderr, flush=True)
     if call_steps and device.type == "cuda" and "commfuse" in steps and not decode:  # a decode step
         # moves its KV cache on, which was sized for the timed steps only
-        rec["call_times"] = call_times_case(steps["commfuse"], device, dtype, call_steps)
+        rec["call_times"], rec["host_step_ms"] = call_times_case(steps["commfuse"], device, dtype, call_steps)
         if rank == 0:
             print("\n".join([f"  {kind} {label} commfuse, per call:"]
-                            + _call_lines(rec["call_times"], rec["ms"].get("commfuse"))),
+                            + _call_lines(rec["call_times"], rec["ms"].get("commfuse"), rec["host_step_ms"])),
                   file=sys.stderr, flush=True)
     ms = rec["ms"]
     if "inductor" in ms and "commfuse" in ms:

@@ -69,18 +69,20 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
 def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
     from commfuse import bench_model
 
+    extra = {"in_model_us_ranks": [380.0, 400.0], "host_us": 150.0, "idle_at_entry": 0.25}
     rows = [{"op": "mm_all_reduce", "a": [8192, 2048], "b": [2048, 4096], "b_transposed": True, "path": "fused",
-             "calls_per_step": 2.0, "in_model_us": 400.0, "alone_us": 290.0},
+             "calls_per_step": 2.0, "in_model_us": 400.0, "alone_us": 290.0, **extra},
             {"op": "mm_all_reduce", "a": [8192, 7168], "b": [7168, 4096], "b_transposed": False,
-             "path": "ce_overlap", "calls_per_step": 2.0, "in_model_us": 700.0, "alone_us": 710.0},
+             "path": "ce_overlap", "calls_per_step": 2.0, "in_model_us": 700.0, "alone_us": 710.0, **extra},
             {"op": "all_gather_mm", "a": [4096, 4096], "b": [4096, 7168], "b_transposed": True, "path": "symm",
-             "calls_per_step": 1.0, "in_model_us": 100.0}]  # not timed alone
-    lines = bench_model._call_lines(rows, 7.0)
-    assert lines[0] == "    mm_all_reduce 8192x2048 @ 2048x4096 (W.t()) fused, 2/step: in the step 400 us, alone 290 us"
-    assert lines[2].endswith("in the step 100 us")
+             "calls_per_step": 1.0, "in_model_us": 100.0, **extra}]  # not timed alone
+    lines = bench_model._call_lines(rows, 7.0, 5.5)
+    assert lines[0] == ("    mm_all_reduce 8192x2048 @ 2048x4096 (W.t()) fused, 2/step: in the step 400 us "
+                        "(ranks 380/400; host 150 us, stream idle at entry 25%), alone 290 us")
+    assert lines[2].endswith("in the step 100 us (ranks 380/400; host 150 us, stream idle at entry 25%)")
     # (400 - 290) * 2 + (700 - 710) * 2 = 200 us; 2 * 400 + 2 * 700 + 100 = 2300 us of calls
     assert lines[-1] == ("    commfuse calls: 2.30 ms of GPU time per step (step 7.00 ms); +0.20 ms per step "
-                         "against the same calls alone")
+                         "against the same calls alone; the host enqueues a step in 5.50 ms")
 
 
 def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
@@ -176,13 +178,20 @@ def test_model_backend_settings_hold_during_each_step_only(monkeypatch):
 
 
 def test_call_times_case_rows(monkeypatch):
-    """``--call-times``: each recorded call's median per step, and the same mm_all_reduce alone
-    with its path forced and its weight in the recorded layout (CUDA timing replaced)."""
+    """``--call-times``: each recorded call's median per step on each rank, its host time and how
+    often it found the stream idle (the larger over ranks), and the same mm_all_reduce alone with
+    its path forced and its weight in the recorded layout (CUDA timing replaced)."""
     from commfuse import bench, bench_model
     from commfuse.kernels import call_times
 
-    recorded = {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [5.0, 7.0, 6.0, 9.0],
-                ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [3.0, 3.0]}
+    C = call_times.Call
+    recorded = [  # what each of two ranks recorded
+        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(5.0, 50, False), C(7.0, 70, True),
+                                                            C(6.0, 60, False), C(9.0, 90, True)],
+         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(3.0, 30, False), C(3.0, 20, False)],
+         ("mm_all_reduce", (1, 4), (4, 6), False, "split_k"): [C(1.0, 1, False)] * 2},  # rank 0 only
+        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(8.0, 10, False)] * 4,
+         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(2.0, 40, True)] * 2}]
     steps, alone = [], []
 
     def mm_all_reduce(a, b, bias, group):
@@ -197,23 +206,39 @@ def test_call_times_case_rows(monkeypatch):
     def step():
         steps.append(call_times._on)
 
-    monkeypatch.setattr(call_times, "collect", lambda: dict(recorded) if steps else {})
+    def all_gather_object(out, obj):
+        assert obj == {k: (stats[0], stats[1], stats[2], stats[3]) for k, stats in obj.items()}
+        out[:] = [obj, {k: _stats(v) for k, v in recorded[1].items()}]
+
+    def _stats(cs):
+        import statistics
+        return (statistics.median(c.gpu_us for c in cs), statistics.median(c.host_us for c in cs),
+                sum(c.idle for c in cs) / len(cs), len(cs))
+
+    monkeypatch.setattr(call_times, "collect", lambda detail=False: dict(recorded[0]) if steps else {})
     monkeypatch.setattr(bench, "time_us", time_us)
     monkeypatch.setattr(torch.ops.commfuse, "mm_all_reduce", mm_all_reduce)
     monkeypatch.setattr(bench_model, "_max_over_ranks", lambda v, device: v)
-    monkeypatch.setattr(bench_model.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(bench_model.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(bench_model.dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(bench_model.dist, "group", types.SimpleNamespace(WORLD=types.SimpleNamespace(group_name="0")))
-    rows = bench_model.call_times_case(step, torch.device("cpu"), torch.bfloat16, 2)
+    rows, host_ms = bench_model.call_times_case(step, torch.device("cpu"), torch.bfloat16, 2)
     assert steps == [True, True] and not call_times._on  # recording on for the steps only
+    assert 0 <= host_ms < 1000
     # only mm_all_reduce is timed alone: the recorded shapes, the weight as W.t(), no bias, the
-    # WORLD group, the recorded path forced
+    # WORLD group, the recorded path forced; the call rank 1 never made is left out
     assert alone == [((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
     assert os.environ.get("COMMFUSE_ALGO") is None
     assert rows == [
         {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
-         "calls_per_step": 1.0, "in_model_us": 3.0},
+         "calls_per_step": 1.0, "in_model_us": 3.0, "in_model_us_ranks": [3.0, 2.0], "host_us": 40,
+         "idle_at_entry": 1.0},
         {"op": "mm_all_reduce", "a": [8, 4], "b": [4, 6], "b_transposed": True, "path": "fused",
-         "calls_per_step": 2.0, "in_model_us": 6.5, "alone_us": 4.0}]
+         "calls_per_step": 2.0, "in_model_us": 8.0, "in_model_us_ranks": [6.5, 8.0], "host_us": 65.0,
+         "idle_at_entry": 0.5, "alone_us": 4.0}]
+    lines = bench_model._call_lines(rows, 20.0, host_ms)
+    assert "in the step 8 us (ranks 6/8; host 65 us, stream idle at entry 50%), alone 4 us" in lines[1]
+    assert "+0.01 ms per step against the same calls alone" in lines[-1]
 
 
 def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
@@ -225,6 +250,7 @@ def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     monkeypatch.setattr(call_times, "_event", lambda: types.SimpleNamespace(record=lambda: None,
                                                                           elapsed_time=lambda end: 1.0))
     monkeypatch.setattr(call_times, "_timeable", lambda a: True)
+    monkeypatch.setattr(call_times, "_idle", lambda a: False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     counter = {}
 

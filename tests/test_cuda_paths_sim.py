@@ -283,6 +283,8 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
 
     monkeypatch.setattr(call_times, "_event", _FakeEvent)
     monkeypatch.setattr(call_times, "_timeable", lambda a: True)
+    idle = iter([True, False, False, True, False])  # the stream's state at each recorded call
+    monkeypatch.setattr(call_times, "_idle", lambda a: next(idle))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     r = sim.mine.rank
 
@@ -293,23 +295,36 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
             sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
         cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
 
+    def calls():
+        call_times.record(True)
+        try:
+            call("one_shot", 10)
+            call("two_shot", 10)
+            call("one_shot", 10)
+            call("ce_overlap", 0)  # no rows to chunk: runs one-shot instead
+            monkeypatch.setenv("COMMFUSE_ALGO", "symm")  # an entry with a keyword argument
+            shards = [torch.randn(4, 6) for _ in range(sim.world)]
+            for p in sim.peers():
+                sim.peer_data(p, (4, 6)).copy_(shards[p])
+            b = torch.randn(6, 5)
+            out, _ = cuda_paths.all_gather_mm(shards[r], b, None, 0, sim.world, "0", return_gathered=False)
+            torch.testing.assert_close(out, torch.cat(shards) @ b)
+        finally:
+            call_times.record(False)
+        call("one_shot", 10)
+
     call("one_shot", 10)  # not recording
-    call_times.record(True)
-    try:
-        call("one_shot", 10)
-        call("two_shot", 10)
-        call("one_shot", 10)
-        call("ce_overlap", 0)  # no rows to chunk: runs one-shot instead
-        monkeypatch.setenv("COMMFUSE_ALGO", "symm")  # an entry with a keyword argument
-        shards = [torch.randn(4, 6) for _ in range(sim.world)]
-        for p in sim.peers():
-            sim.peer_data(p, (4, 6)).copy_(shards[p])
-        b = torch.randn(6, 5)
-        out, _ = cuda_paths.all_gather_mm(shards[r], b, None, 0, sim.world, "0", return_gathered=False)
-        torch.testing.assert_close(out, torch.cat(shards) @ b)
-    finally:
-        call_times.record(False)
-    call("one_shot", 10)
+    calls()
+    detail = call_times.collect(detail=True)
+    assert {k: [(c.gpu_us, c.idle) for c in v] for k, v in detail.items()} == {
+        ("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [(1e3, True), (1e3, False)],
+        ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [(1e3, False)],
+        ("mm_all_reduce", (0, 6), (6, 7), False, "one_shot"): [(1e3, True)],
+        ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [(1e3, False)]}
+    assert all(c.host_us > 0 for v in detail.values() for c in v)
+    assert next(idle, None) is None  # asked once per recorded call, never while not recording
+    monkeypatch.setattr(call_times, "_idle", lambda a: False)
+    calls()
     times = call_times.collect()
     assert times == {("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [1e3, 1e3],
                      ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [1e3],

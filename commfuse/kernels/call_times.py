@@ -10,21 +10,26 @@ times. A call's time includes its wait for a late peer and any gap where the GPU
 up with the host, waited for the call's own launches: both are what the model pays and a call
 timed alone does not. Calls inside a CUDA-graph capture are not timed (a timing event cannot be
 captured).
+
+Two more facts per call say why a call is slower inside a step: whether the caller's stream had
+already run dry when the call began (the GPU had caught up with the host, so the call's own
+launches pace it), and how long the host spent inside the call.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import time
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 #: At most this many calls are kept between two ``collect()`` calls (two events each).
 LIMIT = 100_000
 _on = False
-_pending: list = []  # (key, start event, end event)
+_pending: list = []  # (key, start event, end event, stream idle at entry, host seconds)
 _dropped = 0  # calls past LIMIT, not timed
 
 
@@ -36,6 +41,19 @@ def record(on: bool) -> None:
 
 def _event():
     return torch.cuda.Event(enable_timing=True)
+
+
+def _idle(a: torch.Tensor) -> bool:
+    """The caller's stream has finished all its work (a query, no wait)."""
+    return torch.cuda.current_stream(a.device).query()
+
+
+class Call(NamedTuple):
+    """One timed call: its GPU time on the caller's stream, the host time spent inside it, and
+    whether the stream was already idle when it began."""
+    gpu_us: float
+    host_us: float
+    idle: bool
 
 
 def _timeable(a: torch.Tensor) -> bool:
@@ -58,21 +76,25 @@ def timed(op: str, paths: collections.Counter) -> Callable:
                 return fn(a, b, *args, **kwargs)
             before = {k: v for k, v in paths.items() if k.startswith(op + ":")}
             start, end = _event(), _event()
+            idle = _idle(a)
+            began = time.perf_counter()
             start.record()
             out = fn(a, b, *args, **kwargs)
             end.record()
+            host = time.perf_counter() - began
             taken = [k for k, v in paths.items() if k.startswith(op + ":") and v > before.get(k, 0)]
             path = taken[0].partition(":")[2] if len(taken) == 1 else "?"
             b_transposed = b.dim() == 2 and b.shape[0] > 1 and b.stride(0) == 1  # a weight's W.t()
-            _pending.append(((op, tuple(a.shape), tuple(b.shape), b_transposed, path), start, end))
+            _pending.append(((op, tuple(a.shape), tuple(b.shape), b_transposed, path), start, end, idle, host))
             return out
         return call
     return wrap
 
 
-def collect() -> dict[tuple, list[float]]:
-    """The recorded calls' GPU times in us, per (op, a's shape, b's shape, whether b is a
-    transposed view, path), in call order; clears them. Synchronises the device if there are any."""
+def collect(detail: bool = False) -> dict[tuple, list]:
+    """The recorded calls' GPU times in us (``detail``: ``Call`` records), per (op, a's shape, b's
+    shape, whether b is a transposed view, path), in call order; clears them. Synchronises the
+    device if there are any."""
     global _dropped
     if _dropped:
         warnings.warn(f"commfuse call_times: {_dropped} calls past the first {LIMIT} were not timed; "
@@ -81,7 +103,8 @@ def collect() -> dict[tuple, list[float]]:
     times: dict[tuple, list[float]] = {}
     if _pending:
         torch.cuda.synchronize()
-    for key, start, end in _pending:
-        times.setdefault(key, []).append(start.elapsed_time(end) * 1e3)
+    for key, start, end, idle, host in _pending:
+        gpu = start.elapsed_time(end) * 1e3
+        times.setdefault(key, []).append(Call(gpu, host * 1e6, bool(idle)) if detail else gpu)
     _pending.clear()
     return times
