@@ -142,9 +142,14 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
     finally:
         call_times.record(False)
     calls = call_times.collect(detail=True)
-    mine = {key: (statistics.median(c.gpu_us for c in cs), statistics.median(c.host_us for c in cs),
-                  sum(c.idle for c in cs) / len(cs), len(cs))
-            for key, cs in calls.items()}
+
+    def stats(cs):  # per position in the step too (the j-th call of this key in each step)
+        per = max(1, len(cs) // steps)
+        return (statistics.median(c.gpu_us for c in cs), statistics.median(c.host_us for c in cs),
+                sum(c.idle for c in cs) / len(cs), len(cs), statistics.median(c.cpu_us for c in cs),
+                [statistics.median(c.gpu_us for c in cs[j::per]) for j in range(per)])
+
+    mine = {key: stats(cs) for key, cs in calls.items()}
     ranks = [mine]
     if dist.get_world_size() > 1:
         ranks = [None] * dist.get_world_size()
@@ -158,7 +163,9 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
                "in_model_us": max(r[0] for r in per_rank),
                "in_model_us_ranks": [r[0] for r in per_rank],
                "host_us": max(r[1] for r in per_rank),
-               "idle_at_entry": max(r[2] for r in per_rank)}
+               "idle_at_entry": max(r[2] for r in per_rank),
+               "host_cpu_us": max(r[4] for r in per_rank),
+               "in_model_us_by_position": [max(t) for t in zip(*(r[5] for r in per_rank))]}
         if op == "mm_all_reduce" and path != "?":
             a = torch.randn(a_shape, device=device, dtype=dtype)
             b = torch.randn(b_shape[::-1] if b_transposed else b_shape, device=device, dtype=dtype)
@@ -176,9 +183,11 @@ def _call_lines(rows: list[dict], step_ms: float | None, host_ms: float) -> list
         shape = "x".join(map(str, r["a"])) + " @ " + "x".join(map(str, r["b"]))
         shape += " (W.t())" if r["b_transposed"] else ""
         ranks = "/".join(f"{t:.0f}" for t in r["in_model_us_ranks"])
+        at = "/".join(f"{t:.0f}" for t in r["in_model_us_by_position"])
         line = (f"    {r['op']} {shape} {r['path']}, {r['calls_per_step']:g}/step: "
-                f"in the step {r['in_model_us']:.0f} us (ranks {ranks}; host {r['host_us']:.0f} us, "
-                f"stream idle at entry {r['idle_at_entry']:.0%})")
+                f"in the step {r['in_model_us']:.0f} us (ranks {ranks}; by position {at}; host "
+                f"{r['host_us']:.0f} us, {r['host_cpu_us']:.0f} of CPU; stream idle at entry "
+                f"{r['idle_at_entry']:.0%})")
         if "alone_us" in r:
             line += f", alone {r['alone_us']:.0f} us"
             extra += (r["in_model_us"] - r["alone_us"]) * r["calls_per_step"] / 1e3

@@ -69,7 +69,8 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
 def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
     from commfuse import bench_model
 
-    extra = {"in_model_us_ranks": [380.0, 400.0], "host_us": 150.0, "idle_at_entry": 0.25}
+    extra = {"in_model_us_ranks": [380.0, 400.0], "host_us": 150.0, "idle_at_entry": 0.25,
+             "host_cpu_us": 120.0, "in_model_us_by_position": [500.0, 300.0]}
     rows = [{"op": "mm_all_reduce", "a": [8192, 2048], "b": [2048, 4096], "b_transposed": True, "path": "fused",
              "calls_per_step": 2.0, "in_model_us": 400.0, "alone_us": 290.0, **extra},
             {"op": "mm_all_reduce", "a": [8192, 7168], "b": [7168, 4096], "b_transposed": False,
@@ -78,8 +79,10 @@ def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
              "calls_per_step": 1.0, "in_model_us": 100.0, **extra}]  # not timed alone
     lines = bench_model._call_lines(rows, 7.0, 5.5)
     assert lines[0] == ("    mm_all_reduce 8192x2048 @ 2048x4096 (W.t()) fused, 2/step: in the step 400 us "
-                        "(ranks 380/400; host 150 us, stream idle at entry 25%), alone 290 us")
-    assert lines[2].endswith("in the step 100 us (ranks 380/400; host 150 us, stream idle at entry 25%)")
+                        "(ranks 380/400; by position 500/300; host 150 us, 120 of CPU; stream idle at "
+                        "entry 25%), alone 290 us")
+    assert lines[2].endswith("in the step 100 us (ranks 380/400; by position 500/300; host 150 us, 120 of "
+                             "CPU; stream idle at entry 25%)")
     # (400 - 290) * 2 + (700 - 710) * 2 = 200 us; 2 * 400 + 2 * 700 + 100 = 2300 us of calls
     assert lines[-1] == ("    commfuse calls: 2.30 ms of GPU time per step (step 7.00 ms); +0.20 ms per step "
                          "against the same calls alone; the host enqueues a step in 5.50 ms")
@@ -185,13 +188,13 @@ def test_call_times_case_rows(monkeypatch):
     from commfuse.kernels import call_times
 
     C = call_times.Call
-    recorded = [  # what each of two ranks recorded
-        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(5.0, 50, False), C(7.0, 70, True),
-                                                            C(6.0, 60, False), C(9.0, 90, True)],
-         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(3.0, 30, False), C(3.0, 20, False)],
-         ("mm_all_reduce", (1, 4), (4, 6), False, "split_k"): [C(1.0, 1, False)] * 2},  # rank 0 only
-        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(8.0, 10, False)] * 4,
-         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(2.0, 40, True)] * 2}]
+    recorded = [  # what each of two ranks recorded over 2 steps
+        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(5.0, 50, False, 40), C(7.0, 70, True, 60),
+                                                            C(6.0, 60, False, 50), C(9.0, 90, True, 80)],
+         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(3.0, 30, False, 5), C(3.0, 20, False, 5)],
+         ("mm_all_reduce", (1, 4), (4, 6), False, "split_k"): [C(1.0, 1, False, 1)] * 2},  # rank 0 only
+        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(8.0, 10, False, 10)] * 4,
+         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(2.0, 40, True, 30)] * 2}]
     steps, alone = [], []
 
     def mm_all_reduce(a, b, bias, group):
@@ -206,14 +209,12 @@ def test_call_times_case_rows(monkeypatch):
     def step():
         steps.append(call_times._on)
 
-    def all_gather_object(out, obj):
-        assert obj == {k: (stats[0], stats[1], stats[2], stats[3]) for k, stats in obj.items()}
-        out[:] = [obj, {k: _stats(v) for k, v in recorded[1].items()}]
+    gathered = []
 
-    def _stats(cs):
-        import statistics
-        return (statistics.median(c.gpu_us for c in cs), statistics.median(c.host_us for c in cs),
-                sum(c.idle for c in cs) / len(cs), len(cs))
+    def all_gather_object(out, obj):
+        gathered.append(obj)
+        out[:] = [obj, {k: (8.0, 10, 0.0, 4, 10, [8.0, 8.0]) if k[0] == "mm_all_reduce" else (2.0, 40, 1.0, 2, 30, [2.0])
+                        for k in recorded[1]}]
 
     monkeypatch.setattr(call_times, "collect", lambda detail=False: dict(recorded[0]) if steps else {})
     monkeypatch.setattr(bench, "time_us", time_us)
@@ -229,15 +230,19 @@ def test_call_times_case_rows(monkeypatch):
     # WORLD group, the recorded path forced; the call rank 1 never made is left out
     assert alone == [((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
     assert os.environ.get("COMMFUSE_ALGO") is None
+    # rank 0's own statistics: medians, the idle share, the count, the CPU time and, per position
+    # in the step, the median of calls 0, 2 and of calls 1, 3
+    assert gathered[0][("mm_all_reduce", (8, 4), (4, 6), True, "fused")] == (6.5, 65.0, 0.5, 4, 55.0, [5.5, 8.0])
     assert rows == [
         {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
          "calls_per_step": 1.0, "in_model_us": 3.0, "in_model_us_ranks": [3.0, 2.0], "host_us": 40,
-         "idle_at_entry": 1.0},
+         "idle_at_entry": 1.0, "host_cpu_us": 30, "in_model_us_by_position": [3.0]},
         {"op": "mm_all_reduce", "a": [8, 4], "b": [4, 6], "b_transposed": True, "path": "fused",
          "calls_per_step": 2.0, "in_model_us": 8.0, "in_model_us_ranks": [6.5, 8.0], "host_us": 65.0,
-         "idle_at_entry": 0.5, "alone_us": 4.0}]
+         "idle_at_entry": 0.5, "host_cpu_us": 55.0, "in_model_us_by_position": [8.0, 8.0], "alone_us": 4.0}]
     lines = bench_model._call_lines(rows, 20.0, host_ms)
-    assert "in the step 8 us (ranks 6/8; host 65 us, stream idle at entry 50%), alone 4 us" in lines[1]
+    assert ("in the step 8 us (ranks 6/8; by position 8/8; host 65 us, 55 of CPU; stream idle at entry 50%), "
+            "alone 4 us") in lines[1]
     assert "+0.01 ms per step against the same calls alone" in lines[-1]
 
 

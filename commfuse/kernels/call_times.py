@@ -29,7 +29,7 @@ import torch
 #: At most this many calls are kept between two ``collect()`` calls (two events each).
 LIMIT = 100_000
 _on = False
-_pending: list = []  # (key, start event, end event, stream idle at entry, host seconds)
+_pending: list = []  # (key, start event, end event, stream idle at entry, host seconds, CPU seconds)
 _dropped = 0  # calls past LIMIT, not timed
 
 
@@ -49,11 +49,13 @@ def _idle(a: torch.Tensor) -> bool:
 
 
 class Call(NamedTuple):
-    """One timed call: its GPU time on the caller's stream, the host time spent inside it, and
-    whether the stream was already idle when it began."""
+    """One timed call: its GPU time on the caller's stream, the host time spent inside it (wall
+    clock, and the thread's CPU time: less than the wall time where the host waited, e.g. on a
+    full launch queue), and whether the stream was already idle when it began."""
     gpu_us: float
     host_us: float
     idle: bool
+    cpu_us: float = 0.0
 
 
 def _timeable(a: torch.Tensor) -> bool:
@@ -77,15 +79,16 @@ def timed(op: str, paths: collections.Counter) -> Callable:
             before = {k: v for k, v in paths.items() if k.startswith(op + ":")}
             start, end = _event(), _event()
             idle = _idle(a)
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             start.record()
             out = fn(a, b, *args, **kwargs)
             end.record()
-            host = time.perf_counter() - began
+            host, cpu = time.perf_counter() - began, time.thread_time() - cpu
             taken = [k for k, v in paths.items() if k.startswith(op + ":") and v > before.get(k, 0)]
             path = taken[0].partition(":")[2] if len(taken) == 1 else "?"
             b_transposed = b.dim() == 2 and b.shape[0] > 1 and b.stride(0) == 1  # a weight's W.t()
-            _pending.append(((op, tuple(a.shape), tuple(b.shape), b_transposed, path), start, end, idle, host))
+            _pending.append(((op, tuple(a.shape), tuple(b.shape), b_transposed, path), start, end, idle, host,
+                             cpu))
             return out
         return call
     return wrap
@@ -103,8 +106,8 @@ def collect(detail: bool = False) -> dict[tuple, list]:
     times: dict[tuple, list[float]] = {}
     if _pending:
         torch.cuda.synchronize()
-    for key, start, end, idle, host in _pending:
+    for key, start, end, idle, host, cpu in _pending:
         gpu = start.elapsed_time(end) * 1e3
-        times.setdefault(key, []).append(Call(gpu, host * 1e6, bool(idle)) if detail else gpu)
+        times.setdefault(key, []).append(Call(gpu, host * 1e6, bool(idle), cpu * 1e6) if detail else gpu)
     _pending.clear()
     return times
