@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
@@ -209,7 +210,7 @@ def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inn
 def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
     if slot >= ws.flags.numel() // ws.world:
         raise RuntimeError(f"commfuse: flag slot {slot} is past the workspace's flag area")
-    barrier_kernel[(1,)](slot, **_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
+    run_kernel(barrier_kernel, (1,), slot, **_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
 
 
 def _common(ws, epoch):
@@ -230,14 +231,14 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
         grid = (_programs(ws, n, block, max_programs),)
         if (slot_base + grid[0]) * ws.world > ws.flags.numel():
             raise RuntimeError("commfuse: not enough flag slots for this launch")
-        one_shot_kernel[grid](partial, out, n, slot_base, **_common(ws, epoch), OP=op_code,
-                              WORLD=ws.world, BLOCK=block, num_warps=num_warps)
+        run_kernel(one_shot_kernel, grid, partial, out, n, slot_base, **_common(ws, epoch), OP=op_code,
+                   WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     elif algo == "two_shot":
         share = tiles.cdiv(tiles.cdiv(n, ws.world), block) * block
         # two phases, one flag slot per program per rank each
         grid = (_programs(ws, share, block, min(max_programs, ws.flags.numel() // (2 * ws.world))),)
-        two_shot_kernel[grid](partial, out, n, share, **_common(ws, epoch), OP=op_code,
-                              WORLD=ws.world, BLOCK=block, num_warps=num_warps)
+        run_kernel(two_shot_kernel, grid, partial, out, n, share, **_common(ws, epoch), OP=op_code,
+                   WORLD=ws.world, BLOCK=block, num_warps=num_warps)
     else:
         raise ValueError(f"commfuse: unknown all-reduce algorithm {algo!r}")
 
@@ -250,10 +251,9 @@ def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int,
     n = src.numel()
     # one flag slot per program per rank: at large world sizes the flag area bounds the grid
     grid = (_programs(lane, n, block, lane.flags.numel() // lane.world),)
-    staged_one_shot_kernel[grid](src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
-                                 lane.flags, lane.counter, lane.heap_bases, lane.rank, ErrorWord.get(),
-                                 timeout_ns(), OP=op_code, WORLD=lane.world, BLOCK=block,
-                                 SLOTS=lane.counter.numel(), num_warps=num_warps)
+    run_kernel(staged_one_shot_kernel, grid, src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
+               lane.flags, lane.counter, lane.heap_bases, lane.rank, ErrorWord.get(), timeout_ns(),
+               OP=op_code, WORLD=lane.world, BLOCK=block, SLOTS=lane.counter.numel(), num_warps=num_warps)
 
 
 def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AG_OP, iris, now, require_iris,
                    timeout_ns, trace_tile, trace_time, wait_or_record)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
@@ -311,8 +312,8 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
             CE_CALLS += 1
             push(epoch, parity)
         gathered_rows[parity][mine].copy_(shard)
-        all_gather_gemm_kernel[(pushers + compute,)](*args(epoch, parity, base), pushers, flag_rows,
-                                                     **consts)
+        run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers,
+                   flag_rows, **consts)
         if ce:
             if gathered is not None:  # every peer's rows are in the workspace once the kernel ends
                 gathered.copy_(gathered_rows[parity])

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
                    require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
                    wait_other_ranks)
@@ -570,8 +571,8 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         TMA_CALLS += consts["TMA_PUSH"]
         if trace is not None:
             trace.fill_(-1)
-        gemm_all_reduce_kernel[(compute + reducers,)](*args(epoch, parity, base), compute, lag, positions,
-                                                      **consts)
+        run_kernel(gemm_all_reduce_kernel, (compute + reducers,), *args(epoch, parity, base), compute,
+                   lag, positions, **consts)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + positions + compute
 

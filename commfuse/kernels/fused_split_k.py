@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .launch import run as run_kernel
 from .sync import ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, require_iris, timeout_ns, wait_other_ranks
 from .tiles import claim, mma_range, tile_epilogue
 
@@ -271,7 +272,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
 
     def launch(epoch: int = 0, parity: int = 0) -> None:
         base = 0 if lane else ws.ticket_base
-        split_k_all_reduce_kernel[(programs,)](*args(epoch, base), **consts)
+        run_kernel(split_k_all_reduce_kernel, (programs,), *args(epoch, base), **consts)
         if not lane:
             ws.ticket_base = base + units + programs  # every unit claimed once, one failed claim each
 

@@ -1,0 +1,125 @@
+"""The direct Triton launch (``kernels/launch.py``): a specialisation's first launch goes through
+Triton, later ones through the compiled kernel with every argument in the kernel's order; a value
+that Triton would specialise differently goes through Triton again. Fake kernels stand in for
+Triton's objects (the real ones need a GPU: the GPU suite runs every kernel through this path)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from commfuse.kernels import launch
+
+
+class _Param:
+    def __init__(self, name, default=None, has_default=False, is_constexpr=False):
+        self.name, self.default, self.has_default = name, default, has_default
+        self.is_constexpr = is_constexpr
+
+
+class _Compiled:
+    packed_metadata = object()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.log.append(("direct", grid, args, stream))
+        return runner
+
+
+class _Kernel:
+    """Parameters ``(x, n, FLAG: constexpr = 7)``; ``kernel[grid](...)`` records a Triton launch."""
+
+    def __init__(self, returns=True):
+        self.params = [_Param("x"), _Param("n"), _Param("FLAG", 7, True, True)]
+        self.arg_names = [p.name for p in self.params]
+        self.log = []
+        self.compiled = _Compiled(self.log) if returns else None
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    launch.clear()
+    monkeypatch.setattr(launch, "_device", lambda: 0)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.delenv("COMMFUSE_FAST_LAUNCH", raising=False)
+    yield
+    launch.clear()
+
+
+def test_second_launch_goes_direct_with_all_arguments_in_order():
+    k, x = _Kernel(), torch.zeros(4)
+    launch.run(k, (3,), x, 32, num_warps=4)
+    launch.run(k, (5,), x, 64, num_warps=4)
+    assert k.log[0] == ("triton", (3,), (x, 32), {"num_warps": 4})
+    kind, grid, args, stream = k.log[1]
+    assert (kind, grid, stream) == ("direct", (5, 1, 1), 1234)
+    assert args[0] is x and args[1:] == (64, 7)  # the constexpr's default filled in
+
+
+@pytest.mark.parametrize("value", [1, 0, 33, 2 ** 40])
+def test_a_new_specialisation_goes_through_triton(value):
+    k, x = _Kernel(), torch.zeros(4)
+    launch.run(k, (1,), x, 32)
+    launch.run(k, (1,), x, value)
+    assert [e[0] for e in k.log] == ["triton", "triton"]
+    launch.run(k, (1,), x, value)
+    assert k.log[-1][0] == "direct"
+
+
+def test_constexprs_options_and_alignment_are_part_of_the_key():
+    k, x = _Kernel(), torch.zeros(8)
+    launch.run(k, (1,), x, 32, FLAG=7)
+    launch.run(k, (1,), x, 32, FLAG=8)
+    launch.run(k, (1,), x, 32, FLAG=7, num_warps=8)
+    launch.run(k, (1,), x[1:], 32, FLAG=7)  # 4 bytes off 16-byte alignment
+    assert [e[0] for e in k.log] == ["triton"] * 4
+    launch.run(k, (1,), x, 32, FLAG=8)
+    assert k.log[-1][0] == "direct" and k.log[-1][2][2] == 8
+
+
+def test_turned_off_or_uncompiled_always_goes_through_triton(monkeypatch):
+    k = _Kernel(returns=False)  # the interpreter returns no compiled kernel
+    for _ in range(3):
+        launch.run(k, (1,), torch.zeros(4), 32)
+    assert [e[0] for e in k.log] == ["triton"] * 3
+    monkeypatch.setenv("COMMFUSE_FAST_LAUNCH", "0")
+    k = _Kernel()
+    for _ in range(2):
+        launch.run(k, (1,), torch.zeros(4), 32)
+    assert [e[0] for e in k.log] == ["triton"] * 2
+
+
+def test_a_launcher_that_rejects_the_arguments_turns_the_direct_path_off(caplog):
+    k, x = _Kernel(), torch.zeros(4)
+
+    class Refuses(_Compiled):
+        def __getitem__(self, grid):
+            def runner(*args, stream=None):
+                raise TypeError("launcher takes 2 arguments")
+            return runner
+
+    k.compiled = Refuses(k.log)
+    launch.run(k, (1,), x, 32)
+    with caplog.at_level(logging.WARNING, logger="commfuse.kernels.launch"):
+        launch.run(k, (1,), x, 32)
+    assert [e[0] for e in k.log] == ["triton", "triton"] and not launch.enabled()
+    assert "directly failed" in caplog.text
+    launch.run(k, (1,), x, 32)
+    assert k.log[-1][0] == "triton"
+
+
+def test_a_missing_argument_is_left_to_triton_to_report():
+    k = _Kernel()
+    launch.run(k, (1,), torch.zeros(4))  # n missing: Triton (here the fake) sees the call as is
+    assert k.log == [("triton", (1,), (k.log[0][2][0],), {})]
