@@ -125,31 +125,37 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
     GPU time on each rank (``in_model_us``: the larger), the median host time inside the call and
     the share of calls that found the caller's stream already idle (the larger over ranks: where
     the host, not the GPU, set the pace). Only the calls every rank made are reported (they pair
-    up collectively). Also returns the median host time to enqueue a step (before its
-    synchronisation; the larger over ranks) in ms: near the step's time, the host sets the pace."""
+    up collectively). By position: the median of the j-th call of a key in each step, where
+    every step on every rank made that key's calls equally often (else none). Also returns the
+    median host time to enqueue a step (before its synchronisation, with the timing on; the
+    larger over ranks) in ms: near the step's time, the host sets the pace."""
     from commfuse.bench import settings, time_us
     from commfuse.kernels import call_times
 
     call_times.collect()  # nothing recorded earlier counts
     call_times.record(True)
-    enqueue = []
+    enqueue, per_step = [], {}  # key -> that key's calls in each step that made any
     try:
         for _ in range(steps):
             start = time.perf_counter()
             step()
             enqueue.append((time.perf_counter() - start) * 1e3)
             _sync(device)
+            for key, calls in call_times.collect(detail=True).items():
+                per_step.setdefault(key, []).append(calls)
     finally:
         call_times.record(False)
-    calls = call_times.collect(detail=True)
 
-    def stats(cs):  # per position in the step too (the j-th call of this key in each step)
-        per = max(1, len(cs) // steps)
+    def stats(lists):
+        cs = [c for calls in lists for c in calls]
+        even = len(lists) == steps and len({len(calls) for calls in lists}) == 1
+        positions = ([statistics.median(calls[j].gpu_us for calls in lists) for j in range(len(lists[0]))]
+                     if even else [])
         return (statistics.median(c.gpu_us for c in cs), statistics.median(c.host_us for c in cs),
                 sum(c.idle for c in cs) / len(cs), len(cs), statistics.median(c.cpu_us for c in cs),
-                [statistics.median(c.gpu_us for c in cs[j::per]) for j in range(per)])
+                positions)
 
-    mine = {key: stats(cs) for key, cs in calls.items()}
+    mine = {key: stats(lists) for key, lists in per_step.items()}
     ranks = [mine]
     if dist.get_world_size() > 1:
         ranks = [None] * dist.get_world_size()
@@ -159,13 +165,13 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
         op, a_shape, b_shape, b_transposed, path = key
         per_rank = [r[key] for r in ranks]
         row = {"op": op, "a": list(a_shape), "b": list(b_shape), "b_transposed": b_transposed, "path": path,
-               "calls_per_step": mine[key][3] / steps,
+               "calls_per_step": max(r[3] for r in per_rank) / steps,
                "in_model_us": max(r[0] for r in per_rank),
                "in_model_us_ranks": [r[0] for r in per_rank],
                "host_us": max(r[1] for r in per_rank),
                "idle_at_entry": max(r[2] for r in per_rank),
                "host_cpu_us": max(r[4] for r in per_rank),
-               "in_model_us_by_position": [max(t) for t in zip(*(r[5] for r in per_rank))]}
+               "in_model_us_by_position": _by_position([r[5] for r in per_rank])}
         if op == "mm_all_reduce" and path != "?":
             a = torch.randn(a_shape, device=device, dtype=dtype)
             b = torch.randn(b_shape[::-1] if b_transposed else b_shape, device=device, dtype=dtype)
@@ -177,13 +183,20 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
     return rows, _max_over_ranks(statistics.median(enqueue), device)
 
 
+def _by_position(per_rank: list[list[float]]) -> list[float]:
+    """The larger over ranks at each position; none unless every rank has the same positions."""
+    if not per_rank[0] or len({len(p) for p in per_rank}) != 1:
+        return []
+    return [max(t) for t in zip(*per_rank)]
+
+
 def _call_lines(rows: list[dict], step_ms: float | None, host_ms: float) -> list[str]:
     lines, extra = [], 0.0
     for r in rows:
         shape = "x".join(map(str, r["a"])) + " @ " + "x".join(map(str, r["b"]))
         shape += " (W.t())" if r["b_transposed"] else ""
         ranks = "/".join(f"{t:.0f}" for t in r["in_model_us_ranks"])
-        at = "/".join(f"{t:.0f}" for t in r["in_model_us_by_position"])
+        at = "/".join(f"{t:.0f}" for t in r["in_model_us_by_position"]) or "uneven"
         line = (f"    {r['op']} {shape} {r['path']}, {r['calls_per_step']:g}/step: "
                 f"in the step {r['in_model_us']:.0f} us (ranks {ranks}; by position {at}; host "
                 f"{r['host_us']:.0f} us, {r['host_cpu_us']:.0f} of CPU; stream idle at entry "

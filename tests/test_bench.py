@@ -181,21 +181,33 @@ def test_model_backend_settings_hold_during_each_step_only(monkeypatch):
 
 
 def test_call_times_case_rows(monkeypatch):
-    """``--call-times``: each recorded call's median per step on each rank, its host time and how
-    often it found the stream idle (the larger over ranks), and the same mm_all_reduce alone with
-    its path forced and its weight in the recorded layout (CUDA timing replaced)."""
+    """``--call-times``: each recorded call's median per step on each rank (the larger reported),
+    its host time and how often it found the stream idle (the larger over ranks), its time by
+    position in the step only where every step on every rank made it equally often, and the same
+    mm_all_reduce alone with its path forced and its weight in the recorded layout (CUDA timing
+    replaced)."""
     from commfuse import bench, bench_model
     from commfuse.kernels import call_times
 
     C = call_times.Call
-    recorded = [  # what each of two ranks recorded over 2 steps
-        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(5.0, 50, False, 40), C(7.0, 70, True, 60),
-                                                            C(6.0, 60, False, 50), C(9.0, 90, True, 80)],
-         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(3.0, 30, False, 5), C(3.0, 20, False, 5)],
-         ("mm_all_reduce", (1, 4), (4, 6), False, "split_k"): [C(1.0, 1, False, 1)] * 2},  # rank 0 only
-        {("mm_all_reduce", (8, 4), (4, 6), True, "fused"): [C(8.0, 10, False, 10)] * 4,
-         ("all_gather_mm", (2, 4), (4, 6), False, "symm"): [C(2.0, 40, True, 30)] * 2}]
-    steps, alone = [], []
+    fused = ("mm_all_reduce", (8, 4), (4, 6), True, "fused")
+    symm = ("all_gather_mm", (2, 4), (4, 6), False, "symm")
+    uneven = ("mm_all_reduce", (4, 4), (4, 6), False, "one_shot")
+    only_here = ("mm_all_reduce", (1, 4), (4, 6), False, "split_k")
+    steps_here = [  # what this rank recorded in each of two steps
+        {fused: [C(5.0, 50, False, 40), C(7.0, 70, True, 60)], symm: [C(3.0, 30, False, 5)],
+         uneven: [C(1.0, 1, False, 1), C(9.0, 1, False, 1), C(1.0, 1, False, 1)], only_here: [C(1.0, 1, False, 1)]},
+        {fused: [C(6.0, 60, False, 50), C(9.0, 90, True, 80)], symm: [C(3.0, 20, False, 5)],
+         uneven: [C(1.0, 1, False, 1), C(9.0, 1, False, 1)], only_here: [C(1.0, 1, False, 1)]}]
+    # the peer's statistics: (median, host, idle share, count, CPU, by position)
+    peer = {fused: (8.0, 10.0, 0.0, 4, 10.0, [8.5, 7.0]), symm: (2.0, 40.0, 1.0, 2, 30.0, [2.0, 2.0]),
+            uneven: (1.0, 1.0, 0.0, 4, 1.0, [1.0, 9.0])}
+    steps, alone, gathered = [], [], []
+    pending = iter(steps_here)
+
+    def collect(detail=False):
+        assert detail or not steps  # the per-step reads ask for the records
+        return dict(next(pending)) if steps else {}
 
     def mm_all_reduce(a, b, bias, group):
         alone.append((tuple(a.shape), a.dtype, tuple(b.shape), b.stride(), bias, group,
@@ -209,14 +221,11 @@ def test_call_times_case_rows(monkeypatch):
     def step():
         steps.append(call_times._on)
 
-    gathered = []
-
     def all_gather_object(out, obj):
         gathered.append(obj)
-        out[:] = [obj, {k: (8.0, 10, 0.0, 4, 10, [8.0, 8.0]) if k[0] == "mm_all_reduce" else (2.0, 40, 1.0, 2, 30, [2.0])
-                        for k in recorded[1]}]
+        out[:] = [obj, peer]
 
-    monkeypatch.setattr(call_times, "collect", lambda detail=False: dict(recorded[0]) if steps else {})
+    monkeypatch.setattr(call_times, "collect", collect)
     monkeypatch.setattr(bench, "time_us", time_us)
     monkeypatch.setattr(torch.ops.commfuse, "mm_all_reduce", mm_all_reduce)
     monkeypatch.setattr(bench_model, "_max_over_ranks", lambda v, device: v)
@@ -226,24 +235,30 @@ def test_call_times_case_rows(monkeypatch):
     rows, host_ms = bench_model.call_times_case(step, torch.device("cpu"), torch.bfloat16, 2)
     assert steps == [True, True] and not call_times._on  # recording on for the steps only
     assert 0 <= host_ms < 1000
+    # this rank's own statistics: medians over both steps, the idle share, the count, the CPU
+    # time and the median of each position; none for a key called 3 times, then twice
+    assert gathered[0][fused] == (6.5, 65.0, 0.5, 4, 55.0, [5.5, 8.0])
+    assert gathered[0][uneven][5] == [] and gathered[0][uneven][3] == 5
     # only mm_all_reduce is timed alone: the recorded shapes, the weight as W.t(), no bias, the
-    # WORLD group, the recorded path forced; the call rank 1 never made is left out
-    assert alone == [((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
+    # WORLD group, the recorded path forced; the call the peer never made is left out
+    assert sorted(alone) == [((4, 4), torch.bfloat16, (4, 6), (6, 1), None, "0", "one_shot"),
+                             ((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
     assert os.environ.get("COMMFUSE_ALGO") is None
-    # rank 0's own statistics: medians, the idle share, the count, the CPU time and, per position
-    # in the step, the median of calls 0, 2 and of calls 1, 3
-    assert gathered[0][("mm_all_reduce", (8, 4), (4, 6), True, "fused")] == (6.5, 65.0, 0.5, 4, 55.0, [5.5, 8.0])
     assert rows == [
         {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
-         "calls_per_step": 1.0, "in_model_us": 3.0, "in_model_us_ranks": [3.0, 2.0], "host_us": 40,
-         "idle_at_entry": 1.0, "host_cpu_us": 30, "in_model_us_by_position": [3.0]},
+         "calls_per_step": 1.0, "in_model_us": 3.0, "in_model_us_ranks": [3.0, 2.0], "host_us": 40.0,
+         "idle_at_entry": 1.0, "host_cpu_us": 30.0, "in_model_us_by_position": []},  # 1 position here, 2 there
+        {"op": "mm_all_reduce", "a": [4, 4], "b": [4, 6], "b_transposed": False, "path": "one_shot",
+         "calls_per_step": 2.5, "in_model_us": 1.0, "in_model_us_ranks": [1.0, 1.0], "host_us": 1.0,
+         "idle_at_entry": 0.0, "host_cpu_us": 1.0, "in_model_us_by_position": [], "alone_us": 4.0},
         {"op": "mm_all_reduce", "a": [8, 4], "b": [4, 6], "b_transposed": True, "path": "fused",
          "calls_per_step": 2.0, "in_model_us": 8.0, "in_model_us_ranks": [6.5, 8.0], "host_us": 65.0,
-         "idle_at_entry": 0.5, "host_cpu_us": 55.0, "in_model_us_by_position": [8.0, 8.0], "alone_us": 4.0}]
+         "idle_at_entry": 0.5, "host_cpu_us": 55.0, "in_model_us_by_position": [8.5, 8.0], "alone_us": 4.0}]
     lines = bench_model._call_lines(rows, 20.0, host_ms)
     assert ("in the step 8 us (ranks 6/8; by position 8/8; host 65 us, 55 of CPU; stream idle at entry 50%), "
-            "alone 4 us") in lines[1]
-    assert "+0.01 ms per step against the same calls alone" in lines[-1]
+            "alone 4 us") in lines[2]
+    assert "by position uneven" in lines[0]
+    assert "commfuse calls: 0.02 ms of GPU time per step" in lines[-1]  # 3 * 1 + 1 * 2.5 + 8 * 2 us
 
 
 def test_call_times_warn_about_calls_past_the_limit(monkeypatch):

@@ -321,7 +321,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
         ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [(1e3, False)],
         ("mm_all_reduce", (0, 6), (6, 7), False, "one_shot"): [(1e3, True)],
         ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [(1e3, False)]}
-    assert all(c.host_us > 0 for v in detail.values() for c in v)
+    assert all(c.host_us > 0 and 0 <= c.cpu_us <= c.host_us + 1e3 for v in detail.values() for c in v)
     assert next(idle, None) is None  # asked once per recorded call, never while not recording
     monkeypatch.setattr(call_times, "_idle", lambda a: False)
     calls()

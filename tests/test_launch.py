@@ -123,3 +123,67 @@ def test_a_missing_argument_is_left_to_triton_to_report():
     k = _Kernel()
     launch.run(k, (1,), torch.zeros(4))  # n missing: Triton (here the fake) sees the call as is
     assert k.log == [("triton", (1,), (k.log[0][2][0],), {})]
+
+
+@pytest.mark.parametrize("first, second", [
+    (2 ** 63 - 16, 2 ** 63 + 16),  # i64 against u64, both divisible by 16
+    (None, torch.zeros(4)),
+    (True, False),  # bools by value
+    (1.5, 3),
+])
+def test_argument_kinds_triton_tells_apart_are_told_apart(first, second):
+    k, x = _Kernel(), torch.zeros(4)
+    launch.run(k, (1,), x, first)
+    launch.run(k, (1,), x, second)
+    assert [e[0] for e in k.log] == ["triton", "triton"]
+    launch.run(k, (1,), x, second)
+    assert k.log[-1][0] == "direct"
+
+
+def test_descriptors_keyed_by_shape_strides_block_and_alignment():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k, x = _Kernel(), torch.zeros(64, 64)
+    descs = [TensorDescriptor(x, [64, 64], [64, 1], [16, 16]),
+             TensorDescriptor(x, [32, 64], [64, 1], [16, 16]),  # shape
+             TensorDescriptor(x, [64, 64], [64, 1], [32, 16]),  # block
+             TensorDescriptor(x[:, 4:], [64, 60], [64, 1], [16, 16])]  # base 16-byte aligned again
+    for d in descs:
+        launch.run(k, (1,), d, 32)
+    assert [e[0] for e in k.log] == ["triton"] * 4
+    launch.run(k, (1,), TensorDescriptor(torch.ones(64, 64), [64, 64], [64, 1], [16, 16]), 32)
+    assert k.log[-1][0] == "direct"  # same key, another tensor
+
+
+def test_launch_hooks_send_every_launch_through_triton(monkeypatch):
+    """A hook runs after the launch: an error from it must not make ``run`` launch again."""
+    hook = launch._KNOBS.runtime.launch_exit_hook
+    k, x = _Kernel(), torch.zeros(4)
+    launch.run(k, (1,), x, 32)
+    if hasattr(hook, "calls"):
+        monkeypatch.setattr(hook, "calls", [lambda *a: None])
+    else:
+        monkeypatch.setattr(launch._KNOBS.runtime, "launch_exit_hook", lambda *a: None)
+    assert not launch.enabled()
+    launch.run(k, (1,), x, 32)
+    assert [e[0] for e in k.log] == ["triton", "triton"]
+
+
+def test_a_changed_triton_debug_setting_compiles_anew(monkeypatch):
+    k, x = _Kernel(), torch.zeros(4)
+    launch.run(k, (1,), x, 32)
+    launch.run(k, (1,), x, 32)
+    assert k.log[-1][0] == "direct"
+    monkeypatch.setattr(launch._KNOBS.runtime, "debug", True)
+    launch.run(k, (1,), x, 32)
+    assert k.log[-1][0] == "triton"
+
+
+def test_each_direct_launch_goes_on_the_stream_current_then(monkeypatch):
+    streams = iter([11, 22, 33])
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: next(streams))
+    k, x = _Kernel(), torch.zeros(4)
+    launch.run(k, (1,), x, 32)  # through Triton: no stream asked
+    launch.run(k, (1,), x, 32)
+    launch.run(k, (1,), x, 32)
+    assert [e[3] for e in k.log[1:]] == [11, 22]

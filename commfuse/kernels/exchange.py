@@ -195,8 +195,8 @@ def _launch_rowwise(kernel, ws, src: torch.Tensor, out: torch.Tensor, outer: int
     """Launch a kernel that walks ``outer`` rows of ``inner`` elements (gather, reduce-scatter)."""
     grid = (_programs(ws, outer * inner, block, max_programs),)
     aligned = (inner * src.element_size()) % 16 == 0 and src.data_ptr() % 16 == 0
-    kernel[grid](src, out, outer, inner, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
-                 BLOCK=block, VEC=1 if aligned else 0, num_warps=num_warps)
+    run_kernel(kernel, grid, src, out, outer, inner, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
+               BLOCK=block, VEC=1 if aligned else 0, num_warps=num_warps)
 
 
 def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,

@@ -32,7 +32,34 @@ _disabled: list[str] = []  # the reason, once the direct launch failed to bind
 
 
 def enabled() -> bool:
-    return not _disabled and os.environ.get("COMMFUSE_FAST_LAUNCH", "1") != "0"
+    return not _disabled and os.environ.get("COMMFUSE_FAST_LAUNCH", "1") != "0" and not _hooked()
+
+
+def _hooked() -> bool:
+    """Launch hooks are set (a profiler such as proton): such a hook runs after the kernel is
+    launched, so an error it raises must not be taken for a launcher refusing the arguments
+    (``run`` would launch the collective kernel a second time on this rank alone); every launch
+    then goes through Triton."""
+    runtime = getattr(_KNOBS, "runtime", None)
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        hook = getattr(runtime, name, None)
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
+            return True
+    return False
+
+
+try:
+    from triton import knobs as _KNOBS
+except ImportError:  # a Triton without knobs: no hooks or global options to honour
+    _KNOBS = None
+
+
+def _global_options() -> tuple:
+    """Triton options read from its global settings at each launch (not from the call): part of
+    the key, so a changed setting compiles anew instead of reusing a stale kernel."""
+    runtime, compilation = getattr(_KNOBS, "runtime", None), getattr(_KNOBS, "compilation", None)
+    return (getattr(runtime, "debug", None), getattr(compilation, "instrumentation_mode", None),
+            getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def _spec(v):
@@ -40,7 +67,7 @@ def _spec(v):
     t = type(v)
     if t is int:
         kind = "one" if v == 1 else "zero" if v == 0 else "d16" if v % 16 == 0 else "int"
-        return (kind, -(2 ** 31) <= v < 2 ** 31)
+        return (kind, -(2 ** 31) <= v < 2 ** 31, v >= 2 ** 63)  # i32, i64, u64
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if t.__name__ == "TensorDescriptor":
@@ -92,7 +119,7 @@ def run(kernel, grid: tuple, *args, **kwargs) -> None:
         return
     device = _device()
     options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in signature[2]))
-    key = (kernel, device, options,
+    key = (kernel, device, options, _global_options(),
            tuple((type(v), v) if c else _spec(v) for v, c in zip(values, signature[3])))
     compiled = _compiled.get(key)
     if compiled is None:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import run as run_kernel
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # pragma: no cover - older Triton: dispatch offers no tile kernel
@@ -206,8 +208,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: Til
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    matmul_kernel[(max(1, min(tiles, programs)),)](
-        a_desc, b_desc, full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t,
-        HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    run_kernel(matmul_kernel, (max(1, min(tiles, programs)),), a_desc, b_desc,
+               full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn, BM=cfg.bm,
+               BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t,
+               HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
