@@ -179,3 +179,25 @@ def test_skipped_call_times_out_with_a_clear_error(nccl, monkeypatch):
             check_errors()
     dist.barrier()
     symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
+
+
+def test_repeated_calls_launch_directly_and_stay_correct(nccl, monkeypatch):
+    """The second and later launches of a specialisation go through ``kernels/launch.py``'s
+    direct path (nothing turned it off), with every result still right: the fused kernel and
+    the one-shot exchange, each called three times on fresh data."""
+    from commfuse.kernels import exchange, fused_all_reduce, launch
+
+    for algo in ("fused", "one_shot"):
+        monkeypatch.setenv("COMMFUSE_ALGO", algo)
+        for i in range(3):
+            torch.manual_seed(100 * dist.get_rank() + i)
+            a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16) / 16
+            poison()
+            out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+            ref = sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
+            check_errors()
+            assert relerr(out, ref) < 1e-2
+    assert launch.enabled(), launch._disabled
+    kernels = {key[0] for key, compiled in launch._compiled.items() if compiled is not False}
+    assert {fused_all_reduce.gemm_all_reduce_kernel, exchange.one_shot_kernel} <= kernels
