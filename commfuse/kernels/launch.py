@@ -21,6 +21,11 @@ import os
 
 import torch
 
+try:
+    from triton import knobs as _KNOBS
+except ImportError:  # a Triton without knobs: no hooks or global options to honour
+    _KNOBS = None
+
 log = logging.getLogger(__name__)
 
 #: Bound on remembered specialisations (shapes enter the key through descriptors); cleared when full.
@@ -46,12 +51,6 @@ def _hooked() -> bool:
         if hook is not None and (not hasattr(hook, "calls") or hook.calls):
             return True
     return False
-
-
-try:
-    from triton import knobs as _KNOBS
-except ImportError:  # a Triton without knobs: no hooks or global options to honour
-    _KNOBS = None
 
 
 def _global_options() -> tuple:
