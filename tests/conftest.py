@@ -15,17 +15,17 @@ import commfuse
 from helpers import init_fake_pg
 
 
-def _gpu_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def pytest_collection_modifyitems(config, items):
-    if _gpu_available():
-        return
-    skip = pytest.mark.skip(reason="needs 2 CUDA GPUs")
+    """``gpu`` tests need 2 GPUs, those also marked ``one_gpu`` one."""
+    gpus = _gpus()
+    two, one = pytest.mark.skip(reason="needs 2 CUDA GPUs"), pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and gpus < (1 if "one_gpu" in item.keywords else 2):
+            item.add_marker(one if "one_gpu" in item.keywords else two)
 
 
 @pytest.fixture(params=[2, 4, 8], ids=lambda w: f"world{w}")

@@ -14,9 +14,9 @@ from commfuse.kernels import launch
 
 
 class _Param:
-    def __init__(self, name, default=None, has_default=False, is_constexpr=False):
+    def __init__(self, name, default=None, has_default=False, is_constexpr=False, do_not_specialize=False):
         self.name, self.default, self.has_default = name, default, has_default
-        self.is_constexpr = is_constexpr
+        self.is_constexpr, self.do_not_specialize = is_constexpr, do_not_specialize
 
 
 class _Compiled:
@@ -34,8 +34,8 @@ class _Compiled:
 class _Kernel:
     """Parameters ``(x, n, FLAG: constexpr = 7)``; ``kernel[grid](...)`` records a Triton launch."""
 
-    def __init__(self, returns=True):
-        self.params = [_Param("x"), _Param("n"), _Param("FLAG", 7, True, True)]
+    def __init__(self, returns=True, loose_n=False):
+        self.params = [_Param("x"), _Param("n", do_not_specialize=loose_n), _Param("FLAG", 7, True, True)]
         self.arg_names = [p.name for p in self.params]
         self.log = []
         self.compiled = _Compiled(self.log) if returns else None
@@ -187,3 +187,57 @@ def test_each_direct_launch_goes_on_the_stream_current_then(monkeypatch):
     launch.run(k, (1,), x, 32)
     launch.run(k, (1,), x, 32)
     assert [e[3] for e in k.log[1:]] == [11, 22]
+
+
+def test_a_bound_launch_goes_direct_with_its_changing_arguments_in_place():
+    k, x, y = _Kernel(), torch.zeros(4), torch.ones(4)
+    bound = launch.Bound(k, (2,), ("x", "n"), FLAG=9, num_warps=1)
+    bound(x=x, n=32)
+    bound(x=y, n=64)
+    assert k.log[0] == ("triton", (2,), (), {"FLAG": 9, "num_warps": 1, "x": x, "n": 32})
+    kind, grid, args, stream = k.log[1]
+    assert (kind, grid, stream) == ("direct", (2, 1, 1), 1234)
+    assert args[0] is y and args[1:] == (64, 9)
+    assert all(v is None for v in bound._direct[1][:2])  # no call's tensor is kept
+
+
+@pytest.mark.parametrize("n, kind", [(1, "triton"), (33, "triton"), (2 ** 40, "triton"), (48, "direct")])
+def test_a_bound_argument_that_specialises_otherwise_goes_through_run(n, kind):
+    k, x = _Kernel(), torch.zeros(4)
+    bound = launch.Bound(k, (1,), ("n",), x=x)
+    bound(n=32)
+    bound(n=n)
+    assert k.log[-1][0] == kind and k.log[-1][2 if kind == "direct" else 3] == (
+        (x, n, 7) if kind == "direct" else {"x": x, "n": n})
+
+
+def test_a_bound_integer_triton_does_not_specialise_changes_only_with_its_width():
+    k, x = _Kernel(loose_n=True), torch.zeros(4)
+    bound = launch.Bound(k, (1,), ("n",), x=x)
+    for n in (32, 1, 33, 0):  # Triton keeps only the width of a do_not_specialize integer
+        bound(n=n)
+    assert [e[0] for e in k.log] == ["triton", "direct", "direct", "direct"]
+    bound(n=2 ** 40)  # i64: another signature
+    assert k.log[-1][0] == "triton"
+
+
+def test_a_bound_launch_takes_exactly_its_changing_arguments():
+    k = _Kernel()
+    bound = launch.Bound(k, (1,), ("x", "n"))
+    with pytest.raises(TypeError, match="exactly"):
+        bound(x=torch.zeros(4))
+    assert k.log == []
+
+
+def test_a_bound_launch_off_or_hooked_goes_through_triton(monkeypatch):
+    k, x = _Kernel(), torch.zeros(4)
+    bound = launch.Bound(k, (1,), ("n",), x=x)
+    bound(n=32)
+    monkeypatch.setenv("COMMFUSE_FAST_LAUNCH", "0")
+    bound(n=32)
+    monkeypatch.delenv("COMMFUSE_FAST_LAUNCH")
+    monkeypatch.setattr(launch, "_device", lambda: 1)  # another device: through run
+    bound(n=32)
+    assert [e[0] for e in k.log] == ["triton"] * 3
+    bound(n=32)
+    assert k.log[-1][0] == "direct"

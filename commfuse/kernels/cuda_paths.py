@@ -58,6 +58,9 @@ def _rows(bias, lo: int, hi: int):
 
 def _sum_rank_order(parts: list, out) -> None:
     """``out = parts[0] + parts[1] + ...`` in rank order, rounding like the Triton kernels."""
+    if len(parts) == 1:  # one rank (the host-cost benchmark forces the paths there)
+        out.copy_(parts[0])
+        return
     torch.add(parts[0], parts[1], out=out)
     for part in parts[2:]:
         out.add_(part)
@@ -215,28 +218,39 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) ->
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
-    the same order on the GPU, and the host switches streams once per call, not per chunk."""
+    the same order on the GPU, and the host switches streams once per call, not per chunk.
+    The host's work is what a model step waits for here (``NOTES.md`` §30-31): every chunk's
+    views come from one ``split`` per tensor, and the barriers from one kept launch."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
-    bounds = [(lo, min(lo + rows, m)) for lo in range(0, m, rows)]
+    a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
+    bias_rows = _row_chunks(bias, rows, len(a_rows))
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
     done = []
-    for lo, hi in bounds:
-        _matmul_into(a[lo:hi], b, _rows(bias, lo, hi), partial[lo:hi])
+    for a_i, bias_i, partial_i in zip(a_rows, bias_rows, partial_rows):
+        _matmul_into(a_i, b, bias_i, partial_i)
         done.append(main.record_event())
     others = [p for p in range(ws.world) if p != ws.rank]
+    pulls = [(recv[j].split(rows), peers[p].split(rows)) for j, p in enumerate(others)]
+    # the parts of each chunk in rank order: this rank's partial, the others' pulled rows
+    ordered = [partial_rows if p == ws.rank else pulls[others.index(p)][0] for p in range(ws.world)]
     with torch.cuda.stream(side):
-        for i, ((lo, hi), event) in enumerate(zip(bounds, done)):
+        for i, event in enumerate(done):
             side.wait_event(event)
             exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
-            for j, p in enumerate(others):
-                recv[j, lo:hi].copy_(peers[p][lo:hi], non_blocking=True)
-            parts = [partial[lo:hi] if p == ws.rank else recv[others.index(p), lo:hi]
-                     for p in range(ws.world)]
-            _sum_rank_order(parts, out[lo:hi])
+            for into, src in pulls:
+                into[i].copy_(src[i], non_blocking=True)
+            _sum_rank_order([part[i] for part in ordered], out_rows[i])
     main.wait_stream(side)
+
+
+def _row_chunks(bias, rows: int, count: int) -> list:
+    """``_rows`` of each ``rows``-row chunk of the output, ``count`` chunks."""
+    if bias is None or bias.dim() < 2 or bias.shape[0] == 1:
+        return [bias] * count
+    return list(bias.split(rows))
 
 
 def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:

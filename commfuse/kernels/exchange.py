@@ -12,12 +12,15 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import run as run_kernel
+from .launch import Bound, run as run_kernel
 from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
 #: Epochs and flag slots change every call, so no kernel specialises on them: Triton would compile
-#: and load a new variant (stalling the host) each time one became divisible by 16.
+#: and load a new variant (stalling the host) each time one became divisible by 16. No kernel of
+#: commfuse specialises on the rank either: every rank runs one binary, so ranks emulated on one GPU
+#: (``tests/gpu/test_gpu_one_device.py``) never load a kernel while another rank's spins (a
+#: module load may wait for the running kernels: a deadlock until the wait's timeout).
 BLOCK, MAX_PROGRAMS, NUM_WARPS = 8192, 132, 16
 
 
@@ -49,7 +52,7 @@ def sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, VEC: tl.con
     return acc
 
 
-@triton.jit(do_not_specialize=["slot_base", "epoch"])
+@triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
 def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout,
                     OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Every rank reads every peer's whole partial and sums: one hop, world x the reads."""
@@ -73,7 +76,7 @@ def poison(out, start, n, step, BLOCK: tl.constexpr):
                  mask=offs < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_bases, rank, err,
                            timeout, OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                            SLOTS: tl.constexpr):
@@ -106,7 +109,7 @@ def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_b
         tl.store(counter + slot, epoch)
 
 
-@triton.jit(do_not_specialize=["epoch"])
+@triton.jit(do_not_specialize=["rank", "epoch"])
 def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err, timeout,
                     OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """Reduce-scatter (each rank sums its share, in place), then all-gather the reduced shares.
@@ -139,7 +142,7 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
             tl.store(out + offs, peer_load(partial + offs, rank, peer, heap_bases, mask, 1), mask=mask)
 
 
-@triton.jit(do_not_specialize=["epoch"])
+@triton.jit(do_not_specialize=["rank", "epoch"])
 def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
                        OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                        VEC: tl.constexpr):
@@ -162,7 +165,7 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             tl.store(dst, val, mask=mask)
 
 
-@triton.jit(do_not_specialize=["epoch"])
+@triton.jit(do_not_specialize=["rank", "epoch"])
 def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, rank, err, timeout,
                           OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                           VEC: tl.constexpr):
@@ -182,7 +185,7 @@ def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, 
         tl.store(out + row.to(tl.int64) * inner + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["slot", "epoch"])
+@triton.jit(do_not_specialize=["rank", "slot", "epoch"])
 def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.constexpr,
                    WORLD: tl.constexpr):
     """Signal and wait only: orders a rank's earlier writes before its peers' later reads."""
@@ -208,9 +211,20 @@ def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inn
 
 
 def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
+    """Launch ``barrier_kernel`` on the current stream. The copy-engine overlaps launch one per
+    chunk, so the launch is kept per workspace, op, error word and timeout (``launch.Bound``):
+    only the epoch and slot change between them."""
     if slot >= ws.flags.numel() // ws.world:
         raise RuntimeError(f"commfuse: flag slot {slot} is past the workspace's flag area")
-    run_kernel(barrier_kernel, (1,), slot, **_common(ws, epoch), OP=op_code, WORLD=ws.world, num_warps=1)
+    require_iris()
+    err, timeout = ErrorWord.get(), timeout_ns()
+    key = ("barrier", op_code, err, timeout)
+    bound = ws.launches.get(key)
+    if bound is None:
+        bound = ws.launches[key] = Bound(barrier_kernel, (1,), ("slot", "epoch"), flags=ws.flags,
+                                         heap_bases=ws.heap_bases, rank=ws.rank, err=err,
+                                         timeout=timeout, OP=op_code, WORLD=ws.world, num_warps=1)
+    bound(slot=slot, epoch=epoch)
 
 
 def _common(ws, epoch):

@@ -126,7 +126,7 @@ def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, O
     return late
 
 
-@triton.jit(do_not_specialize=["epoch", "ticket_base", "pushers", "flag_rows"])
+@triton.jit(do_not_specialize=["rank", "epoch", "ticket_base", "pushers", "flag_rows"])
 def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
                            timeout, ticket, ticket_base, trace, pushers, flag_rows,
                            OP: tl.constexpr,

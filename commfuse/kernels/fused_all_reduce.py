@@ -47,13 +47,14 @@ same, as an owner's call e + 1 waits for every writer's partials of e + 1.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import run as run_kernel
+from .launch import Bound
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
                    require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
                    wait_other_ranks)
@@ -356,7 +357,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     return later, late
 
 
-@triton.jit(do_not_specialize=["epoch", "ticket_base", "compute", "lag", "positions"])
+@triton.jit(do_not_specialize=["rank", "epoch", "ticket_base", "compute", "lag", "positions"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                            flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
                            trace, compute, lag, positions, OP: tl.constexpr,
@@ -498,48 +499,49 @@ def copy_lag(compute: int) -> int:
 _resident: dict[tuple, int] = {}
 
 
-def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
-            scatter: bool = False, ablate: int = 0, pull: bool = False,
-            trace: torch.Tensor | None = None):
-    """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
-    of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
-    which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
-    parity); with ``scatter``, this rank's share of its rows (``out`` is [M / world, N], M a
-    multiple of the world size). The launch itself still encodes the TMA descriptors and
-    compiles a new specialisation of a known configuration. ``pull`` (with ``scatter``): the
-    owners pull the peers' partials instead of the peers pushing them (``_pull_partials``).
-    ``trace``: an int64 tensor of at least ``TRACE_SLOTS`` per program, filled with GPU times
-    (benchmarks only; the ticket order; -1 where a program left slots unused)."""
-    require_iris()
-    m, k = a.shape
-    n = b.shape[1]
+#: The fused kernel's arguments that change from call to call (``launch.Bound``).
+_PER_CALL = ("a_desc", "b_desc", "bias", "data", "out", "stride_bm", "stride_bn", "epoch", "ticket_base",
+             "trace")
+
+
+class _Plan(NamedTuple):
+    """What a fused call's launch depends on beyond its operands' addresses, kept per workspace
+    (``Workspace.launches``): worked out once per shape, layout and setting, not per call."""
+    bound: Bound  # the kernel's launch (grid, constants, the arguments that stay)
+    elems: int  # data elements per parity
+    positions: int  # ticket positions of a call
+    compute: int  # programs that multiply
+    tma_push: bool
+    inline: bool
+
+
+def _plan(ws, m: int, k: int, n: int, a_desc, b_desc, b_t: bool, full_bias, sbm: int, sbn: int,
+          out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, ablate: int, pull: bool,
+          traced: bool, device: torch.device) -> _Plan:
     if tile_flag_slots(m, n, ws.world, cfg, scatter) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
     if scatter and m % ws.world:
         raise RuntimeError(f"commfuse: {m} rows do not split into {ws.world} shares")
     elems = data_elems(m, n, ws.world, cfg, scatter)
-    a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
-    full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
-
-    def args(epoch, parity, ticket_base):
-        return (a_desc, b_desc, full_bias if full_bias is not None else out,
-                ws.data(parity, (elems,), a.dtype), out, m, n, k, sbm, sbn, ws.tile_flags,
-                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ws.ticket, ticket_base,
-                trace if trace is not None else ws.ticket)
-
+    dtype = out.dtype
+    fixed = dict(M=m, N=n, K=k, flags=ws.tile_flags, heap_bases=ws.heap_bases, rank=ws.rank,
+                 err=ErrorWord.get(), timeout=timeout_ns(), ticket=ws.ticket)
     inline = not scatter and cfg.reducers == 0 and tickets()
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
-                  PULL=pull and scatter, TRACE=trace is not None, INLINE=inline,
+                  HAS_BIAS=full_bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
+                  PULL=pull and scatter, TRACE=traced, INLINE=inline,
                   TMA_PUSH=tma_push() and not (pull and scatter),
                   num_warps=cfg.warps, num_stages=cfg.stages)
-    key = (cfg, a.dtype, ws.world, b_t, bias is not None, a.device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"], trace is not None, consts["TMA_PUSH"])
+    key = (cfg, dtype, ws.world, b_t, full_bias is not None, device.index, consts["TICKETS"], scatter,
+           ablate, consts["PULL"], traced, consts["TMA_PUSH"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = gemm_all_reduce_kernel.warmup(*args(0, 0, 0), 1, 0, 1, grid=(1,), **consts)
+        compiled = gemm_all_reduce_kernel.warmup(
+            a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
+            data=ws.data(0, (elems,), dtype), out=out, stride_bm=sbm, stride_bn=sbn, epoch=0,
+            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, grid=(1,), **fixed, **consts)
         compiled._init_handles()
-        _resident[key] = tiles.resident_programs(compiled, a.device)
+        _resident[key] = tiles.resident_programs(compiled, device)
     per_sm = min(cfg.per_sm, _resident[key])
     if per_sm < 1:
         raise RuntimeError(f"commfuse: the fused kernel with {cfg} does not fit on an SM")
@@ -551,30 +553,60 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         wanted = cfg.reducers or STATIC_REDUCERS  # the static order cannot copy inline
         compute = max(1, min(count, programs - wanted))
         reducers = max(1, min(wanted, programs - compute))
-
-    if trace is not None and trace.numel() < (compute + reducers) * TRACE_SLOTS:
-        raise ValueError(f"commfuse: the trace needs {(compute + reducers) * TRACE_SLOTS} slots")
-
     # any lag past this rank's own tiles gives the same order (all copies after them); the
     # clamp keeps the kernel argument a 32-bit integer
     lag = min(copy_lag(compute), count) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
-
     if consts["TMA_PUSH"]:  # device-made descriptors need scratch memory from an allocator
         tiles.ensure_allocator()
+    bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
+                  positions=positions, **fixed, **consts)
+    return _Plan(bound, elems, positions, compute, consts["TMA_PUSH"], inline)
+
+
+def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
+            scatter: bool = False, ablate: int = 0, pull: bool = False,
+            trace: torch.Tensor | None = None):
+    """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
+    of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
+    which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
+    parity); with ``scatter``, this rank's share of its rows (``out`` is [M / world, N], M a
+    multiple of the world size). The launch itself still encodes the TMA descriptors and
+    compiles a new specialisation of a known configuration. ``pull`` (with ``scatter``): the
+    owners pull the peers' partials instead of the peers pushing them (``_pull_partials``).
+    ``trace``: an int64 tensor of at least ``TRACE_SLOTS`` per program, filled with GPU times
+    (benchmarks only; the ticket order; -1 where a program left slots unused). What depends only
+    on the shapes, layouts and settings is worked out once (``_plan``): a model step waits for
+    this host work (``NOTES.md`` §30-31)."""
+    require_iris()
+    m, k = a.shape
+    n = b.shape[1]
+    a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
+    full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
+    traced = trace is not None
+    # every setting the plan reads is in its key, so a changed one makes a new plan
+    key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, ablate, pull, traced,
+           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), ErrorWord.get(), timeout_ns())
+    plan = ws.launches.get(key)
+    if plan is None:
+        plan = ws.launches[key] = _plan(ws, m, k, n, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
+                                        scatter, ablate, pull, traced, a.device)
+    if traced and trace.numel() < plan.bound.grid[0] * TRACE_SLOTS:
+        raise ValueError(f"commfuse: the trace needs {plan.bound.grid[0] * TRACE_SLOTS} slots")
+    consts = plan.bound.fixed
 
     def launch(epoch: int, parity: int) -> None:
         global PULL_CALLS, INLINE_CALLS, TMA_CALLS
         base = ws.ticket_base
         PULL_CALLS += consts["PULL"]
-        INLINE_CALLS += inline
-        TMA_CALLS += consts["TMA_PUSH"]
-        if trace is not None:
+        INLINE_CALLS += plan.inline
+        TMA_CALLS += plan.tma_push
+        if traced:
             trace.fill_(-1)
-        run_kernel(gemm_all_reduce_kernel, (compute + reducers,), *args(epoch, parity, base), compute,
-                   lag, positions, **consts)
+        plan.bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
+                   data=ws.data(parity, (plan.elems,), a.dtype), out=out, stride_bm=sbm, stride_bn=sbn,
+                   epoch=epoch, ticket_base=base, trace=trace if traced else ws.ticket)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
-            ws.ticket_base = base + positions + compute
+            ws.ticket_base = base + plan.positions + plan.compute
 
     return launch
-

@@ -64,7 +64,7 @@ def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, e
     return late
 
 
-@triton.jit(do_not_specialize=["epoch", "ticket_base"])
+@triton.jit(do_not_specialize=["rank", "epoch", "ticket_base"])
 def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, half_sums, out, M,
                               N, K, stride_bm, stride_bn, flags, counters, heap_bases, epoch, rank,
                               err, timeout, ticket, ticket_base, epochs, OP: tl.constexpr,

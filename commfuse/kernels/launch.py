@@ -108,14 +108,20 @@ def _bind(signature, args, kwargs) -> list | None:
 def run(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``; from the second launch of a specialisation on, through
     the compiled kernel directly."""
+    _launch(kernel, grid, args, kwargs)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict):
+    """``run``; returns (the compiled kernel, every argument in the kernel's order, the key, the
+    device) where later launches of it may go direct, else None."""
     signature = _signature(kernel) if enabled() else None
     if signature is None:
         kernel[grid](*args, **kwargs)
-        return
+        return None
     values = _bind(signature, args, kwargs)
     if values is None:
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = _device()
     options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in signature[2]))
     key = (kernel, device, options, _global_options(),
@@ -127,16 +133,82 @@ def run(kernel, grid: tuple, *args, **kwargs) -> None:
             _compiled.clear()
         # the interpreter returns no compiled kernel: keep launching through Triton then
         _compiled[key] = compiled if hasattr(compiled, "packed_metadata") else False
-        return
+        return (compiled, values, key, device) if _compiled[key] is not False else None
     if compiled is False:
         kernel[grid](*args, **kwargs)
-        return
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        return None
     try:  # argument parsing fails before anything launches
-        compiled[grid3](*values, stream=_raw_stream(device))
+        compiled[_grid3(grid)](*values, stream=_raw_stream(device))
     except TypeError as exc:  # a Triton whose compiled kernels cannot launch this way
         _give_up(exc)
         kernel[grid](*args, **kwargs)
+        return None
+    return compiled, values, key, device
+
+
+def _width(v):
+    """What Triton keeps of an integer it does not specialise on (``do_not_specialize``): its
+    width (i32, i64, u64); anything else as ``_spec``."""
+    if type(v) is int:
+        return ("int", -(2 ** 31) <= v < 2 ** 31, v >= 2 ** 63)
+    return _spec(v)
+
+
+def _unspecialised(kernel) -> list[bool]:
+    """Per parameter: Triton does not specialise its value (``do_not_specialize``)."""
+    return [bool(getattr(p, "do_not_specialize", False)) for p in kernel.params]
+
+
+def _grid3(grid: tuple) -> tuple:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
+class Bound:
+    """Repeated launches of one kernel on one grid where only the arguments named ``changing``
+    change between launches (a new epoch, a chunk's flag slot, the call's operands): each call
+    passes exactly those, by keyword; the others are fixed here. Once a launch went direct, a
+    later one whose changing arguments each specialise as before (and whose device and Triton
+    settings are unchanged) puts them into the kept argument list and calls the compiled
+    kernel's launcher itself, without ``run``'s binding and key (the copy-engine overlaps launch
+    a barrier per chunk, the fused kernels one per call); any other goes through ``run``. The
+    changing arguments are not kept (no tensor of a call outlives it here)."""
+
+    def __init__(self, kernel, grid: tuple, changing: tuple[str, ...], **fixed):
+        self.kernel, self.grid, self.changing, self.fixed = kernel, grid, frozenset(changing), fixed
+        # (runner, every argument with the changing ones left None, [(name, index, specialisation,
+        # whether Triton leaves it unspecialised)], device, Triton settings)
+        self._direct = None
+
+    def __call__(self, **changes) -> None:
+        if changes.keys() != self.changing:
+            raise TypeError(f"commfuse: a bound launch of {getattr(self.kernel, '__name__', self.kernel)} takes "
+                            f"exactly {sorted(self.changing)}, got {sorted(changes)}")
+        direct = self._direct
+        if direct is not None and enabled():
+            runner, template, slots, device, settings = direct
+            values = list(template)
+            for name, i, spec, loose in slots:
+                value = changes[name]
+                if (_width(value) if loose else _spec(value)) != spec:
+                    break
+                values[i] = value
+            else:
+                if _device() == device and _global_options() == settings:
+                    try:
+                        runner(*values, stream=_raw_stream(device))
+                        return
+                    except TypeError as exc:  # as in ``run``: nothing launched
+                        _give_up(exc)
+        done = _launch(self.kernel, self.grid, (), {**self.fixed, **changes})
+        self._direct = None
+        if done is not None:
+            compiled, values, key, device = done
+            names = _signatures[self.kernel][0]
+            loose = _unspecialised(self.kernel)
+            slots = [(name, i, _width(values[i]) if loose[i] else _spec(values[i]), loose[i])
+                     for i, name in enumerate(names) if name in self.changing]
+            template = [None if name in self.changing else v for name, v in zip(names, values)]
+            self._direct = (compiled[_grid3(self.grid)], template, slots, device, key[3])
 
 
 def _device() -> int:

@@ -84,6 +84,8 @@ class Workspace:
     _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
     #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
     _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: kernel launches kept for this workspace's life (``launch.Bound``), keyed by their caller
+    launches: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
     # refuse the in-place writes (``_restart_epochs``) of a later call outside it.
