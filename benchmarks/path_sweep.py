@@ -31,7 +31,10 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
                  "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
-                    for c in (2, 4, 8)}}
+                    for c in (2, 4, 8)},
+                 # the last chunk pulled and summed by the one-shot kernel on the SMs
+                 **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
+                                             "COMMFUSE_CE_TAIL": "one_shot"} for c in (4, 8)}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.
 TILINGS = {"128x128": "128x128x64s4w8g8r0o1", "128x64": "128x64x64s4w4g8r0o1",
            "64x128": "64x128x64s4w4g8r0o1"}

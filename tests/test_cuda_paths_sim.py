@@ -115,6 +115,40 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
     torch.testing.assert_close(out, want)
 
 
+@pytest.mark.parametrize("bias_kind", [None, "2d"])
+def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind):
+    """``COMMFUSE_CE_TAIL=one_shot``: the last chunk's rows go to the one-shot exchange, in flag
+    slots after the chunks' barriers; the others are pulled and summed as before."""
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")  # chunks of 4, 4 and 2 rows
+    monkeypatch.setenv("COMMFUSE_CE_TAIL", "one_shot")
+    calls = []
+    real = exchange.all_reduce
+    monkeypatch.setattr(exchange, "all_reduce", lambda ws_, partial, out, epoch, algo, op_code, **kw: (
+        calls.append((partial.shape, algo, kw.get("slot_base"))), real(ws_, partial, out, epoch, algo, op_code)))
+    a, b, bias = _inputs(sim.world, 10, 6, 7, bias_kind)
+    r = sim.mine.rank
+    for p in sim.peers():
+        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
+    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
+    assert calls == [(torch.Size([2, 7]), "one_shot", 3)]
+    monkeypatch.setenv("COMMFUSE_CE_TAIL", "last")
+    with pytest.raises(ValueError, match="COMMFUSE_CE_TAIL"):
+        cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    assert sim.mine.broken is None  # refused before the call's epoch began
+
+
+def test_a_workspace_keeps_a_bounded_number_of_launches(sim, monkeypatch):
+    """A plan per row count (dynamic shapes): ``kept`` drops them all once full."""
+    monkeypatch.setattr(symm, "KEPT_LIMIT", 3)
+    ws = sim.mine
+    made = [ws.kept(("plan", m), lambda m=m: object()) for m in range(3)]
+    assert ws.kept(("plan", 1), lambda: None) is made[1] and len(ws.launches) == 3
+    ws.kept(("plan", 3), object)
+    assert list(ws.launches) == [("plan", 3)]
+
+
 def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
     """The copy-engine paths read the peers' halves through views the workspace keeps: the
     provider makes each (peer, parity) view once, and later calls, of other shapes too, slice

@@ -31,6 +31,15 @@ class _Compiled:
         return runner
 
 
+class _Refuses(_Compiled):
+    """A compiled kernel whose launcher refuses the arguments (before launching anything)."""
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            raise TypeError("launcher takes 2 arguments")
+        return runner
+
+
 class _Kernel:
     """Parameters ``(x, n, FLAG: constexpr = 7)``; ``kernel[grid](...)`` records a Triton launch."""
 
@@ -103,13 +112,7 @@ def test_turned_off_or_uncompiled_always_goes_through_triton(monkeypatch):
 def test_a_launcher_that_rejects_the_arguments_turns_the_direct_path_off(caplog):
     k, x = _Kernel(), torch.zeros(4)
 
-    class Refuses(_Compiled):
-        def __getitem__(self, grid):
-            def runner(*args, stream=None):
-                raise TypeError("launcher takes 2 arguments")
-            return runner
-
-    k.compiled = Refuses(k.log)
+    k.compiled = _Refuses(k.log)
     launch.run(k, (1,), x, 32)
     with caplog.at_level(logging.WARNING, logger="commfuse.kernels.launch"):
         launch.run(k, (1,), x, 32)
@@ -193,7 +196,9 @@ def test_a_bound_launch_goes_direct_with_its_changing_arguments_in_place():
     k, x, y = _Kernel(), torch.zeros(4), torch.ones(4)
     bound = launch.Bound(k, (2,), ("x", "n"), FLAG=9, num_warps=1)
     bound(x=x, n=32)
+    before = launch.BOUND_DIRECT
     bound(x=y, n=64)
+    assert launch.BOUND_DIRECT == before + 1
     assert k.log[0] == ("triton", (2,), (), {"FLAG": 9, "num_warps": 1, "x": x, "n": 32})
     kind, grid, args, stream = k.log[1]
     assert (kind, grid, stream) == ("direct", (2, 1, 1), 1234)
@@ -241,3 +246,35 @@ def test_a_bound_launch_off_or_hooked_goes_through_triton(monkeypatch):
     assert [e[0] for e in k.log] == ["triton"] * 3
     bound(n=32)
     assert k.log[-1][0] == "direct"
+
+
+@pytest.mark.parametrize("name", ["FLAG", "num_warps", "nothing"])
+def test_only_runtime_arguments_of_the_kernel_may_change_between_bound_launches(name):
+    """A constexpr or a launch option compiles another kernel: the kept one must never launch."""
+    with pytest.raises(TypeError, match="cannot change"):
+        launch.Bound(_Kernel(), (1,), ("n", name))
+
+
+def test_a_bound_launch_whose_launcher_refuses_launches_once_through_triton(caplog):
+    k, x = _Kernel(), torch.zeros(4)
+
+    k.compiled = _Refuses(k.log)
+    bound = launch.Bound(k, (1,), ("n",), x=x)
+    bound(n=32)
+    with caplog.at_level(logging.WARNING, logger="commfuse.kernels.launch"):
+        bound(n=32)
+    assert [e[0] for e in k.log] == ["triton", "triton"] and not launch.enabled()
+
+
+def test_a_bound_launch_with_a_launch_hook_goes_through_triton(monkeypatch):
+    k, x = _Kernel(), torch.zeros(4)
+    bound = launch.Bound(k, (1,), ("n",), x=x)
+    bound(n=32)
+    bound(n=32)
+    hook = launch._KNOBS.runtime.launch_exit_hook
+    if hasattr(hook, "calls"):
+        monkeypatch.setattr(hook, "calls", [lambda *a: None])
+    else:
+        monkeypatch.setattr(launch._KNOBS.runtime, "launch_exit_hook", lambda *a: None)
+    bound(n=32)
+    assert [e[0] for e in k.log] == ["triton", "direct", "triton"]

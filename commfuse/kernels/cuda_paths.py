@@ -101,6 +101,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
+    tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -109,7 +110,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         if algo == "ce_overlap":
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if m and all(p is not None for p in peers):
-                _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch)
+                _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -214,17 +215,20 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
                 _matmul_into(g3[o, start:stop], b, rows_of(o, start, stop), o3[o, start:stop])
 
 
-def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) -> None:
+def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy") -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
     the same order on the GPU, and the host switches streams once per call, not per chunk.
     The host's work is what a model step waits for here (``NOTES.md`` §30-31): every chunk's
-    views come from one ``split`` per tensor, and the barriers from one kept launch."""
+    views come from one ``split`` per tensor, and the barriers from one kept launch. ``tail``
+    ``one_shot`` (``dispatch.ce_tail()``): the last chunk is pulled and summed by the one-shot
+    kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
     bias_rows = _row_chunks(bias, rows, len(a_rows))
+    tail = len(a_rows) > 1 and tail == "one_shot"
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
@@ -232,6 +236,10 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch) ->
     for a_i, bias_i, partial_i in zip(a_rows, bias_rows, partial_rows):
         _matmul_into(a_i, b, bias_i, partial_i)
         done.append(main.record_event())
+    if tail:
+        done.pop()
+        exchange.all_reduce(ws, partial_rows[-1], out_rows[-1], epoch, "one_shot", OP_MM_ALL_REDUCE,
+                            slot_base=len(a_rows))
     others = [p for p in range(ws.world) if p != ws.rank]
     pulls = [(recv[j].split(rows), peers[p].split(rows)) for j, p in enumerate(others)]
     # the parts of each chunk in rank order: this rank's partial, the others' pulled rows

@@ -484,6 +484,19 @@ def copy_engine_chunks(m: int) -> int:
     return max(1, min(int(env) if env else min(8, max(2, m // 1024)), m, 256))  # a flag slot per chunk
 
 
+#: How the copy-engine overlapped all-reduce sums its last chunk: ``copy`` (the copy engines pull
+#: it and a local add sums it, as every other chunk) or ``one_shot`` (the one-shot kernel pulls and
+#: sums it on the SMs, which the GEMMs have left by then: the tail after the last GEMM is that one
+#: chunk's exchange, and SM loads move it faster than one copy engine). ``COMMFUSE_CE_TAIL``, read
+#: per call and set alike on every rank (the ranks must run the same kernels); ``copy`` until timed.
+CE_TAILS = ("copy", "one_shot")
+CE_TAIL = "copy"
+
+
+def ce_tail() -> str:
+    return _env_choice("COMMFUSE_CE_TAIL", CE_TAILS) or CE_TAIL
+
+
 #: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine
 #: overlap (2 ranks): such GEMM-bound calls lost to the fused kernel's reducer SMs (still ahead
 #: of its inline form, 6e0500b: 8192x7168x4096 705 / 723, 4096x14336x8192 1316 / 1365) and win when

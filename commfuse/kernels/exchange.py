@@ -218,12 +218,9 @@ def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
         raise RuntimeError(f"commfuse: flag slot {slot} is past the workspace's flag area")
     require_iris()
     err, timeout = ErrorWord.get(), timeout_ns()
-    key = ("barrier", op_code, err, timeout)
-    bound = ws.launches.get(key)
-    if bound is None:
-        bound = ws.launches[key] = Bound(barrier_kernel, (1,), ("slot", "epoch"), flags=ws.flags,
-                                         heap_bases=ws.heap_bases, rank=ws.rank, err=err,
-                                         timeout=timeout, OP=op_code, WORLD=ws.world, num_warps=1)
+    bound = ws.kept(("barrier", op_code, err, timeout), lambda: Bound(
+        barrier_kernel, (1,), ("slot", "epoch"), flags=ws.flags, heap_bases=ws.heap_bases, rank=ws.rank,
+        err=err, timeout=timeout, OP=op_code, WORLD=ws.world, num_warps=1))
     bound(slot=slot, epoch=epoch)
 
 

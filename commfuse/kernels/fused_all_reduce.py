@@ -515,15 +515,14 @@ class _Plan(NamedTuple):
     inline: bool
 
 
-def _plan(ws, m: int, k: int, n: int, a_desc, b_desc, b_t: bool, full_bias, sbm: int, sbn: int,
-          out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, ablate: int, pull: bool,
+def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int,
+          sbn: int, out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, ablate: int, pull: bool,
           traced: bool, device: torch.device) -> _Plan:
     if tile_flag_slots(m, n, ws.world, cfg, scatter) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
     if scatter and m % ws.world:
         raise RuntimeError(f"commfuse: {m} rows do not split into {ws.world} shares")
     elems = data_elems(m, n, ws.world, cfg, scatter)
-    dtype = out.dtype
     fixed = dict(M=m, N=n, K=k, flags=ws.tile_flags, heap_bases=ws.heap_bases, rank=ws.rank,
                  err=ErrorWord.get(), timeout=timeout_ns(), ticket=ws.ticket)
     inline = not scatter and cfg.reducers == 0 and tickets()
@@ -557,8 +556,6 @@ def _plan(ws, m: int, k: int, n: int, a_desc, b_desc, b_t: bool, full_bias, sbm:
     # clamp keeps the kernel argument a 32-bit integer
     lag = min(copy_lag(compute), count) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
-    if consts["TMA_PUSH"]:  # device-made descriptors need scratch memory from an allocator
-        tiles.ensure_allocator()
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
                   positions=positions, **fixed, **consts)
     return _Plan(bound, elems, positions, compute, consts["TMA_PUSH"], inline)
@@ -587,10 +584,10 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     # every setting the plan reads is in its key, so a changed one makes a new plan
     key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, ablate, pull, traced,
            tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), ErrorWord.get(), timeout_ns())
-    plan = ws.launches.get(key)
-    if plan is None:
-        plan = ws.launches[key] = _plan(ws, m, k, n, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
-                                        scatter, ablate, pull, traced, a.device)
+    plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
+                                      scatter, ablate, pull, traced, a.device))
+    if plan.tma_push:  # device-made descriptors need an allocator, which Triton keeps per thread
+        tiles.ensure_allocator()
     if traced and trace.numel() < plan.bound.grid[0] * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {plan.bound.grid[0] * TRACE_SLOTS} slots")
     consts = plan.bound.fixed

@@ -166,6 +166,10 @@ def _grid3(grid: tuple) -> tuple:
     return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
+#: Launches ``Bound`` sent straight to a compiled kernel since import (tests check it did).
+BOUND_DIRECT = 0
+
+
 class Bound:
     """Repeated launches of one kernel on one grid where only the arguments named ``changing``
     change between launches (a new epoch, a chunk's flag slot, the call's operands): each call
@@ -177,6 +181,12 @@ class Bound:
     changing arguments are not kept (no tensor of a call outlives it here)."""
 
     def __init__(self, kernel, grid: tuple, changing: tuple[str, ...], **fixed):
+        signature = _signature(kernel)
+        if signature is not None:  # a compile-time value or a launch option changes the kernel itself
+            wrong = [n for n in changing if n not in signature[2] or signature[3][signature[0].index(n)]]
+            if wrong:
+                raise TypeError(f"commfuse: {wrong} of {getattr(kernel, '__name__', kernel)} cannot change "
+                                "between bound launches (constexprs and launch options are fixed)")
         self.kernel, self.grid, self.changing, self.fixed = kernel, grid, frozenset(changing), fixed
         # (runner, every argument with the changing ones left None, [(name, index, specialisation,
         # whether Triton leaves it unspecialised)], device, Triton settings)
@@ -199,19 +209,25 @@ class Bound:
                 if _device() == device and _global_options() == settings:
                     try:
                         runner(*values, stream=_raw_stream(device))
-                        return
                     except TypeError as exc:  # as in ``run``: nothing launched
                         _give_up(exc)
-        done = _launch(self.kernel, self.grid, (), {**self.fixed, **changes})
+                    else:
+                        global BOUND_DIRECT
+                        BOUND_DIRECT += 1
+                        return
         self._direct = None
+        done = _launch(self.kernel, self.grid, (), {**self.fixed, **changes})
         if done is not None:
-            compiled, values, key, device = done
-            names = _signatures[self.kernel][0]
-            loose = _unspecialised(self.kernel)
-            slots = [(name, i, _width(values[i]) if loose[i] else _spec(values[i]), loose[i])
-                     for i, name in enumerate(names) if name in self.changing]
-            template = [None if name in self.changing else v for name, v in zip(names, values)]
-            self._direct = (compiled[_grid3(self.grid)], template, slots, device, key[3])
+            try:  # the kernel is in flight: nothing here may raise into the caller's exchange
+                compiled, values, key, device = done
+                names = _signatures[self.kernel][0]
+                loose = _unspecialised(self.kernel)
+                slots = [(name, i, _width(values[i]) if loose[i] else _spec(values[i]), loose[i])
+                         for i, name in enumerate(names) if name in self.changing]
+                template = [None if name in self.changing else v for name, v in zip(names, values)]
+                self._direct = (compiled[_grid3(self.grid)], template, slots, device, key[3])
+            except Exception as exc:  # noqa: BLE001 - the next call binds again through ``run``
+                log.debug("commfuse: could not keep a launch of %s (%s)", self.kernel, exc)
 
 
 def _device() -> int:
@@ -230,6 +246,6 @@ def _give_up(exc: BaseException) -> None:
 
 
 def clear() -> None:
-    """Forget the compiled kernels (tests)."""
+    """Forget the compiled kernels (tests); a ``Bound`` keeps its own until it next binds."""
     _compiled.clear()
     _disabled.clear()

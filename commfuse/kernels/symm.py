@@ -66,6 +66,10 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+#: Launches and plans a workspace keeps (``Workspace.kept``); all are dropped when full.
+KEPT_LIMIT = 256
+
+
 @dataclasses.dataclass
 class Workspace:
     group_name: str
@@ -84,7 +88,8 @@ class Workspace:
     _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
     #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
     _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: kernel launches kept for this workspace's life (``launch.Bound``), keyed by their caller
+    #: kernel launches and call plans kept for this workspace's life (``launch.Bound``), keyed by
+    #: their caller; see ``kept``
     launches: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
@@ -111,6 +116,17 @@ class Workspace:
         """int64 [1], this rank's only: the fused kernel's programs claim tile positions from it;
         it only grows, and ``ticket_base`` is its value when the next call starts."""
         return self.buffer[HEADER_BYTES - 8:HEADER_BYTES].view(torch.int64)
+
+    def kept(self, key, make):
+        """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept (a
+        plan per row count: dynamic shapes would otherwise grow this without bound)."""
+        value = self.launches.get(key)
+        if value is None:
+            value = make()
+            if len(self.launches) >= KEPT_LIMIT:
+                self.launches.clear()
+            self.launches[key] = value
+        return value
 
     def next_epoch(self) -> tuple[int, int]:
         """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""

@@ -5,7 +5,8 @@ translation reaches any rank's buffer), its kernels launched on its own stream w
 the SMs, so every rank's programs run at once and really wait on each other's flags. What one GPU
 cannot show is the link (remote stores here are local) and several processes; the ranks' tile
 ownership, flag counts, shares, epochs and parity reuse at 4 and 8 ranks it does, where no
-4- or 8-GPU machine was lent. Runs without torchrun (under it, only rank 0 runs these):
+4- or 8-GPU machine was lent. Runs in one process (skipped under torchrun, where rank 0 alone
+running these would leave the other ranks waiting in their collective tests):
 
     pytest -m gpu tests/gpu/test_gpu_one_device.py
 """
@@ -18,11 +19,11 @@ import pytest
 import torch
 
 from commfuse.kernels import (cuda_paths, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k,
-                              symm, tiles)
+                              launch, symm, tiles)
 from commfuse.kernels.sync import OP_MM_ALL_REDUCE, check_errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu,
-              pytest.mark.skipif(int(os.environ.get("RANK", "0")) > 0, reason="one process runs these")]
+              pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) > 1, reason="runs in one process")]
 
 WORLDS = [2, 4, 8]
 DT = torch.bfloat16
@@ -70,6 +71,29 @@ def _operands(world, m, k, n, bias, call=0):
     return a, b, c, ref
 
 
+def _poisoned(world, *shape):
+    """A NaN-filled tensor per rank: an element no kernel writes shows."""
+    return [torch.full(shape, float("nan"), device="cuda", dtype=DT) for _ in range(world)]
+
+
+def _halves(ws, parity, shape):
+    """This rank's data half of ``parity`` and every rank's, as the copy-engine paths take them."""
+    return ws.data(parity, shape, DT), [ws.peer_data(p, parity, shape, DT) for p in range(ws.world)]
+
+
+def _gather_case(world, rows, k, n, call, streams):
+    """Fresh shards, a shared weight (W.t()), the fp32 reference of the gathered product, and
+    NaN-poisoned outputs and gathered buffers per rank (the ranks' streams wait for them)."""
+    torch.manual_seed(call)
+    shards = [torch.randn(rows, k, device="cuda", dtype=DT) for _ in range(world)]
+    b = (torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5).t()
+    full = torch.cat(shards)
+    outs, gathered = _poisoned(world, world * rows, n), _poisoned(world, world * rows, k)
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    return shards, b, full, full.float() @ b.float(), outs, gathered
+
+
 def _relerr(got, want):
     assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
     return ((got.float() - want).norm() / want.norm()).item()
@@ -102,11 +126,11 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
     cfg = tiles.TileConfig.parse(f"128x256x64s3w8g8r{reducers}o1")
     ws = _group(world, fused_all_reduce.data_elems(m, n, world, cfg, scatter) * DT.itemsize)
     streams = _streams(world)
+    direct = launch.BOUND_DIRECT
     for call in range(3):
         a, b, c, ref = _operands(world, m, k, n, bias=call == 1, call=call)
         share = m // world
-        outs = [torch.full((share if scatter else m, n), float("nan"), device="cuda", dtype=DT)
-                for _ in range(world)]
+        outs = _poisoned(world, share if scatter else m, n)
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
         launches = [fused_all_reduce.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg, scatter) for r in range(world)]
@@ -116,6 +140,7 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
         for r in range(world):
             want = ref[r * share:(r + 1) * share] if scatter else ref
             assert _relerr(outs[r], want) < 1e-2, (call, r)
+    assert launch.BOUND_DIRECT >= direct + world  # call 2 reused call 0's plan on every rank, directly
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -128,7 +153,7 @@ def test_exchange_all_reduce(world, algo):
         torch.manual_seed(call)
         parts = [torch.randn(m, n, device="cuda", dtype=DT) for _ in range(world)]
         ref = sum(p.float() for p in parts)
-        outs = [torch.full((m, n), float("nan"), device="cuda", dtype=DT) for _ in range(world)]
+        outs = _poisoned(world, m, n)
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
 
@@ -143,40 +168,106 @@ def test_exchange_all_reduce(world, algo):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
 
 
+def _run(ws, streams, run, monkeypatch, warm: bool = False) -> None:
+    """One call of a host-orchestrated path on every rank, synchronised. ``warm``: with its
+    barriers left out (what it reads from the peers is then garbage, and is not checked), to load
+    its kernels: CUDA loads a kernel at its first launch, after the running ones finish, and with
+    every rank's host in this one thread rank 0's first add or GEMM would wait for its own
+    barrier, which waits for rank 1's, not yet launched."""
+    with monkeypatch.context() as m:
+        if warm:
+            m.setattr(exchange, "barrier", lambda *a, **k: None)
+        _each_rank(ws, streams, run)
+    torch.cuda.synchronize()
+
+
+def _side_streams(world, monkeypatch):
+    """A side stream per rank: ``cuda_paths._side_stream`` answers the rank whose call runs."""
+    sides = [torch.cuda.Stream() for _ in range(world)]
+    current = {"rank": 0}
+    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[current["rank"]])
+    return current
+
+
 @pytest.mark.parametrize("world", WORLDS)
-def test_copy_engine_overlap(world, monkeypatch):
+@pytest.mark.parametrize("tail", ["copy", "one_shot"])
+def test_copy_engine_overlap(world, tail, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
-    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order."""
+    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order; with the
+    ``one_shot`` tail the last chunk by the one-shot kernel."""
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     ws = _group(world, m * n * DT.itemsize)
-    sides = [torch.cuda.Stream() for _ in range(world)]
+    current = _side_streams(world, monkeypatch)
     streams = _streams(world)
-    # The local ops once alone first: CUDA loads a kernel at its first launch, after the running
-    # ones finish; with every rank's host in this one thread, rank 0's first add would wait for
-    # its barrier, which waits for rank 1's, which this thread has not launched yet.
-    a, b, c, _ = _operands(world, 1024, k, n, bias=True)
-    for bias in (None, c[0]):
-        cuda_paths._matmul_into(a[0], b[0], bias, torch.empty(1024, n, device="cuda", dtype=DT))
-    chunk = torch.randn(1024, n, device="cuda", dtype=DT)
-    cuda_paths._sum_rank_order([chunk] * world, torch.empty_like(chunk))
-    torch.cuda.synchronize()
-    for call in range(3):
-        a, b, c, ref = _operands(world, m, k, n, bias=call == 1, call=call)
-        outs = [torch.full((m, n), float("nan"), device="cuda", dtype=DT) for _ in range(world)]
-        recvs = [torch.full((world - 1, m, n), float("nan"), device="cuda", dtype=DT) for _ in range(world)]
+    direct = launch.BOUND_DIRECT
+    for call in range(4):
+        a, b, c, ref = _operands(world, m, k, n, bias=call % 2 == 1, call=call)
+        outs, recvs = _poisoned(world, m, n), _poisoned(world, world - 1, m, n)
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
 
         def run(r, epoch, parity):
-            monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[r])
-            partial = ws[r].data(parity, (m, n), DT)
-            peers = [ws[r].peer_data(p, parity, (m, n), DT) for p in range(world)]
-            cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch)
+            current["rank"] = r
+            partial, peers = _halves(ws[r], parity, (m, n))
+            cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
+                                               tail)
 
-        _each_rank(ws, streams, run)
-        torch.cuda.synchronize()
-        for r in range(world):
+        # calls 0 and 1, without and with a bias, load the checked calls' local kernels
+        _run(ws, streams, run, monkeypatch, warm=call < 2)
+        for r in range(world if call >= 2 else 0):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
+    assert launch.BOUND_DIRECT > direct  # the chunks' barriers after the first, through the kept launch
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gather_overlap(world, monkeypatch):
+    """The copy-engine all-gather overlap (``cuda_paths._gather_overlapped``): the local rows
+    multiply while the copy engines pull the peers' shards behind a barrier, then the peers' rows."""
+    rows, k, n = 512, 256, 512  # each rank's rows
+    ws = _group(world, rows * k * DT.itemsize)
+    current = _side_streams(world, monkeypatch)
+    streams = _streams(world)
+    for call in range(3):
+        shards, b, full, ref, outs, gathered = _gather_case(world, rows, k, n, call, streams)
+
+        def run(r, epoch, parity):
+            current["rank"] = r
+            mine, peers = _halves(ws[r], parity, (rows, k))
+            cuda_paths._gather_overlapped(ws[r], shards[r], mine, b, None, gathered[r], outs[r], peers, epoch, True)
+
+        _run(ws, streams, run, monkeypatch, warm=call == 0)
+        for r in range(world if call else 0):
+            assert torch.equal(gathered[r], full), (call, r)
+            assert _relerr(outs[r], ref) < 1e-2, (call, r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_scatter_overlap(world, chunks, monkeypatch):
+    """The copy-engine reduce-scatter overlap (``cuda_paths._scatter_overlapped``): the peers'
+    shares multiply first, chunk by chunk, each pulled by its owner behind a barrier; the own
+    share's GEMMs add the pulled partials (one chunk: summed after, in rank order)."""
+    m, k, n = 512 * world, 256, 512
+    share = m // world
+    ws = _group(world, m * n * DT.itemsize)
+    current = _side_streams(world, monkeypatch)
+    streams = _streams(world)
+    for call in range(3):
+        a, b, c, ref = _operands(world, m, k, n, bias=True, call=call)
+        outs, recvs = _poisoned(world, share, n), _poisoned(world, world - 1, share, n)
+        owns = [torch.empty(share, n, device="cuda", dtype=DT) if chunks == 1 else None for _ in range(world)]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+
+        def run(r, epoch, parity):
+            current["rank"] = r
+            partial, peers = _halves(ws[r], parity, (m, n))
+            cuda_paths._scatter_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], owns[r], chunks,
+                                           peers, epoch)
+
+        _run(ws, streams, run, monkeypatch, warm=call == 0)
+        for r in range(world if call else 0):
+            assert _relerr(outs[r], ref[r * share:(r + 1) * share]) < 1e-2, (call, r)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -189,7 +280,7 @@ def test_split_k_kernel(world, m):
     streams = _streams(world)
     for call in range(3):
         a, b, c, ref = _operands(world, m, k, n, bias=call == 1, call=call)
-        outs = [torch.full((m, n), float("nan"), device="cuda", dtype=DT) for _ in range(world)]
+        outs = _poisoned(world, m, n)
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
         launches = [fused_split_k.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg) for r in range(world)]
@@ -206,15 +297,7 @@ def test_fused_all_gather_kernel(world):
     ws = _group(world, fused_all_gather.data_elems(rows, k, world) * DT.itemsize)
     streams = _streams(world)
     for call in range(3):
-        torch.manual_seed(call)
-        shards = [torch.randn(rows, k, device="cuda", dtype=DT) for _ in range(world)]
-        b = (torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5).t()
-        full = torch.cat(shards)
-        ref = full.float() @ b.float()
-        outs = [torch.full((world * rows, n), float("nan"), device="cuda", dtype=DT) for _ in range(world)]
-        gathered = [torch.full((world * rows, k), float("nan"), device="cuda", dtype=DT) for _ in range(world)]
-        for s in streams:
-            s.wait_stream(torch.cuda.current_stream())
+        shards, b, full, ref, outs, gathered = _gather_case(world, rows, k, n, call, streams)
         launches = [fused_all_gather.prepare(ws[r], shards[r], b, None, gathered[r], outs[r], cfg)
                     for r in range(world)]
         _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity))

@@ -184,9 +184,11 @@ def test_skipped_call_times_out_with_a_clear_error(nccl, monkeypatch):
 def test_repeated_calls_launch_directly_and_stay_correct(nccl, monkeypatch):
     """The second and later launches of a specialisation go through ``kernels/launch.py``'s
     direct path (nothing turned it off), with every result still right: the fused kernel and
-    the one-shot exchange, each called three times on fresh data."""
+    the one-shot exchange, each called three times on fresh data; the fused kernel's later calls
+    through its kept launch (``launch.Bound``)."""
     from commfuse.kernels import exchange, fused_all_reduce, launch
 
+    direct = launch.BOUND_DIRECT
     for algo in ("fused", "one_shot"):
         monkeypatch.setenv("COMMFUSE_ALGO", algo)
         for i in range(3):
@@ -201,3 +203,4 @@ def test_repeated_calls_launch_directly_and_stay_correct(nccl, monkeypatch):
     assert launch.enabled(), launch._disabled
     kernels = {key[0] for key, compiled in launch._compiled.items() if compiled is not False}
     assert {fused_all_reduce.gemm_all_reduce_kernel, exchange.one_shot_kernel} <= kernels
+    assert launch.BOUND_DIRECT >= direct + 2  # the fused calls after the first
