@@ -51,7 +51,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
     for traced in (False, True):
         fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
-                                    pull, traced, fused_all_reduce.tma_push() and not pull)] = 1
+                                    pull, traced, fused_all_reduce.tma_push() and not pull, False)] = 1
 
     def place(t):
         """(owner, slot, first row, column block) of tile t."""
@@ -302,7 +302,7 @@ def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
     me = ws[rank]
     for traced in (False, True):
         fused_all_reduce._resident[(cfg, DT, world, True, True, None, True, False, 0, False, traced,
-                                    False)] = 1
+                                    False, False)] = 1
     place = lambda u: (u % world, u // world, (u // num_n) * BM, u % num_n)  # noqa: E731
     saved, fused_all_reduce.wait_or_record = fused_all_reduce.wait_or_record, _spy_wait
     try:

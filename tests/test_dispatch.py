@@ -283,6 +283,20 @@ def test_exchange_kernels_do_not_specialise_on_epochs_or_slots():
                       for i in exchange.barrier_kernel.do_not_specialize]
 
 
+def test_no_kernel_specialises_on_the_rank():
+    """Every rank runs one binary: ranks emulated on one GPU never load a kernel while another
+    rank's spins waiting for it (a module load waits for the running kernels)."""
+    from commfuse.kernels import exchange, fused_all_gather, fused_all_reduce, fused_split_k
+
+    for kernel in (exchange.one_shot_kernel, exchange.staged_one_shot_kernel, exchange.two_shot_kernel,
+                   exchange.pull_gather_kernel, exchange.reduce_scatter_kernel, exchange.barrier_kernel,
+                   fused_all_reduce.gemm_all_reduce_kernel, fused_split_k.split_k_all_reduce_kernel,
+                   fused_all_gather.all_gather_gemm_kernel):
+        assert "rank" in kernel.arg_names
+        assert "rank" in [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize], \
+            kernel.fn.__name__
+
+
 def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, monkeypatch):
     ws = _workspace()
     monkeypatch.setattr(symm, "EPOCH_LIMIT", 3)
@@ -585,3 +599,15 @@ def test_row_slabs_of_batched_sequence_collectives(monkeypatch):
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // 64 // 63
     assert dispatch.scatter_chunks(4096, 64, slabs=slots) == 1
     assert dispatch.scatter_chunks(4096, 64, slabs=slots + 1) == 0  # not one chunk per slab fits
+
+
+def test_the_fused_kernels_stagger_setting(monkeypatch):
+    from commfuse.kernels import fused_all_reduce
+
+    monkeypatch.delenv("COMMFUSE_FUSED_STAGGER_US", raising=False)
+    assert fused_all_reduce.stagger_ns() == 0
+    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "2.5")
+    assert fused_all_reduce.stagger_ns() == 2500
+    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "-1")
+    with pytest.raises(ValueError, match="COMMFUSE_FUSED_STAGGER_US"):
+        fused_all_reduce.stagger_ns()

@@ -9,7 +9,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _compile(tma: bool, scatter: bool):
+def _compile(tma: bool, scatter: bool, stagger: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -20,10 +20,10 @@ def _compile(tma: bool, scatter: bool):
            "bias": "*bf16", "data": "*bf16", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_bm": "i32", "stride_bn": "i32", "flags": "*i32", "heap_bases": "*i64", "epoch": "i32",
            "rank": "i32", "err": "*i32", "timeout": "i64", "ticket": "*i32", "ticket_base": "i32",
-           "trace": "*i64", "compute": "i32", "lag": "i32", "positions": "i32"}
+           "trace": "*i64", "compute": "i32", "lag": "i32", "positions": "i32", "stagger": "i32"}
     consts = dict(OP=5, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, SUB_M=64, B_TRANSPOSED=True,
                   HAS_BIAS=False, TICKETS=True, SCATTER=scatter, ABLATE=0, PULL=False, TRACE=False,
-                  INLINE=not scatter, TMA_PUSH=tma)
+                  INLINE=not scatter, TMA_PUSH=tma, STAGGER=stagger)
     sig.update({name: "constexpr" for name in consts})
     pointers = [i for i, (name, kind) in enumerate(sig.items()) if kind.startswith("*")]
     src = ASTSource(fn=fused_all_reduce.gemm_all_reduce_kernel, signature=sig,
@@ -49,3 +49,12 @@ def test_tma_push_compiles_for_sm90(scatter):
     assert tma.asm["ptx"].count("st.global.v4") < plain.asm["ptx"].count("st.global.v4")
     assert tma.metadata.shared <= plain.metadata.shared <= 227 * 1024
     assert tma.metadata.global_scratch_size > 0  # the device-made descriptors
+
+
+def test_staggered_start_compiles_for_sm90():
+    """``COMMFUSE_FUSED_STAGGER_US``: the programs' held start (a loop on the GPU timer) compiles
+    for sm_90 and adds only that loop: the same shared memory, the timer read in the stagger."""
+    pytest.importorskip("iris")
+    plain, staggered = _compile(False, False), _compile(False, False, stagger=True)
+    assert staggered.metadata.shared == plain.metadata.shared
+    assert staggered.asm["ptx"].count("%globaltimer") > plain.asm["ptx"].count("%globaltimer")

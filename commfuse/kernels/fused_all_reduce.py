@@ -357,16 +357,27 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
     return later, late
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "ticket_base", "compute", "lag", "positions"])
+@triton.jit
+def _stagger(pid, programs, spread_ns):
+    """Hold program ``pid`` until ``pid / programs`` of ``spread_ns`` after it began. Programs that
+    start together finish their tiles together and push them at once, so the link idles during
+    the next K loops and then throttles every push (``NOTES.md`` §28-29, 31)."""
+    until = now() + (pid.to(tl.int64) * spread_ns) // programs
+    while now() < until:
+        pass
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "ticket_base", "compute", "lag", "positions", "stagger"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                            flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
-                           trace, compute, lag, positions, OP: tl.constexpr,
+                           trace, compute, lag, positions, stagger, OP: tl.constexpr,
                            WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            GROUP_M: tl.constexpr, SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
                            PULL: tl.constexpr = False, TRACE: tl.constexpr = False,
-                           INLINE: tl.constexpr = False, TMA_PUSH: tl.constexpr = False):
+                           INLINE: tl.constexpr = False, TMA_PUSH: tl.constexpr = False,
+                           STAGGER: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
@@ -377,7 +388,9 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     ``TMA_PUSH`` (pushed forms): the pushes are TMA stores into the peers' memory.
     ``ABLATE``: bits of ``ABLATIONS``, for timing only (results are wrong); 0 in every real call.
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
-    its start, its end, each multiplied position's start and end), for the benchmarks."""
+    its start, its end, each multiplied position's start and end), for the benchmarks.
+    ``STAGGER`` (ticket order only): program p starts its first tile p / ``compute`` of
+    ``stagger`` ns late (``_stagger``; an experiment)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -392,6 +405,8 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     if pid < compute:
         prev = pid * 0 - 1
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
+            if STAGGER:
+                _stagger(pid, compute, stagger)
             j = 0  # positions this program multiplied (the trace's index)
             q = claim(ticket, ticket_base)
             while q < positions:
@@ -476,6 +491,16 @@ def tma_push() -> bool:
     return os.environ.get("COMMFUSE_FUSED_TMA_PUSH", "0") == "1"
 
 
+def stagger_ns() -> int:
+    """``COMMFUSE_FUSED_STAGGER_US``: the spread, in µs, over which the fused all-reduce's and
+    reduce-scatter's programs start their first tiles (``_stagger``); 0 (the default) starts them
+    together. An experiment, not yet timed. Ranks may differ: it only delays this rank's own work."""
+    us = float(os.environ.get("COMMFUSE_FUSED_STAGGER_US", "0"))
+    if us < 0:
+        raise ValueError(f"commfuse: COMMFUSE_FUSED_STAGGER_US={us} must be at least 0")
+    return int(us * 1000)
+
+
 #: Reducers of a tiling without any (``reducers`` 0: inline copies) when the tile order is static.
 STATIC_REDUCERS = 16
 
@@ -526,19 +551,21 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     fixed = dict(M=m, N=n, K=k, flags=ws.tile_flags, heap_bases=ws.heap_bases, rank=ws.rank,
                  err=ErrorWord.get(), timeout=timeout_ns(), ticket=ws.ticket)
     inline = not scatter and cfg.reducers == 0 and tickets()
+    spread = stagger_ns() if tickets() else 0
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=full_bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
                   PULL=pull and scatter, TRACE=traced, INLINE=inline,
-                  TMA_PUSH=tma_push() and not (pull and scatter),
+                  TMA_PUSH=tma_push() and not (pull and scatter), STAGGER=spread > 0,
                   num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, dtype, ws.world, b_t, full_bias is not None, device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"], traced, consts["TMA_PUSH"])
+           ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(
             a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
             data=ws.data(0, (elems,), dtype), out=out, stride_bm=sbm, stride_bn=sbn, epoch=0,
-            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, grid=(1,), **fixed, **consts)
+            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, stagger=spread, grid=(1,), **fixed,
+            **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -557,7 +584,7 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     lag = min(copy_lag(compute), count) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
-                  positions=positions, **fixed, **consts)
+                  positions=positions, stagger=spread, **fixed, **consts)
     return _Plan(bound, elems, positions, compute, consts["TMA_PUSH"], inline)
 
 
@@ -583,7 +610,8 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     traced = trace is not None
     # every setting the plan reads is in its key, so a changed one makes a new plan
     key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, ablate, pull, traced,
-           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), ErrorWord.get(), timeout_ns())
+           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), stagger_ns(), ErrorWord.get(),
+           timeout_ns())
     plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
                                       scatter, ablate, pull, traced, a.device))
     if plan.tma_push:  # device-made descriptors need an allocator, which Triton keeps per thread

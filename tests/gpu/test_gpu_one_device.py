@@ -122,6 +122,18 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
     """Three calls back to back (both parities, then the first again), outputs poisoned."""
     if scatter and reducers:
         pytest.skip("the reduce-scatter form has no reducers")
+    _fused_calls(world, scatter, reducers)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
+def test_fused_all_reduce_kernel_with_a_staggered_start(world, scatter, monkeypatch):
+    """``COMMFUSE_FUSED_STAGGER_US``: the programs start their first tiles spread over 20 µs."""
+    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "20")
+    _fused_calls(world, scatter, 0)
+
+
+def _fused_calls(world, scatter, reducers):
     m, k, n = (1024 if scatter else 1000), 512, 776
     cfg = tiles.TileConfig.parse(f"128x256x64s3w8g8r{reducers}o1")
     ws = _group(world, fused_all_reduce.data_elems(m, n, world, cfg, scatter) * DT.itemsize)
