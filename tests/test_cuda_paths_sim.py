@@ -365,3 +365,17 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
                      ("mm_all_reduce", (0, 6), (6, 7), False, "one_shot"): [1e3],
                      ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [1e3]}
     assert call_times.collect() == {}
+
+
+def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
+    """A chunk of a larger partial (the copy-engine tail, the SM overlap) may start off a 16-byte
+    boundary: the one-shot kernel's loads must then not be vectorised (a misaligned load faults)."""
+    seen = []
+    monkeypatch.setattr(exchange, "run_kernel", lambda kernel, grid, *a, **kw: seen.append(kw["VEC"]))
+    monkeypatch.setattr(exchange, "_common", lambda ws, epoch: {})
+    ws = _Buffers(0, 2).mine
+    data = ws.data(0, (64,), torch.bfloat16)
+    out = torch.empty(64, dtype=torch.bfloat16)
+    exchange.all_reduce(ws, data[:32], out[:32], 1, "one_shot", 0)
+    exchange.all_reduce(ws, data[3:35], out[:32], 1, "one_shot", 0)  # 6 bytes in
+    assert seen == [1, 0]

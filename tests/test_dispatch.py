@@ -608,6 +608,7 @@ def test_the_fused_kernels_stagger_setting(monkeypatch):
     assert fused_all_reduce.stagger_ns() == 0
     monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "2.5")
     assert fused_all_reduce.stagger_ns() == 2500
-    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "-1")
-    with pytest.raises(ValueError, match="COMMFUSE_FUSED_STAGGER_US"):
-        fused_all_reduce.stagger_ns()
+    for bad in ("-1", "nan", "1e9"):
+        monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", bad)
+        with pytest.raises(ValueError, match="COMMFUSE_FUSED_STAGGER_US"):
+            fused_all_reduce.stagger_ns()

@@ -256,6 +256,8 @@ def test_only_runtime_arguments_of_the_kernel_may_change_between_bound_launches(
 
 
 def test_a_bound_launch_whose_launcher_refuses_launches_once_through_triton(caplog):
+    """The launcher refuses before launching anything: one launch through Triton, logged, and the
+    direct path off."""
     k, x = _Kernel(), torch.zeros(4)
 
     k.compiled = _Refuses(k.log)
@@ -264,6 +266,7 @@ def test_a_bound_launch_whose_launcher_refuses_launches_once_through_triton(capl
     with caplog.at_level(logging.WARNING, logger="commfuse.kernels.launch"):
         bound(n=32)
     assert [e[0] for e in k.log] == ["triton", "triton"] and not launch.enabled()
+    assert "directly failed" in caplog.text
 
 
 def test_a_bound_launch_with_a_launch_hook_goes_through_triton(monkeypatch):

@@ -57,7 +57,8 @@ def _rows(bias, lo: int, hi: int):
 
 
 def _sum_rank_order(parts: list, out) -> None:
-    """``out = parts[0] + parts[1] + ...`` in rank order, rounding like the Triton kernels."""
+    """``out = parts[0] + parts[1] + ...`` in rank order, on every rank alike (at 2 ranks rounded once,
+    as the Triton kernels round; beyond, after each add)."""
     if len(parts) == 1:  # one rank (the host-cost benchmark forces the paths there)
         out.copy_(parts[0])
         return
@@ -228,7 +229,10 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
     bias_rows = _row_chunks(bias, rows, len(a_rows))
-    tail = len(a_rows) > 1 and tail == "one_shot"
+    # the one-shot's flag slots follow the chunks' barriers: where they do not fit (hundreds of
+    # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
+    tail = (len(a_rows) > 1 and tail == "one_shot"
+            and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)

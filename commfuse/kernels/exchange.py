@@ -54,8 +54,9 @@ def sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, VEC: tl.con
 
 @triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
 def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout,
-                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """Every rank reads every peer's whole partial and sums: one hop, world x the reads."""
+                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = 1):
+    """Every rank reads every peer's whole partial and sums: one hop, world x the reads. ``VEC``
+    (``peer_load``): 0 where ``partial`` is not 16-byte aligned (a chunk of a larger partial)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
@@ -63,7 +64,7 @@ def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, 
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, 1)
+        acc = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, VEC)
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -243,7 +244,7 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: s
         if (slot_base + grid[0]) * ws.world > ws.flags.numel():
             raise RuntimeError("commfuse: not enough flag slots for this launch")
         run_kernel(one_shot_kernel, grid, partial, out, n, slot_base, **_common(ws, epoch), OP=op_code,
-                   WORLD=ws.world, BLOCK=block, num_warps=num_warps)
+                   WORLD=ws.world, BLOCK=block, VEC=int(partial.data_ptr() % 16 == 0), num_warps=num_warps)
     elif algo == "two_shot":
         share = tiles.cdiv(tiles.cdiv(n, ws.world), block) * block
         # two phases, one flag slot per program per rank each

@@ -496,9 +496,13 @@ def stagger_ns() -> int:
     reduce-scatter's programs start their first tiles (``_stagger``); 0 (the default) starts them
     together. An experiment, not yet timed. Ranks may differ: it only delays this rank's own work."""
     us = float(os.environ.get("COMMFUSE_FUSED_STAGGER_US", "0"))
-    if us < 0:
-        raise ValueError(f"commfuse: COMMFUSE_FUSED_STAGGER_US={us} must be at least 0")
+    if not 0 <= us <= STAGGER_MAX_US:  # NaN too; a spread near the waits' timeout would trip it
+        raise ValueError(f"commfuse: COMMFUSE_FUSED_STAGGER_US={us} must be within 0-{STAGGER_MAX_US} µs")
     return int(us * 1000)
+
+
+#: The largest spread ``COMMFUSE_FUSED_STAGGER_US`` takes (a few tiles' K loops is what it is for).
+STAGGER_MAX_US = 10_000
 
 
 #: Reducers of a tiling without any (``reducers`` 0: inline copies) when the tile order is static.

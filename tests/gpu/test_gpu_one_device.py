@@ -130,10 +130,13 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
 def test_fused_all_reduce_kernel_with_a_staggered_start(world, scatter, monkeypatch):
     """``COMMFUSE_FUSED_STAGGER_US``: the programs start their first tiles spread over 20 µs."""
     monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "20")
-    _fused_calls(world, scatter, 0)
+    ws = _fused_calls(world, scatter, 0)
+    plans = [v for v in ws[0].launches.values() if isinstance(v, fused_all_reduce._Plan)]
+    assert plans and all(p.bound.fixed["STAGGER"] and p.bound.fixed["stagger"] == 20_000 for p in plans)
 
 
 def _fused_calls(world, scatter, reducers):
+    """Three fused calls on every rank, each against fp32; returns the ranks' workspaces."""
     m, k, n = (1024 if scatter else 1000), 512, 776
     cfg = tiles.TileConfig.parse(f"128x256x64s3w8g8r{reducers}o1")
     ws = _group(world, fused_all_reduce.data_elems(m, n, world, cfg, scatter) * DT.itemsize)
@@ -153,6 +156,7 @@ def _fused_calls(world, scatter, reducers):
             want = ref[r * share:(r + 1) * share] if scatter else ref
             assert _relerr(outs[r], want) < 1e-2, (call, r)
     assert launch.BOUND_DIRECT >= direct + world  # call 2 reused call 0's plan on every rank, directly
+    return ws
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -206,13 +210,19 @@ def _side_streams(world, monkeypatch):
 def test_copy_engine_overlap(world, tail, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
     barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order; with the
-    ``one_shot`` tail the last chunk by the one-shot kernel."""
+    ``one_shot`` tail the last chunk by the one-shot kernel. Calls 0 and 1 (without and with a
+    bias, barriers left out) and call 2 (its barriers) load the local kernels and the barrier's
+    with the copy tail, while no kernel spins; ``tail`` from call 3 on. Every rank returns the
+    same tensor."""
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     ws = _group(world, m * n * DT.itemsize)
     current = _side_streams(world, monkeypatch)
     streams = _streams(world)
     direct = launch.BOUND_DIRECT
-    for call in range(4):
+    one_shots = []
+    real = exchange.all_reduce
+    monkeypatch.setattr(exchange, "all_reduce", lambda *args, **kw: (one_shots.append(args[4]), real(*args, **kw)))
+    for call in range(5):
         a, b, c, ref = _operands(world, m, k, n, bias=call % 2 == 1, call=call)
         outs, recvs = _poisoned(world, m, n), _poisoned(world, world - 1, m, n)
         for s in streams:
@@ -222,13 +232,14 @@ def test_copy_engine_overlap(world, tail, monkeypatch):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
             cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
-                                               tail)
+                                               tail if call >= 3 else "copy")
 
-        # calls 0 and 1, without and with a bias, load the checked calls' local kernels
         _run(ws, streams, run, monkeypatch, warm=call < 2)
         for r in range(world if call >= 2 else 0):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
+            assert torch.equal(outs[r], outs[0]), (call, r)
     assert launch.BOUND_DIRECT > direct  # the chunks' barriers after the first, through the kept launch
+    assert one_shots == (["one_shot"] * 2 * world if tail == "one_shot" else [])  # calls 3 and 4
 
 
 @pytest.mark.parametrize("world", WORLDS)
