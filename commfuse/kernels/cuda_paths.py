@@ -49,11 +49,14 @@ def _matmul_into(a, b, bias, out) -> None:
     reference.matmul(a, b, bias, out=out)
 
 
+def _per_row(bias) -> bool:
+    """A 2-D bias with a row per output row (sliced with the rows); else broadcast, or none."""
+    return bias is not None and bias.dim() >= 2 and bias.shape[0] != 1
+
+
 def _rows(bias, lo: int, hi: int):
     """The bias for output rows lo:hi (a per-row 2-D bias is sliced; a broadcast one is not)."""
-    if bias is None or bias.dim() < 2 or bias.shape[0] == 1:
-        return bias
-    return bias[lo:hi]
+    return bias[lo:hi] if _per_row(bias) else bias
 
 
 def _sum_rank_order(parts: list, out) -> None:
@@ -231,8 +234,8 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     bias_rows = _row_chunks(bias, rows, len(a_rows))
     # the one-shot's flag slots follow the chunks' barriers: where they do not fit (hundreds of
     # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
-    tail = (len(a_rows) > 1 and tail == "one_shot"
-            and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
+    one_shot_tail = (len(a_rows) > 1 and tail == "one_shot"
+                     and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
     side = _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
@@ -240,7 +243,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     for a_i, bias_i, partial_i in zip(a_rows, bias_rows, partial_rows):
         _matmul_into(a_i, b, bias_i, partial_i)
         done.append(main.record_event())
-    if tail:
+    if one_shot_tail:
         done.pop()
         exchange.all_reduce(ws, partial_rows[-1], out_rows[-1], epoch, "one_shot", OP_MM_ALL_REDUCE,
                             slot_base=len(a_rows))
@@ -259,10 +262,8 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
 
 
 def _row_chunks(bias, rows: int, count: int) -> list:
-    """``_rows`` of each ``rows``-row chunk of the output, ``count`` chunks."""
-    if bias is None or bias.dim() < 2 or bias.shape[0] == 1:
-        return [bias] * count
-    return list(bias.split(rows))
+    """``_rows`` of each ``rows``-row chunk of the output, ``count`` chunks (one ``split``)."""
+    return list(bias.split(rows)) if _per_row(bias) else [bias] * count
 
 
 def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:

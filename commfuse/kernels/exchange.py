@@ -217,11 +217,10 @@ def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
     only the epoch and slot change between them."""
     if slot >= ws.flags.numel() // ws.world:
         raise RuntimeError(f"commfuse: flag slot {slot} is past the workspace's flag area")
-    require_iris()
-    err, timeout = ErrorWord.get(), timeout_ns()
-    bound = ws.kept(("barrier", op_code, err, timeout), lambda: Bound(
-        barrier_kernel, (1,), ("slot", "epoch"), flags=ws.flags, heap_bases=ws.heap_bases, rank=ws.rank,
-        err=err, timeout=timeout, OP=op_code, WORLD=ws.world, num_warps=1))
+    fixed = _common(ws, epoch)
+    del fixed["epoch"]
+    bound = ws.kept(("barrier", op_code, fixed["err"], fixed["timeout"]), lambda: Bound(
+        barrier_kernel, (1,), ("slot", "epoch"), **fixed, OP=op_code, WORLD=ws.world, num_warps=1))
     bound(slot=slot, epoch=epoch)
 
 

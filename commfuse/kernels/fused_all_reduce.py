@@ -535,13 +535,10 @@ _PER_CALL = ("a_desc", "b_desc", "bias", "data", "out", "stride_bm", "stride_bn"
 
 class _Plan(NamedTuple):
     """What a fused call's launch depends on beyond its operands' addresses, kept per workspace
-    (``Workspace.launches``): worked out once per shape, layout and setting, not per call."""
-    bound: Bound  # the kernel's launch (grid, constants, the arguments that stay)
+    (``Workspace.launches``): worked out once per shape, layout and setting, not per call. The
+    grid, constants, programs and positions are the kept launch's (``bound.fixed``)."""
+    bound: Bound
     elems: int  # data elements per parity
-    positions: int  # ticket positions of a call
-    compute: int  # programs that multiply
-    tma_push: bool
-    inline: bool
 
 
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int,
@@ -589,7 +586,7 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
                   positions=positions, stagger=spread, **fixed, **consts)
-    return _Plan(bound, elems, positions, compute, consts["TMA_PUSH"], inline)
+    return _Plan(bound, elems)
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
@@ -618,24 +615,24 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
            timeout_ns())
     plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
                                       scatter, ablate, pull, traced, a.device))
-    if plan.tma_push:  # device-made descriptors need an allocator, which Triton keeps per thread
+    consts = plan.bound.fixed
+    if consts["TMA_PUSH"]:  # device-made descriptors need an allocator, which Triton keeps per thread
         tiles.ensure_allocator()
     if traced and trace.numel() < plan.bound.grid[0] * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {plan.bound.grid[0] * TRACE_SLOTS} slots")
-    consts = plan.bound.fixed
 
     def launch(epoch: int, parity: int) -> None:
         global PULL_CALLS, INLINE_CALLS, TMA_CALLS
         base = ws.ticket_base
         PULL_CALLS += consts["PULL"]
-        INLINE_CALLS += plan.inline
-        TMA_CALLS += plan.tma_push
+        INLINE_CALLS += consts["INLINE"]
+        TMA_CALLS += consts["TMA_PUSH"]
         if traced:
             trace.fill_(-1)
         plan.bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
                    data=ws.data(parity, (plan.elems,), a.dtype), out=out, stride_bm=sbm, stride_bn=sbn,
                    epoch=epoch, ticket_base=base, trace=trace if traced else ws.ticket)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
-            ws.ticket_base = base + plan.positions + plan.compute
+            ws.ticket_base = base + consts["positions"] + consts["compute"]
 
     return launch

@@ -151,10 +151,9 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict):
 
 def _width(v):
     """What Triton keeps of an integer it does not specialise on (``do_not_specialize``): its
-    width (i32, i64, u64); anything else as ``_spec``."""
-    if type(v) is int:
-        return ("int", -(2 ** 31) <= v < 2 ** 31, v >= 2 ** 63)
-    return _spec(v)
+    width (``_spec`` without the value's kind); anything else as ``_spec``."""
+    spec = _spec(v)
+    return ("int",) + spec[1:] if type(v) is int else spec
 
 
 def _unspecialised(kernel) -> list[bool]:
