@@ -34,7 +34,7 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                     for c in (2, 4, 8)},
                  # the programs' first tiles started over a spread of µs (desynchronised pushes)
                  **{f"fused_stagger{us}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_STAGGER_US": us}
-                    for us in ("10", "25", "50")},
+                    for us in ("10", "15", "25", "35", "50")},
                  # the last chunk pulled and summed by the one-shot kernel on the SMs
                  **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
                                              "COMMFUSE_CE_TAIL": "one_shot"} for c in (4, 8)}}
@@ -64,7 +64,7 @@ RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                                           "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()},
                  "fused_pull": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1"},
                  **{f"fused_stagger{us}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_STAGGER_US": us}
-                    for us in ("5", "10")},
+                    for us in ("5", "10", "25")},
                  **{f"fused_pull_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1",
                                            "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()}}
 

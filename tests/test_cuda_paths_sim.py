@@ -101,10 +101,14 @@ def _partial(a, b, bias):
     return a @ b if bias is None else torch.addmm(bias, a, b)
 
 
-@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap", "overlap"])
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap", "ce_overlap:copy", "overlap"])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
 def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
+    """Every path, the copy-engine overlap with its default tail and with every chunk copied."""
+    algo, _, tail = algo.partition(":")
     monkeypatch.setenv("COMMFUSE_ALGO", algo)
+    if tail:
+        monkeypatch.setenv("COMMFUSE_CE_TAIL", tail)
     monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")  # uneven chunks
     a, b, bias = _inputs(sim.world, 10, 6, 7, bias_kind)
     r = sim.mine.rank

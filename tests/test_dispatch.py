@@ -38,7 +38,9 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     # K larger than M: the GEMM dominates and the reducers' SMs cost more than the exchange they hide
     big = dispatch.mm_all_reduce(4096, 7168, 4096, BF16, world)
     assert big == ("ce_overlap" if world == 2 else "two_shot")
-    assert dispatch.mm_all_reduce(2048, 7168, 4096, BF16, world) == ("one_shot" if world == 2 else "two_shot")
+    # more than one wave of tiles at K above 4096: fused, its programs' start staggered
+    assert dispatch.mm_all_reduce(2048, 7168, 4096, BF16, world) == ("fused" if world == 2 else "two_shot")
+    assert dispatch.mm_all_reduce(1024, 14336, 8192, BF16, world) == ("fused" if world == 2 else "two_shot")
     # fp32, and rows TMA cannot describe, keep the cuBLAS paths
     assert dispatch.mm_all_reduce(8192, 4096, 8192, torch.float32, world) != "fused"
     assert dispatch.mm_all_reduce(8192, 4095, 8192, BF16, world) != "fused"
@@ -541,7 +543,7 @@ def test_gemm_bound_all_reduces_take_the_copy_engines(monkeypatch):
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "ce_overlap"
     assert dispatch.mm_all_reduce(4096, 14336, 8192, BF16, 2) == "ce_overlap"
     assert dispatch.mm_all_reduce(8192, 2048, 4096, BF16, 2) == "fused"  # comm-bound: the fused kernel
-    assert dispatch.mm_all_reduce(2048, 14336, 8192, BF16, 2) == "one_shot"  # too few rows
+    assert dispatch.mm_all_reduce(2048, 14336, 8192, BF16, 2) == "fused"  # too few rows: the SM kernel
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 4) == "fused"  # untimed at 4 ranks
     monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")  # a forced path still wins
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "one_shot"
@@ -605,9 +607,15 @@ def test_the_fused_kernels_stagger_setting(monkeypatch):
     from commfuse.kernels import fused_all_reduce
 
     monkeypatch.delenv("COMMFUSE_FUSED_STAGGER_US", raising=False)
-    assert fused_all_reduce.stagger_ns() == 0
+    # by default the all-reduce's programs start over one spread, one wave's over a shorter one
+    assert fused_all_reduce.stagger_ns(False, 300, 132) == fused_all_reduce.STAGGER_US * 1000 > 0
+    assert fused_all_reduce.stagger_ns(False, 132, 132) == fused_all_reduce.STAGGER_ONE_WAVE_US * 1000 > 0
+    assert fused_all_reduce.STAGGER_ONE_WAVE_US < fused_all_reduce.STAGGER_US
+    assert fused_all_reduce.stagger_ns(True, 300, 132) == 0  # the reduce-scatter's start together
+    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "0")
+    assert fused_all_reduce.stagger_ns(False, 300, 132) == 0
     monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "2.5")
-    assert fused_all_reduce.stagger_ns() == 2500
+    assert fused_all_reduce.stagger_ns() == fused_all_reduce.stagger_ns(True, 300, 132) == 2500
     for bad in ("-1", "nan", "1e9"):
         monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", bad)
         with pytest.raises(ValueError, match="COMMFUSE_FUSED_STAGGER_US"):

@@ -56,7 +56,10 @@ FUSED_MIN_M = 4096
 #: 1536x2048x4096 84 / 86, 1024x2048x8192 106 / 109; 1024x4096x8192 148-150 / 152-155 (three
 #: sweeps); 128 tiles: 1024x4096x4096 82.9 / 82.0, 1024x512x4096 46.8 / 45.6, 2048x1024x2048
 #: 51.6 / 50.5, 1024x2048x4096 59.4-60.4 / 61.1-61.8. K = 7168 ties at 1024 rows (113.4 / 113.1).
-FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MORE_THAN = 1024, 4096, 1 << 22
+#: With the programs' staggered start (``fused_all_reduce.stagger_ns``) it also wins K = 14336 at
+#: 1024 rows, two waves (346 / 359 µs, ``explore/paths_stagger_ar_7d8a496``), as it does at 4096
+#: rows (1329-1366 / 1427), so the rule takes K up to 16384.
+FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MORE_THAN = 1024, 16384, 1 << 22
 
 
 #: The split-K kernel (``fused_split_k.py``) up to this many rows and output elements: it beat
@@ -488,9 +491,11 @@ def copy_engine_chunks(m: int) -> int:
 #: it and a local add sums it, as every other chunk) or ``one_shot`` (the one-shot kernel pulls and
 #: sums it on the SMs, which the GEMMs have left by then: the tail after the last GEMM is that one
 #: chunk's exchange, and SM loads move it faster than one copy engine). ``COMMFUSE_CE_TAIL``, read
-#: per call and set alike on every rank (the ranks must run the same kernels); ``copy`` until timed.
+#: per call and set alike on every rank (the ranks must run the same kernels). ``one_shot`` timed
+#: faster on every shape tried (2xH200, 8192x7168x4096 8 chunks 693 -> 686 µs, 4096x7168x4096 4
+#: chunks 363 -> 356, 8192x2048x4096 4 chunks 399 -> 366; ``explore/paths_stagger_tail_7d8a496``).
 CE_TAILS = ("copy", "one_shot")
-CE_TAIL = "copy"
+CE_TAIL = "one_shot"
 
 
 def ce_tail() -> str:

@@ -390,7 +390,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
     its start, its end, each multiplied position's start and end), for the benchmarks.
     ``STAGGER`` (ticket order only): program p starts its first tile p / ``compute`` of
-    ``stagger`` ns late (``_stagger``; an experiment)."""
+    ``stagger`` ns late (``_stagger``, ``stagger_ns``)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -491,14 +491,32 @@ def tma_push() -> bool:
     return os.environ.get("COMMFUSE_FUSED_TMA_PUSH", "0") == "1"
 
 
-def stagger_ns() -> int:
-    """``COMMFUSE_FUSED_STAGGER_US``: the spread, in µs, over which the fused all-reduce's and
-    reduce-scatter's programs start their first tiles (``_stagger``); 0 (the default) starts them
-    together. An experiment, not yet timed. Ranks may differ: it only delays this rank's own work."""
-    us = float(os.environ.get("COMMFUSE_FUSED_STAGGER_US", "0"))
+def stagger_ns(scatter: bool = False, count: int = 0, compute: int = 1) -> int:
+    """The spread, in ns, over which the fused kernel's programs start their first tiles
+    (``_stagger``), for a call of ``count`` tiles on ``compute`` multiplying programs.
+    ``COMMFUSE_FUSED_STAGGER_US`` sets it in µs for both forms (0 starts them together). By
+    default the all-reduce spreads them over ``STAGGER_US`` (one wave of tiles:
+    ``STAGGER_ONE_WAVE_US``, where the spread delays the call's end as much as its start) and
+    the reduce-scatter not at all (timed: NOTES.md §32). Ranks may differ: it only delays this
+    rank's own work."""
+    given = os.environ.get("COMMFUSE_FUSED_STAGGER_US")
+    if given is None:
+        if scatter:
+            return 0
+        return int((STAGGER_US if count > compute else STAGGER_ONE_WAVE_US) * 1000)
+    us = float(given)
     if not 0 <= us <= STAGGER_MAX_US:  # NaN too; a spread near the waits' timeout would trip it
         raise ValueError(f"commfuse: COMMFUSE_FUSED_STAGGER_US={us} must be within 0-{STAGGER_MAX_US} µs")
     return int(us * 1000)
+
+
+#: The fused all-reduce's default spread (µs) for calls of more than one wave of tiles, and for
+#: one wave. 2xH200, 8192x2048x4096: 0 / 10 / 15 / 25 / 35 / 50 µs -> 285 / 281 / 276 / 275 / 279 /
+#: 284 µs; 1024x2048x4096 (one wave): 60.8 / 60.4 / 58.9 / 63.9 / 71.6 at 0 / 10 / 15 / 25 / 35
+#: (``explore/paths_stagger_ar_7d8a496``, NOTES.md §32). The link carries one wave's pushes
+#: (~132 x 64 KB) in about 25 µs, so that spread keeps it busy without queueing the pushes.
+STAGGER_US = 25
+STAGGER_ONE_WAVE_US = 15
 
 
 #: The largest spread ``COMMFUSE_FUSED_STAGGER_US`` takes (a few tiles' K loops is what it is for).
@@ -552,12 +570,14 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     fixed = dict(M=m, N=n, K=k, flags=ws.tile_flags, heap_bases=ws.heap_bases, rank=ws.rank,
                  err=ErrorWord.get(), timeout=timeout_ns(), ticket=ws.ticket)
     inline = not scatter and cfg.reducers == 0 and tickets()
-    spread = stagger_ns() if tickets() else 0
+    count = num_tiles(m, n, ws.world, cfg, scatter)
+    # the staggered start is compiled in where any spread may be asked for; its value is set below
+    staggered = tickets() and max(stagger_ns(scatter, 2, 1), stagger_ns(scatter, 1, 1)) > 0
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
                   HAS_BIAS=full_bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
                   PULL=pull and scatter, TRACE=traced, INLINE=inline,
-                  TMA_PUSH=tma_push() and not (pull and scatter), STAGGER=spread > 0,
+                  TMA_PUSH=tma_push() and not (pull and scatter), STAGGER=staggered,
                   num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, dtype, ws.world, b_t, full_bias is not None, device.index, consts["TICKETS"], scatter,
            ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"])
@@ -565,7 +585,7 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
         compiled = gemm_all_reduce_kernel.warmup(
             a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
             data=ws.data(0, (elems,), dtype), out=out, stride_bm=sbm, stride_bn=sbn, epoch=0,
-            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, stagger=spread, grid=(1,), **fixed,
+            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, stagger=0, grid=(1,), **fixed,
             **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, device)
@@ -573,7 +593,6 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     if per_sm < 1:
         raise RuntimeError(f"commfuse: the fused kernel with {cfg} does not fit on an SM")
     programs = per_sm * ws.max_programs
-    count = num_tiles(m, n, ws.world, cfg, scatter)
     if scatter or inline:  # nothing pushed back, or copied by the multiplying programs
         compute, reducers = max(1, min(count, programs)), 0
     else:
@@ -584,6 +603,7 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     # clamp keeps the kernel argument a 32-bit integer
     lag = min(copy_lag(compute), count) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
+    spread = stagger_ns(scatter, count, compute) if staggered else 0
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
                   positions=positions, stagger=spread, **fixed, **consts)
     return _Plan(bound, elems)
@@ -611,7 +631,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     traced = trace is not None
     # every setting the plan reads is in its key, so a changed one makes a new plan
     key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, ablate, pull, traced,
-           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), stagger_ns(), ErrorWord.get(),
+           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), stagger_ns(scatter), ErrorWord.get(),
            timeout_ns())
     plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
                                       scatter, ablate, pull, traced, a.device))

@@ -22,6 +22,15 @@ from commfuse.kernels import (cuda_paths, dispatch, exchange, fused_all_gather, 
                               launch, symm, tiles)
 from commfuse.kernels.sync import OP_MM_ALL_REDUCE, check_errors
 
+# Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
+# connections, the 8-rank tests' 16 streams (a main and a side stream per rank) share queues, and a
+# rank's barrier can queue behind another rank's spinning one and never start (a false deadlock,
+# seen at 8 ranks in the gather overlap). Set before this process makes its CUDA context; where
+# the context came first, the value it was made with is what the environment held.
+if not torch.cuda.is_initialized():
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+CONNECTIONS = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+
 pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu,
               pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) > 1, reason="runs in one process")]
 
@@ -107,7 +116,15 @@ def _each_rank(ws, streams, fn):
             fn(r, epoch, parity)
 
 
+def _need_queues(streams: int) -> None:
+    """Skip a case whose concurrently spinning streams outnumber CUDA's hardware queues."""
+    if streams > CONNECTIONS:
+        pytest.skip(f"{streams} spinning streams need CUDA_DEVICE_MAX_CONNECTIONS >= {streams} set before "
+                    f"CUDA starts (it was {CONNECTIONS})")
+
+
 def _streams(world):
+    _need_queues(world)
     main = torch.cuda.current_stream()
     streams = [torch.cuda.Stream() for _ in range(world)]
     for s in streams:
@@ -199,6 +216,7 @@ def _run(ws, streams, run, monkeypatch, warm: bool = False) -> None:
 
 def _side_streams(world, monkeypatch):
     """A side stream per rank: ``cuda_paths._side_stream`` answers the rank whose call runs."""
+    _need_queues(2 * world)
     sides = [torch.cuda.Stream() for _ in range(world)]
     current = {"rank": 0}
     monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[current["rank"]])
