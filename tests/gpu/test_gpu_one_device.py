@@ -25,10 +25,8 @@ from commfuse.kernels.sync import OP_MM_ALL_REDUCE, check_errors
 # Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
 # connections, the 8-rank tests' 16 streams (a main and a side stream per rank) share queues, and a
 # rank's barrier can queue behind another rank's spinning one and never start (a false deadlock,
-# seen at 8 ranks in the gather overlap). Set before this process makes its CUDA context; where
-# the context came first, the value it was made with is what the environment held.
-if not torch.cuda.is_initialized():
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# seen at 8 ranks in the gather and scatter overlaps). tests/conftest.py sets the count before
+# anything makes the process's CUDA context; a value set otherwise is what the context has.
 CONNECTIONS = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
 
 pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu,
