@@ -272,14 +272,7 @@ def test_gather_overlap(world, monkeypatch):
         def run(r, epoch, parity):
             current["rank"] = r
             mine, peers = _halves(ws[r], parity, (rows, k))
-            # The path's own copy of the shard into the workspace (a memcpy, before its barrier)
-            # made here by an SM kernel, and the copy then skipped (source and destination are
-            # one tensor): on one GPU every emulated rank's memcpys share its few copy-engine
-            # queues, so rank 7's copy queued behind the peers' pulls that wait on their
-            # barriers, and its barrier never launched (a false deadlock, seen at 8 ranks). On
-            # its own GPU a rank's copy queues behind nothing.
-            torch.mul(shards[r], 1, out=mine)
-            cuda_paths._gather_overlapped(ws[r], mine, mine, b, None, gathered[r], outs[r], peers, epoch, True)
+            cuda_paths._gather_overlapped(ws[r], shards[r], mine, b, None, gathered[r], outs[r], peers, epoch, True)
 
         _run(ws, streams, run, monkeypatch, warm=call == 0)
         for r in range(world if call else 0):
