@@ -30,11 +30,13 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                     for lag in ("0.5", "1", "2", "4", "100")},
                  "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
                  "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
-                 **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c)}
-                    for c in (2, 4, 8)},
-                 # the programs' first tiles started over a spread of µs (desynchronised pushes)
+                 # every chunk pulled by the copy engines (the tail too: before c0b19f0's default)
+                 **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
+                                        "COMMFUSE_CE_TAIL": "copy"} for c in (2, 4, 8)},
+                 # the programs' first tiles started over a spread of µs (desynchronised pushes;
+                 # "fused" has the default spread, 0 starts them together as before c0b19f0)
                  **{f"fused_stagger{us}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_STAGGER_US": us}
-                    for us in ("10", "15", "25", "35", "50")},
+                    for us in ("0", "10", "15", "25", "35", "50")},
                  # the last chunk pulled and summed by the one-shot kernel on the SMs
                  **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
                                              "COMMFUSE_CE_TAIL": "one_shot"} for c in (4, 8)}}
