@@ -110,6 +110,36 @@ def lane_case(world: int, rank: int, numel: int) -> None:
         assert int(ErrorWord._word[0]) == 0
 
 
+def device_epoch_case(world: int, rank: int, numel: int) -> None:
+    """The copy-engine call's kernels in their CUDA-graph form (``ce_graphs.py``): the one-shot and
+    the barrier read the epoch from the workspace's epoch cell, never from their ``epoch``
+    argument (0 here, which no flag would be waiting for), and signal that epoch."""
+    torch.manual_seed(world * 10000 + rank + numel)
+    ws = group(world, 1 << 16, 3)
+    me = ws[rank]
+    for _ in range(2):
+        epoch, parity = me.next_epoch()
+        me.epoch_cell.fill_(epoch)
+        parts = [torch.randn(numel, dtype=DT) for _ in range(world)]
+        views = [x.data(parity, (numel,), DT) for x in ws]
+        for p in range(world):
+            views[p].copy_(parts[p])
+        slots = 7 + me.max_programs  # a barrier at slot 6, the one-shot from slot 7 on
+        raise_peer_flags(ws, me, epoch, slots)
+        exchange.barrier(me, None, 1, slot=6)
+        out = torch.full((numel,), float("nan"), dtype=DT)
+        exchange.all_reduce(me, views[rank], out, None, "one_shot", 1, block=BLOCK, max_programs=me.max_programs,
+                            num_warps=4, slot_base=7)
+        want = sum(x.float() for x in parts)
+        assert ((out.float() - want).norm() / want.norm()).item() < 2e-3, (world, rank, "device epoch")
+        grid = exchange._programs(me, numel, BLOCK, me.max_programs)
+        for p in range(world):
+            if p != rank:
+                mine = ws[p].flags.view(-1, world)[:, rank]
+                assert int(mine[6]) == epoch and bool(mine[7:7 + grid].eq(epoch).all()), "signals"
+        assert int(ErrorWord._word[0]) == 0
+
+
 def main() -> None:
     for world, rank in ((2, 1), (4, 2), (8, 5)):
         for algo in ("one_shot", "two_shot"):
@@ -117,6 +147,7 @@ def main() -> None:
         rowwise_case(world, rank, "gather", 5, 48)
         rowwise_case(world, rank, "reduce_scatter", 3, 40)
         lane_case(world, rank, 300)
+        device_epoch_case(world, rank, 500)
     print("ok")
 
 

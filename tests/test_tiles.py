@@ -26,7 +26,8 @@ INTERPRETED = {
                                    "function) and an exhaustive model of its waits: never stuck, "
                                    "stuck without a copy's release before its wait",
     "interpreted_exchange.py": "one-shot, two-shot (both phases), the pull gather, the "
-                               "reduce-scatter and the graph lane's staged one-shot",
+                               "reduce-scatter, the graph lane's staged one-shot, and the one-shot "
+                               "and barrier reading their epoch on the device",
 }
 
 

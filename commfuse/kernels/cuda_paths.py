@@ -24,8 +24,8 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import (call_times, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k, reference, symm,
-               tiles)
+from . import (call_times, ce_graphs, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k,
+               reference, symm, tiles)
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -106,6 +106,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
     tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
+    graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
+    setting = (tail, dispatch.copy_engine_chunks(m)) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -114,7 +116,11 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         if algo == "ce_overlap":
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if m and all(p is not None for p in peers):
-                _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
+                if not graphs:
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
+                    return out
+                ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda side: (
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side)))
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -219,7 +225,8 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
                 _matmul_into(g3[o, start:stop], b, rows_of(o, start, stop), o3[o, start:stop])
 
 
-def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy") -> None:
+def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy",
+                            side: torch.cuda.Stream | None = None) -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
@@ -227,7 +234,9 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     The host's work is what a model step waits for here (``NOTES.md`` §30-31): every chunk's
     views come from one ``split`` per tensor, and the barriers from one kept launch. ``tail``
     ``one_shot`` (``dispatch.ce_tail()``): the last chunk is pulled and summed by the one-shot
-    kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers."""
+    kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers.
+    ``epoch`` None: the kernels read it from the workspace's epoch cell, and the call may be
+    captured in a CUDA graph (``ce_graphs.py``; ``side``: the capture's side stream)."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
@@ -236,7 +245,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
     one_shot_tail = (len(a_rows) > 1 and tail == "one_shot"
                      and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
-    side = _side_stream(a.device)
+    side = side or _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
     done = []

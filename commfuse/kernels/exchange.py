@@ -53,10 +53,15 @@ def sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, VEC: tl.con
 
 
 @triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
-def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout,
-                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = 1):
+def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout, epoch_at,
+                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = 1,
+                    DEVICE_EPOCH: tl.constexpr = False):
     """Every rank reads every peer's whole partial and sums: one hop, world x the reads. ``VEC``
-    (``peer_load``): 0 where ``partial`` is not 16-byte aligned (a chunk of a larger partial)."""
+    (``peer_load``): 0 where ``partial`` is not 16-byte aligned (a chunk of a larger partial).
+    ``DEVICE_EPOCH``: the epoch is ``*epoch_at`` (a cell the host fills before a CUDA-graph replay,
+    ``ce_graphs.py``), not the ``epoch`` argument."""
+    if DEVICE_EPOCH:
+        epoch = tl.load(epoch_at)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
@@ -187,9 +192,12 @@ def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, 
 
 
 @triton.jit(do_not_specialize=["rank", "slot", "epoch"])
-def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, OP: tl.constexpr,
-                   WORLD: tl.constexpr):
-    """Signal and wait only: orders a rank's earlier writes before its peers' later reads."""
+def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, epoch_at, OP: tl.constexpr,
+                   WORLD: tl.constexpr, DEVICE_EPOCH: tl.constexpr = False):
+    """Signal and wait only: orders a rank's earlier writes before its peers' later reads.
+    ``DEVICE_EPOCH``: the epoch is ``*epoch_at``, as in ``one_shot_kernel``."""
+    if DEVICE_EPOCH:
+        epoch = tl.load(epoch_at)
     signal_peers(flags, slot, epoch, rank, heap_bases, WORLD)
     wait_peers(flags, slot, epoch, rank, err, timeout, OP, WORLD)
 
@@ -211,17 +219,25 @@ def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inn
                     max_programs, num_warps)
 
 
-def barrier(ws, epoch: int, op_code: int, slot: int = 0) -> None:
+def barrier(ws, epoch: int | None, op_code: int, slot: int = 0) -> None:
     """Launch ``barrier_kernel`` on the current stream. The copy-engine overlaps launch one per
     chunk, so the launch is kept per workspace, op, error word and timeout (``launch.Bound``):
-    only the epoch and slot change between them."""
+    only the epoch and slot change between them. ``epoch`` None: the kernel reads it from the
+    workspace's epoch cell (``Workspace.epoch_cell``), so a CUDA graph may replay the launch."""
     if slot >= ws.flags.numel() // ws.world:
         raise RuntimeError(f"commfuse: flag slot {slot} is past the workspace's flag area")
-    fixed = _common(ws, epoch)
+    fixed = _common(ws, 0)
     del fixed["epoch"]
-    bound = ws.kept(("barrier", op_code, fixed["err"], fixed["timeout"]), lambda: Bound(
-        barrier_kernel, (1,), ("slot", "epoch"), **fixed, OP=op_code, WORLD=ws.world, num_warps=1))
-    bound(slot=slot, epoch=epoch)
+    device = epoch is None
+    bound = ws.kept(("barrier", op_code, fixed["err"], fixed["timeout"], device), lambda: Bound(
+        barrier_kernel, (1,), ("slot", "epoch"), **fixed, epoch_at=_epoch_at(ws, device), OP=op_code,
+        WORLD=ws.world, DEVICE_EPOCH=device, num_warps=1))
+    bound(slot=slot, epoch=0 if device else epoch)
+
+
+def _epoch_at(ws, device: bool) -> torch.Tensor:
+    """The epoch cell a ``DEVICE_EPOCH`` kernel reads, else any int32 pointer (never read)."""
+    return ws.epoch_cell if device else ws.flags
 
 
 def _common(ws, epoch):
@@ -230,20 +246,25 @@ def _common(ws, epoch):
                 err=ErrorWord.get(), timeout=timeout_ns())
 
 
-def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int, algo: str, op_code: int,
+def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int | None, algo: str, op_code: int,
                block: int = BLOCK, max_programs: int = MAX_PROGRAMS, num_warps: int = NUM_WARPS,
                slot_base: int = 0) -> None:
     """Sum ``partial`` (in ``ws``, same offset on every rank) over the group into ``out``.
 
     ``slot_base`` offsets the flag slots (one-shot only), for several kernels in one epoch.
+    ``epoch`` None (one-shot only): read from the workspace's epoch cell, as ``barrier``.
     """
     n = partial.numel()
+    device = epoch is None
+    if device and algo != "one_shot":
+        raise ValueError(f"commfuse: only the one-shot all-reduce reads its epoch on the device, not {algo!r}")
     if algo == "one_shot":
         grid = (_programs(ws, n, block, max_programs),)
         if (slot_base + grid[0]) * ws.world > ws.flags.numel():
             raise RuntimeError("commfuse: not enough flag slots for this launch")
-        run_kernel(one_shot_kernel, grid, partial, out, n, slot_base, **_common(ws, epoch), OP=op_code,
-                   WORLD=ws.world, BLOCK=block, VEC=int(partial.data_ptr() % 16 == 0), num_warps=num_warps)
+        run_kernel(one_shot_kernel, grid, partial, out, n, slot_base, **_common(ws, 0 if device else epoch),
+                   epoch_at=_epoch_at(ws, device), OP=op_code, WORLD=ws.world, BLOCK=block,
+                   VEC=int(partial.data_ptr() % 16 == 0), DEVICE_EPOCH=device, num_warps=num_warps)
     elif algo == "two_shot":
         share = tiles.cdiv(tiles.cdiv(n, ws.world), block) * block
         # two phases, one flag slot per program per rank each

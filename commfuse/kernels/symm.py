@@ -40,7 +40,8 @@ from ..report import log
 FLAG_BYTES = 64 * 1024
 #: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile), then
 #: the split-K kernel's per-tile arrival counters (each back at 0 when a call ends), and at the end
-#: the fused kernels' tile ticket (an int64 that only grows).
+#: the epoch cell of kernels that read their epoch on the device (``Workspace.epoch_cell``) and the
+#: fused kernels' tile ticket (an int64 that only grows).
 TILE_FLAG_BYTES = 1024 * 1024
 TICKET_BYTES = 64
 COUNTER_BYTES = 32 * 1024
@@ -91,6 +92,9 @@ class Workspace:
     #: kernel launches and call plans kept for this workspace's life (``launch.Bound``), keyed by
     #: their caller; see ``kept``
     launches: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: copy-engine calls replayed as CUDA graphs (``ce_graphs.py``): key -> graph, or None for a
+    #: call seen once; they hold this workspace's addresses and go with it
+    graphs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
     # refuse the in-place writes (``_restart_epochs``) of a later call outside it.
@@ -116,6 +120,14 @@ class Workspace:
         """int64 [1], this rank's only: the fused kernel's programs claim tile positions from it;
         it only grows, and ``ticket_base`` is its value when the next call starts."""
         return self.buffer[HEADER_BYTES - 8:HEADER_BYTES].view(torch.int64)
+
+    @functools.cached_property
+    def epoch_cell(self) -> torch.Tensor:
+        """int32 [1], this rank's only, before the ticket: the epoch of the call in flight for
+        kernels that read it on the device (``DEVICE_EPOCH``), which a CUDA graph may replay; the
+        host fills it before each such call."""
+        with torch.inference_mode(False):
+            return self.buffer[HEADER_BYTES - 16:HEADER_BYTES - 12].view(torch.int32)
 
     def kept(self, key, make):
         """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept (a

@@ -259,6 +259,62 @@ def test_copy_engine_overlap(world, tail, monkeypatch):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
+    """The copy-engine all-reduce in its CUDA-graph form (``ce_graphs.py``): the epoch read from
+    each rank's epoch cell. Calls 0 and 1 load the local kernels (barriers left out), 2 and 3 the
+    device-epoch barrier and one-shot tail, run directly; from call 4 on through ``ce_graphs.run``:
+    eager, captured, then replayed (a graph per parity), each rank's graph on its own stream, the ranks' graphs waiting
+    on each other. Inputs are refilled in place and outputs poisoned in place each call (a graph
+    holds their addresses), so a replay that read stale inputs or left an element unwritten shows."""
+    from commfuse.kernels import ce_graphs
+
+    m, k, n = 4096, 256, 512  # four 1024-row chunks
+    ws = _group(world, m * n * DT.itemsize)
+    current = _side_streams(world, monkeypatch)
+    streams = _streams(world)
+    a = [torch.empty(m, k, device="cuda", dtype=DT) for _ in range(world)]
+    b = [torch.empty(n, k, device="cuda", dtype=DT).t() for _ in range(world)]
+    c = [torch.empty(n, device="cuda", dtype=DT) for _ in range(world)]
+    outs, recvs = _poisoned(world, m, n), _poisoned(world, world - 1, m, n)
+    counts = dict(ce_graphs.COUNTS)
+    hows = []
+    for call in range(10):
+        fresh_a, fresh_b, fresh_c, ref = _operands(world, m, k, n, bias=True, call=call)
+        for r in range(world):
+            a[r].copy_(fresh_a[r])
+            b[r].copy_(fresh_b[r])
+            c[r].copy_(fresh_c[r])
+            outs[r].fill_(float("nan"))
+            recvs[r].fill_(float("nan"))
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+
+        def run(r, epoch, parity):
+            current["rank"] = r
+            partial, peers = _halves(ws[r], parity, (m, n))
+
+            def body(side):
+                cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers,
+                                                   None, "copy" if call < 3 else "one_shot", side)
+
+            if call < 4:
+                ws[r].epoch_cell.fill_(epoch)
+                body(None)
+            else:
+                key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4))
+                hows.append(ce_graphs.run(ws[r], epoch, key, body))
+
+        _run(ws, streams, run, monkeypatch, warm=call < 2)
+        for r in range(world if call >= 2 else 0):
+            assert _relerr(outs[r], ref) < 1e-2, (call, r)
+            assert torch.equal(outs[r], outs[0]), (call, r)
+    # a graph per parity (the data half it holds): calls 4 and 5 eager, 6 and 7 captured, 8 and 9 replayed
+    assert hows == [how for how in ("eager", "captured", "replayed") for _ in range(2 * world)], hows
+    assert ce_graphs.COUNTS["captured"] == counts["captured"] + 2 * world
+    assert all(len(w.graphs) == 2 for w in ws)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_gather_overlap(world, monkeypatch):
     """The copy-engine all-gather overlap (``cuda_paths._gather_overlapped``): the local rows
     multiply while the copy engines pull the peers' shards behind a barrier, then the peers' rows."""

@@ -125,6 +125,54 @@ def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypat
         assert torch.equal(same, out)
 
 
+def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
+    """Copy-engine all-reduces whose operands stay put (refilled in place, as a model's steps
+    allocate alike) run eagerly, are captured, then replay their CUDA graphs (``ce_graphs.py``),
+    every one right against fp32 on fresh data, the previous output poisoned in place (the next
+    call's output takes its block) and every rank holding the same bits. One-shot calls of another
+    size (host epochs) run between them; rank 1 turns graphs off for two calls, so a replay on one
+    rank meets eager calls on the other."""
+    from commfuse.kernels import ce_graphs
+
+    m, k, n, calls = 4096, 512, 1024, 10
+    rank = dist.get_rank()
+    torch.manual_seed(61 + rank)
+    inputs = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+               torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5,
+               torch.randn(n, device="cuda", dtype=torch.bfloat16)) for _ in range(calls)]
+    small = [torch.randn(16, 256, device="cuda", dtype=torch.bfloat16) for _ in range(calls)]
+    w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16) / 16
+    a, b, c = (torch.empty_like(t) for t in inputs[0])
+    saved = torch.empty(calls, m, n, device="cuda", dtype=torch.bfloat16)  # nothing allocated in the loop
+    saved_small = torch.empty(calls, 16, 128, device="cuda", dtype=torch.bfloat16)
+    before = dict(ce_graphs.COUNTS)
+    out = None
+    for i in range(calls):
+        for dst, src in zip((a, b, c), inputs[i]):
+            dst.copy_(src)
+        if out is not None:
+            out.fill_(float("nan"))
+            del out
+        monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "0" if rank == 1 and i in (6, 7) else "1")
+        monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+        out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
+        saved[i].copy_(out)
+        monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
+        saved_small[i].copy_(torch.ops.commfuse.mm_all_reduce(small[i], w, None, nccl.group_name))
+    check_errors()
+    for i in range(calls):
+        ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(*(gather_all(t) for t in inputs[i])))
+        assert relerr(saved[i], ref) < 1e-2, i
+        same = saved[i].clone()
+        dist.broadcast(same, 0)
+        assert torch.equal(same, saved[i]), i
+        ref_small = sum(x.float() for x in gather_all(small[i].float() @ w.float()))
+        assert relerr(saved_small[i], ref_small) < 1e-2, i
+    counts = {how: ce_graphs.COUNTS[how] - before[how] for how in before}
+    assert ce_graphs.enabled(), ce_graphs._disabled
+    assert counts["captured"] >= 1 and counts["replayed"] >= 2, counts  # addresses repeat from the third call
+
+
 def test_compiled_tp_mlp_matches_eager(nccl):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -1,0 +1,166 @@
+"""When a copy-engine all-reduce runs eagerly, is captured or replays (``kernels/ce_graphs.py``),
+on the CPU: CUDA graphs are stood in for by a recording of the call's work that a replay runs
+again on the tensors it was captured with (what a graph's baked addresses amount to). The real
+capture and replay run in the GPU suites (``test_gpu_ops.py``, ``test_gpu_one_device.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commfuse.kernels import ce_graphs, cuda_paths, symm
+
+
+class _FakeGraph:
+    """A 'graph' of ``body``: a replay runs it again, as a capture would have baked it."""
+
+    def __init__(self, body):
+        self.body, self.replays = body, 0
+
+    def replay(self):
+        self.replays += 1
+        self.body(None)
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    made = []
+
+    def capture(body, device):
+        made.append(_FakeGraph(body))
+        return made[-1]
+
+    monkeypatch.setattr(ce_graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ce_graphs, "_disabled", [])
+    monkeypatch.delenv("COMMFUSE_CE_GRAPHS", raising=False)
+    return made
+
+
+def _workspace():
+    return symm.Workspace("0", 0, 2, torch.zeros(symm.HEADER_BYTES + 2 * 4096, dtype=torch.uint8),
+                          torch.zeros(2, dtype=torch.int64), 4096)
+
+
+def test_a_call_runs_eagerly_then_is_captured_then_replays(fake_capture):
+    ws = _workspace()
+    a = torch.randn(4, 3)
+    ran, epochs = [], []
+
+    def body(side):
+        ran.append(side)
+        epochs.append(int(ws.epoch_cell))
+
+    key = ce_graphs.key(1, (a, None), ("one_shot", 2))
+    assert [ce_graphs.run(ws, e, key, body) for e in (5, 7, 9, 11)] == ["eager", "captured", "replayed", "replayed"]
+    # the first call ran its work itself, each later one through the graph captured at the second
+    assert len(fake_capture) == 1 and fake_capture[0].replays == 3
+    assert epochs == [5, 7, 9, 11]  # the epoch cell held each call's own epoch when its work ran
+
+
+def test_the_key_holds_addresses_layouts_parity_settings_and_the_wait_bound(monkeypatch):
+    a = torch.randn(4, 6)
+    base = ce_graphs.key(0, (a, None), ("one_shot", 8))
+    assert ce_graphs.key(0, (a, None), ("one_shot", 8)) == base
+    others = [ce_graphs.key(1, (a, None), ("one_shot", 8)),  # the other data half
+              ce_graphs.key(0, (a.clone(), None), ("one_shot", 8)),  # another address
+              ce_graphs.key(0, (a.view(6, 4), None), ("one_shot", 8)),  # the same memory, another shape
+              ce_graphs.key(0, (a[:, :3], None), ("one_shot", 8)),  # another layout
+              ce_graphs.key(0, (a, None), ("copy", 8)),  # another tail
+              ce_graphs.key(0, (a, None), ("one_shot", 4))]  # other chunks
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "5")
+    others.append(ce_graphs.key(0, (a, None), ("one_shot", 8)))  # another bound baked into the waits
+    assert all(k != base for k in others) and len(set(others)) == len(others)
+
+
+def test_keys_are_kept_least_recently_used_first_out(fake_capture, monkeypatch):
+    monkeypatch.setattr(ce_graphs, "GRAPH_LIMIT", 2)
+    ws = _workspace()
+    assert ce_graphs.run(ws, 1, "k1", lambda side: None) == "eager"
+    assert ce_graphs.run(ws, 2, "k2", lambda side: None) == "eager"
+    assert ce_graphs.run(ws, 3, "k1", lambda side: None) == "captured"  # k1 now the most recent
+    assert ce_graphs.run(ws, 4, "k3", lambda side: None) == "eager"  # drops k2
+    assert list(ws.graphs) == ["k1", "k3"]
+    assert ce_graphs.run(ws, 5, "k2", lambda side: None) == "eager"  # forgotten: seen anew
+    assert ce_graphs.run(ws, 6, "k3", lambda side: None) == "captured"
+
+
+def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(monkeypatch, caplog):
+    monkeypatch.setattr(ce_graphs, "_disabled", [])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def capture(body, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(ce_graphs, "_capture", capture)
+    ws = _workspace()
+    ran = []
+    assert ce_graphs.run(ws, 1, "k", ran.append) == "eager"
+    with caplog.at_level("WARNING"):
+        assert ce_graphs.run(ws, 2, "k", ran.append) == "eager"
+    assert ran == [None, None]  # both calls' work ran, once each
+    assert "capturing a copy-engine all-reduce" in caplog.text and "not permitted" in caplog.text
+    assert not ce_graphs.enabled() and not ws.graphs
+
+
+def test_graphs_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(ce_graphs, "_disabled", [])
+    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "0")
+    assert not ce_graphs.enabled()
+    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "1")
+    assert ce_graphs.enabled()
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(graphs, monkeypatch, fake_capture):
+    """Through ``cuda_paths.mm_all_reduce`` (its streams and exchange kernels stood in for): with
+    graphs the barriers and the one-shot tail get no epoch (they read the cell, which holds the
+    call's), without them the call's epoch; the result is the sum either way."""
+    from test_cuda_paths_sim import _Buffers, _inputs, _partial  # the simulated paths' stand-ins
+
+    from commfuse.kernels import exchange
+    from helpers import init_fake_pg
+
+    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", graphs)
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
+    init_fake_pg(2)
+    bufs = _Buffers(0, 2)
+    ws = bufs.mine
+    seen = []
+
+    def all_reduce(ws_, partial, out, epoch, algo, op_code, **_):
+        seen.append(("one_shot", epoch, int(ws.epoch_cell)))
+        out.copy_(sum(bufs.at(p, partial).float() for p in range(2)))
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+        def record_event(self):
+            return None
+
+        def wait_event(self, event):
+            pass
+
+    import contextlib
+
+    monkeypatch.setattr(exchange, "all_reduce", all_reduce)
+    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: seen.append(("barrier", epoch,
+                                                                                         int(ws.epoch_cell))))
+    monkeypatch.setattr(symm, "workspace", lambda *a, **k: ws)
+    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    a, b, bias = _inputs(2, 10, 6, 7, "1d")
+    bufs.peer_data(1, (10, 7)).copy_(_partial(a[1], b[1], bias[1]))
+    out = cuda_paths.mm_all_reduce(a[0], b[0], bias[0], "0")
+    torch.testing.assert_close(out, _partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1]))
+    epoch = ws.epoch
+    want = None if graphs == "1" else epoch
+    # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
+    assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
+    if graphs == "1":
+        assert all(s[2] == epoch for s in seen) and len(ws.graphs) == 1
+    else:
+        assert not ws.graphs
