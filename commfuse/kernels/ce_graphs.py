@@ -35,7 +35,6 @@ GRAPH_LIMIT = 32
 COUNTS = {"eager": 0, "captured": 0, "replayed": 0}
 
 _disabled: list[str] = []  # why graphs were turned off, once a capture failed
-_pools: dict[int, object] = {}
 _streams: dict[int, tuple] = {}
 
 
@@ -61,22 +60,18 @@ def _capture_streams(device: int) -> tuple:
     return _streams[device]
 
 
-def _pool(device: int):
-    """One private memory pool for every graph of a device: their only allocation is cuBLAS's
-    workspace for the capture stream, made once and never freed."""
-    if device not in _pools:
-        with torch.cuda.device(device):
-            _pools[device] = torch.cuda.graph_pool_handle()
-    return _pools[device]
-
-
 def _capture(body, device: int):
-    """``body(side)`` captured (not run) into a CUDA graph."""
+    """``body(side)`` captured (not run) into a CUDA graph, in a memory pool of its own (its only
+    allocation, cuBLAS's workspace for the capture stream, is made once). A pool shared by every
+    graph would be released by PyTorch once the graphs using it were all dropped (a workspace
+    released, the least recent dropped), and a later capture into it then fails an internal
+    assertion of the caching allocator, leaving the CUDA generator mid-capture (GPU emulation of
+    4 ranks after 2, 2xH200)."""
     cap, side = _capture_streams(device)
     graph = torch.cuda.CUDAGraph()
     cap.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(cap):
-        graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
+        graph.capture_begin(capture_error_mode="thread_local")
         try:
             body(side)
         finally:
