@@ -383,35 +383,3 @@ def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
     exchange.all_reduce(ws, data[:32], out[:32], 1, "one_shot", 0)
     exchange.all_reduce(ws, data[3:35], out[:32], 1, "one_shot", 0)  # 6 bytes in
     assert seen == [1, 0]
-
-
-@pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-@pytest.mark.parametrize("rows, chunks", [(10, 3), (16, 4), (5, 4)])
-def test_copy_engine_overlap_summed_by_the_chunks_owners(sim, monkeypatch, bias_kind, rows, chunks):
-    """``COMMFUSE_CE_SUM=owner`` (2 ranks): chunk c belongs to rank c % 2; this rank pulls the
-    peer's partial of its own chunks into its workspace rows, its GEMM adds its product there,
-    and it pulls the peer's sums of the peer's chunks. The peer's workspace is set to what it
-    holds by then: its partial in this rank's chunks, its sums in its own. Both ranks meet at
-    every chunk's two barriers, in chunk order."""
-    if sim.world != 2:
-        pytest.skip("the owners' sums are a 2-rank schedule (other sizes add, as before)")
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-    monkeypatch.setenv("COMMFUSE_CE_SUM", "owner")
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", str(chunks))
-    slots = []
-    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: slots.append((slot, epoch)))
-    a, b, bias = _inputs(2, rows, 6, 7, bias_kind)
-    r, p = sim.mine.rank, 1 - sim.mine.rank
-    total = _partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1])
-    step = -(-rows // (chunks + chunks % 2))
-    count = -(-rows // step)
-    peer = sim.peer_data(p, (rows, 7))
-    peer.copy_(_partial(a[p], b[p], bias[p]))
-    for c in range(p, count, 2):  # the peer's own chunks hold its sums by the second barriers
-        peer[c * step:(c + 1) * step] = total[c * step:(c + 1) * step]
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
-    torch.testing.assert_close(out, total)
-    mine = sim.mine.data(sim.mine.epoch % 2, (rows, 7), torch.float32)
-    for c in range(r, count, 2):  # this rank's own chunks' sums are in its workspace (the peer pulls them)
-        torch.testing.assert_close(mine[c * step:(c + 1) * step], total[c * step:(c + 1) * step])
-    assert slots == [(s, None) for s in range(2 * count)]  # graphed: the epoch is read on the device

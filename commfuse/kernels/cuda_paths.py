@@ -104,13 +104,10 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         return _split_k(a, b, bias, group_name, group.size())
     ws = symm.workspace(group_name, m * n * a.dtype.itemsize, a.device)
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
-    # settings are read before the epoch (a bad one raises there); the owners' sums need no scratch
-    tail = dispatch.ce_tail() if algo == "ce_overlap" else None
-    owned = algo == "ce_overlap" and dispatch.ce_sum() == "owner" and ws.world == 2 and m >= 2
-    recv = (torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device)
-            if algo == "ce_overlap" and not owned else None)
+    recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
+    tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
     graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
-    setting = (tail, owned, dispatch.copy_engine_chunks(m)) if graphs else None
+    setting = (tail, dispatch.copy_engine_chunks(m)) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -119,17 +116,11 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         if algo == "ce_overlap":
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if m and all(p is not None for p in peers):
-                def body(side, epoch):
-                    if owned:
-                        _copy_engine_owned(ws, a, b, bias, partial, out, peers[1 - ws.rank], epoch, side)
-                    else:
-                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, side)
-
                 if graphs:
-                    ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting),
-                                  lambda side: body(side, None))
+                    ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda side: (
+                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side)))
                 else:
-                    body(None, epoch)
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -276,55 +267,6 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
             for into, src in pulls:
                 into[i].copy_(src[i], non_blocking=True)
             _sum_rank_order([part[i] for part in ordered], out_rows[i])
-    main.wait_stream(side)
-
-
-def _copy_engine_owned(ws, a, b, bias, partial, out, peer, epoch, side: torch.cuda.Stream | None = None) -> None:
-    """The copy-engine all-reduce at 2 ranks with no add kernel (``COMMFUSE_CE_SUM=owner``): row
-    chunk c belongs to rank c % 2. Each rank multiplies the peer's chunks first, into its
-    workspace; its side stream pulls the peer's partial of each of its own chunks (copy engines)
-    into its own workspace rows of that chunk, where its GEMM of the chunk then adds it in place
-    (cuBLAS with beta = 1: the sum costs no pass of its own), so the owner's rows hold the chunk's
-    sum; each owner's sums are then copied into its output and pulled by the peer into its. Both
-    ranks meet at every chunk's two barriers in chunk order. Every rank ends with the owner's bits,
-    which differ from the rank-order sum of rounded partials by rounding only (this rank's product
-    is added unrounded). What stays exposed after the last GEMM is one chunk's pull."""
-    m, rank = a.shape[0], ws.rank
-    count = dispatch.copy_engine_chunks(m)
-    rows = tiles.cdiv(m, count + count % 2)  # an even count: each rank owns half the chunks
-    a_rows, partial_rows, out_rows, peer_rows = a.split(rows), partial.split(rows), out.split(rows), peer.split(rows)
-    chunks = len(a_rows)
-    bias_rows = _row_chunks(bias, rows, chunks)
-    mine = [c for c in range(chunks) if c % 2 == rank]
-    theirs = [c for c in range(chunks) if c % 2 != rank]
-    side = side or _side_stream(a.device)
-    main = torch.cuda.current_stream(a.device)
-    side.wait_stream(main)  # out was allocated on main
-    done, pulled = {}, {}
-    for c in theirs:  # the peer's chunks first: its side stream pulls them as they land
-        _matmul_into(a_rows[c], b, bias_rows[c], partial_rows[c])
-        done[c] = main.record_event()
-    with torch.cuda.stream(side):
-        for c in range(chunks):  # both ranks meet at chunk c's first barrier in the same order
-            if c in done:
-                side.wait_event(done[c])  # (this rank's partial of the peer's chunk is ready)
-            exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=c)
-            if c % 2 == rank:
-                partial_rows[c].copy_(peer_rows[c], non_blocking=True)  # the peer's partial of my chunk
-                pulled[c] = side.record_event()
-    for c in mine:  # sum = the peer's partial (pulled) + this rank's product (+ its bias)
-        main.wait_event(pulled[c])
-        if bias is not None:
-            partial_rows[c].add_(bias_rows[c])
-        partial_rows[c].addmm_(a_rows[c], b)
-        done[c] = main.record_event()
-    with torch.cuda.stream(side):
-        for c in range(chunks):  # the second barriers: every owner's sum is ready
-            if c % 2 == rank:
-                side.wait_event(done[c])
-            exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=chunks + c)
-            src = partial_rows[c] if c % 2 == rank else peer_rows[c]
-            out_rows[c].copy_(src, non_blocking=True)
     main.wait_stream(side)
 
 

@@ -502,19 +502,6 @@ def ce_tail() -> str:
     return _env_choice("COMMFUSE_CE_TAIL", CE_TAILS) or CE_TAIL
 
 
-#: Who sums the copy-engine all-reduce's chunks: ``add`` (every rank pulls every peer's partial of
-#: every chunk and a local add sums them, ``cuda_paths._copy_engine_overlapped``) or ``owner`` (at
-#: 2 ranks: each chunk's owner adds the peer's pulled partial in its GEMM, then the peer pulls the
-#: sum: no add kernel takes SMs from the GEMMs, ``cuda_paths._copy_engine_owned``).
-#: ``COMMFUSE_CE_SUM``, read per call and set alike on every rank.
-CE_SUMS = ("add", "owner")
-CE_SUM = "add"
-
-
-def ce_sum() -> str:
-    return _env_choice("COMMFUSE_CE_SUM", CE_SUMS) or CE_SUM
-
-
 #: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine
 #: overlap (2 ranks): such GEMM-bound calls lost to the fused kernel's reducer SMs (still ahead
 #: of its inline form, 6e0500b: 8192x7168x4096 705 / 723, 4096x14336x8192 1316 / 1365) and win when

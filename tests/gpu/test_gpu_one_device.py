@@ -222,17 +222,14 @@ def _side_streams(world, monkeypatch):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("tail", ["copy", "one_shot", "owner"])
+@pytest.mark.parametrize("tail", ["copy", "one_shot"])
 def test_copy_engine_overlap(world, tail, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
     barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order; with the
     ``one_shot`` tail the last chunk by the one-shot kernel. Calls 0 and 1 (without and with a
     bias, barriers left out) and call 2 (its barriers) load the local kernels and the barrier's
     with the copy tail, while no kernel spins; ``tail`` from call 3 on. Every rank returns the
-    same tensor. ``owner`` (2 ranks; ``cuda_paths._copy_engine_owned``): each chunk summed by its
-    owner's GEMM from the peer's pulled partial, the sum pulled by the peer, in every call but 2."""
-    if tail == "owner" and world != 2:
-        pytest.skip("the owners' sums are a 2-rank schedule")
+    same tensor."""
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     ws = _group(world, m * n * DT.itemsize)
     current = _side_streams(world, monkeypatch)
@@ -250,9 +247,6 @@ def test_copy_engine_overlap(world, tail, monkeypatch):
         def run(r, epoch, parity):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
-            if tail == "owner" and call != 2:  # (calls 0 and 1 load its local kernels: addmm_, add_)
-                cuda_paths._copy_engine_owned(ws[r], a[r], b[r], c[r], partial, outs[r], peers[1 - r], epoch)
-                return
             cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
                                                tail if call >= 3 else "copy")
 

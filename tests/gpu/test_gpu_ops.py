@@ -90,8 +90,7 @@ def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, m
 
 
 @pytest.mark.parametrize("key, value", [("COMMFUSE_AG_LOCAL", "copy"), ("COMMFUSE_RS_CHUNKS", "1"),
-                                        ("COMMFUSE_RS_CHUNKS", "4"), ("COMMFUSE_CE_CHUNKS", "3"),
-                                        ("COMMFUSE_CE_SUM", "owner")])
+                                        ("COMMFUSE_RS_CHUNKS", "4"), ("COMMFUSE_CE_CHUNKS", "3")])
 def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypatch):
     """The copy-engine overlaps' settings (local source of the all-gather, chunks of the
     reduce-scatter's shares and of the all-reduce) change the schedule, never the result."""
@@ -120,23 +119,20 @@ def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypat
         ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
     check_errors()
     assert relerr(out, ref) < 1e-2
-    if key.startswith("COMMFUSE_CE_"):  # an all-reduce: every rank holds the same bits
+    if key == "COMMFUSE_CE_CHUNKS":  # an all-reduce: every rank holds the same bits
         same = out.clone()
         dist.broadcast(same, 0)
         assert torch.equal(same, out)
 
 
-@pytest.mark.parametrize("ce_sum", ["add", "owner"])
-def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch, ce_sum):
+def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
     """Copy-engine all-reduces whose operands stay put (refilled in place, as a model's steps
     allocate alike) run eagerly, are captured, then replay their CUDA graphs (``ce_graphs.py``),
     every one right against fp32 on fresh data, the previous output poisoned in place (the next
     call's output takes its block) and every rank holding the same bits. One-shot calls of another
     size (host epochs) run between them; rank 1 turns graphs off for two calls, so a replay on one
-    rank meets eager calls on the other. ``ce_sum``: who sums the chunks (``COMMFUSE_CE_SUM``)."""
+    rank meets eager calls on the other."""
     from commfuse.kernels import ce_graphs
-
-    monkeypatch.setenv("COMMFUSE_CE_SUM", ce_sum)
 
     m, k, n, calls = 4096, 512, 1024, 10
     rank = dist.get_rank()
