@@ -1,14 +1,15 @@
 """When a copy-engine all-reduce runs eagerly, is captured or replays (``kernels/ce_graphs.py``),
 on the CPU: CUDA graphs are stood in for by a recording of the call's work that a replay runs
 again on the tensors it was captured with (what a graph's baked addresses amount to). The real
-capture and replay run in the GPU suites (``test_gpu_ops.py``, ``test_gpu_one_device.py``)."""
+capture and replay run in the GPU suites (``test_gpu_ops.py``, ``test_gpu_one_device.py``); the
+path's device-epoch kernels through ``cuda_paths`` in ``test_cuda_paths_sim.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from commfuse.kernels import ce_graphs, cuda_paths, symm
+from commfuse.kernels import ce_graphs, symm
 
 
 class _FakeGraph:
@@ -109,58 +110,3 @@ def test_graphs_can_be_turned_off(monkeypatch):
     assert not ce_graphs.enabled()
     monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "1")
     assert ce_graphs.enabled()
-
-
-@pytest.mark.parametrize("graphs", ["1", "0"])
-def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(graphs, monkeypatch, fake_capture):
-    """Through ``cuda_paths.mm_all_reduce`` (its streams and exchange kernels stood in for): with
-    graphs the barriers and the one-shot tail get no epoch (they read the cell, which holds the
-    call's), without them the call's epoch; the result is the sum either way."""
-    from test_cuda_paths_sim import _Buffers, _inputs, _partial  # the simulated paths' stand-ins
-
-    from commfuse.kernels import exchange
-    from helpers import init_fake_pg
-
-    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", graphs)
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
-    init_fake_pg(2)
-    bufs = _Buffers(0, 2)
-    ws = bufs.mine
-    seen = []
-
-    def all_reduce(ws_, partial, out, epoch, algo, op_code, **_):
-        seen.append(("one_shot", epoch, int(ws.epoch_cell)))
-        out.copy_(sum(bufs.at(p, partial).float() for p in range(2)))
-
-    class _Stream:
-        def wait_stream(self, other):
-            pass
-
-        def record_event(self):
-            return None
-
-        def wait_event(self, event):
-            pass
-
-    import contextlib
-
-    monkeypatch.setattr(exchange, "all_reduce", all_reduce)
-    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: seen.append(("barrier", epoch,
-                                                                                         int(ws.epoch_cell))))
-    monkeypatch.setattr(symm, "workspace", lambda *a, **k: ws)
-    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: _Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    a, b, bias = _inputs(2, 10, 6, 7, "1d")
-    bufs.peer_data(1, (10, 7)).copy_(_partial(a[1], b[1], bias[1]))
-    out = cuda_paths.mm_all_reduce(a[0], b[0], bias[0], "0")
-    torch.testing.assert_close(out, _partial(a[0], b[0], bias[0]) + _partial(a[1], b[1], bias[1]))
-    epoch = ws.epoch
-    want = None if graphs == "1" else epoch
-    # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
-    assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
-    if graphs == "1":
-        assert all(s[2] == epoch for s in seen) and len(ws.graphs) == 1
-    else:
-        assert not ws.graphs

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from commfuse.kernels import cuda_paths, exchange, symm
+from commfuse.kernels import ce_graphs, cuda_paths, exchange, symm
 from helpers import init_fake_pg
 
 
@@ -383,3 +383,33 @@ def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
     exchange.all_reduce(ws, data[:32], out[:32], 1, "one_shot", 0)
     exchange.all_reduce(ws, data[3:35], out[:32], 1, "one_shot", 0)  # 6 bytes in
     assert seen == [1, 0]
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, monkeypatch, graphs):
+    """``COMMFUSE_CE_GRAPHS`` (``ce_graphs.py``): with graphs the chunks' barriers and the one-shot
+    tail get no epoch (they read the workspace's epoch cell, which holds the call's), without them
+    the call's epoch; the result is the sum either way, and only graphed calls are remembered."""
+    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", graphs)
+    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
+    monkeypatch.setattr(ce_graphs, "_disabled", [])
+    ws, seen = sim.mine, []
+    real = exchange.all_reduce
+    monkeypatch.setattr(exchange, "all_reduce", lambda ws_, partial, out, epoch, algo, op_code, **kw: (
+        seen.append(("one_shot", epoch, int(ws.epoch_cell))), real(ws_, partial, out, epoch, algo, op_code, **kw)))
+    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op_code, slot=0: seen.append(
+        ("barrier", epoch, int(ws.epoch_cell))))
+    a, b, bias = _inputs(sim.world, 10, 6, 7, "1d")
+    r = ws.rank
+    for p in sim.peers():
+        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
+    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
+    want = None if graphs == "1" else ws.epoch
+    # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
+    assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
+    if graphs == "1":
+        assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs) == 1
+    else:
+        assert not ws.graphs
