@@ -112,8 +112,9 @@ def lane_case(world: int, rank: int, numel: int) -> None:
 
 def device_epoch_case(world: int, rank: int, numel: int) -> None:
     """The copy-engine call's kernels in their CUDA-graph form (``ce_graphs.py``): the one-shot and
-    the barrier read the epoch from the workspace's epoch cell, never from their ``epoch``
-    argument (0 here, which no flag would be waiting for), and signal that epoch."""
+    the barrier read the epoch from the workspace's epoch cell, not from their ``epoch`` argument
+    (0 here: every wait would pass with it, so what shows a kernel that used it is the epoch it
+    signals, 0 instead of the cell's)."""
     torch.manual_seed(world * 10000 + rank + numel)
     ws = group(world, 1 << 16, 3)
     me = ws[rank]

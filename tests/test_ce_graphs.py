@@ -32,7 +32,6 @@ def fake_capture(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(ce_graphs, "_capture", capture)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(ce_graphs, "_disabled", [])
     monkeypatch.delenv("COMMFUSE_CE_GRAPHS", raising=False)
     return made
@@ -53,7 +52,7 @@ def test_a_call_runs_eagerly_then_is_captured_then_replays(fake_capture):
         epochs.append(int(ws.epoch_cell))
 
     key = ce_graphs.key(1, (a, None), ("one_shot", 2))
-    assert [ce_graphs.run(ws, e, key, body) for e in (5, 7, 9, 11)] == ["eager", "captured", "replayed", "replayed"]
+    assert [ce_graphs.run(ws, e, key, body, 0) for e in (5, 7, 9, 11)] == ["eager", "captured", "replayed", "replayed"]
     # the first call ran its work itself, each later one through the graph captured at the second
     assert len(fake_capture) == 1 and fake_capture[0].replays == 3
     assert epochs == [5, 7, 9, 11]  # the epoch cell held each call's own epoch when its work ran
@@ -74,34 +73,61 @@ def test_the_key_holds_addresses_layouts_parity_settings_and_the_wait_bound(monk
     assert all(k != base for k in others) and len(set(others)) == len(others)
 
 
-def test_keys_are_kept_least_recently_used_first_out(fake_capture, monkeypatch):
+def test_graphs_and_once_seen_keys_are_kept_least_recently_used_first_out(fake_capture, monkeypatch):
+    """Keys seen once have a table of their own: new keys (a prefill length per call) never push a
+    graph out; each table drops its least recently used entry when full."""
     monkeypatch.setattr(ce_graphs, "GRAPH_LIMIT", 2)
+    monkeypatch.setattr(ce_graphs, "SEEN_LIMIT", 2)
     ws = _workspace()
-    assert ce_graphs.run(ws, 1, "k1", lambda side: None) == "eager"
-    assert ce_graphs.run(ws, 2, "k2", lambda side: None) == "eager"
-    assert ce_graphs.run(ws, 3, "k1", lambda side: None) == "captured"  # k1 now the most recent
-    assert ce_graphs.run(ws, 4, "k3", lambda side: None) == "eager"  # drops k2
-    assert list(ws.graphs) == ["k1", "k3"]
-    assert ce_graphs.run(ws, 5, "k2", lambda side: None) == "eager"  # forgotten: seen anew
-    assert ce_graphs.run(ws, 6, "k3", lambda side: None) == "captured"
+
+    def run(key):
+        return ce_graphs.run(ws, 1, key, lambda side: None, 0)
+
+    assert [run(k) for k in ("k1", "k1", "k2", "k2")] == ["eager", "captured", "eager", "captured"]
+    assert [run(k) for k in ("n1", "n2", "n3")] == ["eager"] * 3  # new keys only
+    assert list(ws.graphs) == ["k1", "k2"] and list(ws.graphs_seen) == ["n2", "n3"]
+    assert run("k1") == "replayed"  # k1 now the most recent graph
+    assert run("n3") == "captured"  # a third graph drops k2, the least recently used
+    assert list(ws.graphs) == ["k1", "n3"] and list(ws.graphs_seen) == ["n2"]
+    assert run("n1") == "eager"  # forgotten: seen anew
+    assert len(fake_capture) == 3
 
 
 def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(monkeypatch, caplog):
     monkeypatch.setattr(ce_graphs, "_disabled", [])
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     def capture(body, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(ce_graphs, "_capture", capture)
+    monkeypatch.setattr(ce_graphs, "_still_capturing", lambda device: False)
     ws = _workspace()
     ran = []
-    assert ce_graphs.run(ws, 1, "k", ran.append) == "eager"
+    assert ce_graphs.run(ws, 1, "k", ran.append, 0) == "eager"
     with caplog.at_level("WARNING"):
-        assert ce_graphs.run(ws, 2, "k", ran.append) == "eager"
+        assert ce_graphs.run(ws, 2, "k", ran.append, 0) == "eager"
     assert ran == [None, None]  # both calls' work ran, once each
     assert "capturing a copy-engine all-reduce" in caplog.text and "not permitted" in caplog.text
-    assert not ce_graphs.enabled() and not ws.graphs
+    assert not ce_graphs.enabled() and not ws.graphs and not ws.graphs_seen
+    assert ce_graphs.run(ws, 3, "k", ran.append, 0) == "eager"  # graphs stay off: the work runs
+
+
+def test_a_capture_that_leaves_a_stream_capturing_raises(monkeypatch):
+    """Nothing of the call ran, but a stream left capturing makes every later CUDA call fail:
+    the call raises (its exchange then marks the workspace broken) instead of running eagerly."""
+    monkeypatch.setattr(ce_graphs, "_disabled", [])
+    monkeypatch.setattr(ce_graphs, "_still_capturing", lambda device: True)
+
+    def capture(body, device):
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(ce_graphs, "_capture", capture)
+    ws = _workspace()
+    ran = []
+    ce_graphs.run(ws, 1, "k", ran.append, 0)
+    with pytest.raises(RuntimeError, match="left a stream capturing.*previous error during capture"):
+        ce_graphs.run(ws, 2, "k", ran.append, 0)
+    assert ran == [None]
 
 
 def test_graphs_can_be_turned_off(monkeypatch):

@@ -410,6 +410,6 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
     # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
     assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
     if graphs == "1":
-        assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs) == 1
+        assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
     else:
-        assert not ws.graphs
+        assert not ws.graphs and not ws.graphs_seen

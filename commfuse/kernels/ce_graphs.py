@@ -13,9 +13,12 @@ holds.
 A call is captured the second time its key is seen, and runs eagerly the first time, with the
 same device-epoch kernels, so each is loaded before any capture (a capture must not load modules
 or allocate beyond its pool). A replay on one rank and an eager call on another run the same
-protocol in the same slots: the ranks need not agree on which calls replay. A capture that fails
-turns graphs off for the process (logged) and the call runs eagerly: nothing of it ran yet.
-``COMMFUSE_CE_GRAPHS=0`` turns them off.
+protocol in the same slots: the ranks need not agree on which calls replay. Captures run on a
+helper thread (a CUDA-graph warm-up of Inductor's sends its own thread's allocations to its pool)
+into a memory pool of their own, each with a cuBLAS workspace of its own. A capture that fails
+turns graphs off for the process (logged, with the cause) and the call runs eagerly: nothing of
+it ran yet; if it left a stream capturing, the call raises instead. ``COMMFUSE_CE_GRAPHS=0``
+turns them off.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ import os
 import torch
 
 from ..report import log
+from . import symm
 from .sync import timeout_ns
 
-#: Graphs and once-seen keys a workspace keeps (least recently used dropped first): a model has a
-#: few copy-engine call sites, each with a graph per parity; dynamic shapes must not grow it.
-GRAPH_LIMIT = 32
+#: Graphs a workspace keeps, and keys it remembers seeing once (each least recently used dropped
+#: first): a model has a few copy-engine call sites, each with a graph per parity, and dynamic
+#: shapes (a prefill length per call) must neither grow them nor push the graphs out. Each graph's
+#: pool holds its own cuBLAS workspace (32 MiB on Hopper by default) besides the graph itself.
+GRAPH_LIMIT = 16
+SEEN_LIMIT = 64
 
 #: Calls since import that ran eagerly (first seen), were captured, or replayed (tests check them).
 COUNTS = {"eager": 0, "captured": 0, "replayed": 0}
@@ -47,10 +54,17 @@ def _signature(t: torch.Tensor | None):
     return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def gemm_settings() -> tuple:
+    """The process's settings that choose cuBLAS's kernels for the captured GEMMs."""
+    matmul = torch.backends.cuda.matmul
+    return (matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction,
+            matmul.allow_fp16_reduced_precision_reduction, str(torch.backends.cuda.preferred_blas_library()))
+
+
 def key(parity: int, tensors: tuple, setting: tuple) -> tuple:
     """A call's key: its parity (the data half), every tensor it reads or writes outside the
-    workspace, and the settings its launches bake in (with the wait bound)."""
-    return (parity, setting, timeout_ns(), tuple(_signature(t) for t in tensors))
+    workspace, the settings its launches bake in (with the wait bound) and cuBLAS's."""
+    return (parity, setting, timeout_ns(), gemm_settings(), tuple(_signature(t) for t in tensors))
 
 
 def _capture_streams(device: int) -> tuple:
@@ -60,56 +74,101 @@ def _capture_streams(device: int) -> tuple:
     return _streams[device]
 
 
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's workspaces, so the capture's GEMMs get one inside the graph's own pool: one
+    kept from an earlier graph's pool (or the caching allocator's) could be freed while this graph
+    still uses it (Inductor's CUDA graphs clear them around their captures too)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def _capture(body, device: int):
-    """``body(side)`` captured (not run) into a CUDA graph, in a memory pool of its own (its only
-    allocation, cuBLAS's workspace for the capture stream, is made once). A pool shared by every
-    graph would be released by PyTorch once the graphs using it were all dropped (a workspace
-    released, the least recent dropped), and a later capture into it then fails an internal
-    assertion of the caching allocator, leaving the CUDA generator mid-capture (GPU emulation of
-    4 ranks after 2, 2xH200)."""
+    """``body(side)`` captured (not run) into a CUDA graph, on a helper thread, in a memory pool of
+    its own: a pool shared by every graph was released by PyTorch once the graphs using it were
+    all dropped, and a later capture into it failed an internal assertion of the caching allocator
+    and left the CUDA generator mid-capture (GPU emulation of 4 ranks after 2). The cause of a
+    failure is what raises, not the capture's end that fails after it."""
     cap, side = _capture_streams(device)
     graph = torch.cuda.CUDAGraph()
     cap.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(cap):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            body(side)
-        finally:
-            graph.capture_end()
+
+    def capture():
+        torch.cuda.current_blas_handle()  # this thread's cuBLAS handle, made before the capture
+        failure = None
+        with torch.cuda.stream(cap):
+            _clear_cublas_workspaces()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                body(side)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the capture ends
+                failure = exc
+            try:
+                graph.capture_end()
+            except BaseException as exc:  # noqa: BLE001
+                if failure is None:
+                    failure = exc
+                else:
+                    log.debug("commfuse: ending a failed capture also failed: %s", exc)
+        if failure is not None:
+            raise failure
+
+    symm.on_helper_thread(torch.device("cuda", device), capture)
     return graph
 
 
-def run(ws, epoch: int, call_key: tuple, body) -> str:
-    """Run a copy-engine call whose work is ``body(side)`` (kernels reading the epoch from
-    ``ws.epoch_cell``; ``side``: the stream its copies run on, None for the path's own): replay
-    its graph, capture and replay it, or run it eagerly. Returns which it did."""
+def _still_capturing(device: int) -> bool:
+    for stream in _capture_streams(device):
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():
+                return True
+    return False
+
+
+def _give_up(exc: BaseException, device: int, ws) -> None:
+    """Graphs off for the process after a failed capture, every workspace's dropped."""
+    _disabled.append(f"{type(exc).__name__}: {exc}")
+    for ws in [ws, *symm._workspaces.values()]:
+        ws.graphs.clear()
+        ws.graphs_seen.clear()
+    if _still_capturing(device):
+        raise RuntimeError(f"commfuse: capturing a copy-engine all-reduce in a CUDA graph failed and left "
+                           f"a stream capturing ({_disabled[0]}); this process's CUDA state is not usable") from exc
+    log.warning("commfuse: capturing a copy-engine all-reduce in a CUDA graph failed (%s); such calls run "
+                "eagerly from now on", _disabled[0])
+
+
+def _remember(table: dict, key, value, limit: int) -> None:
+    table.pop(key, None)
+    if len(table) >= limit:
+        del table[next(iter(table))]  # the least recently used
+    table[key] = value
+
+
+def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
+    """Run a copy-engine call on GPU ``device`` whose work is ``body(side)`` (kernels reading the
+    epoch from ``ws.epoch_cell``; ``side``: the stream its copies run on, None for the path's
+    own): replay its graph, capture and replay it, or run it eagerly. Returns which it did."""
     ws.epoch_cell.fill_(epoch)
-    graphs = ws.graphs
-    seen = call_key in graphs
-    graph = graphs.pop(call_key, None)
-    if seen and graph is None:  # the second sighting: capture it
-        device = torch.cuda.current_device()
-        try:
-            graph = _capture(body, device)
-        except Exception as exc:  # noqa: BLE001 - nothing of the call ran: run it eagerly
-            _disabled.append(f"{type(exc).__name__}: {exc}")
-            log.warning("commfuse: capturing a copy-engine all-reduce in a CUDA graph failed (%s); "
-                        "such calls run eagerly from now on", _disabled[0])
-            graphs.clear()
+    graph = ws.graphs.get(call_key)
+    how = "replayed"
+    if graph is None:
+        if call_key not in ws.graphs_seen:  # the first sighting: eager, and remembered
+            _remember(ws.graphs_seen, call_key, None, SEEN_LIMIT)
             COUNTS["eager"] += 1
             body(None)
             return "eager"
+        try:  # the second: captured
+            graph = _capture(body, device)
+        except Exception as exc:  # noqa: BLE001 - nothing of the call ran: run it eagerly
+            _give_up(exc, device, ws)
+            COUNTS["eager"] += 1
+            body(None)
+            return "eager"
+        ws.graphs_seen.pop(call_key, None)
         COUNTS["captured"] += 1
         how = "captured"
-    else:
-        how = "replayed"
-    if len(graphs) >= GRAPH_LIMIT:
-        del graphs[next(iter(graphs))]  # the least recently used
-    graphs[call_key] = graph
-    if graph is None:
-        COUNTS["eager"] += 1
-        body(None)
-        return "eager"
+    _remember(ws.graphs, call_key, graph, GRAPH_LIMIT)
     graph.replay()
     COUNTS["replayed"] += how == "replayed"
     return how

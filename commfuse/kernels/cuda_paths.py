@@ -118,7 +118,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             if m and all(p is not None for p in peers):
                 if graphs:
                     ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda side: (
-                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side)))
+                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side)),
+                        a.device.index)
                 else:
                     _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
                 return out

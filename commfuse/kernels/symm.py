@@ -92,9 +92,10 @@ class Workspace:
     #: kernel launches and call plans kept for this workspace's life (``launch.Bound``), keyed by
     #: their caller; see ``kept``
     launches: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: copy-engine calls replayed as CUDA graphs (``ce_graphs.py``): key -> graph, or None for a
-    #: call seen once; they hold this workspace's addresses and go with it
+    #: copy-engine calls replayed as CUDA graphs (``ce_graphs.py``): key -> graph, and the keys of
+    #: calls seen once; the graphs hold this workspace's addresses and go with it
     graphs: dict = dataclasses.field(default_factory=dict, repr=False)
+    graphs_seen: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
     # refuse the in-place writes (``_restart_epochs``) of a later call outside it.
@@ -332,6 +333,11 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
             return ws
         _outside_graph_pools(device, _allocate, key, data_bytes, device, ws)
         return _workspaces[key]
+
+
+def on_helper_thread(device: torch.device, fn, *args) -> None:
+    """``fn(*args)`` on a helper thread (see ``_outside_graph_pools``), its exception re-raised here."""
+    _outside_graph_pools(device, fn, *args)
 
 
 def _outside_graph_pools(device: torch.device, fn, *args) -> None:

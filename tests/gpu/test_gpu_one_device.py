@@ -302,7 +302,7 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
                 body(None)
             else:
                 key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4))
-                hows.append(ce_graphs.run(ws[r], epoch, key, body))
+                hows.append(ce_graphs.run(ws[r], epoch, key, body, torch.cuda.current_device()))
 
         _run(ws, streams, run, monkeypatch, warm=call < 2)
         for r in range(world if call >= 2 else 0):

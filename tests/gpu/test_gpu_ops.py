@@ -146,6 +146,7 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
     saved = torch.empty(calls, m, n, device="cuda", dtype=torch.bfloat16)  # nothing allocated in the loop
     saved_small = torch.empty(calls, 16, 128, device="cuda", dtype=torch.bfloat16)
     before = dict(ce_graphs.COUNTS)
+    hows = []  # per call: what this rank's copy-engine call did (nothing counted: graphs off)
     out = None
     for i in range(calls):
         for dst, src in zip((a, b, c), inputs[i]):
@@ -155,7 +156,9 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
             del out
         monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "0" if rank == 1 and i in (6, 7) else "1")
         monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+        counted = dict(ce_graphs.COUNTS)
         out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
+        hows.append([how for how in counted if ce_graphs.COUNTS[how] > counted[how]])
         saved[i].copy_(out)
         monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
         saved_small[i].copy_(torch.ops.commfuse.mm_all_reduce(small[i], w, None, nccl.group_name))
@@ -171,6 +174,10 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
     counts = {how: ce_graphs.COUNTS[how] - before[how] for how in before}
     assert ce_graphs.enabled(), ce_graphs._disabled
     assert counts["captured"] >= 1 and counts["replayed"] >= 2, counts  # addresses repeat from the third call
+    if rank == 1:  # graphs off for calls 6 and 7: through the eager path, outside ce_graphs
+        assert hows[6] == hows[7] == [], hows
+    else:  # while rank 1 ran them eagerly, this rank replayed at least one
+        assert ["replayed"] in hows[6:8], hows
 
 
 def test_compiled_tp_mlp_matches_eager(nccl):
