@@ -1,13 +1,14 @@
 """Where a copy-engine all-reduce's GPU time goes, alone and inside a model step (torch.profiler).
 
-    torchrun --nproc_per_node=2 benchmarks/trace_calls.py --out DIR
+    torchrun --nproc_per_node=2 benchmarks/trace_calls.py --out DIR [--parts alone,prefill,train]
 
 1. The down_proj-sized call alone (8192x7168 @ 7168x4096, the copy-engine path), replayed as a CUDA
    graph and eager (``COMMFUSE_CE_GRAPHS=0``): every GPU activity of one call (kernels and copies,
    their kind, stream, start and length from the call's first activity), rank 0 printed.
-2. One prefill step of the DTensor model (2 layers, 4x2048 tokens) compiled with commfuse: each
-   rank's GPU activities from the step's first one, saved as JSON (``prefill_rank{r}.json``) for an
-   offline look at each call's neighbourhood and at the ranks' skew.
+2. One prefill step (and with ``--parts ...,train`` one training step) of the DTensor model (2
+   layers, 4x2048 tokens) compiled with commfuse: each rank's GPU activities from the step's first
+   one, saved as JSON (``prefill_rank{r}.json``, ``train_rank{r}.json``) for an offline look at
+   each call's neighbourhood and at the ranks' skew.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def op_alone(group: str, device) -> dict:
     return result
 
 
-def prefill_step(device, dtype, out_dir: str) -> None:
+def model_step(mode: str, device, dtype, out_dir: str) -> None:
+    """One ``mode`` step (``prefill`` or ``train``, as ``commfuse.bench model`` runs it) profiled."""
     from commfuse import bench_model
     from commfuse.demo import transformer as demo
 
@@ -82,39 +84,40 @@ def prefill_step(device, dtype, out_dir: str) -> None:
     x = torch.randn(4, 2048, cfg.dim, device=device, dtype=dtype)
     model = bench_model._build("dtensor", cfg, device, dtype)
     compiled = bench_model._compile("commfuse", model)
-
-    def step():
-        with torch.no_grad():
-            return compiled(x)
-
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False) if mode == "train" else None
+    step = bench_model._make_step(mode, compiled, x, None, opt, False)
     for _ in range(5):
         step()
     times = bench_model._step_times(step, device, 10)
-    _p(f"--- prefill step: median {statistics.median(times):.3f} ms")
+    _p(f"--- {mode} step: median {statistics.median(times):.3f} ms")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     acts = _activities(prof)
-    with open(os.path.join(out_dir, f"prefill_rank{dist.get_rank()}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{mode}_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(acts, f)
-    _p(f"--- prefill step profiled: {len(acts)} GPU activities, span "
+    _p(f"--- {mode} step profiled: {len(acts)} GPU activities, span "
        f"{acts[-1]['start'] + acts[-1]['us']:.0f} us (rank 0)")
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
+    p.add_argument("--parts", default="alone,prefill", help="any of alone, prefill, train (comma-separated)")
     args = p.parse_args()
     import commfuse  # noqa: F401  (registers the ops)
     from commfuse.demo import init_distributed
 
     device, dtype = init_distributed()
     os.makedirs(args.out, exist_ok=True)
-    alone = op_alone(dist.group.WORLD.group_name, device)
-    with open(os.path.join(args.out, f"ce_alone_rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(alone, f)
-    prefill_step(device, dtype, args.out)
+    if "alone" in args.parts:
+        alone = op_alone(dist.group.WORLD.group_name, device)
+        with open(os.path.join(args.out, f"ce_alone_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(alone, f)
+    for mode in ("prefill", "train"):
+        if mode in args.parts:
+            model_step(mode, device, dtype, args.out)
     dist.destroy_process_group()
     return 0
 
