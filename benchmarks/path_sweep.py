@@ -40,9 +40,6 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  # the last chunk pulled and summed by the one-shot kernel on the SMs
                  **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
                                              "COMMFUSE_CE_TAIL": "one_shot"} for c in (4, 8)},
-                 # each chunk's sum on that many programs, not torch.add's full grid
-                 **{f"ce_add{p}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_ADD_PROGRAMS": str(p)}
-                    for p in (4, 8, 16, 32, 66)},
                  # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
                  "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.

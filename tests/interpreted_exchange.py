@@ -141,19 +141,7 @@ def device_epoch_case(world: int, rank: int, numel: int) -> None:
         assert int(ErrorWord._word[0]) == 0
 
 
-def add_pair_case() -> None:
-    """The copy-engine chunks' sum on a few programs: the same bits as ``torch.add`` (rounded once),
-    every element written, for a length no block or grid divides."""
-    torch.manual_seed(3)
-    x, y = torch.randn(1000, dtype=DT), torch.randn(1000, dtype=DT)
-    for programs in (1, 3, 40):
-        out = torch.full((1000,), float("nan"), dtype=DT)
-        exchange.add_pair(x, y, out, programs, block=64)
-        assert torch.equal(out, torch.add(x, y)), programs
-
-
 def main() -> None:
-    add_pair_case()
     for world, rank in ((2, 1), (4, 2), (8, 5)):
         for algo in ("one_shot", "two_shot"):
             all_reduce_case(world, rank, algo, 1000)  # not a multiple of the block or the world

@@ -413,27 +413,3 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
         assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
     else:
         assert not ws.graphs and not ws.graphs_seen
-
-
-def test_the_copy_engine_chunks_sum_on_few_programs_when_asked(sim, monkeypatch):
-    """``COMMFUSE_CE_ADD_PROGRAMS``: at 2 ranks each copied chunk is summed by ``exchange.add_pair``
-    on that many programs (beyond 2 ranks, and by default, by ``torch.add``); a bad value is refused
-    before the call's epoch."""
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
-    monkeypatch.setenv("COMMFUSE_CE_ADD_PROGRAMS", "8")
-    pairs = []
-    monkeypatch.setattr(exchange, "add_pair", lambda x, y, out, programs: (
-        pairs.append((x.shape[0], programs)), torch.add(x, y, out=out)))
-    a, b, bias = _inputs(sim.world, 10, 6, 7, "2d")
-    r = sim.mine.rank
-    for p in sim.peers():
-        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
-    torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    # the chunks of 4 and 4 rows copied and summed (the last, 2 rows, by the one-shot tail)
-    assert pairs == ([(4, 8), (4, 8)] if sim.world == 2 else [])
-    monkeypatch.setenv("COMMFUSE_CE_ADD_PROGRAMS", "many")
-    with pytest.raises(ValueError, match="COMMFUSE_CE_ADD_PROGRAMS"):
-        cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
-    assert sim.mine.broken is None

@@ -59,15 +59,11 @@ def _rows(bias, lo: int, hi: int):
     return bias[lo:hi] if _per_row(bias) else bias
 
 
-def _sum_rank_order(parts: list, out, programs: int = 0) -> None:
+def _sum_rank_order(parts: list, out) -> None:
     """``out = parts[0] + parts[1] + ...`` in rank order, on every rank alike (at 2 ranks rounded once,
-    as the Triton kernels round; beyond, after each add). ``programs``: at 2 ranks, the sum on that
-    many programs (``exchange.add_pair``, the same bits as ``torch.add``)."""
+    as the Triton kernels round; beyond, after each add)."""
     if len(parts) == 1:  # one rank (the host-cost benchmark forces the paths there)
         out.copy_(parts[0])
-        return
-    if programs and len(parts) == 2 and all(t.is_contiguous() for t in (*parts, out)):
-        exchange.add_pair(parts[0], parts[1], out, programs)
         return
     torch.add(parts[0], parts[1], out=out)
     for part in parts[2:]:
@@ -110,9 +106,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
     tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
-    adds = dispatch.ce_add_programs() if algo == "ce_overlap" else 0
     graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
-    setting = (tail, adds, dispatch.copy_engine_chunks(m)) if graphs else None
+    setting = (tail, dispatch.copy_engine_chunks(m)) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -123,10 +118,10 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             if m and all(p is not None for p in peers):
                 if graphs:
                     ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda side: (
-                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side, adds)),
+                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side)),
                         a.device.index)
                 else:
-                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, add_programs=adds)
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -232,7 +227,7 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
 
 
 def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy",
-                            side: torch.cuda.Stream | None = None, add_programs: int = 0) -> None:
+                            side: torch.cuda.Stream | None = None) -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
@@ -272,7 +267,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
             exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
             for into, src in pulls:
                 into[i].copy_(src[i], non_blocking=True)
-            _sum_rank_order([part[i] for part in ordered], out_rows[i], add_programs)
+            _sum_rank_order([part[i] for part in ordered], out_rows[i])
     main.wait_stream(side)
 
 

@@ -502,23 +502,6 @@ def ce_tail() -> str:
     return _env_choice("COMMFUSE_CE_TAIL", CE_TAILS) or CE_TAIL
 
 
-def ce_add_programs() -> int:
-    """``COMMFUSE_CE_ADD_PROGRAMS``: the copy-engine all-reduce's per-chunk sum at 2 ranks runs on
-    that many programs (``exchange.add_pair``) instead of ``torch.add``'s full grid, whose blocks
-    take SMs from the next chunk's GEMM (a chunk's GEMM 78 -> 80-83 µs beside its add,
-    ``explore/trace_9afec9a``); 0, the default: ``torch.add``. Read per call, before the epoch."""
-    env = os.environ.get("COMMFUSE_CE_ADD_PROGRAMS", "").strip()
-    if not env:
-        return 0
-    try:
-        value = int(env)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 1024:
-        raise ValueError(f"commfuse: COMMFUSE_CE_ADD_PROGRAMS={env!r} must be an integer from 0 to 1024")
-    return value
-
-
 #: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine
 #: overlap (2 ranks): such GEMM-bound calls lost to the fused kernel's reducer SMs (still ahead
 #: of its inline form, 6e0500b: 8192x7168x4096 705 / 723, 4096x14336x8192 1316 / 1365) and win when

@@ -202,24 +202,6 @@ def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, epoch_at,
     wait_peers(flags, slot, epoch, rank, err, timeout, OP, WORLD)
 
 
-@triton.jit
-def add_pair_kernel(x, y, out, n, BLOCK: tl.constexpr):
-    """``out = x + y``, rounded once as ``torch.add`` rounds a bf16 / fp16 sum, by however many
-    programs the grid has, each walking its blocks: a local sum that takes few SMs from a GEMM
-    running beside it (the copy-engine all-reduce's chunks, ``COMMFUSE_CE_ADD_PROGRAMS``)."""
-    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = tl.load(x + offs, mask=mask).to(tl.float32) + tl.load(y + offs, mask=mask).to(tl.float32)
-        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
-
-
-def add_pair(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, programs: int, block: int = BLOCK) -> None:
-    """``out = x + y`` (contiguous, one dtype) on ``programs`` programs (``add_pair_kernel``)."""
-    run_kernel(add_pair_kernel, (max(1, min(programs, tiles.cdiv(x.numel(), block))),), x, y, out, x.numel(),
-               BLOCK=block, num_warps=NUM_WARPS)
-
-
 def _launch_rowwise(kernel, ws, src: torch.Tensor, out: torch.Tensor, outer: int, inner: int,
                     epoch: int, op_code: int, block: int, max_programs: int, num_warps: int) -> None:
     """Launch a kernel that walks ``outer`` rows of ``inner`` elements (gather, reduce-scatter)."""
