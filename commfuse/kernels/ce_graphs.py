@@ -128,9 +128,9 @@ def _still_capturing(device: int) -> bool:
 def _give_up(exc: BaseException, device: int, ws) -> None:
     """Graphs off for the process after a failed capture, every workspace's dropped."""
     _disabled.append(f"{type(exc).__name__}: {exc}")
-    for ws in [ws, *symm._workspaces.values()]:
-        ws.graphs.clear()
-        ws.graphs_seen.clear()
+    for each in [ws, *symm._workspaces.values()]:
+        each.graphs.clear()
+        each.graphs_seen.clear()
     if _still_capturing(device):
         raise RuntimeError(f"commfuse: capturing a copy-engine all-reduce in a CUDA graph failed and left "
                            f"a stream capturing ({_disabled[0]}); this process's CUDA state is not usable") from exc
