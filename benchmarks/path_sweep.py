@@ -40,8 +40,6 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  # the last chunk pulled and summed by the one-shot kernel on the SMs
                  **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
                                              "COMMFUSE_CE_TAIL": "one_shot"} for c in (4, 8)},
-                 # the last chunk cut in two, the one-shot tail taking the second half
-                 "ce_tail_half": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_TAIL": "half"},
                  # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
                  "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.

@@ -235,21 +235,16 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     The host's work is what a model step waits for here (``NOTES.md`` §30-31): every chunk's
     views come from one ``split`` per tensor, and the barriers from one kept launch. ``tail``
     ``one_shot`` (``dispatch.ce_tail()``): the last chunk is pulled and summed by the one-shot
-    kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers;
-    ``half``: the same, the last chunk cut in two first (the one-shot takes the second half).
+    kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers.
     ``epoch`` None: the kernels read it from the workspace's epoch cell, and the call may be
     captured in a CUDA graph (``ce_graphs.py``; ``side``: the capture's side stream)."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
-    if tail == "half" and m > rows:  # the last chunk in two: the one-shot's tail is half a chunk
-        full = (m - 1) // rows
-        last = m - full * rows
-        rows = [rows] * full + ([last - last // 2, last // 2] if last > 1 else [last])
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
     bias_rows = _row_chunks(bias, rows, len(a_rows))
     # the one-shot's flag slots follow the chunks' barriers: where they do not fit (hundreds of
     # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
-    one_shot_tail = (len(a_rows) > 1 and tail in ("one_shot", "half")
+    one_shot_tail = (len(a_rows) > 1 and tail == "one_shot"
                      and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
     side = side or _side_stream(a.device)
     main = torch.cuda.current_stream(a.device)
@@ -276,9 +271,8 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     main.wait_stream(side)
 
 
-def _row_chunks(bias, rows: int | list[int], count: int) -> list:
-    """``_rows`` of each ``rows``-row chunk of the output (or chunks of these sizes), ``count``
-    chunks (one ``split``)."""
+def _row_chunks(bias, rows: int, count: int) -> list:
+    """``_rows`` of each ``rows``-row chunk of the output, ``count`` chunks (one ``split``)."""
     return list(bias.split(rows)) if _per_row(bias) else [bias] * count
 
 

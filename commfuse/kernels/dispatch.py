@@ -494,9 +494,7 @@ def copy_engine_chunks(m: int) -> int:
 #: per call and set alike on every rank (the ranks must run the same kernels). ``one_shot`` timed
 #: faster on every shape tried (2xH200, 8192x7168x4096 8 chunks 693 -> 686 µs, 4096x7168x4096 4
 #: chunks 363 -> 356, 8192x2048x4096 4 chunks 399 -> 366; ``explore/paths_stagger_tail_7d8a496``).
-#: ``half``: the last chunk cut in two, the one-shot taking the second half (a shorter tail after
-#: the last GEMM, for one more chunk's barrier and a half-size GEMM).
-CE_TAILS = ("copy", "one_shot", "half")
+CE_TAILS = ("copy", "one_shot")
 CE_TAIL = "one_shot"
 
 
