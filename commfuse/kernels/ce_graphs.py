@@ -113,7 +113,7 @@ def _capture(body, device: int):
         if failure is not None:
             raise failure
 
-    symm.on_helper_thread(torch.device("cuda", device), capture)
+    symm.outside_graph_pools(torch.device("cuda", device), capture)
     return graph
 
 

@@ -331,19 +331,15 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         ws = _workspaces.get(key)
         if ws is not None and ws.data_bytes >= data_bytes:
             return ws
-        _outside_graph_pools(device, _allocate, key, data_bytes, device, ws)
+        outside_graph_pools(device, _allocate, key, data_bytes, device, ws)
         return _workspaces[key]
 
 
-def on_helper_thread(device: torch.device, fn, *args) -> None:
-    """``fn(*args)`` on a helper thread (see ``_outside_graph_pools``), its exception re-raised here."""
-    _outside_graph_pools(device, fn, *args)
-
-
-def _outside_graph_pools(device: torch.device, fn, *args) -> None:
+def outside_graph_pools(device: torch.device, fn, *args) -> None:
     """Run ``fn`` on a helper thread. A CUDA-graph warm-up (Inductor's ``reduce-overhead``) sends
     every allocation of *its* thread to the graph's private pool, which later captures reuse: the
-    allocation's temporaries (and anything a provider allocates) must not land there."""
+    allocation's temporaries (and anything a provider allocates) must not land there. An exception
+    of ``fn`` is raised again on the caller's thread."""
     failure: list[BaseException] = []
 
     def target():

@@ -263,9 +263,10 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
     """The copy-engine all-reduce in its CUDA-graph form (``ce_graphs.py``): the epoch read from
     each rank's epoch cell. Calls 0 and 1 load the local kernels (barriers left out), 2 and 3 the
     device-epoch barrier and one-shot tail, run directly; from call 4 on through ``ce_graphs.run``:
-    eager, captured, then replayed (a graph per parity), each rank's graph on its own stream, the ranks' graphs waiting
-    on each other. Inputs are refilled in place and outputs poisoned in place each call (a graph
-    holds their addresses), so a replay that read stale inputs or left an element unwritten shows."""
+    eager, captured, then replayed (a graph per parity), each rank's graph on its own stream, the
+    ranks' graphs waiting on each other. Inputs are refilled in place and outputs poisoned in place
+    each call (a graph holds their addresses), so a replay that read stale inputs or left an
+    element unwritten shows."""
     from commfuse.kernels import ce_graphs
 
     m, k, n = 4096, 256, 512  # four 1024-row chunks
