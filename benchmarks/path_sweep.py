@@ -39,7 +39,11 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                     for us in ("0", "10", "15", "25", "35", "50")},
                  # the last chunk pulled and summed by the one-shot kernel on the SMs
                  **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
-                                             "COMMFUSE_CE_TAIL": "one_shot"} for c in (4, 8)},
+                                             "COMMFUSE_CE_TAIL": "one_shot"} for c in (2, 4, 8, 16)},
+                 # the adds behind the pulls on one side stream (before the adds had a stream of their own)
+                 **{f"ce_overlap_{c}_tail_one_side": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
+                                                      "COMMFUSE_CE_TAIL": "one_shot", "COMMFUSE_CE_ADDS": "copy"}
+                    for c in (4, 8)},
                  # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
                  "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.

@@ -68,9 +68,10 @@ def key(parity: int, tensors: tuple, setting: tuple) -> tuple:
 
 
 def _capture_streams(device: int) -> tuple:
-    """(the stream a capture begins on, the side stream its copies fork to), made once per device."""
+    """(the stream a capture begins on, the side streams its copies and its adds fork to), made
+    once per device."""
     if device not in _streams:
-        _streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        _streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
     return _streams[device]
 
 
@@ -84,12 +85,12 @@ def _clear_cublas_workspaces() -> None:
 
 
 def _capture(body, device: int):
-    """``body(side)`` captured (not run) into a CUDA graph, on a helper thread, in a memory pool of
+    """``body(sides)`` captured (not run) into a CUDA graph, on a helper thread, in a memory pool of
     its own: a pool shared by every graph was released by PyTorch once the graphs using it were
     all dropped, and a later capture into it failed an internal assertion of the caching allocator
     and left the CUDA generator mid-capture (GPU emulation of 4 ranks after 2). The cause of a
     failure is what raises, not the capture's end that fails after it."""
-    cap, side = _capture_streams(device)
+    cap, *sides = _capture_streams(device)
     graph = torch.cuda.CUDAGraph()
     cap.wait_stream(torch.cuda.current_stream(device))
 
@@ -100,7 +101,7 @@ def _capture(body, device: int):
             _clear_cublas_workspaces()
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                body(side)
+                body(tuple(sides))
             except BaseException as exc:  # noqa: BLE001 - re-raised below, after the capture ends
                 failure = exc
             try:
@@ -146,9 +147,9 @@ def _remember(table: dict, key, value, limit: int) -> None:
 
 
 def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
-    """Run a copy-engine call on GPU ``device`` whose work is ``body(side)`` (kernels reading the
-    epoch from ``ws.epoch_cell``; ``side``: the stream its copies run on, None for the path's
-    own): replay its graph, capture and replay it, or run it eagerly. Returns which it did."""
+    """Run a copy-engine call on GPU ``device`` whose work is ``body(sides)`` (kernels reading the
+    epoch from ``ws.epoch_cell``; ``sides``: the streams its copies and adds run on, None for the
+    path's own): replay its graph, capture and replay it, or run it eagerly. Returns which it did."""
     ws.epoch_cell.fill_(epoch)
     graph = ws.graphs.get(call_key)
     how = "replayed"

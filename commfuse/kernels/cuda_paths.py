@@ -29,6 +29,7 @@ from . import (call_times, ce_graphs, dispatch, exchange, fused_all_gather, fuse
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
+_add_streams: dict[int, torch.cuda.Stream] = {}
 #: Calls per chosen path (``mm_all_reduce:fused``, ...) since import: tests check which path ran.
 PATHS: collections.Counter[str] = collections.Counter()
 
@@ -43,6 +44,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device.index not in _side_streams:
         _side_streams[device.index] = torch.cuda.Stream(device)
     return _side_streams[device.index]
+
+
+def _add_stream(device: torch.device) -> torch.cuda.Stream:
+    """The copy-engine all-reduce's second side stream, for its adds (``dispatch.ce_adds``)."""
+    if device.index not in _add_streams:
+        _add_streams[device.index] = torch.cuda.Stream(device)
+    return _add_streams[device.index]
 
 
 def _matmul_into(a, b, bias, out) -> None:
@@ -106,8 +114,9 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
     tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
+    adds = dispatch.ce_adds() if algo == "ce_overlap" else None
     graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
-    setting = (tail, dispatch.copy_engine_chunks(m)) if graphs else None
+    setting = (tail, dispatch.copy_engine_chunks(m), adds) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -117,11 +126,11 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if m and all(p is not None for p in peers):
                 if graphs:
-                    ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda side: (
-                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, side)),
+                    ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda sides: (
+                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, sides, adds)),
                         a.device.index)
                 else:
-                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail)
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, adds=adds)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -227,17 +236,20 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
 
 
 def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy",
-                            side: torch.cuda.Stream | None = None) -> None:
+                            sides: tuple | None = None, adds: str = "copy") -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
-    GEMM is queued first, then the side stream's work, each chunk's behind its GEMM's event:
+    GEMM is queued first, then the side streams' work, each chunk's behind its GEMM's event:
     the same order on the GPU, and the host switches streams once per call, not per chunk.
     The host's work is what a model step waits for here (``NOTES.md`` §30-31): every chunk's
     views come from one ``split`` per tensor, and the barriers from one kept launch. ``tail``
     ``one_shot`` (``dispatch.ce_tail()``): the last chunk is pulled and summed by the one-shot
     kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers.
-    ``epoch`` None: the kernels read it from the workspace's epoch cell, and the call may be
-    captured in a CUDA graph (``ce_graphs.py``; ``side``: the capture's side stream)."""
+    ``adds`` ``own`` (``dispatch.ce_adds()``): the adds run on a second side stream, each behind
+    its chunk's pull, so the next pull need not wait for an add slowed by the next GEMM; ``copy``:
+    behind the pulls on one stream. ``epoch`` None: the kernels read it from the workspace's epoch
+    cell, and the call may be captured in a CUDA graph (``ce_graphs.py``; ``sides``: the capture's
+    (copies, adds) side streams)."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
@@ -246,7 +258,9 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
     one_shot_tail = (len(a_rows) > 1 and tail == "one_shot"
                      and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
-    side = side or _side_stream(a.device)
+    side, add_side = sides or (_side_stream(a.device), _add_stream(a.device))
+    if adds != "own":
+        add_side = side
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
     done = []
@@ -261,13 +275,23 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     pulls = [(recv[j].split(rows), peers[p].split(rows)) for j, p in enumerate(others)]
     # the parts of each chunk in rank order: this rank's partial, the others' pulled rows
     ordered = [partial_rows if p == ws.rank else pulls[others.index(p)][0] for p in range(ws.world)]
+    pulled = []
     with torch.cuda.stream(side):
         for i, event in enumerate(done):
             side.wait_event(event)
             exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
             for into, src in pulls:
                 into[i].copy_(src[i], non_blocking=True)
-            _sum_rank_order([part[i] for part in ordered], out_rows[i])
+            if add_side is side:
+                _sum_rank_order([part[i] for part in ordered], out_rows[i])
+            else:
+                pulled.append(side.record_event())
+    if pulled:
+        with torch.cuda.stream(add_side):
+            for i, event in enumerate(pulled):  # (each pull follows its chunk's GEMM event)
+                add_side.wait_event(event)
+                _sum_rank_order([part[i] for part in ordered], out_rows[i])
+        main.wait_stream(add_side)
     main.wait_stream(side)
 
 

@@ -502,6 +502,19 @@ def ce_tail() -> str:
     return _env_choice("COMMFUSE_CE_TAIL", CE_TAILS) or CE_TAIL
 
 
+#: Where the copy-engine overlapped all-reduce sums its chunks: ``own`` (a stream of their own, so
+#: the copy engines go from one chunk's pull to the next without waiting for the add, which shares
+#: the SMs with the next GEMM and ran 29-41 µs beside it against 7 alone, ``explore/trace_9afec9a``)
+#: or ``copy`` (behind each pull on the copies' stream, as before). ``COMMFUSE_CE_ADDS``, read per
+#: call; the ranks may differ (the order of the adds is local).
+CE_ADDS = ("own", "copy")
+CE_ADD = "own"
+
+
+def ce_adds() -> str:
+    return _env_choice("COMMFUSE_CE_ADDS", CE_ADDS) or CE_ADD
+
+
 #: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine
 #: overlap (2 ranks): such GEMM-bound calls lost to the fused kernel's reducer SMs (still ahead
 #: of its inline form, 6e0500b: 8192x7168x4096 705 / 723, 4096x14336x8192 1316 / 1365) and win when

@@ -213,19 +213,23 @@ def _run(ws, streams, run, monkeypatch, warm: bool = False) -> None:
 
 
 def _side_streams(world, monkeypatch):
-    """A side stream per rank: ``cuda_paths._side_stream`` answers the rank whose call runs."""
-    _need_queues(2 * world)
-    sides = [torch.cuda.Stream() for _ in range(world)]
+    """Two side streams per rank (copies, adds): ``cuda_paths._side_stream`` and ``_add_stream``
+    answer the rank whose call runs."""
+    _need_queues(3 * world)
+    sides = [(torch.cuda.Stream(), torch.cuda.Stream()) for _ in range(world)]
     current = {"rank": 0}
-    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[current["rank"]])
+    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[current["rank"]][0])
+    monkeypatch.setattr(cuda_paths, "_add_stream", lambda device: sides[current["rank"]][1])
     return current
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("tail", ["copy", "one_shot"])
-def test_copy_engine_overlap(world, tail, monkeypatch):
+@pytest.mark.parametrize("adds", ["own", "copy"])
+def test_copy_engine_overlap(world, tail, adds, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
-    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order; with the
+    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order (``adds``
+    ``own``: on a second side stream); with the
     ``one_shot`` tail the last chunk by the one-shot kernel. Calls 0 and 1 (without and with a
     bias, barriers left out) and call 2 (its barriers) load the local kernels and the barrier's
     with the copy tail, while no kernel spins; ``tail`` from call 3 on. Every rank returns the
@@ -248,7 +252,7 @@ def test_copy_engine_overlap(world, tail, monkeypatch):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
             cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
-                                               tail if call >= 3 else "copy")
+                                               tail if call >= 3 else "copy", adds=adds)
 
         _run(ws, streams, run, monkeypatch, warm=call < 2)
         for r in range(world if call >= 2 else 0):
@@ -294,15 +298,15 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
 
-            def body(side):
+            def body(sides):  # the adds on a stream of their own (two side streams forked in a capture)
                 cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers,
-                                                   None, "copy" if call < 3 else "one_shot", side)
+                                                   None, "copy" if call < 3 else "one_shot", sides, "own")
 
             if call < 4:
                 ws[r].epoch_cell.fill_(epoch)
                 body(None)
             else:
-                key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4))
+                key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4, "own"))
                 hows.append(ce_graphs.run(ws[r], epoch, key, body, torch.cuda.current_device()))
 
         _run(ws, streams, run, monkeypatch, warm=call < 2)
