@@ -40,10 +40,10 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  # the last chunk pulled and summed by the one-shot kernel on the SMs
                  **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
                                              "COMMFUSE_CE_TAIL": "one_shot"} for c in (2, 4, 8, 16)},
-                 # the adds behind the pulls on one side stream (before the adds had a stream of their own)
-                 **{f"ce_overlap_{c}_tail_one_side": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
-                                                      "COMMFUSE_CE_TAIL": "one_shot", "COMMFUSE_CE_ADDS": "copy"}
-                    for c in (4, 8)},
+                 # the chunks' side work on fewer streams (COMMFUSE_CE_STREAMS: before session 17, 1)
+                 **{f"ce_overlap_{c}_tail_streams{n}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
+                                                        "COMMFUSE_CE_TAIL": "one_shot", "COMMFUSE_CE_STREAMS": str(n)}
+                    for c in (4, 8) for n in (1, 2)},
                  # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
                  "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.

@@ -83,7 +83,7 @@ def sim(request, monkeypatch):
     monkeypatch.setattr(exchange, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(symm, "workspace", lambda *a, **k: ws)
     monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: _Stream())
-    monkeypatch.setattr(cuda_paths, "_add_stream", lambda device: _Stream())
+    monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: (_Stream(), _Stream(), _Stream()))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return bufs
@@ -144,12 +144,13 @@ def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind):
     assert sim.mine.broken is None  # refused before the call's epoch began
 
 
-@pytest.mark.parametrize("adds", ["own", "copy"])
-def test_copy_engine_adds_run_on_a_stream_of_their_own(sim, monkeypatch, adds):
-    """``COMMFUSE_CE_ADDS=own``: each chunk's add is queued on a second side stream behind an
-    event the copies' stream recorded after that chunk's barrier and pull, so the copies' stream
-    holds barriers and pulls only (the next pull never waits for an add); the caller's stream
-    waits for both. ``copy``: each add behind its pull on the copies' stream, no second stream."""
+@pytest.mark.parametrize("streams", ["1", "2", "3"])
+def test_copy_engine_side_work_spreads_over_the_streams_asked_for(sim, monkeypatch, streams):
+    """``COMMFUSE_CE_STREAMS``: 1, each chunk's barrier, pull and add in turn on one side stream;
+    2, each add on a second stream behind an event the pulls' stream recorded after that chunk's
+    pull; 3, the barriers on a third too, each pull behind an event recorded after its barrier,
+    so the pulls' stream holds event waits and pulls only. The caller's stream waits for every
+    stream used, the pulls' last."""
     log, current = [], ["main"]
 
     class Recorded:
@@ -166,7 +167,8 @@ def test_copy_engine_adds_run_on_a_stream_of_their_own(sim, monkeypatch, adds):
         def wait_event(self, event):
             log.append((self.name, "wait_event", event))
 
-    streams = {name: Recorded(name) for name in ("main", "copies", "adds")}
+    names = ("main", "pulls", "adds", "barriers")
+    rec = {name: Recorded(name) for name in names}
 
     @contextlib.contextmanager
     def on(stream):
@@ -176,15 +178,14 @@ def test_copy_engine_adds_run_on_a_stream_of_their_own(sim, monkeypatch, adds):
         finally:
             current[0] = before
 
-    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: streams["copies"])
-    monkeypatch.setattr(cuda_paths, "_add_stream", lambda device: streams["adds"])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[current[0]])
+    monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: (rec["pulls"], rec["adds"], rec["barriers"]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec[current[0]])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(exchange, "barrier", lambda *a, **k: log.append((current[0], "barrier")))
     real_sum = cuda_paths._sum_rank_order
     monkeypatch.setattr(cuda_paths, "_sum_rank_order", lambda parts, out: (
         log.append((current[0], "add")), real_sum(parts, out)))
-    for name, value in (("ALGO", "ce_overlap"), ("CE_CHUNKS", "3"), ("CE_TAIL", "copy"), ("CE_ADDS", adds),
+    for name, value in (("ALGO", "ce_overlap"), ("CE_CHUNKS", "3"), ("CE_TAIL", "copy"), ("CE_STREAMS", streams),
                         ("CE_GRAPHS", "0")):
         monkeypatch.setenv(f"COMMFUSE_{name}", value)
     a, b, bias = _inputs(sim.world, 10, 6, 7, "2d")
@@ -193,15 +194,22 @@ def test_copy_engine_adds_run_on_a_stream_of_their_own(sim, monkeypatch, adds):
         sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
     out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    on_copies = [e[1:] for e in log if e[0] == "copies"]
-    on_adds = [e[1:] for e in log if e[0] == "adds"]
-    if adds == "own":
-        assert on_copies == [("wait_stream", "main")] + [("wait_event", "main"), ("barrier",), ("record",)] * 3
-        assert on_adds == [("wait_event", "copies"), ("add",)] * 3
-        assert log[-2:] == [("main", "wait_stream", "adds"), ("main", "wait_stream", "copies")]
+    on = {name: [e[1:] for e in log if e[0] == name] for name in names}
+    assert on["main"][:3] == [("record",)] * 3  # the three chunks' GEMM events, first
+    joins = on["main"][3:]
+    if streams == "1":
+        assert on["pulls"] == [("wait_stream", "main")] + [("wait_event", "main"), ("barrier",), ("add",)] * 3
+        assert on["adds"] == on["barriers"] == [] and joins == [("wait_stream", "pulls")]
+    elif streams == "2":
+        assert on["pulls"] == [("wait_stream", "main")] + [("wait_event", "main"), ("barrier",), ("record",)] * 3
+        assert on["adds"] == [("wait_event", "pulls"), ("add",)] * 3 and on["barriers"] == []
+        assert joins == [("wait_stream", "adds"), ("wait_stream", "pulls")]
     else:
-        assert on_copies == [("wait_stream", "main")] + [("wait_event", "main"), ("barrier",), ("add",)] * 3
-        assert on_adds == [] and log[-1] == ("main", "wait_stream", "copies")
+        assert on["barriers"] == [("wait_event", "main"), ("barrier",), ("record",)] * 3
+        assert on["pulls"] == [("wait_stream", "main")] + [("wait_event", "barriers"), ("record",)] * 3
+        assert on["adds"] == [("wait_event", "pulls"), ("add",)] * 3
+        assert sorted(joins[:2]) == [("wait_stream", "adds"), ("wait_stream", "barriers")]
+        assert joins[2:] == [("wait_stream", "pulls")]
 
 
 def test_a_workspace_keeps_a_bounded_number_of_launches(sim, monkeypatch):

@@ -68,10 +68,10 @@ def key(parity: int, tensors: tuple, setting: tuple) -> tuple:
 
 
 def _capture_streams(device: int) -> tuple:
-    """(the stream a capture begins on, the side streams its copies and its adds fork to), made
-    once per device."""
+    """(the stream a capture begins on, the side streams its pulls, adds and barriers fork to),
+    made once per device."""
     if device not in _streams:
-        _streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
+        _streams[device] = tuple(torch.cuda.Stream(device) for _ in range(4))
     return _streams[device]
 
 
@@ -148,7 +148,7 @@ def _remember(table: dict, key, value, limit: int) -> None:
 
 def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
     """Run a copy-engine call on GPU ``device`` whose work is ``body(sides)`` (kernels reading the
-    epoch from ``ws.epoch_cell``; ``sides``: the streams its copies and adds run on, None for the
+    epoch from ``ws.epoch_cell``; ``sides``: the streams its pulls, adds and barriers run on, None for the
     path's own): replay its graph, capture and replay it, or run it eagerly. Returns which it did."""
     ws.epoch_cell.fill_(epoch)
     graph = ws.graphs.get(call_key)

@@ -29,7 +29,7 @@ from . import (call_times, ce_graphs, dispatch, exchange, fused_all_gather, fuse
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
-_add_streams: dict[int, torch.cuda.Stream] = {}
+_ce_side_streams: dict[int, tuple] = {}
 #: Calls per chosen path (``mm_all_reduce:fused``, ...) since import: tests check which path ran.
 PATHS: collections.Counter[str] = collections.Counter()
 
@@ -46,11 +46,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device.index]
 
 
-def _add_stream(device: torch.device) -> torch.cuda.Stream:
-    """The copy-engine all-reduce's second side stream, for its adds (``dispatch.ce_adds``)."""
-    if device.index not in _add_streams:
-        _add_streams[device.index] = torch.cuda.Stream(device)
-    return _add_streams[device.index]
+def _ce_streams(device: torch.device) -> tuple:
+    """The copy-engine all-reduce's side streams: (pulls, adds, barriers) (``dispatch.ce_streams``)."""
+    if device.index not in _ce_side_streams:
+        _ce_side_streams[device.index] = tuple(torch.cuda.Stream(device) for _ in range(3))
+    return _ce_side_streams[device.index]
 
 
 def _matmul_into(a, b, bias, out) -> None:
@@ -114,9 +114,9 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
     recv = torch.empty((ws.world - 1, m, n), dtype=a.dtype, device=a.device) if algo == "ce_overlap" else None
     tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
-    adds = dispatch.ce_adds() if algo == "ce_overlap" else None
+    streams = dispatch.ce_streams() if algo == "ce_overlap" else None
     graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
-    setting = (tail, dispatch.copy_engine_chunks(m), adds) if graphs else None
+    setting = (tail, dispatch.copy_engine_chunks(m), streams) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -127,10 +127,10 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             if m and all(p is not None for p in peers):
                 if graphs:
                     ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda sides: (
-                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, sides, adds)),
+                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, sides, streams)),
                         a.device.index)
                 else:
-                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, adds=adds)
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, streams=streams)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -236,7 +236,7 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
 
 
 def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy",
-                            sides: tuple | None = None, adds: str = "copy") -> None:
+                            sides: tuple | None = None, streams: int = 1) -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side streams' work, each chunk's behind its GEMM's event:
@@ -245,11 +245,12 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     views come from one ``split`` per tensor, and the barriers from one kept launch. ``tail``
     ``one_shot`` (``dispatch.ce_tail()``): the last chunk is pulled and summed by the one-shot
     kernel on the caller's stream right after its GEMM, in flag slots after the chunks' barriers.
-    ``adds`` ``own`` (``dispatch.ce_adds()``): the adds run on a second side stream, each behind
-    its chunk's pull, so the next pull need not wait for an add slowed by the next GEMM; ``copy``:
-    behind the pulls on one stream. ``epoch`` None: the kernels read it from the workspace's epoch
-    cell, and the call may be captured in a CUDA graph (``ce_graphs.py``; ``sides``: the capture's
-    (copies, adds) side streams)."""
+    ``streams`` (``dispatch.ce_streams()``): 1, each chunk's barrier, pull and add in turn on one
+    side stream; 2, the adds on a second, each behind an event recorded after its pull; 3, the
+    barriers on a third too, each pull behind an event recorded after its barrier, so the pulls
+    run back to back while later barriers wait. ``epoch`` None: the kernels read it from the
+    workspace's epoch cell, and the call may be captured in a CUDA graph (``ce_graphs.py``;
+    ``sides``: the capture's (pulls, adds, barriers) side streams)."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
@@ -258,9 +259,9 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
     one_shot_tail = (len(a_rows) > 1 and tail == "one_shot"
                      and (len(a_rows) + exchange.MAX_PROGRAMS) * ws.world <= ws.flags.numel())
-    side, add_side = sides or (_side_stream(a.device), _add_stream(a.device))
-    if adds != "own":
-        add_side = side
+    side, adder, syncer = sides or _ce_streams(a.device)
+    adder = adder if streams >= 2 else side
+    syncer = syncer if streams >= 3 else side
     main = torch.cuda.current_stream(a.device)
     side.wait_stream(main)  # out and recv were allocated on main (the events below also order them)
     done = []
@@ -275,23 +276,31 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     pulls = [(recv[j].split(rows), peers[p].split(rows)) for j, p in enumerate(others)]
     # the parts of each chunk in rank order: this rank's partial, the others' pulled rows
     ordered = [partial_rows if p == ws.rank else pulls[others.index(p)][0] for p in range(ws.world)]
-    pulled = []
+    ready, pulled = list(done), []
+    if syncer is not side:
+        with torch.cuda.stream(syncer):
+            for i, event in enumerate(done):
+                syncer.wait_event(event)
+                exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
+                ready[i] = syncer.record_event()
     with torch.cuda.stream(side):
-        for i, event in enumerate(done):
+        for i, event in enumerate(ready):
             side.wait_event(event)
-            exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)  # every rank's chunk i is ready
+            if syncer is side:
+                exchange.barrier(ws, epoch, OP_MM_ALL_REDUCE, slot=i)
             for into, src in pulls:
                 into[i].copy_(src[i], non_blocking=True)
-            if add_side is side:
+            if adder is side:
                 _sum_rank_order([part[i] for part in ordered], out_rows[i])
             else:
                 pulled.append(side.record_event())
     if pulled:
-        with torch.cuda.stream(add_side):
+        with torch.cuda.stream(adder):
             for i, event in enumerate(pulled):  # (each pull follows its chunk's GEMM event)
-                add_side.wait_event(event)
+                adder.wait_event(event)
                 _sum_rank_order([part[i] for part in ordered], out_rows[i])
-        main.wait_stream(add_side)
+    for stream in {adder, syncer} - {side}:
+        main.wait_stream(stream)
     main.wait_stream(side)
 
 

@@ -502,17 +502,20 @@ def ce_tail() -> str:
     return _env_choice("COMMFUSE_CE_TAIL", CE_TAILS) or CE_TAIL
 
 
-#: Where the copy-engine overlapped all-reduce sums its chunks: ``own`` (a stream of their own, so
-#: the copy engines go from one chunk's pull to the next without waiting for the add, which shares
-#: the SMs with the next GEMM and ran 29-41 µs beside it against 7 alone, ``explore/trace_9afec9a``)
-#: or ``copy`` (behind each pull on the copies' stream, as before). ``COMMFUSE_CE_ADDS``, read per
-#: call; the ranks may differ (the order of the adds is local).
-CE_ADDS = ("own", "copy")
-CE_ADD = "own"
+#: How many side streams the copy-engine overlapped all-reduce spreads each chunk's work over:
+#: ``1``: the barrier, the pull and the add of each chunk in turn on one stream (before session
+#: 17); ``2``: the adds on a stream of their own, so a pull need not wait for the add before it,
+#: which shares the SMs with the next GEMM (29-41 µs beside it against 7 alone,
+#: ``explore/trace_9afec9a``); ``3``: the barriers on a third, each pull waiting on an event its
+#: barrier recorded, so the copy engines go from pull to pull (2xH200, ``explore/ce_rate_d2c7c0f``:
+#: 8 pulls of 8 MB beside the chunked GEMM 251 µs back to back, 360 with a barrier before each).
+#: ``COMMFUSE_CE_STREAMS``, read per call; the ranks may differ (the protocol is the same).
+CE_STREAMS = ("1", "2", "3")
+CE_STREAM_COUNT = 3
 
 
-def ce_adds() -> str:
-    return _env_choice("COMMFUSE_CE_ADDS", CE_ADDS) or CE_ADD
+def ce_streams() -> int:
+    return int(_env_choice("COMMFUSE_CE_STREAMS", CE_STREAMS) or CE_STREAM_COUNT)
 
 
 #: From this many rows an all-reduce whose K is at least ``ce_min_k()`` takes the copy-engine

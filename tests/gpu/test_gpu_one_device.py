@@ -212,32 +212,34 @@ def _run(ws, streams, run, monkeypatch, warm: bool = False) -> None:
     torch.cuda.synchronize()
 
 
-def _side_streams(world, monkeypatch):
-    """Two side streams per rank (copies, adds): ``cuda_paths._side_stream`` and ``_add_stream``
-    answer the rank whose call runs."""
-    _need_queues(3 * world)
-    sides = [(torch.cuda.Stream(), torch.cuda.Stream()) for _ in range(world)]
+def _side_streams(world, monkeypatch, used: int = 1):
+    """Side streams per rank: ``cuda_paths._side_stream`` (the gather and scatter overlaps) and
+    ``_ce_streams`` (the copy-engine all-reduce's pulls, adds and barriers) answer the rank whose
+    call runs. ``used``: how many of them a call runs work on, each beside its rank's stream (and
+    the process's default stream)."""
+    _need_queues(world * (1 + used) + 1)
+    sides = [tuple(torch.cuda.Stream() for _ in range(3)) for _ in range(world)]
     current = {"rank": 0}
     monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[current["rank"]][0])
-    monkeypatch.setattr(cuda_paths, "_add_stream", lambda device: sides[current["rank"]][1])
+    monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: sides[current["rank"]])
     return current
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("tail", ["copy", "one_shot"])
-@pytest.mark.parametrize("adds", ["own", "copy"])
-def test_copy_engine_overlap(world, tail, adds, monkeypatch):
+@pytest.mark.parametrize("streams", [1, 2, 3])
+def test_copy_engine_overlap(world, tail, streams, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
-    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order (``adds``
-    ``own``: on a second side stream); with the
+    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order, the side
+    work over ``streams`` side streams (``dispatch.ce_streams``); with the
     ``one_shot`` tail the last chunk by the one-shot kernel. Calls 0 and 1 (without and with a
     bias, barriers left out) and call 2 (its barriers) load the local kernels and the barrier's
     with the copy tail, while no kernel spins; ``tail`` from call 3 on. Every rank returns the
     same tensor."""
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     ws = _group(world, m * n * DT.itemsize)
-    current = _side_streams(world, monkeypatch)
-    streams = _streams(world)
+    current = _side_streams(world, monkeypatch, streams)
+    rank_streams = _streams(world)
     direct = launch.BOUND_DIRECT
     one_shots = []
     real = exchange.all_reduce
@@ -245,16 +247,16 @@ def test_copy_engine_overlap(world, tail, adds, monkeypatch):
     for call in range(5):
         a, b, c, ref = _operands(world, m, k, n, bias=call % 2 == 1, call=call)
         outs, recvs = _poisoned(world, m, n), _poisoned(world, world - 1, m, n)
-        for s in streams:
+        for s in rank_streams:
             s.wait_stream(torch.cuda.current_stream())
 
         def run(r, epoch, parity):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
             cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
-                                               tail if call >= 3 else "copy", adds=adds)
+                                               tail if call >= 3 else "copy", streams=streams)
 
-        _run(ws, streams, run, monkeypatch, warm=call < 2)
+        _run(ws, rank_streams, run, monkeypatch, warm=call < 2)
         for r in range(world if call >= 2 else 0):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
             assert torch.equal(outs[r], outs[0]), (call, r)
@@ -277,12 +279,12 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
     # rank) timed out at 8 ranks (rank 2 waiting 20 s for rank 7, one_device_adds_89be2c0.log),
     # most likely the queue sharing of NOTES.md §32: the graphs' branches share the device's
     # hardware queues, so one rank's spinning barrier can hold another rank's back, which a
-    # process per GPU never does (nothing a rank waits for sits behind its own adds). 8 ranks keep the adds behind
-    # the pulls (two branches, as before); 2 and 4 give the adds their own stream.
-    adds = "own" if world <= 4 else "copy"
+    # process per GPU never does (nothing a rank waits for sits behind its own adds). 8 ranks keep
+    # one side stream (two branches, which passed before); 2 and 4 ranks use three.
+    side_streams = 3 if world <= 4 else 1
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     ws = _group(world, m * n * DT.itemsize)
-    current = _side_streams(world, monkeypatch)
+    current = _side_streams(world, monkeypatch, side_streams)
     streams = _streams(world)
     a = [torch.empty(m, k, device="cuda", dtype=DT) for _ in range(world)]
     b = [torch.empty(n, k, device="cuda", dtype=DT).t() for _ in range(world)]
@@ -305,15 +307,15 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
 
-            def body(sides):  # the adds on a stream of their own (two side streams forked in a capture)
+            def body(sides):  # the side work forked to ``side_streams`` streams in a capture
                 cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers,
-                                                   None, "copy" if call < 3 else "one_shot", sides, adds)
+                                                   None, "copy" if call < 3 else "one_shot", sides, side_streams)
 
             if call < 4:
                 ws[r].epoch_cell.fill_(epoch)
                 body(None)
             else:
-                key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4, adds))
+                key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4, side_streams))
                 hows.append(ce_graphs.run(ws[r], epoch, key, body, torch.cuda.current_device()))
 
         _run(ws, streams, run, monkeypatch, warm=call < 2)
