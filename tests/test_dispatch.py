@@ -32,7 +32,9 @@ def test_mm_all_reduce_choice(world, monkeypatch):
     assert dispatch.mm_all_reduce(2048, 1024, 2048, BF16, world) == ("one_shot" if world == 2 else "two_shot")
     # many rows and a small K: the exchange is large against the GEMM, the fused kernel hides it
     assert dispatch.mm_all_reduce(4096, 2048, 4096, BF16, world) == "fused"
-    assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == "fused"
+    assert dispatch.mm_all_reduce(8192, 2048, 4096, BF16, world) == "fused"
+    # from 8192 rows and K = 4096 the copy engines at 2 ranks (their barriers off the pulls' stream)
+    assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, world) == ("ce_overlap" if world == 2 else "fused")
     # GEMM-bound (K >= 7168, M >= 4096): at 2 ranks the copy engines move the partials, no SMs
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, world) == ("ce_overlap" if world == 2 else "fused")
     # K larger than M: the GEMM dominates and the reducers' SMs cost more than the exchange they hide
@@ -530,7 +532,8 @@ def test_scatter_chunks_fit_the_flag_area(world, monkeypatch):
 
 def test_gemm_bound_all_reduces_take_the_copy_engines(monkeypatch):
     """Large-M, large-K all-reduces on 2 ranks take the copy-engine overlap (no SMs taken from
-    the GEMM), from K = 7168 by default; ``COMMFUSE_CE_MIN_K`` moves the bound, 0 turns it off;
+    the GEMM), from K = 7168 by default (4096 from 8192 rows); ``COMMFUSE_CE_MIN_K`` moves the
+    bound, 0 turns it off;
     never at other world sizes (untimed)."""
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     monkeypatch.setenv("COMMFUSE_CE_MIN_K", "0")
@@ -538,10 +541,15 @@ def test_gemm_bound_all_reduces_take_the_copy_engines(monkeypatch):
     monkeypatch.setenv("COMMFUSE_CE_MIN_K", "8192")
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "fused"
     assert dispatch.mm_all_reduce(4096, 14336, 8192, BF16, 2) == "ce_overlap"
+    assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, 2) == "fused"  # the setting holds at 8192 rows too
     monkeypatch.delenv("COMMFUSE_CE_MIN_K")
     assert dispatch.ce_min_k() == dispatch.CE_MIN_K == 7168
+    assert dispatch.ce_min_k(8192) == dispatch.CE_WIDE_MIN_K == 4096
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 2) == "ce_overlap"
     assert dispatch.mm_all_reduce(4096, 14336, 8192, BF16, 2) == "ce_overlap"
+    assert dispatch.mm_all_reduce(8192, 4096, 8192, BF16, 2) == "ce_overlap"  # from 8192 rows, K >= 4096
+    assert dispatch.mm_all_reduce(8192, 3072, 4096, BF16, 2) == "fused"
+    assert dispatch.mm_all_reduce(4096, 4096, 8192, BF16, 2) == "fused"  # 4096 rows: from K = 7168 only
     assert dispatch.mm_all_reduce(8192, 2048, 4096, BF16, 2) == "fused"  # comm-bound: the fused kernel
     assert dispatch.mm_all_reduce(2048, 14336, 8192, BF16, 2) == "fused"  # too few rows: the SM kernel
     assert dispatch.mm_all_reduce(8192, 7168, 4096, BF16, 4) == "fused"  # untimed at 4 ranks

@@ -437,7 +437,7 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
         return "nccl"
     if nbytes <= lane_bytes:  # replays use the lane; a rank re-warming its graphs must meet them
         return "graph"
-    if world == 2 and m >= CE_MIN_M and 0 < ce_min_k() <= k:
+    if world == 2 and m >= CE_MIN_M and 0 < ce_min_k(m) <= k:
         return "ce_overlap"
     if fused_by_default(m, k, n, dtype, world):
         return "fused"
@@ -527,11 +527,14 @@ def ce_streams() -> int:
 CE_MIN_M = 4096
 
 
-def ce_min_k() -> int:
-    """``COMMFUSE_CE_MIN_K``: the K from which ``CE_MIN_M``-row all-reduces take the copy-engine
-    overlap (default ``CE_MIN_K``; 0 turns the rule off)."""
+def ce_min_k(m: int = CE_MIN_M) -> int:
+    """The K from which ``m``-row all-reduces (at least ``CE_MIN_M``) take the copy-engine
+    overlap: ``CE_MIN_K``, ``CE_WIDE_MIN_K`` from ``CE_WIDE_M`` rows; ``COMMFUSE_CE_MIN_K`` sets
+    it for every row count (0 turns the rule off)."""
     env = os.environ.get("COMMFUSE_CE_MIN_K")
-    return int(env) if env else CE_MIN_K
+    if env:
+        return int(env)
+    return CE_WIDE_MIN_K if m >= CE_WIDE_M else CE_MIN_K
 
 
 #: Inside the DTensor model (2 layers, 4x2048 tokens, 2xH200, ``model/model_ce_e84201d.json``, ms,
@@ -539,6 +542,14 @@ def ce_min_k() -> int:
 #: copy-engine call's host work was cut (one stream switch per call, peer views kept) the
 #: training step lost (21.99 / 23.76, ``model/model_f24116a.json``) while prefill gained (7.34 / 6.94).
 CE_MIN_K = 7168
+
+#: From this many rows the copy-engine overlap from a smaller K: with its barriers on a stream of
+#: their own (``ce_streams``) it beat the fused kernel at 8192x4096x8192, while at 4096 rows and at
+#: K = 2048 the fused kernel stayed ahead (2xH200, 3 interleaved rounds,
+#: ``explore/paths_streams_c3ed0ea``, µs, fused / copy engines 8 chunks: 8192x4096x8192 869.8 /
+#: 849.4, 4096x4096x8192 444.5 / 449.4, 8192x2048x4096 274.0 / 286.3). 8192x3072x4096 tied (351.7 /
+#: 350.1) and stays fused: it is a model's input gradient, whose in-step times were not compared.
+CE_WIDE_M, CE_WIDE_MIN_K = 8192, 4096
 
 
 #: A GEMM-bound all-gather (large N: each gathered element feeds 2N flops) is still overlapped: the
