@@ -442,7 +442,12 @@ def test_split_k_takes_few_rows_where_its_kernel_can_go(world, monkeypatch):
     for m in (1, 4, 32, 64, dispatch.SPLIT_K_MAX_ROWS):
         assert dispatch.mm_all_reduce(m, 7168, 4096, BF16, world) == "split_k"
     assert dispatch.mm_all_reduce(64, 14336, 8192, BF16, world) == "split_k"
-    assert dispatch.mm_all_reduce(128, 4096, 8192, BF16, world) != "split_k"  # a larger output
+    assert dispatch.mm_all_reduce(64, 4096, 16384, BF16, world) != "split_k"  # a larger output
+    assert dispatch.mm_all_reduce(128, 2048, 8192, BF16, world) != "split_k"
+    # 65-128 rows from K = 4096: the 128 x 64 blocks take outputs up to 2^20 too
+    assert dispatch.mm_all_reduce(128, 4096, 8192, BF16, world) == "split_k"
+    assert dispatch.mm_all_reduce(128, 14336, 8192, BF16, world) == "split_k"
+    assert dispatch.mm_all_reduce(128, 4096, 16384, BF16, world) != "split_k"
     assert dispatch.mm_all_reduce(dispatch.SPLIT_K_MAX_ROWS + 1, 2048, 1024, BF16, world) != "split_k"
     assert dispatch.mm_all_reduce(4, 7168, 4096, torch.float32, world) != "split_k"
     monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
@@ -458,18 +463,24 @@ def test_split_k_config_fills_one_wave_of_programs():
     sums and the fp32 slices, and the graph pass plans what the dispatch will use."""
     from commfuse.kernels import fused_split_k
 
-    for m, bm, bn in ((1, 16, 128), (16, 16, 128), (17, 32, 128), (33, 64, 64), (128, 64, 64),
-                      (129, 128, 128), (256, 128, 128)):
+    for m, bm, bn in ((1, 16, 128), (16, 16, 128), (17, 32, 128), (33, 64, 64), (64, 64, 64), (65, 128, 64),
+                      (128, 128, 64), (129, 128, 128), (256, 128, 128)):
         assert (fused_split_k.config(m, 4096, 4096, 132).tile.bm, fused_split_k.config(m, 4096, 4096, 132).tile.bn) == (bm, bn)
-    assert fused_split_k.config(128, 7168, 4096, 132).split == 1  # 128 tiles of 64 x 64 already
+    assert (fused_split_k.config(128, 2048, 4096, 132).tile.bm, fused_split_k.config(128, 2048, 4096, 132).tile.bn) == (64, 64)
+    assert fused_split_k.config(128, 2048, 4096, 132).split == 1  # 128 tiles of 64 x 64 already
+    assert fused_split_k.config(128, 7168, 4096, 132).split == 2  # 64 tiles of 128 x 64
+    assert fused_split_k.config(128, 4096, 8192, 132).split == 1  # 128 tiles of 128 x 64
+    narrow = fused_split_k.config(16, 4096, 8192, 132)  # 16 rows, 8192 columns: 128 blocks, 64 wide
+    assert (narrow.tile.bm, narrow.tile.bn, narrow.tile.bk, narrow.split) == (16, 64, 256, 1)
     cfg = fused_split_k.config(16, 7168, 4096, 132)  # 32 tiles of 128 columns
     assert cfg.split == 4 and 32 * cfg.split <= 132 < 32 * cfg.split * 2
     assert fused_split_k.config(16, 256, 4096, 132).split == 1  # 2 K steps: one slice
     assert fused_split_k.config(16, 512, 4096, 132).split == 2  # 4 steps: two slices of 2
     assert fused_split_k.config(16, 1024, 4096, 132).split == 4  # 8 steps, 128 units
     assert fused_split_k.config(16, 7168, 4096, 132, split=8).split == 8  # forced
-    assert fused_split_k.config(16, 14336, 8192, 132).split == 2  # 64 tiles
-    assert fused_split_k.config(16, 14336, 8192, 66).split == 1  # half the SMs
+    assert fused_split_k.config(16, 14336, 8192, 132).split == 1  # 128 tiles of 16 x 64
+    assert fused_split_k.config(16, 14336, 8192, 264).split == 2  # twice the SMs
+    assert fused_split_k.config(32, 14336, 8192, 132).split == 2  # 64 tiles of 32 x 128
     cfg = fused_split_k.config(16, 7168, 4096, 132)
     block = cfg.tile.bm * cfg.tile.bn
     for world in (2, 4, 8):

@@ -71,6 +71,10 @@ FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MORE_THAN = 1024, 16384, 1 << 22
 #: 128x14336x8192 84.2 / 78.7, 256x7168x4096 45.9 / 45.4, 256x4096x8192 52.8 / 49.9): its one
 #: wave of tiles ends together, so the exchange of a larger output is no longer pure latency.
 SPLIT_K_MAX_ROWS, SPLIT_K_MAX_ELEMS = 128, 1 << 19
+#: With 65-128 rows and K from ``fused_split_k.NARROW_MIN_K`` its 128 x 64 blocks beat one-shot on
+#: outputs up to this size too (``explore/split_k_sweep3_128``, µs, split-K / one-shot:
+#: 128x4096x8192 35.5 / 40.1, 128x14336x8192 76.8 / 79.7).
+SPLIT_K_NARROW_MAX_ELEMS = 1 << 20
 
 
 def _tile_config_override():
@@ -243,7 +247,10 @@ def split_k_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int) 
 
 def split_k_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
     """Whether a call of this shape takes the split-K kernel (eagerly, or in the graph lane)."""
-    return (m <= SPLIT_K_MAX_ROWS and m * n <= SPLIT_K_MAX_ELEMS
+    from . import fused_split_k
+
+    narrow = 64 < m and k >= fused_split_k.NARROW_MIN_K
+    return (m <= SPLIT_K_MAX_ROWS and m * n <= (SPLIT_K_NARROW_MAX_ELEMS if narrow else SPLIT_K_MAX_ELEMS)
             and split_k_unsupported(m, k, n, dtype, world) is None)
 
 

@@ -151,19 +151,34 @@ class SplitConfig:
 MAX_ROWS = 256
 
 
+#: From this many output columns (with up to 16 rows) and this K (with 65-128 rows) the blocks are
+#: 64 columns wide: 128 of them fill the SMs without K slices, so no fp32 slice is stored and summed
+#: (2xH200, ``explore/split_k_sweep3_*``, µs, narrow blocks / before: 16x4096x8192 16x64x256 26.7 /
+#: 28.2; 128x4096x8192 128x64x128 35.5 / one-shot 40.1, 128x14336x8192 76.8 / one-shot 79.7,
+#: 128x7168x4096 (two slices) 33.9 / 35.3; at K = 2048 the 64 x 64 blocks stayed ahead, 17.9 / 19.0).
+NARROW_MIN_N, NARROW_MIN_K = 8192, 4096
+
+
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None) -> SplitConfig:
     """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
-    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``), and enough K slices that the
-    units fill ``programs`` once (one wave: with few rows the tail after the GEMM is latency,
-    which more waves would not hide), each at least two K steps long. Shape and the group's SM
-    count only, so the same on every rank. ``split`` and ``tile`` override (sweeps)."""
+    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); 64 columns deep in K for up to
+    16 rows and ``NARROW_MIN_N`` columns, and 128 x 64 for 65-128 rows from ``NARROW_MIN_K``
+    (``split_k_sweep3``); and enough K slices that the units fill ``programs`` once (one wave:
+    with few rows the tail after the GEMM is latency, which more waves would not hide), each at
+    least two K steps long. Shape and the group's SM count only, so the same on every rank.
+    ``split`` and ``tile`` override (sweeps)."""
     if tile is None:
-        if m <= 32:
+        if m <= 16 and n >= NARROW_MIN_N:
+            tile = tiles.TileConfig(bm=16, bn=64, bk=256, stages=4, warps=4, group_m=1, reducers=0)
+        elif m <= 32:
             tile = tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4,
                                     group_m=1, reducers=0)
-        elif m <= 128:  # 64 x 64 blocks: twice the units of 64 x 128 ones, and they stream faster
+        elif m <= 64 or (m <= 128 and k < NARROW_MIN_K):  # 64 x 64 blocks: twice the units of
+            # 64 x 128 ones, and they stream faster
             tile = tiles.TileConfig(bm=64, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
+        elif m <= 128:  # one row block: the activation is read once per 64 columns
+            tile = tiles.TileConfig(bm=128, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
         else:
             tile = tiles.TileConfig(bm=128, bn=128, bk=64, stages=4, warps=8, group_m=1, reducers=0)
     if split is None:
