@@ -469,7 +469,9 @@ def test_split_k_config_fills_one_wave_of_programs():
     assert (fused_split_k.config(128, 2048, 4096, 132).tile.bm, fused_split_k.config(128, 2048, 4096, 132).tile.bn) == (64, 64)
     assert fused_split_k.config(128, 2048, 4096, 132).split == 1  # 128 tiles of 64 x 64 already
     assert fused_split_k.config(128, 7168, 4096, 132).split == 2  # 64 tiles of 128 x 64
-    assert fused_split_k.config(128, 4096, 8192, 132).split == 1  # 128 tiles of 128 x 64
+    deep = fused_split_k.config(128, 4096, 8192, 132)  # 128 tiles of 128 x 64, 8 stages of 64
+    assert (deep.tile.bk, deep.tile.stages, deep.split) == (64, 8, 1)
+    assert fused_split_k.config(128, 7168, 4096, 132).tile.bk == 128
     narrow = fused_split_k.config(16, 4096, 8192, 132)  # 16 rows, 8192 columns: 128 blocks, 64 wide
     assert (narrow.tile.bm, narrow.tile.bn, narrow.tile.bk, narrow.split) == (16, 64, 256, 1)
     cfg = fused_split_k.config(16, 7168, 4096, 132)  # 32 tiles of 128 columns
