@@ -3,7 +3,7 @@ copy-engine all-reduce: one large copy against chunks back to back, pulls agains
 barrier kernel between chunks (the path's protocol), and chunked cuBLAS GEMMs running beside.
 Timing only (the data moved is not checked). Under torchrun with 2 processes:
 
-    torchrun --nproc_per_node=2 benchmarks/ce_rate.py [--mb 64] [--chunks 8] [--m 8192 --k 2048 --n 4096]
+    torchrun --nproc_per_node=2 benchmarks/ce_rate.py [--chunks 4,8] [--m 8192 --k 2048 --n 4096] [--out F]
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def main() -> int:
     p.add_argument("--chunks", default="4,8")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    chunk_counts = [int(c) for c in args.chunks.split(",")]
+    if any(c < 1 or args.m % c for c in chunk_counts):
+        p.error(f"--m {args.m} must split into each of --chunks {args.chunks}")
     group, rank = sweep_setup()
     dev = torch.device("cuda", torch.cuda.current_device())
     m, k, n = args.m, args.k, args.n
@@ -77,12 +80,12 @@ def main() -> int:
         return fn
 
     run("gemm alone (one GEMM)", lambda: torch.mm(a, b, out=mine), 0)
-    for chunks in (int(c) for c in args.chunks.split(",")):
+    for chunks in chunk_counts:
         rows = m // chunks
         run(f"gemm alone ({chunks} chunks)", lambda: [torch.mm(x, b, out=o) for x, o in zip(a.split(rows), mine.split(rows))], 0)
     run("pull one copy", lambda: landing.copy_(peer_src), nbytes)
     run("push one copy", lambda: peer_dst.copy_(local), nbytes)
-    for chunks in (int(c) for c in args.chunks.split(",")):
+    for chunks in chunk_counts:
         for push in (False, True):
             way = "push" if push else "pull"
             run(f"{way} {chunks} chunks back to back", copies(chunks, push), nbytes)

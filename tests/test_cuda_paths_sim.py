@@ -144,25 +144,30 @@ def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind):
     assert sim.mine.broken is None  # refused before the call's epoch began
 
 
+@pytest.mark.parametrize("tail", ["copy", "one_shot"])
 @pytest.mark.parametrize("streams", ["1", "2", "3"])
-def test_copy_engine_side_work_spreads_over_the_streams_asked_for(sim, monkeypatch, streams):
-    """``COMMFUSE_CE_STREAMS``: 1, each chunk's barrier, pull and add in turn on one side stream;
-    2, each add on a second stream behind an event the pulls' stream recorded after that chunk's
-    pull; 3, the barriers on a third too, each pull behind an event recorded after its barrier,
-    so the pulls' stream holds event waits and pulls only. The caller's stream waits for every
-    stream used, the pulls' last."""
+def test_copy_engine_side_work_spreads_over_the_streams_asked_for(sim, monkeypatch, streams, tail):
+    """``COMMFUSE_CE_STREAMS``: 1, each chunk's barrier, pulls and add in turn on one side stream;
+    2, each add on a second stream behind the event the pulls' stream recorded after that chunk's
+    pulls; 3, the barriers on a third too, each chunk's pulls behind the event recorded after its
+    own barrier, so the pulls' stream holds event waits and pulls only. Events are told apart
+    (stream, count), so a pull or an add that waited on another chunk's event fails; the caller's
+    stream waits for every stream used, the pulls' last. With the one-shot tail the last chunk
+    takes none of this."""
     log, current = [], ["main"]
 
     class Recorded:
         def __init__(self, name):
-            self.name = name
+            self.name, self.events = name, 0
 
         def wait_stream(self, other):
             log.append((self.name, "wait_stream", other.name))
 
         def record_event(self):
-            log.append((self.name, "record"))
-            return self.name
+            event = (self.name, self.events)
+            self.events += 1
+            log.append((self.name, "record", event))
+            return event
 
         def wait_event(self, event):
             log.append((self.name, "wait_event", event))
@@ -178,38 +183,65 @@ def test_copy_engine_side_work_spreads_over_the_streams_asked_for(sim, monkeypat
         finally:
             current[0] = before
 
+    m, n, rows = 10, 7, 4  # 3 chunks of 4, 4 and 2 rows
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        if non_blocking:  # a pull: which chunk of which peer's received rows
+            log.append((current[0], "pull", (self.storage_offset() % (m * n)) // (rows * n)))
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: (rec["pulls"], rec["adds"], rec["barriers"]))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec[current[0]])
     monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(exchange, "barrier", lambda *a, **k: log.append((current[0], "barrier")))
-    real_sum = cuda_paths._sum_rank_order
+    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op_code, slot=0: log.append((current[0], "barrier", slot)))
+    real_sum, real_all_reduce = cuda_paths._sum_rank_order, exchange.all_reduce
     monkeypatch.setattr(cuda_paths, "_sum_rank_order", lambda parts, out: (
-        log.append((current[0], "add")), real_sum(parts, out)))
-    for name, value in (("ALGO", "ce_overlap"), ("CE_CHUNKS", "3"), ("CE_TAIL", "copy"), ("CE_STREAMS", streams),
+        log.append((current[0], "add", out.storage_offset() // (rows * n))), real_sum(parts, out)))
+    monkeypatch.setattr(exchange, "all_reduce", lambda *args, **kw: (
+        log.append((current[0], "one_shot", kw.get("slot_base"))), real_all_reduce(*args, **kw)))
+    for name, value in (("ALGO", "ce_overlap"), ("CE_CHUNKS", "3"), ("CE_TAIL", tail), ("CE_STREAMS", streams),
                         ("CE_GRAPHS", "0")):
         monkeypatch.setenv(f"COMMFUSE_{name}", value)
-    a, b, bias = _inputs(sim.world, 10, 6, 7, "2d")
+    a, b, bias = _inputs(sim.world, m, 6, n, "2d")
     r = sim.mine.rank
     for p in sim.peers():
-        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
+        sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
+    log.clear()
     out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
     on = {name: [e[1:] for e in log if e[0] == name] for name in names}
-    assert on["main"][:3] == [("record",)] * 3  # the three chunks' GEMM events, first
-    joins = on["main"][3:]
+    chunks = 3 if tail == "copy" else 2  # the one-shot takes the last chunk on the caller's stream
+    peers = sim.world - 1
+    gemms = [("record", ("main", i)) for i in range(3)]
+    assert on["main"][:3] == gemms  # every chunk's GEMM event, first
+    rest = on["main"][3:]
+    if tail == "one_shot":
+        assert rest[0] == ("one_shot", 3)  # after the chunks' barrier slots
+        rest = rest[1:]
+
+    def pulls(i):
+        return [("pull", i)] * peers
+
     if streams == "1":
-        assert on["pulls"] == [("wait_stream", "main")] + [("wait_event", "main"), ("barrier",), ("add",)] * 3
-        assert on["adds"] == on["barriers"] == [] and joins == [("wait_stream", "pulls")]
+        assert on["pulls"] == [("wait_stream", "main")] + [
+            x for i in range(chunks) for x in [("wait_event", ("main", i)), ("barrier", i), *pulls(i), ("add", i)]]
+        assert on["adds"] == on["barriers"] == [] and rest == [("wait_stream", "pulls")]
     elif streams == "2":
-        assert on["pulls"] == [("wait_stream", "main")] + [("wait_event", "main"), ("barrier",), ("record",)] * 3
-        assert on["adds"] == [("wait_event", "pulls"), ("add",)] * 3 and on["barriers"] == []
-        assert joins == [("wait_stream", "adds"), ("wait_stream", "pulls")]
+        assert on["pulls"] == [("wait_stream", "main")] + [
+            x for i in range(chunks)
+            for x in [("wait_event", ("main", i)), ("barrier", i), *pulls(i), ("record", ("pulls", i))]]
+        assert on["adds"] == [x for i in range(chunks) for x in [("wait_event", ("pulls", i)), ("add", i)]]
+        assert on["barriers"] == [] and rest == [("wait_stream", "adds"), ("wait_stream", "pulls")]
     else:
-        assert on["barriers"] == [("wait_event", "main"), ("barrier",), ("record",)] * 3
-        assert on["pulls"] == [("wait_stream", "main")] + [("wait_event", "barriers"), ("record",)] * 3
-        assert on["adds"] == [("wait_event", "pulls"), ("add",)] * 3
-        assert sorted(joins[:2]) == [("wait_stream", "adds"), ("wait_stream", "barriers")]
-        assert joins[2:] == [("wait_stream", "pulls")]
+        assert on["barriers"] == [x for i in range(chunks) for x in [
+            ("wait_event", ("main", i)), ("barrier", i), ("record", ("barriers", i))]]
+        assert on["pulls"] == [("wait_stream", "main")] + [
+            x for i in range(chunks) for x in [("wait_event", ("barriers", i)), *pulls(i), ("record", ("pulls", i))]]
+        assert on["adds"] == [x for i in range(chunks) for x in [("wait_event", ("pulls", i)), ("add", i)]]
+        assert sorted(rest[:2]) == [("wait_stream", "adds"), ("wait_stream", "barriers")]
+        assert rest[2:] == [("wait_stream", "pulls")]
 
 
 def test_a_workspace_keeps_a_bounded_number_of_launches(sim, monkeypatch):

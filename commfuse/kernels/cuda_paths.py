@@ -240,7 +240,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side streams' work, each chunk's behind its GEMM's event:
-    the same order on the GPU, and the host switches streams once per call, not per chunk.
+    the same order on the GPU, and the host switches streams once per side stream, not per chunk.
     The host's work is what a model step waits for here (``NOTES.md`` §30-31): every chunk's
     views come from one ``split`` per tensor, and the barriers from one kept launch. ``tail``
     ``one_shot`` (``dispatch.ce_tail()``): the last chunk is pulled and summed by the one-shot
@@ -250,7 +250,10 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     barriers on a third too, each pull behind an event recorded after its barrier, so the pulls
     run back to back while later barriers wait. ``epoch`` None: the kernels read it from the
     workspace's epoch cell, and the call may be captured in a CUDA graph (``ce_graphs.py``;
-    ``sides``: the capture's (pulls, adds, barriers) side streams)."""
+    ``sides``: the capture's (pulls, adds, barriers) side streams). Consecutive calls on a group
+    must come from one stream (or streams ordered after each other): a call's barriers follow its
+    first GEMM on the caller's stream, which follows the previous call's pulls, and that is what
+    keeps a peer from writing a partial this rank still pulls."""
     m = a.shape[0]
     rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)

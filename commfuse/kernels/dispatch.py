@@ -73,7 +73,8 @@ FUSED_MID_M, FUSED_MID_MAX_K, FUSED_MID_MORE_THAN = 1024, 16384, 1 << 22
 SPLIT_K_MAX_ROWS, SPLIT_K_MAX_ELEMS = 128, 1 << 19
 #: With 65-128 rows and K from ``fused_split_k.NARROW_MIN_K`` its 128 x 64 blocks beat one-shot on
 #: outputs up to this size too (``explore/split_k_sweep3_128``, µs, split-K / one-shot:
-#: 128x4096x8192 35.5 / 40.1, 128x14336x8192 76.8 / 79.7).
+#: 128x4096x8192 35.5 / 40.1, 128x14336x8192 76.8 / 79.7; measured at 128 rows, taken for 65-127
+#: alike: the same blocks, the weight streamed the same way).
 SPLIT_K_NARROW_MAX_ELEMS = 1 << 20
 
 
@@ -556,6 +557,7 @@ CE_MIN_K = 7168
 #: ``explore/paths_streams_c3ed0ea``, µs, fused / copy engines 8 chunks: 8192x4096x8192 869.8 /
 #: 849.4, 4096x4096x8192 444.5 / 449.4, 8192x2048x4096 274.0 / 286.3). 8192x3072x4096 tied (351.7 /
 #: 350.1) and stays fused: it is a model's input gradient, whose in-step times were not compared.
+#: Measured at N = 8192 only; other N from 8192 rows are taken alike.
 CE_WIDE_M, CE_WIDE_MIN_K = 8192, 4096
 
 

@@ -162,9 +162,11 @@ NARROW_MIN_N, NARROW_MIN_K = 8192, 4096
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None) -> SplitConfig:
     """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
-    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); 64 columns deep in K for up to
-    16 rows and ``NARROW_MIN_N`` columns, and 128 x 64 for 65-128 rows from ``NARROW_MIN_K``
-    (``split_k_sweep3``); and enough K slices that the units fill ``programs`` once (one wave:
+    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); 16 x 64 with 256-deep K steps
+    for up to 16 rows and ``NARROW_MIN_N`` columns, and 128 x 64 for 65-128 rows from
+    ``NARROW_MIN_K`` (K steps of 64 in 8 stages from ``NARROW_MIN_N`` columns, else of 128 in 4;
+    ``split_k_sweep3/5``; measured at 16 and 128 rows, taken for the rows between alike); and
+    enough K slices that the units fill ``programs`` once (one wave:
     with few rows the tail after the GEMM is latency, which more waves would not hide), each at
     least two K steps long. Shape and the group's SM count only, so the same on every rank.
     ``split`` and ``tile`` override (sweeps)."""
