@@ -90,11 +90,15 @@ def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, m
 
 
 @pytest.mark.parametrize("key, value", [("COMMFUSE_AG_LOCAL", "copy"), ("COMMFUSE_RS_CHUNKS", "1"),
-                                        ("COMMFUSE_RS_CHUNKS", "4"), ("COMMFUSE_CE_CHUNKS", "3")])
+                                        ("COMMFUSE_RS_CHUNKS", "4"), ("COMMFUSE_CE_CHUNKS", "3"),
+                                        ("COMMFUSE_CE_STREAMS", "1"), ("COMMFUSE_CE_STREAMS", "2"),
+                                        ("COMMFUSE_CE_STREAMS", "by_rank")])
 def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypatch):
     """The copy-engine overlaps' settings (local source of the all-gather, chunks of the
-    reduce-scatter's shares and of the all-reduce) change the schedule, never the result."""
-    monkeypatch.setenv(key, value)
+    reduce-scatter's shares and of the all-reduce, the all-reduce's side streams, which may differ
+    between ranks: ``by_rank`` gives rank 0 three and the others one) change the schedule, never
+    the result."""
+    monkeypatch.setenv(key, value if value != "by_rank" else "3" if dist.get_rank() == 0 else "1")
     dtype, k, n = torch.bfloat16, 1003, 776
     torch.manual_seed(53 + dist.get_rank())
     a = torch.randn(2000, k, device="cuda", dtype=dtype)
@@ -119,7 +123,7 @@ def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypat
         ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
     check_errors()
     assert relerr(out, ref) < 1e-2
-    if key == "COMMFUSE_CE_CHUNKS":  # an all-reduce: every rank holds the same bits
+    if key.startswith("COMMFUSE_CE_"):  # an all-reduce: every rank holds the same bits
         same = out.clone()
         dist.broadcast(same, 0)
         assert torch.equal(same, out)
