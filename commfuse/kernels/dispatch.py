@@ -250,8 +250,8 @@ def split_k_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -
     """Whether a call of this shape takes the split-K kernel (eagerly, or in the graph lane)."""
     from . import fused_split_k
 
-    narrow = 64 < m and k >= fused_split_k.NARROW_MIN_K
-    return (m <= SPLIT_K_MAX_ROWS and m * n <= (SPLIT_K_NARROW_MAX_ELEMS if narrow else SPLIT_K_MAX_ELEMS)
+    wide = fused_split_k.one_row_block(m, k)
+    return (m <= SPLIT_K_MAX_ROWS and m * n <= (SPLIT_K_NARROW_MAX_ELEMS if wide else SPLIT_K_MAX_ELEMS)
             and split_k_unsupported(m, k, n, dtype, world) is None)
 
 

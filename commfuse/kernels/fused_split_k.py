@@ -159,6 +159,12 @@ MAX_ROWS = 256
 NARROW_MIN_N, NARROW_MIN_K = 8192, 4096
 
 
+def one_row_block(m: int, k: int) -> bool:
+    """65-128 rows from ``NARROW_MIN_K``: the 128 x 64 blocks of ``config``, which
+    ``dispatch.split_k_by_default`` also lets take larger outputs."""
+    return 64 < m <= 128 and k >= NARROW_MIN_K
+
+
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None) -> SplitConfig:
     """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
@@ -176,15 +182,14 @@ def config(m: int, k: int, n: int, programs: int, split: int | None = None,
         elif m <= 32:
             tile = tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4,
                                     group_m=1, reducers=0)
-        elif m <= 64 or (m <= 128 and k < NARROW_MIN_K):  # 64 x 64 blocks: twice the units of
-            # 64 x 128 ones, and they stream faster
-            tile = tiles.TileConfig(bm=64, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
-        elif m <= 128:  # one row block: the activation is read once per 64 columns; where 128
-            # such blocks fill the SMs without slices, 8 stages of 64 streamed a little faster
+        elif one_row_block(m, k):  # the activation is read once per 64 columns; where 128 such
+            # blocks fill the SMs without slices, 8 stages of 64 streamed a little faster
             # (``split_k_sweep5_128``: 128x14336x8192 75.9 / 77.8 µs, 128x4096x8192 35.3 / 35.8)
             deep = n >= NARROW_MIN_N
             tile = tiles.TileConfig(bm=128, bn=64, bk=64 if deep else 128, stages=8 if deep else 4, warps=4,
                                     group_m=1, reducers=0)
+        elif m <= 128:  # 64 x 64 blocks: twice the units of 64 x 128 ones, and they stream faster
+            tile = tiles.TileConfig(bm=64, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
         else:
             tile = tiles.TileConfig(bm=128, bn=128, bk=64, stages=4, warps=8, group_m=1, reducers=0)
     if split is None:
