@@ -7,7 +7,7 @@ import os
 # The tests' shapes are small: fuse them even without CUDA graphs (the launch-bound rule has its own
 # tests, which set the bound explicitly). Subprocesses inherit this.
 os.environ.setdefault("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
-# Hardware queues for the one-GPU emulation's streams (tests/gpu/test_gpu_one_device.py: two per
+# Hardware queues for the one-GPU emulation's streams (tests/gpu/test_gpu_one_device.py: up to four per
 # emulated rank, each may spin waiting for another rank). CUDA reads this when the process makes
 # its context, which importing commfuse (Iris, Triton) may already do, so it is set here, first.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
