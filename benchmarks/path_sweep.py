@@ -44,6 +44,10 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  **{f"ce_overlap_{c}_tail_streams{n}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
                                                         "COMMFUSE_CE_TAIL": "one_shot", "COMMFUSE_CE_STREAMS": str(n)}
                     for c in (4, 8) for n in (1, 2)},
+                 # a shorter last chunk (COMMFUSE_CE_LAST_ROWS), so less exchange after the last GEMM
+                 **{f"ce_overlap_{c}_last{r}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
+                                                "COMMFUSE_CE_LAST_ROWS": str(r)}
+                    for c in (4, 8) for r in (128, 256, 512)},
                  # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
                  "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
 #: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.

@@ -5,6 +5,10 @@ against an fp32 reference on fresh data with the output poisoned (bias and a row
 the first shape too).
 
     torchrun --nproc_per_node=2 benchmarks/split_k_sweep.py [--shapes MxKxN,...] [--splits 0,1,2,...]
+        [--local]
+
+``--local`` also times each variant as a group of one (``Alone``: the same GEMM, slices and
+local stores, no push, no flag, no wait), so the tail the exchange adds shows as the difference.
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ SHAPES = [(m, k, n) for m in (1, 4, 16, 32, 64, 128, 256) for k, n in ((2048, 40
     (512, 2048, 4096), (1024, 2048, 4096), (1024, 4096, 8192)]
 
 
+class Alone:
+    """The workspace seen as a group of one (rank 0): the kernel pushes to itself only and waits
+    for nobody. Timing only: its output is this rank's partial, not the sum."""
+
+    def __init__(self, ws):
+        object.__setattr__(self, "_ws", ws)
+
+    world, rank = 1, 0
+
+    def __getattr__(self, name):
+        return getattr(self._ws, name)
+
+    def __setattr__(self, name, value):  # (ticket_base: the real workspace's ticket advances)
+        setattr(self._ws, name, value)
+
+
 def call(ws, a, b, bias, out, cfg):
     fused_split_k.prepare(ws, a, b, bias, out, cfg)(*ws.next_epoch())
 
@@ -41,6 +61,7 @@ def main() -> int:
     p.add_argument("--splits", default="0,1,2,4,8,16", help="K slices; 0: the kernel's own choice")
     p.add_argument("--tiles", default="", help="tilings to try besides the kernel's own "
                    "(TileConfig strings, e.g. 64x64x128s4w4g1r0o1)")
+    p.add_argument("--local", action="store_true", help="also time each variant as a group of one")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -71,8 +92,11 @@ def main() -> int:
             if split and split * 2 > -(-k // cfg.tile.bk):
                 continue
             name = f"auto={cfg}" if split == 0 else str(cfg)
+            runs = {f"split_k {name}": lambda: call(ws, a, b, None, out, cfg)}
+            if args.local:
+                runs[f"alone {name}"] = lambda: call(Alone(ws), a, b, None, out, cfg)
             sweep_variant(errs, t, name, lambda: check(ws, m, k, n, cfg, group, bias=False, transposed=True),
-                          {f"split_k {name}": lambda: call(ws, a, b, None, out, cfg)})
+                          runs)
         if first:
             errs["bias+rowmajor"] = check(ws, m, k, n, auto, group, bias=True, transposed=False)
             first = False

@@ -121,23 +121,27 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
 
 
 @pytest.mark.parametrize("bias_kind", [None, "2d"])
-def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind):
+@pytest.mark.parametrize("rows, last, tail_rows", [(10, None, 2), (200, "8", 8)])
+def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind, rows, last, tail_rows):
     """``COMMFUSE_CE_TAIL=one_shot``: the last chunk's rows go to the one-shot exchange, in flag
-    slots after the chunks' barriers; the others are pulled and summed as before."""
+    slots after the chunks' barriers; the others are pulled and summed as before. 3 chunks: of 4,
+    4 and 2 rows; with ``COMMFUSE_CE_LAST_ROWS=8`` of 200 rows, of 128, 64 and 8."""
     monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")  # chunks of 4, 4 and 2 rows
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
     monkeypatch.setenv("COMMFUSE_CE_TAIL", "one_shot")
+    if last:
+        monkeypatch.setenv("COMMFUSE_CE_LAST_ROWS", last)
     calls = []
     real = exchange.all_reduce
     monkeypatch.setattr(exchange, "all_reduce", lambda ws_, partial, out, epoch, algo, op_code, **kw: (
         calls.append((partial.shape, algo, kw.get("slot_base"))), real(ws_, partial, out, epoch, algo, op_code)))
-    a, b, bias = _inputs(sim.world, 10, 6, 7, bias_kind)
+    a, b, bias = _inputs(sim.world, rows, 6, 7, bias_kind)
     r = sim.mine.rank
     for p in sim.peers():
-        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
+        sim.peer_data(p, (rows, 7)).copy_(_partial(a[p], b[p], bias[p]))
     out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    assert calls == [(torch.Size([2, 7]), "one_shot", 3)]
+    assert calls == [(torch.Size([tail_rows, 7]), "one_shot", 3)]
     monkeypatch.setenv("COMMFUSE_CE_TAIL", "last")
     with pytest.raises(ValueError, match="COMMFUSE_CE_TAIL"):
         cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")

@@ -578,6 +578,27 @@ def test_copy_engine_chunks_are_about_1024_rows(monkeypatch):
     assert dispatch.copy_engine_chunks(8192) == 3
 
 
+def test_copy_engine_rows_cover_the_rows_with_a_shorter_last_chunk_on_request(monkeypatch):
+    monkeypatch.delenv("COMMFUSE_CE_CHUNKS", raising=False)
+    monkeypatch.delenv("COMMFUSE_CE_LAST_ROWS", raising=False)
+    assert dispatch.copy_engine_rows(4096) == (1024,) * 4
+    assert dispatch.copy_engine_rows(1000) == (500, 500)
+    assert dispatch.copy_engine_rows(1) == (1,) and dispatch.copy_engine_rows(0) == ()
+    monkeypatch.setenv("COMMFUSE_CE_LAST_ROWS", "256")
+    assert dispatch.copy_engine_rows(4096) == (1280, 1280, 1280, 256)
+    assert dispatch.copy_engine_rows(8192) == (1152,) * 6 + (1024, 256)  # 64-row multiples before it
+    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "8")
+    assert dispatch.copy_engine_rows(4096) == (576,) * 6 + (384, 256)
+    for m in (3, 100, 257, 1000, 4096, 8191):  # every row once, never more chunks than asked
+        for last in ("1", "64", "256", "4096", "9999"):
+            monkeypatch.setenv("COMMFUSE_CE_LAST_ROWS", last)
+            rows = dispatch.copy_engine_rows(m)
+            assert sum(rows) == m and min(rows) > 0 and len(rows) <= dispatch.copy_engine_chunks(m)
+    monkeypatch.setenv("COMMFUSE_CE_LAST_ROWS", "-1")
+    with pytest.raises(ValueError, match="COMMFUSE_CE_LAST_ROWS"):
+        dispatch.copy_engine_rows(4096)
+
+
 def test_collectives_along_a_dim_with_only_ones_before_it_split_rows():
     """A sequence-parallel [1, S, H] gathered or scattered along S moves the same row blocks as a
     collective along dim 0, so the row-splitting paths (overlap, fused) take it."""

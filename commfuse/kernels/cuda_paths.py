@@ -116,7 +116,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
     streams = dispatch.ce_streams() if algo == "ce_overlap" else None
     graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
-    setting = (tail, dispatch.copy_engine_chunks(m), streams) if graphs else None
+    setting = (tail, dispatch.copy_engine_rows(m), streams) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -254,8 +254,7 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     must come from one stream (or streams ordered after each other): a call's barriers follow its
     first GEMM on the caller's stream, which follows the previous call's pulls, and that is what
     keeps a peer from writing a partial this rank still pulls."""
-    m = a.shape[0]
-    rows = tiles.cdiv(m, dispatch.copy_engine_chunks(m))
+    rows = list(dispatch.copy_engine_rows(a.shape[0]))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
     bias_rows = _row_chunks(bias, rows, len(a_rows))
     # the one-shot's flag slots follow the chunks' barriers: where they do not fit (hundreds of
@@ -307,8 +306,9 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     main.wait_stream(side)
 
 
-def _row_chunks(bias, rows: int, count: int) -> list:
-    """``_rows`` of each ``rows``-row chunk of the output, ``count`` chunks (one ``split``)."""
+def _row_chunks(bias, rows, count: int) -> list:
+    """``_rows`` of each chunk of the output, ``count`` chunks of ``rows`` rows (an int, or each
+    chunk's rows; one ``split``)."""
     return list(bias.split(rows)) if _per_row(bias) else [bias] * count
 
 

@@ -495,6 +495,25 @@ def copy_engine_chunks(m: int) -> int:
     return max(1, min(int(env) if env else min(8, max(2, m // 1024)), m, 256))  # a flag slot per chunk
 
 
+def copy_engine_rows(m: int) -> tuple[int, ...]:
+    """Each chunk's rows, in order: ``copy_engine_chunks(m)`` equal chunks (the last one shorter
+    by the remainder); ``COMMFUSE_CE_LAST_ROWS`` (read per call, alike on every rank) sets the last
+    chunk's rows instead, the others sharing the rest in multiples of 64 rows. What comes after
+    the last GEMM is that chunk's exchange, so a shorter last chunk shortens the call's tail;
+    a shorter chunk's GEMM runs less efficiently."""
+    chunks = copy_engine_chunks(m)
+    env = os.environ.get("COMMFUSE_CE_LAST_ROWS")
+    last = int(env) if env else 0
+    if last < 0:
+        raise ValueError(f"commfuse: COMMFUSE_CE_LAST_ROWS must be at least 0, not {env!r}")
+    if chunks < 2 or not 0 < last < m - (chunks - 2):
+        rows = max(1, -(-m // chunks))
+        return tuple(min(rows, m - lo) for lo in range(0, m, rows))
+    rest = m - last
+    rows = -(-rest // ((chunks - 1) * 64)) * 64
+    return tuple(min(rows, rest - lo) for lo in range(0, rest, rows)) + (last,)
+
+
 #: How the copy-engine overlapped all-reduce sums its last chunk: ``copy`` (the copy engines pull
 #: it and a local add sums it, as every other chunk) or ``one_shot`` (the one-shot kernel pulls and
 #: sums it on the SMs, which the GEMMs have left by then: the tail after the last GEMM is that one
