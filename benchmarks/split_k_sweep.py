@@ -5,9 +5,9 @@ against an fp32 reference on fresh data with the output poisoned (bias and a row
 the first shape too).
 
     torchrun --nproc_per_node=2 benchmarks/split_k_sweep.py [--shapes MxKxN,...] [--splits 0,1,2,...]
-        [--local]
+        [--alone]
 
-``--local`` also times each variant as a group of one (``Alone``: the same GEMM, slices and
+``--alone`` also times each variant as a group of one (``Alone``: the same GEMM, slices and
 local stores, no push, no flag, no wait), so the tail the exchange adds shows as the difference.
 """
 
@@ -61,7 +61,7 @@ def main() -> int:
     p.add_argument("--splits", default="0,1,2,4,8,16", help="K slices; 0: the kernel's own choice")
     p.add_argument("--tiles", default="", help="tilings to try besides the kernel's own "
                    "(TileConfig strings, e.g. 64x64x128s4w4g1r0o1)")
-    p.add_argument("--local", action="store_true", help="also time each variant as a group of one")
+    p.add_argument("--alone", action="store_true", help="also time each variant as a group of one")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -93,7 +93,7 @@ def main() -> int:
                 continue
             name = f"auto={cfg}" if split == 0 else str(cfg)
             runs = {f"split_k {name}": lambda: call(ws, a, b, None, out, cfg)}
-            if args.local:
+            if args.alone:
                 runs[f"alone {name}"] = lambda: call(Alone(ws), a, b, None, out, cfg)
             sweep_variant(errs, t, name, lambda: check(ws, m, k, n, cfg, group, bias=False, transposed=True),
                           runs)
