@@ -62,6 +62,8 @@ def main() -> int:
     p.add_argument("--tiles", default="", help="tilings to try besides the kernel's own "
                    "(TileConfig strings, e.g. 64x64x128s4w4g1r0o1)")
     p.add_argument("--alone", action="store_true", help="also time each variant as a group of one")
+    p.add_argument("--ll", default="", help="LL forms to time (comma-separated 0 and 1; default: "
+                   "each variant's own)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
@@ -85,10 +87,11 @@ def main() -> int:
         errs = {}
         auto = fused_split_k.config(m, k, n, ws.max_programs)
         tilings = [None] + [tiles.TileConfig.parse(x) for x in args.tiles.split(",") if x]
-        variants = [(split, tile) for tile in tilings for split in (int(s) for s in args.splits.split(","))
-                    if tile is None or split]
-        for split, tile in variants:
-            cfg = auto if split == 0 else fused_split_k.config(m, k, n, ws.max_programs, split, tile)
+        lls = [x == "1" for x in args.ll.split(",")] if args.ll else [None]
+        variants = [(split, tile, ll) for tile in tilings for split in (int(s) for s in args.splits.split(","))
+                    for ll in lls if tile is None or split]
+        for split, tile, ll in variants:
+            cfg = fused_split_k.config(m, k, n, ws.max_programs, split or None, tile, ll)
             if split and split * 2 > -(-k // cfg.tile.bk):
                 continue
             name = f"auto={cfg}" if split == 0 else str(cfg)

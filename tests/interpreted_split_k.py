@@ -27,12 +27,33 @@ def blocks(full: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
     return pad.view(num_m, bm, num_n, bn).permute(0, 2, 1, 3).reshape(num_m * num_n, bm, bn)
 
 
+def ll_flag(epoch: int) -> int:
+    """An LL word's flag bits (the high 32 of the int64 word) as a signed int64 value."""
+    word = (0xFFA00000 | (epoch & ((1 << fused_split_k.LL_EPOCH_BITS) - 1))) << 32
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def ll_words(values: torch.Tensor, epoch: int) -> torch.Tensor:
+    """[..., 16] 16-bit values as the kernel's LL words: columns 2j, 2j + 1 and the flag."""
+    bits = values.view(torch.int16).view(*values.shape[:-1], -1, 2).to(torch.int64) & 0xFFFF
+    return bits[..., 0] | (bits[..., 1] << 16) | ll_flag(epoch)
+
+
+def ll_values(words: torch.Tensor, epoch: int) -> torch.Tensor:
+    """``ll_words`` back to [..., 16] values; every word must carry ``epoch``'s flag."""
+    assert (words & -(1 << 32)).eq(ll_flag(epoch)).all(), "a word without the call's flag"
+    pairs = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], -1).to(torch.int16)
+    return pairs.view(DT).reshape(*words.shape[:-1], -1)
+
+
 def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int = 1, world: int = 2,
-         rank: int = 0) -> None:
-    """``rank`` of ``world`` runs the kernel; every other rank's pushes are simulated."""
+         rank: int = 0, ll: bool = False) -> None:
+    """``rank`` of ``world`` runs the kernel; every other rank's pushes are simulated. ``ll``:
+    the sums travel as LL words (not in a lane: there the kernel keeps its flags)."""
     torch.manual_seed(m * 1000 + k + n + split + world)
     tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0)
-    cfg = fused_split_k.config(m, k, n, 3, split, tile)
+    cfg = fused_split_k.config(m, k, n, 3, split, tile, ll=ll)
+    ll = fused_split_k.uses_ll(cfg, DT, lane)
     count = fused_split_k.num_tiles(m, n, cfg)
     data_bytes = 1 << 17
     ws = group(world, data_bytes, 3, lane)
@@ -56,7 +77,10 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         at = (epoch % 2) * half
         # the other ranks' pushes, as they would have landed in this rank's workspace
         for p in range(world):
-            if p != rank:
+            if p != rank and ll:
+                words = sums[rank][at:].view(torch.int64)
+                words[p * count * 128:(p + 1) * count * 128].copy_(ll_words(blocks(partial[p], 16, 16), epoch).flatten())
+            elif p != rank:
                 sums[rank][at + p * count * 256:at + (p + 1) * count * 256].copy_(
                     blocks(partial[p], 16, 16).flatten())
                 for t in range(count):
@@ -73,7 +97,12 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         # what this rank pushed into every peer: its rounded sum in slot [rank, tile], its flags
         mine = blocks(partial[rank], 16, 16)
         for p in range(world):
-            if p != rank:
+            if p != rank and ll:
+                words = sums[p][at:].view(torch.int64)[rank * count * 128:(rank + 1) * count * 128]
+                got = ll_values(words.view(count, 16, 8), epoch)
+                assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
+                assert all(int(flags[p][t * world + rank]) != epoch for t in range(count)), "no flag store"
+            elif p != rank:
                 got = sums[p][at + rank * count * 256:at + (rank + 1) * count * 256].view(count, 16, 16)
                 assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
                 assert all(int(flags[p][t * world + rank]) == epoch for t in range(count)), p
@@ -86,13 +115,45 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         assert int(ErrorWord._word[0]) == 0
 
 
+def stale_words_are_not_taken(world: int = 2, rank: int = 0) -> None:
+    """LL: a peer's words from the call before with this parity (epoch - 2) are not the call's
+    sums: the wait for them times out (a bound below zero: at once), the outputs are NaN and the
+    error word names the peer."""
+    import os
+
+    m, k, n = 16, 64, 32
+    tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0)
+    cfg = fused_split_k.config(m, k, n, 3, 1, tile, ll=True)
+    count = fused_split_k.num_tiles(m, n, cfg)
+    ws = group(world, 1 << 17, 3, False)
+    me = ws[rank]
+    me.epoch = 4  # the call is epoch 5; its parity last held epoch 3's words
+    a, w = torch.randn(m, k, dtype=DT), torch.randn(n, k, dtype=DT)
+    for p in range(world):
+        if p != rank:
+            words = me.buffer[-2 * (1 << 17):].view(DT)[(5 % 2) * (1 << 16):].view(torch.int64)
+            words[p * count * 128:(p + 1) * count * 128].copy_(ll_words(blocks(a @ w.t(), 16, 16), 3).flatten())
+    out = torch.zeros(m, n, dtype=DT)
+    os.environ["COMMFUSE_TIMEOUT_S"] = "-1"
+    try:
+        fused_split_k.prepare(me, a, w.t(), None, out, cfg)(*me.next_epoch())
+    finally:
+        del os.environ["COMMFUSE_TIMEOUT_S"]
+    assert out.isnan().all(), "stale sums were taken"
+    assert [int(x) for x in ErrorWord._word] == [1, 8, rank, 1 - rank], list(ErrorWord._word)
+    ErrorWord._word.zero_()
+
+
 def main() -> None:
+    stale_words_are_not_taken()
     for m, k, n, split, bias in [(5, 96, 40, 2, True), (16, 64, 32, 1, False), (20, 80, 48, 3, False),
                                  (33, 128, 16, 4, True)]:
         case(m, k, n, split, bias, lane=False)
-        case(m, k, n, split, bias, lane=True, calls=2)
+        case(m, k, n, split, bias, lane=False, calls=2, ll=True)  # both parities
+        case(m, k, n, split, bias, lane=True, calls=2, ll=True)  # (a lane keeps its flags)
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
+        case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)
         case(20, 80, 48, 3, True, lane=True, calls=2, world=world, rank=rank)
     print("ok")
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, symm, sync
+from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k, symm, sync
 from commfuse.kernels.sync import ErrorWord
 
 
@@ -32,6 +32,7 @@ def _no_fence():
 sync.now = _now
 fused_all_reduce.now = _now
 fused_all_gather.now = _now
+fused_split_k.now = _now
 fused_all_gather._proxy_fence = _no_fence
 fused_all_reduce._bulk_stores_done = _no_fence
 fused_all_reduce.NO_REMOTE, fused_all_reduce.NO_WAIT, fused_all_reduce.NO_COPY = 1, 2, 4

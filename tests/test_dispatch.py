@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -313,6 +315,20 @@ def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, mon
     assert ws.buffer[symm.FLAG_BYTES - symm.BASES_BYTES:symm.FLAG_BYTES].eq(7).all()  # bases kept
 
 
+def test_epochs_restart_before_the_split_k_ll_flags_repeat_and_zero_the_data(world2):
+    """The LL words' flags hold an epoch's low bits: within one run of epochs no two calls share
+    them, and a restart leaves no word of the run before it."""
+    from commfuse.kernels import fused_split_k
+
+    assert symm.EPOCH_LIMIT < 1 << fused_split_k.LL_EPOCH_BITS
+    ws = _workspace()
+    ws.data(0, (64,), torch.uint8).fill_(0xFF)
+    ws.data(1, (64,), torch.uint8).fill_(0xFF)
+    ws.epoch = symm.EPOCH_LIMIT
+    assert ws.next_epoch() == (1, 1)
+    assert ws.buffer[symm.HEADER_BYTES:].eq(0).all()
+
+
 def test_a_failed_call_blocks_the_workspace(monkeypatch):
     """Once a call fails after its epoch began, ranks may disagree: refuse, with a remedy."""
     from commfuse.kernels.cuda_paths import _exchange
@@ -485,9 +501,14 @@ def test_split_k_config_fills_one_wave_of_programs():
     assert fused_split_k.config(32, 14336, 8192, 132).split == 2  # 64 tiles of 32 x 128
     cfg = fused_split_k.config(16, 7168, 4096, 132)
     block = cfg.tile.bm * cfg.tile.bn
+    assert cfg.ll and not fused_split_k.config(33, 7168, 4096, 132).ll  # LL words up to 32 rows
     for world in (2, 4, 8):
-        sums = world * 32 * block * 2
+        sums = world * 32 * block * 4  # LL: a value and half a flag, 4 bytes
         assert fused_split_k.data_bytes(16, 4096, world, cfg, BF16) == -(-sums // 256) * 256 + 32 * 4 * block * 4
+        plain = world * 32 * block * 2  # in a lane, or asked: the values, 2 bytes
+        for args in ((cfg, BF16, True), (dataclasses.replace(cfg, ll=False), BF16, False)):
+            assert fused_split_k.data_bytes(16, 4096, world, *args) == -(-plain // 256) * 256 + 32 * 4 * block * 4
+        assert fused_split_k.data_bytes(16, 4096, world, cfg, torch.float32) == world * 32 * block * 4 + 32 * 4 * block * 4
         assert fused_split_k.flag_slots(16, 4096, world, cfg) == 32 * world
         # planned for any SM count: at least what a 132- or 264-SM group's slices use, the same
         # request on every rank whatever its GPU

@@ -58,3 +58,38 @@ def test_staggered_start_compiles_for_sm90():
     plain, staggered = _compile(False, False), _compile(False, False, stagger=True)
     assert staggered.metadata.shared == plain.metadata.shared
     assert staggered.asm["ptx"].count("%globaltimer") > plain.asm["ptx"].count("%globaltimer")
+
+
+def _compile_split_k(ll: bool):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from commfuse.kernels import fused_split_k
+
+    bm, bn, bk = 16, 64, 256
+    sig = {"a_desc": f"tensordesc<bf16[{bm}, {bk}]>", "b_desc": f"tensordesc<bf16[{bn}, {bk}]>",
+           "bias": "*bf16", "parts0": "*fp32", "sums0": "*bf16", "half_parts": "i32", "half_sums": "i32",
+           "out": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_bm": "i32", "stride_bn": "i32",
+           "flags": "*i32", "counters": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32",
+           "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64"}
+    consts = dict(OP=8, WORLD=2, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
+                  DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll)
+    sig.update({name: "constexpr" for name in consts})
+    pointers = [i for i, (name, kind) in enumerate(sig.items()) if kind.startswith("*")]
+    src = ASTSource(fn=fused_split_k.split_k_all_reduce_kernel, signature=sig,
+                    constexprs={(list(sig).index(name),): value for name, value in consts.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+
+
+def test_split_k_ll_form_compiles_for_sm90_without_the_flag_release():
+    """The split-K kernel's LL form (``SplitConfig.ll``) compiles for sm_90, pushes 64-bit words
+    and polls them with volatile loads, and has no system-scope release (the flag store and its
+    fence) that the other form needs."""
+    pytest.importorskip("iris")
+    plain, ll = _compile_split_k(False).asm["ptx"], _compile_split_k(True).asm["ptx"]
+    assert "atom.global.sys.release" in plain and ".release" not in ll and ".acquire" not in ll
+    assert "st.global.v2.b64" in ll and "ld.volatile.global.b64" in ll

@@ -272,11 +272,14 @@ def graph_split_k(m: int, k: int, n: int, dtype: torch.dtype, lane):
 
 def split_k_config(m: int, k: int, n: int, programs: int):
     """The split-K kernel's tiling for a group whose smallest GPU has ``programs`` SMs;
-    ``COMMFUSE_SPLIT_K`` forces the number of K slices (sweeps)."""
+    ``COMMFUSE_SPLIT_K`` forces the number of K slices and ``COMMFUSE_SPLIT_K_LL`` (0 or 1)
+    whether the sums travel as LL words (sweeps; alike on every rank)."""
     from . import fused_split_k
 
     env = os.environ.get("COMMFUSE_SPLIT_K", "").strip()
-    return fused_split_k.config(m, k, n, programs, int(env) if env else None)
+    ll = _env_choice("COMMFUSE_SPLIT_K_LL", ("0", "1"))
+    return fused_split_k.config(m, k, n, programs, int(env) if env else None,
+                                ll=None if ll is None else ll == "1")
 
 
 #: The split-K kernel's workspace is sized for this many programs, more than any GPU has SMs: a

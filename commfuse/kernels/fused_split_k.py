@@ -15,6 +15,16 @@ is written after the program's next unit (the peers' pushes had that long to lan
 the peers' flags (bounded, ``sync.wait_or_record``), add slots [0..world-1, tile] in rank order,
 so every rank writes the same bits.
 
+With ``SplitConfig.ll`` (few rows, 16-bit outputs; not in a graph lane) the sums travel with
+their flags, as NCCL's LL protocol does: each 8-byte word holds two output values and a flag made
+from the epoch, stored by one 8-byte store (single-copy atomic), and the reader polls the words
+themselves until every flag is the call's. That drops the release fence (a round trip over
+NVLink for the stores' acknowledgements) and the separate flag, the latency that is most of the
+tail at few rows, for twice the bytes on the link. The flag is a signalling-NaN pattern (no
+arithmetic makes one) holding the epoch's low ``LL_EPOCH_BITS`` bits; the workspace restarts
+its epochs before they wrap and zeroes its data then (``symm.Workspace._restart_epochs``), so no
+stale word can carry the current flag.
+
 In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, as the lane's
 staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
 capture the launch and replay it.
@@ -36,7 +46,8 @@ import triton.language as tl
 
 from . import tiles
 from .launch import run as run_kernel
-from .sync import ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, require_iris, timeout_ns, wait_other_ranks
+from .sync import (ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, record_late, require_iris, timeout_ns,
+                   wait_other_ranks)
 from .tiles import claim, mma_range, tile_epilogue
 
 
@@ -46,15 +57,69 @@ def _block(area, index, BM: tl.constexpr, BN: tl.constexpr):
     return area + index.to(tl.int64) * (BM * BN) + tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
 
 
+#: Bits of the epoch an LL word's flag holds (above them the flag's fixed NaN pattern).
+LL_EPOCH_BITS = 21
+_LL_MARK = tl.constexpr(0xFFA00000)  # sign, all-ones exponent, quiet bit clear: a signalling NaN
+_LL_MASK = tl.constexpr((1 << LL_EPOCH_BITS) - 1)
+
+
+@triton.jit
+def _ll_flag(epoch):
+    return ((epoch.to(tl.int64) & _LL_MASK) | _LL_MARK) << 32
+
+
+@triton.jit
+def _ll_pack(val, flag, BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, BN] 16-bit values as [BM, BN // 2] words: columns 2j and 2j + 1 in the low 32 bits,
+    ``flag`` (``_ll_flag``) in the high ones."""
+    lo, hi = tl.split(tl.reshape(val.to(tl.int16, bitcast=True), (BM, BN // 2, 2)))
+    return (lo.to(tl.int64) & 0xFFFF) | ((hi.to(tl.int64) & 0xFFFF) << 16) | flag
+
+
+@triton.jit
+def _ll_read(words_at, flag, late, start, timeout, err, OP: tl.constexpr, rank, peer, dtype: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr):
+    """(values, late): block ``words_at`` of ``_ll_pack`` words unpacked to [BM, BN] ``dtype``
+    once every word carries ``flag``, polled until then or ``timeout`` ns after ``start`` (then
+    late, ``peer`` named in the error word; a program already late polls no more)."""
+    words = tl.load(words_at, volatile=True)
+    if late == 0:
+        missing = tl.sum(tl.sum(((words & -4294967296) != flag).to(tl.int32), 1), 0)
+        while (missing != 0) & (late == 0):
+            words = tl.load(words_at, volatile=True)
+            missing = tl.sum(tl.sum(((words & -4294967296) != flag).to(tl.int32), 1), 0)
+            if now() - start > timeout:
+                late += 1
+        if late != 0:
+            record_late(err, OP, rank, peer)
+    lo = (words & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (BM, BN)), late
+
+
+@triton.jit
+def _ll_block(sums, index, BM: tl.constexpr, BN: tl.constexpr):
+    """Pointers to LL block ``index`` (``_ll_pack`` words) of the sums area."""
+    return _block(sums.to(tl.pointer_type(tl.int64), bitcast=True), index, BM, BN // 2)
+
+
 @triton.jit
 def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
-            OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+            OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+            LL: tl.constexpr):
     """Wait for the peers' sums of ``tile`` and write its output: NaN if a peer came late."""
-    if late == 0:
-        late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
     acc = tl.zeros((BM, BN), tl.float32)
-    for p in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
-        acc += tl.load(_block(sums, p * num_tiles + tile, BM, BN), cache_modifier=".cg").to(tl.float32)
+    if LL:
+        start = now()
+        for k in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
+            part, late = _ll_read(_ll_block(sums, k * num_tiles + tile, BM, BN), _ll_flag(epoch), late,
+                                  start, timeout, err, OP, rank, k, out.dtype.element_ty, BM, BN)
+            acc += part.to(tl.float32)
+    else:
+        if late == 0:
+            late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
+        for p in tl.static_range(WORLD):  # rank order on every rank: the same bits everywhere
+            acc += tl.load(_block(sums, p * num_tiles + tile, BM, BN), cache_modifier=".cg").to(tl.float32)
     if late != 0:
         acc = tl.full((BM, BN), float("nan"), tl.float32)
     rows = (tile // num_n) * BM + tl.arange(0, BM)
@@ -71,7 +136,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                               WORLD: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                               HAS_BIAS: tl.constexpr, DEVICE_EPOCH: tl.constexpr,
-                              EPOCH_SLOTS: tl.constexpr):
+                              EPOCH_SLOTS: tl.constexpr, LL: tl.constexpr = False):
     """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
     output dtype's [WORLD, tiles] blocks, written by every rank; both of parity 0, parity 1
     ``half_*`` elements on. ``DEVICE_EPOCH`` (the graph lane, CUDA-graph replays): the epoch is
@@ -111,21 +176,27 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
             rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, off_n, M, N, stride_bm,
                                                   stride_bn, BM, BN, HAS_BIAS)
             val = acc.to(out.dtype.element_ty)  # rounded as the unfused partial is
-            dst = _block(sums, rank * num_tiles + tile, BM, BN)
-            for k in tl.static_range(WORLD):
-                iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
-            tl.debug_barrier()  # every thread's pushes before the releases below
-            for k in tl.static_range(1, WORLD):
-                iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, (rank + k) % WORLD,
-                                 heap_bases, sem="release", scope="sys")
+            if LL:  # the flags travel in the words: no fence, no flag store
+                words = _ll_pack(val, _ll_flag(epoch), BM, BN)
+                dst = _ll_block(sums, rank * num_tiles + tile, BM, BN)
+                for k in tl.static_range(WORLD):
+                    iris.store(dst, words, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+            else:
+                dst = _block(sums, rank * num_tiles + tile, BM, BN)
+                for k in tl.static_range(WORLD):
+                    iris.store(dst, val, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
+                tl.debug_barrier()  # every thread's pushes before the releases below
+                for k in tl.static_range(1, WORLD):
+                    iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, (rank + k) % WORLD,
+                                     heap_bases, sem="release", scope="sys")
         if pending >= 0:
             late = _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank,
-                           err, timeout, OP, WORLD, BM, BN)
+                           err, timeout, OP, WORLD, BM, BN, LL)
         pending = tl.where(last, tile, -1)
         u = claim(ticket, ticket_base)
     if pending >= 0:
         _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
-                OP, WORLD, BM, BN)
+                OP, WORLD, BM, BN, LL)
     if DEVICE_EPOCH:  # every program read the epoch before any left: the last one advances it
         tl.debug_barrier()
         if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -142,9 +213,21 @@ class SplitConfig:
 
     tile: tiles.TileConfig
     split: int
+    ll: bool = False  # the sums pushed as LL words (module docstring), where ``uses_ll`` allows
 
     def __str__(self) -> str:
-        return f"{self.tile}k{self.split}"
+        return f"{self.tile}k{self.split}" + ("ll" if self.ll else "")
+
+
+#: Up to this many rows the sums travel as LL words by default (``SplitConfig.ll``): few bytes,
+#: so doubling them costs less than the fence and flag they replace.
+LL_MAX_ROWS = 32
+
+
+def uses_ll(cfg: SplitConfig, dtype: torch.dtype, lane: bool = False) -> bool:
+    """Whether a call pushes LL words: asked by ``cfg``, 16-bit outputs (two to a word), and not
+    in a graph lane (whose epochs live on the device and do not restart)."""
+    return cfg.ll and dtype.itemsize == 2 and not lane
 
 
 #: Rows up to which ``mm_all_reduce`` may take this kernel (one or two row blocks).
@@ -166,7 +249,7 @@ def one_row_block(m: int, k: int) -> bool:
 
 
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
-           tile: tiles.TileConfig | None = None) -> SplitConfig:
+           tile: tiles.TileConfig | None = None, ll: bool | None = None) -> SplitConfig:
     """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
     to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); 16 x 64 with 256-deep K steps
     for up to 16 rows and ``NARROW_MIN_N`` columns, and 128 x 64 for 65-128 rows from
@@ -174,8 +257,8 @@ def config(m: int, k: int, n: int, programs: int, split: int | None = None,
     ``split_k_sweep3/5``; measured at 16 and 128 rows, taken for the rows between alike); and
     enough K slices that the units fill ``programs`` once (one wave:
     with few rows the tail after the GEMM is latency, which more waves would not hide), each at
-    least two K steps long. Shape and the group's SM count only, so the same on every rank.
-    ``split`` and ``tile`` override (sweeps)."""
+    least two K steps long; LL words up to ``LL_MAX_ROWS`` rows. Shape and the group's SM count
+    only, so the same on every rank. ``split``, ``tile`` and ``ll`` override (sweeps)."""
     if tile is None:
         if m <= 16 and n >= NARROW_MIN_N:
             tile = tiles.TileConfig(bm=16, bn=64, bk=256, stages=4, warps=4, group_m=1, reducers=0)
@@ -197,17 +280,18 @@ def config(m: int, k: int, n: int, programs: int, split: int | None = None,
         split = 1
         while split * 2 * count <= programs and split * 4 <= tiles.cdiv(k, tile.bk):
             split *= 2
-    return SplitConfig(tile, max(1, split))
+    return SplitConfig(tile, max(1, split), m <= LL_MAX_ROWS if ll is None else ll)
 
 
 def num_tiles(m: int, n: int, cfg: SplitConfig) -> int:
     return tiles.cdiv(m, cfg.tile.bm) * tiles.cdiv(n, cfg.tile.bn)
 
 
-def data_bytes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype) -> int:
-    """Per parity: the ranks' sums (output dtype), then the fp32 slices (256-byte aligned)."""
+def data_bytes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool = False) -> int:
+    """Per parity: the ranks' sums (output dtype; LL words: 4 bytes a value), then the fp32
+    slices (256-byte aligned)."""
     block = cfg.tile.bm * cfg.tile.bn
-    sums = world * num_tiles(m, n, cfg) * block * dtype.itemsize
+    sums = world * num_tiles(m, n, cfg) * block * (4 if uses_ll(cfg, dtype, lane) else dtype.itemsize)
     return tiles.cdiv(sums, 256) * 256 + num_tiles(m, n, cfg) * cfg.split * block * 4
 
 
@@ -236,8 +320,8 @@ def misfit(ws, m: int, n: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool)
         return "too many tiles for the workspace's tile flags"
     if num_tiles(m, n, cfg) > ws.tile_counters.numel():
         return "too many tiles for the workspace's arrival counters"
-    if data_bytes(m, n, ws.world, cfg, dtype) > ws.data_bytes:
-        return (f"{data_bytes(m, n, ws.world, cfg, dtype)} bytes of split-K workspace do not fit "
+    if data_bytes(m, n, ws.world, cfg, dtype, lane) > ws.data_bytes:
+        return (f"{data_bytes(m, n, ws.world, cfg, dtype, lane)} bytes of split-K workspace do not fit "
                 f"the {ws.data_bytes} bytes of a parity")
     return None
 
@@ -264,7 +348,8 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     block = cfg.tile.bm * cfg.tile.bn
-    sums_elems = ws.world * count * block
+    ll = uses_ll(cfg, a.dtype, lane)
+    sums_elems = ws.world * count * block * (2 if ll else 1)  # (LL: a word per two values)
     parts_at = tiles.cdiv(sums_elems * a.dtype.itemsize, 256) * 256
     units = count * cfg.split
     programs = max(1, min(units, ws.max_programs))
@@ -278,7 +363,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     consts = dict(OP=GRAPH_LANE_OP if lane else FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split,
                   BM=cfg.tile.bm, BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, DEVICE_EPOCH=lane,
-                  EPOCH_SLOTS=epochs.numel() if lane else 1, num_warps=cfg.tile.warps,
+                  EPOCH_SLOTS=epochs.numel() if lane else 1, LL=ll, num_warps=cfg.tile.warps,
                   num_stages=cfg.tile.stages)
 
     def args(epoch: int, base: int) -> tuple:
@@ -289,7 +374,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     # compile before the call's epoch begins: a compile that fails on one rank must not leave its
     # peers waiting. Keyed like Triton's specialisation (integers equal to 1 or multiples of 16).
     ints = (m, n, k, sbm, sbn, half // 4, half // a.dtype.itemsize)
-    key = (cfg, a.dtype, ws.world, b_t, bias is not None, lane, a.device,
+    key = (cfg, ll, a.dtype, ws.world, b_t, bias is not None, lane, a.device,
            tuple((v == 1, v % 16 == 0) for v in ints),
            tuple(t.data_ptr() % 16 == 0 for t in (out, full_bias) if t is not None))
     if key not in _compiled and hasattr(split_k_all_reduce_kernel, "warmup"):  # (not interpreted)

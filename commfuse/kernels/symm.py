@@ -50,8 +50,10 @@ TILE_FLAG_SLOTS = (TILE_FLAG_BYTES - COUNTER_BYTES - TICKET_BYTES) // 4
 HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
 #: The last bytes of each header hold the heap-bases table (int64 per rank): up to 128 ranks.
 BASES_BYTES = 1024
-#: Flags are int32: epochs restart (collectively, flags zeroed) well before they could overflow.
-EPOCH_LIMIT = 1 << 30
+#: Epochs restart (collectively, flags and data zeroed) before they reach this: the int32 flags
+#: never overflow, and the split-K kernel's LL words, whose flags hold an epoch's low 21 bits
+#: (``fused_split_k.LL_EPOCH_BITS``), never meet a stale word of an earlier epoch with the same bits.
+EPOCH_LIMIT = (1 << 21) - 1
 MIN_DATA_BYTES = 16 * 1024 * 1024  # per parity; a first allocation serves many later shapes
 _ALIGN = 256
 
@@ -151,8 +153,9 @@ class Workspace:
         return self.epoch, self.epoch % 2
 
     def _restart_epochs(self) -> None:
-        """Collective (every rank reaches the same call count): zero the flags and the tile flags
-        (the heap bases between them stay), count from 0."""
+        """Collective (every rank reaches the same call count): zero the flags, the tile flags
+        (the heap bases between them stay) and the data (no LL word of an old epoch survives),
+        count from 0."""
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         group = _resolve_process_group(self.group_name)
@@ -162,6 +165,7 @@ class Workspace:
         self.flags.zero_()
         self.tile_flags.zero_()  # else old epochs near the limit satisfy every new wait at once
         self.tile_counters.zero_()
+        self.buffer[HEADER_BYTES:].zero_()
         if self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=group)  # nobody signals before every rank zeroed its flags
@@ -379,6 +383,7 @@ def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: W
              (HEADER_BYTES + 2 * size) >> 20, group_name, key[1])
     buf, ptrs, handle = alloc(group_name, HEADER_BYTES + 2 * size, device)
     bases = _header(buf, HEADER_BYTES, ptrs, FLAG_BYTES)
+    buf[HEADER_BYTES:].zero_()  # no stale bytes can pass for a split-K LL word (fused_split_k.py)
     if key not in _lanes:  # with the first workspace, so it exists before any capture
         lane_bytes = graph_data_bytes()
         lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)

@@ -381,10 +381,12 @@ def test_scatter_overlap(world, chunks, monkeypatch):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_split_k_kernel(world, m):
+@pytest.mark.parametrize("ll", [False, True])
+def test_split_k_kernel(world, m, ll):
+    """``ll``: the sums pushed as LL words (flags in the words), else values and a flag per tile."""
     k, n = 2048, 1024
     programs = torch.cuda.get_device_properties(0).multi_processor_count // world
-    cfg = fused_split_k.config(m, k, n, programs)
+    cfg = fused_split_k.config(m, k, n, programs, ll=ll)
     ws = _group(world, fused_split_k.data_bytes(m, n, world, cfg, DT))
     streams = _streams(world)
     for call in range(3):

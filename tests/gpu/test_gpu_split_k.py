@@ -2,7 +2,8 @@
 reference of the unfused computation, on fresh random data with poisoned outputs, 2 ranks: both
 weight layouts, a transposed activation, 1-D and per-row bias, fp16 and bf16, ragged M, N and K,
 forced slice counts that do not divide K, both providers; the default dispatch for decode-sized
-calls; calls mixed with the other kernels on one workspace; a peer that never comes."""
+calls; calls mixed with the other kernels on one workspace; a peer that never comes; the sums
+pushed as LL words and as values with a flag per tile."""
 
 from __future__ import annotations
 
@@ -31,8 +32,12 @@ def provider(request, monkeypatch):
 @pytest.mark.parametrize("m", [1, 7, 32, 200])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("form", ["plain", "bias", "row_bias", "weight_t", "a_transposed"])
-def test_split_k_matches_the_fp32_reference(nccl, provider, m, dtype, form, monkeypatch):
+@pytest.mark.parametrize("ll", ["0", "1"])
+def test_split_k_matches_the_fp32_reference(nccl, provider, m, dtype, form, ll, monkeypatch):
+    """``ll``: the sums pushed with their flags in LL words (``COMMFUSE_SPLIT_K_LL``), or as
+    values followed by one flag per tile."""
     monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
+    monkeypatch.setenv("COMMFUSE_SPLIT_K_LL", ll)
     k, n = 1000, 776  # K is not a multiple of the 128-deep step, N not of the 128-wide tile
     torch.manual_seed(1000 * dist.get_rank() + m)
     _split_k_call(*_operands(m, k, n, dtype, form), nccl.group_name)
@@ -92,12 +97,16 @@ def test_split_k_mixed_with_the_other_kernels(nccl, monkeypatch):
         assert ws.tile_counters.eq(0).all()
 
 
-def test_split_k_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch):
-    """Rank 1 skips a call: rank 0 gets NaN, not its partial, and an error naming both."""
+@pytest.mark.parametrize("ll", ["0", "1"])
+def test_split_k_skipped_call_poisons_and_names_the_peer(nccl, monkeypatch, ll):
+    """Rank 1 skips a call: rank 0 gets NaN, not its partial (nor, LL, the sums of the call
+    before in the same parity), and an error naming both."""
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
     monkeypatch.setenv("COMMFUSE_ALGO", "split_k")
+    monkeypatch.setenv("COMMFUSE_SPLIT_K_LL", ll)
     a, b, _ = _operands(16, 1024, 1024, torch.bfloat16, "weight_t")
-    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # both ranks: the workspace exists
+    for _ in range(2):  # both ranks: the workspace exists, both parities hold a call's sums
+        torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
     check_errors()
     dist.barrier()
     if dist.get_rank() == 0:
