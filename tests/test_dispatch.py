@@ -477,11 +477,16 @@ def test_split_k_config_fills_one_wave_of_programs():
     """Blocks just tall enough for the rows; K slices doubled while the units still fit the
     programs once and every slice keeps at least two K steps; the workspace holds the ranks'
     sums and the fp32 slices, and the graph pass plans what the dispatch will use."""
-    from commfuse.kernels import fused_split_k
+    from commfuse.kernels import fused_split_k, tiles
 
-    for m, bm, bn in ((1, 16, 128), (16, 16, 128), (17, 32, 128), (33, 64, 64), (64, 64, 64), (65, 128, 64),
-                      (128, 128, 64), (129, 128, 128), (256, 128, 128)):
+    for m, bm, bn in ((1, 16, 32), (16, 16, 32), (17, 16, 64), (32, 16, 64), (33, 64, 64), (64, 64, 64),
+                      (65, 128, 64), (128, 128, 64), (129, 128, 128), (256, 128, 128)):
         assert (fused_split_k.config(m, 4096, 4096, 132).tile.bm, fused_split_k.config(m, 4096, 4096, 132).tile.bn) == (bm, bn)
+    # up to 32 rows, 16-row blocks 32 or 64 wide where their count is in (programs / 2, programs]
+    for m, n, sms, bn in ((16, 4096, 132, 32), (16, 8192, 132, 64), (16, 7168, 132, 64), (32, 4096, 132, 64),
+                          (16, 8192, 264, 32), (16, 2048, 132, None), (32, 8192, 132, None), (16, 16384, 132, None)):
+        tile = fused_split_k.config(m, 4096, n, sms).tile
+        assert (tile.bm, tile.bn, tile.bk) == ((16, bn, 256) if bn else (16 if m <= 16 else 32, 128, 128)), (m, n, sms)
     assert (fused_split_k.config(128, 2048, 4096, 132).tile.bm, fused_split_k.config(128, 2048, 4096, 132).tile.bn) == (64, 64)
     assert fused_split_k.config(128, 2048, 4096, 132).split == 1  # 128 tiles of 64 x 64 already
     assert fused_split_k.config(128, 7168, 4096, 132).split == 2  # 64 tiles of 128 x 64
@@ -490,16 +495,17 @@ def test_split_k_config_fills_one_wave_of_programs():
     assert fused_split_k.config(128, 7168, 4096, 132).tile.bk == 128
     narrow = fused_split_k.config(16, 4096, 8192, 132)  # 16 rows, 8192 columns: 128 blocks, 64 wide
     assert (narrow.tile.bm, narrow.tile.bn, narrow.tile.bk, narrow.split) == (16, 64, 256, 1)
-    cfg = fused_split_k.config(16, 7168, 4096, 132)  # 32 tiles of 128 columns
+    wide = tiles.TileConfig(bm=16, bn=128, bk=128, stages=4, warps=4, group_m=1, reducers=0)
+    cfg = fused_split_k.config(16, 7168, 4096, 132, tile=wide)  # 32 tiles of 128 columns
     assert cfg.split == 4 and 32 * cfg.split <= 132 < 32 * cfg.split * 2
-    assert fused_split_k.config(16, 256, 4096, 132).split == 1  # 2 K steps: one slice
-    assert fused_split_k.config(16, 512, 4096, 132).split == 2  # 4 steps: two slices of 2
-    assert fused_split_k.config(16, 1024, 4096, 132).split == 4  # 8 steps, 128 units
+    assert fused_split_k.config(16, 256, 4096, 132, tile=wide).split == 1  # 2 K steps: one slice
+    assert fused_split_k.config(16, 512, 4096, 132, tile=wide).split == 2  # 4 steps: two slices of 2
+    assert fused_split_k.config(16, 1024, 4096, 132, tile=wide).split == 4  # 8 steps, 128 units
     assert fused_split_k.config(16, 7168, 4096, 132, split=8).split == 8  # forced
     assert fused_split_k.config(16, 14336, 8192, 132).split == 1  # 128 tiles of 16 x 64
-    assert fused_split_k.config(16, 14336, 8192, 264).split == 2  # twice the SMs
+    assert fused_split_k.config(16, 14336, 8192, 264).split == 1  # twice the SMs: 256 tiles of 16 x 32
     assert fused_split_k.config(32, 14336, 8192, 132).split == 2  # 64 tiles of 32 x 128
-    cfg = fused_split_k.config(16, 7168, 4096, 132)
+    assert fused_split_k.config(16, 7168, 4096, 132).split == 1  # 128 narrow tiles: no slices
     block = cfg.tile.bm * cfg.tile.bn
     assert cfg.ll and not fused_split_k.config(33, 7168, 4096, 132).ll  # LL words up to 32 rows
     for world in (2, 4, 8):
@@ -513,10 +519,14 @@ def test_split_k_config_fills_one_wave_of_programs():
         # planned for any SM count: at least what a 132- or 264-SM group's slices use, the same
         # request on every rank whatever its GPU
         planned = dispatch.all_reduce_workspace_bytes(16, 7168, 4096, BF16, world)
-        for sms in (66, 132, 264):
-            used = fused_split_k.data_bytes(16, 4096, world, fused_split_k.config(16, 7168, 4096, sms), BF16)
-            assert used <= planned
         assert planned == dispatch.split_k_workspace_bytes(16, 7168, 4096, BF16, world)
+        for m in (1, 16, 17, 32, 64, 100, 128, 200):
+            for k in (2048, 7168):
+                for n in (1024, 2048, 4096, 7168, 8192, 16384):
+                    planned = dispatch.split_k_workspace_bytes(m, k, n, BF16, world)
+                    for sms in (66, 78, 108, 114, 132, 144, 264):
+                        used = fused_split_k.data_bytes(m, n, world, fused_split_k.config(m, k, n, sms), BF16)
+                        assert used <= planned, (m, k, n, world, sms)
 
 
 def test_split_k_counters_sit_between_the_tile_flags_and_the_ticket():

@@ -270,15 +270,15 @@ def graph_split_k(m: int, k: int, n: int, dtype: torch.dtype, lane):
     return None if fused_split_k.misfit(lane, m, n, cfg, dtype, lane=True) else cfg
 
 
-def split_k_config(m: int, k: int, n: int, programs: int):
-    """The split-K kernel's tiling for a group whose smallest GPU has ``programs`` SMs;
-    ``COMMFUSE_SPLIT_K`` forces the number of K slices and ``COMMFUSE_SPLIT_K_LL`` (0 or 1)
+def split_k_config(m: int, k: int, n: int, programs: int, tile=None):
+    """The split-K kernel's tiling for a group whose smallest GPU has ``programs`` SMs (``tile``:
+    these blocks); ``COMMFUSE_SPLIT_K`` forces the number of K slices and ``COMMFUSE_SPLIT_K_LL`` (0 or 1)
     whether the sums travel as LL words (sweeps; alike on every rank)."""
     from . import fused_split_k
 
     env = os.environ.get("COMMFUSE_SPLIT_K", "").strip()
     ll = _env_choice("COMMFUSE_SPLIT_K_LL", ("0", "1"))
-    return fused_split_k.config(m, k, n, programs, int(env) if env else None,
+    return fused_split_k.config(m, k, n, programs, int(env) if env else None, tile,
                                 ll=None if ll is None else ll == "1")
 
 
@@ -289,10 +289,14 @@ SPLIT_K_PLAN_PROGRAMS = 1024
 
 
 def split_k_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
-    """Per-parity bytes the split-K kernel may use for this shape on any group."""
+    """Per-parity bytes the split-K kernel may use for this shape on any group: the most of its
+    tiling for ``SPLIT_K_PLAN_PROGRAMS`` and of its wide blocks with their most slices, which no
+    narrow tiling of fewer SMs exceeds."""
     from . import fused_split_k
 
-    return fused_split_k.data_bytes(m, n, world, split_k_config(m, k, n, SPLIT_K_PLAN_PROGRAMS), dtype)
+    cfg = split_k_config(m, k, n, SPLIT_K_PLAN_PROGRAMS)
+    wide = split_k_config(m, k, n, SPLIT_K_PLAN_PROGRAMS, fused_split_k.wide_tile(m, k, n))
+    return max(fused_split_k.data_bytes(m, n, world, c, dtype) for c in (cfg, wide))
 
 
 def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:

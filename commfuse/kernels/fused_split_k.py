@@ -234,12 +234,26 @@ def uses_ll(cfg: SplitConfig, dtype: torch.dtype, lane: bool = False) -> bool:
 MAX_ROWS = 256
 
 
-#: From this many output columns (with up to 16 rows) and this K (with 65-128 rows) the blocks are
-#: 64 columns wide: 128 of them fill the SMs without K slices, so no fp32 slice is stored and summed
-#: (2xH200, ``explore/split_k_sweep3_*``, µs, narrow blocks / before: 16x4096x8192 16x64x256 26.7 /
-#: 28.2; 128x4096x8192 128x64x128 35.5 / one-shot 40.1, 128x14336x8192 76.8 / one-shot 79.7,
-#: 128x7168x4096 (two slices) 33.9 / 35.3; at K = 2048 the 64 x 64 blocks stayed ahead, 17.9 / 19.0).
+#: From this many output columns (with 65-128 rows: 8 stages of 64-deep K steps) and this K (the
+#: blocks are 128 x 64) the 65-128-row tilings: 128 such blocks fill the SMs without K slices, so no
+#: fp32 slice is stored and summed (2xH200, ``explore/split_k_sweep3_*``, µs, narrow blocks /
+#: before: 16x4096x8192 16x64x256 26.7 / 28.2 (now ``_narrow``); 128x4096x8192 128x64x128 35.5 /
+#: one-shot 40.1, 128x14336x8192 76.8 / one-shot 79.7, 128x7168x4096 (two slices) 33.9 / 35.3; at
+#: K = 2048 the 64 x 64 blocks stayed ahead, 17.9 / 19.0).
 NARROW_MIN_N, NARROW_MIN_K = 8192, 4096
+
+
+def _narrow(m: int, n: int, programs: int) -> tiles.TileConfig | None:
+    """Up to 32 rows: blocks of 16 rows by 32 or 64 columns (the narrower first), K steps of 256,
+    where their count fills more than half the SMs and at most all, so one wave streams the
+    weight without K slices (none stored, none summed). Timed as a group of one on one H200
+    (``explore/split_k_one_gpu_a1817fe``, µs, against the blocks before): 16x2048x4096 16x32
+    9.5 / 10.2, 16x7168x4096 16x32 21.2 / 22.0, 32x2048x4096 16x64 10.8 / 12.0, 16x4096x8192
+    16x64 22.8 (the rule before had it)."""
+    for bn in (32, 64):
+        if programs // 2 < tiles.cdiv(m, 16) * tiles.cdiv(n, bn) <= programs:
+            return tiles.TileConfig(bm=16, bn=bn, bk=256, stages=4, warps=4, group_m=1, reducers=0)
+    return None
 
 
 def one_row_block(m: int, k: int) -> bool:
@@ -251,36 +265,39 @@ def one_row_block(m: int, k: int) -> bool:
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None, ll: bool | None = None) -> SplitConfig:
     """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
-    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); 16 x 64 with 256-deep K steps
-    for up to 16 rows and ``NARROW_MIN_N`` columns, and 128 x 64 for 65-128 rows from
+    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); up to 32 rows the ``_narrow``
+    blocks where they fill the SMs once, and 128 x 64 for 65-128 rows from
     ``NARROW_MIN_K`` (K steps of 64 in 8 stages from ``NARROW_MIN_N`` columns, else of 128 in 4;
     ``split_k_sweep3/5``; measured at 16 and 128 rows, taken for the rows between alike); and
     enough K slices that the units fill ``programs`` once (one wave:
     with few rows the tail after the GEMM is latency, which more waves would not hide), each at
     least two K steps long; LL words up to ``LL_MAX_ROWS`` rows. Shape and the group's SM count
     only, so the same on every rank. ``split``, ``tile`` and ``ll`` override (sweeps)."""
-    if tile is None:
-        if m <= 16 and n >= NARROW_MIN_N:
-            tile = tiles.TileConfig(bm=16, bn=64, bk=256, stages=4, warps=4, group_m=1, reducers=0)
-        elif m <= 32:
-            tile = tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4,
-                                    group_m=1, reducers=0)
-        elif one_row_block(m, k):  # the activation is read once per 64 columns; where 128 such
-            # blocks fill the SMs without slices, 8 stages of 64 streamed a little faster
-            # (``split_k_sweep5_128``: 128x14336x8192 75.9 / 77.8 µs, 128x4096x8192 35.3 / 35.8)
-            deep = n >= NARROW_MIN_N
-            tile = tiles.TileConfig(bm=128, bn=64, bk=64 if deep else 128, stages=8 if deep else 4, warps=4,
-                                    group_m=1, reducers=0)
-        elif m <= 128:  # 64 x 64 blocks: twice the units of 64 x 128 ones, and they stream faster
-            tile = tiles.TileConfig(bm=64, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
-        else:
-            tile = tiles.TileConfig(bm=128, bn=128, bk=64, stages=4, warps=8, group_m=1, reducers=0)
+    tile = tile or (_narrow(m, n, programs) if m <= 32 else None) or wide_tile(m, k, n)
     if split is None:
         count = tiles.cdiv(m, tile.bm) * tiles.cdiv(n, tile.bn)
         split = 1
         while split * 2 * count <= programs and split * 4 <= tiles.cdiv(k, tile.bk):
             split *= 2
     return SplitConfig(tile, max(1, split), m <= LL_MAX_ROWS if ll is None else ll)
+
+
+def wide_tile(m: int, k: int, n: int) -> tiles.TileConfig:
+    """``config``'s blocks where ``_narrow`` has none. Whatever the SM count, at least as tall
+    and as wide as those, so with the most slices they bound the workspace of any tiling
+    (``dispatch.split_k_workspace_bytes``)."""
+    if m <= 32:
+        return tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4, group_m=1,
+                                reducers=0)
+    if one_row_block(m, k):  # the activation is read once per 64 columns; where 128 such blocks
+        # fill the SMs without slices, 8 stages of 64 streamed a little faster
+        # (``split_k_sweep5_128``: 128x14336x8192 75.9 / 77.8 µs, 128x4096x8192 35.3 / 35.8)
+        deep = n >= NARROW_MIN_N
+        return tiles.TileConfig(bm=128, bn=64, bk=64 if deep else 128, stages=8 if deep else 4, warps=4,
+                                group_m=1, reducers=0)
+    if m <= 128:  # 64 x 64 blocks: twice the units of 64 x 128 ones, and they stream faster
+        return tiles.TileConfig(bm=64, bn=64, bk=128, stages=4, warps=4, group_m=1, reducers=0)
+    return tiles.TileConfig(bm=128, bn=128, bk=64, stages=4, warps=8, group_m=1, reducers=0)
 
 
 def num_tiles(m: int, n: int, cfg: SplitConfig) -> int:
