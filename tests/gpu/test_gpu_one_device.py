@@ -380,11 +380,12 @@ def test_scatter_overlap(world, chunks, monkeypatch):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m, n", [(1, 1024), (16, 1024), (64, 1024), (16, 4096)])
 @pytest.mark.parametrize("ll", [False, True])
-def test_split_k_kernel(world, m, ll):
-    """``ll``: the sums pushed as LL words (flags in the words), else values and a flag per tile."""
-    k, n = 2048, 1024
+def test_split_k_kernel(world, m, n, ll):
+    """``ll``: the sums pushed as LL words (flags in the words), else values and a flag per tile.
+    16 x 4096: the narrow 16-row blocks where they fill an emulated rank's SMs once."""
+    k = 2048
     programs = torch.cuda.get_device_properties(0).multi_processor_count // world
     cfg = fused_split_k.config(m, k, n, programs, ll=ll)
     ws = _group(world, fused_split_k.data_bytes(m, n, world, cfg, DT))
