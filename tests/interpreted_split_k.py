@@ -47,13 +47,14 @@ def ll_values(words: torch.Tensor, epoch: int) -> torch.Tensor:
 
 
 def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int = 1, world: int = 2,
-         rank: int = 0, ll: bool = False) -> None:
+         rank: int = 0, ll: bool | None = False) -> None:
     """``rank`` of ``world`` runs the kernel; every other rank's pushes are simulated. ``ll``:
-    the sums travel as LL words (not in a lane: there the kernel keeps its flags)."""
+    the sums travel as LL words (not in a lane: there the kernel keeps its flags); None: where
+    ``uses_ll`` says."""
     torch.manual_seed(m * 1000 + k + n + split + world)
     tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0)
     cfg = fused_split_k.config(m, k, n, 3, split, tile, ll=ll)
-    ll = fused_split_k.uses_ll(cfg, DT, lane)
+    ll = fused_split_k.uses_ll(cfg, m, n, world, DT, lane)
     count = fused_split_k.num_tiles(m, n, cfg)
     data_bytes = 1 << 17
     ws = group(world, data_bytes, 3, lane)
@@ -150,6 +151,7 @@ def main() -> None:
                                  (33, 128, 16, 4, True)]:
         case(m, k, n, split, bias, lane=False)
         case(m, k, n, split, bias, lane=False, calls=2, ll=True)  # both parities
+        case(m, k, n, split, bias, lane=False, ll=None)  # the default rule
         case(m, k, n, split, bias, lane=True, calls=2, ll=True)  # (a lane keeps its flags)
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)

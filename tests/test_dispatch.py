@@ -507,14 +507,23 @@ def test_split_k_config_fills_one_wave_of_programs():
     assert fused_split_k.config(32, 14336, 8192, 132).split == 2  # 64 tiles of 32 x 128
     assert fused_split_k.config(16, 7168, 4096, 132).split == 1  # 128 narrow tiles: no slices
     block = cfg.tile.bm * cfg.tile.bn
-    assert cfg.ll and not fused_split_k.config(33, 7168, 4096, 132).ll  # LL words up to 32 rows
+    # LL words where each rank pushes at most LL_MAX_PUSHED values to its peers together
+    assert cfg.ll is None and fused_split_k.LL_MAX_PUSHED == 1 << 17
+    for m, n, world, ll in ((16, 8192, 2, True), (32, 4096, 2, True), (32, 8192, 2, False), (128, 4096, 2, False),
+                            (16, 4096, 3, True), (16, 4096, 4, False), (1, 8192, 8, True), (16, 8192, 8, False)):
+        assert fused_split_k.uses_ll(cfg, m, n, world, BF16) == ll, (m, n, world)
+        assert not fused_split_k.uses_ll(cfg, m, n, world, BF16, lane=True)  # a lane keeps its flags
+        assert not fused_split_k.uses_ll(cfg, m, n, world, torch.float32)  # two 16-bit values a word
+        assert fused_split_k.uses_ll(dataclasses.replace(cfg, ll=True), m, n, world, BF16)  # asked
+        assert not fused_split_k.uses_ll(dataclasses.replace(cfg, ll=False), m, n, world, BF16)
     for world in (2, 4, 8):
+        ll = dataclasses.replace(cfg, ll=True)
         sums = world * 32 * block * 4  # LL: a value and half a flag, 4 bytes
-        assert fused_split_k.data_bytes(16, 4096, world, cfg, BF16) == -(-sums // 256) * 256 + 32 * 4 * block * 4
+        assert fused_split_k.data_bytes(16, 4096, world, ll, BF16) == -(-sums // 256) * 256 + 32 * 4 * block * 4
         plain = world * 32 * block * 2  # in a lane, or asked: the values, 2 bytes
-        for args in ((cfg, BF16, True), (dataclasses.replace(cfg, ll=False), BF16, False)):
+        for args in ((ll, BF16, True), (dataclasses.replace(cfg, ll=False), BF16, False)):
             assert fused_split_k.data_bytes(16, 4096, world, *args) == -(-plain // 256) * 256 + 32 * 4 * block * 4
-        assert fused_split_k.data_bytes(16, 4096, world, cfg, torch.float32) == world * 32 * block * 4 + 32 * 4 * block * 4
+        assert fused_split_k.data_bytes(16, 4096, world, ll, torch.float32) == world * 32 * block * 4 + 32 * 4 * block * 4
         assert fused_split_k.flag_slots(16, 4096, world, cfg) == 32 * world
         # planned for any SM count: at least what a 132- or 264-SM group's slices use, the same
         # request on every rank whatever its GPU

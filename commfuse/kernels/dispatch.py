@@ -289,14 +289,13 @@ SPLIT_K_PLAN_PROGRAMS = 1024
 
 
 def split_k_workspace_bytes(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> int:
-    """Per-parity bytes the split-K kernel may use for this shape on any group: the most of its
-    tiling for ``SPLIT_K_PLAN_PROGRAMS`` and of its wide blocks with their most slices, which no
-    narrow tiling of fewer SMs exceeds."""
+    """Per-parity bytes the split-K kernel may use for this shape on any group: those of its wide
+    blocks with their most slices (``SPLIT_K_PLAN_PROGRAMS``), which no tiling of fewer SMs
+    exceeds (a narrow one is no taller or wider and has no slices)."""
     from . import fused_split_k
 
-    cfg = split_k_config(m, k, n, SPLIT_K_PLAN_PROGRAMS)
     wide = split_k_config(m, k, n, SPLIT_K_PLAN_PROGRAMS, fused_split_k.wide_tile(m, k, n))
-    return max(fused_split_k.data_bytes(m, n, world, c, dtype) for c in (cfg, wide))
+    return fused_split_k.data_bytes(m, n, world, wide, dtype)
 
 
 def fused_by_default(m: int, k: int, n: int, dtype: torch.dtype, world: int) -> bool:
@@ -505,9 +504,10 @@ def copy_engine_chunks(m: int) -> int:
 def copy_engine_rows(m: int) -> tuple[int, ...]:
     """Each chunk's rows, in order: ``copy_engine_chunks(m)`` equal chunks (the last one shorter
     by the remainder); ``COMMFUSE_CE_LAST_ROWS`` (read per call, alike on every rank) sets the last
-    chunk's rows instead, the others sharing the rest in multiples of 64 rows. What comes after
-    the last GEMM is that chunk's exchange, so a shorter last chunk shortens the call's tail;
-    a shorter chunk's GEMM runs less efficiently."""
+    chunk's rows instead, the others sharing the rest in multiples of 64 rows (a value that leaves
+    them no rows, or a call of one chunk, keeps the even chunks). What comes after the last GEMM
+    is that chunk's exchange, so a shorter last chunk shortens the call's tail; a shorter chunk's
+    GEMM runs less efficiently (no default: ``NOTES.md`` §35)."""
     chunks = copy_engine_chunks(m)
     env = os.environ.get("COMMFUSE_CE_LAST_ROWS")
     last = int(env) if env else 0

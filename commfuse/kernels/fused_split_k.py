@@ -1,7 +1,8 @@
 """``mm_all_reduce`` for few rows (decode, small batches) in one kernel: a split-K GEMM whose
 last K slice of each tile sums the tile's slices, pushes the sum to every peer and raises one
-flag per peer; each rank then adds the ranks' sums of the tile in rank order. No grid-wide
-barrier, no second kernel, no pull: what is left after the GEMM is one push and one flag.
+flag per peer (or pushes LL words, below); each rank then adds the ranks' sums of the tile in rank
+order. No grid-wide barrier, no second kernel, no pull: what is left after the GEMM is one push
+and one flag.
 
 With few rows the GEMM streams the weight and the output is small, so the exchange costs
 latency, not bandwidth; a tile-per-program GEMM has too few tiles to stream at full speed (2-3x
@@ -15,15 +16,17 @@ is written after the program's next unit (the peers' pushes had that long to lan
 the peers' flags (bounded, ``sync.wait_or_record``), add slots [0..world-1, tile] in rank order,
 so every rank writes the same bits.
 
-With ``SplitConfig.ll`` (few rows, 16-bit outputs; not in a graph lane) the sums travel with
-their flags, as NCCL's LL protocol does: each 8-byte word holds two output values and a flag made
-from the epoch, stored by one 8-byte store (single-copy atomic), and the reader polls the words
-themselves until every flag is the call's. That drops the release fence (a round trip over
-NVLink for the stores' acknowledgements) and the separate flag, the latency that is most of the
-tail at few rows, for twice the bytes on the link. The flag is a signalling-NaN pattern (no
-arithmetic makes one) holding the epoch's low ``LL_EPOCH_BITS`` bits; the workspace restarts
-its epochs before they wrap and zeroes its data then (``symm.Workspace._restart_epochs``), so no
-stale word can carry the current flag.
+Where few bytes are pushed (``uses_ll``; 16-bit outputs, not in a graph lane) the sums travel
+with their flags, as NCCL's LL protocol does: each 8-byte word holds two output values and a flag
+made from the epoch, stored whole (an aligned 8-byte element is single-copy atomic), and the
+reader polls the words themselves until every flag is the call's. That drops the release fence
+(a round trip over NVLink for the stores' acknowledgements) and the separate flag, the latency
+that is most of the tail at few rows, for twice the bytes on the link. The flag's top bits are a
+pattern arithmetic never writes (read as fp32 or bf16 a signalling NaN, as fp16 a negative NaN
+with a payload), its low ``LL_EPOCH_BITS`` bits the epoch's; the workspace restarts its epochs
+before those bits repeat and zeroes its data then and at allocation
+(``symm.Workspace._restart_epochs``), so a stale word carries the current flag only if raw bytes
+copied into the data halves held exactly that NaN.
 
 In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, as the lane's
 staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
@@ -77,6 +80,12 @@ def _ll_pack(val, flag, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _ll_missing(words, flag):
+    """How many of ``words`` do not carry ``flag`` (the same count in every thread)."""
+    return tl.sum(tl.sum(((words & -4294967296) != flag).to(tl.int32), 1), 0)
+
+
+@triton.jit
 def _ll_read(words_at, flag, late, start, timeout, err, OP: tl.constexpr, rank, peer, dtype: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr):
     """(values, late): block ``words_at`` of ``_ll_pack`` words unpacked to [BM, BN] ``dtype``
@@ -84,11 +93,11 @@ def _ll_read(words_at, flag, late, start, timeout, err, OP: tl.constexpr, rank, 
     late, ``peer`` named in the error word; a program already late polls no more)."""
     words = tl.load(words_at, volatile=True)
     if late == 0:
-        missing = tl.sum(tl.sum(((words & -4294967296) != flag).to(tl.int32), 1), 0)
+        missing = _ll_missing(words, flag)
         while (missing != 0) & (late == 0):
             words = tl.load(words_at, volatile=True)
-            missing = tl.sum(tl.sum(((words & -4294967296) != flag).to(tl.int32), 1), 0)
-            if now() - start > timeout:
+            missing = _ll_missing(words, flag)
+            if (missing != 0) & (now() - start > timeout):
                 late += 1
         if late != 0:
             record_late(err, OP, rank, peer)
@@ -138,10 +147,12 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                               HAS_BIAS: tl.constexpr, DEVICE_EPOCH: tl.constexpr,
                               EPOCH_SLOTS: tl.constexpr, LL: tl.constexpr = False):
     """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
-    output dtype's [WORLD, tiles] blocks, written by every rank; both of parity 0, parity 1
+    output dtype's [WORLD, tiles] blocks (``LL``: of [BM, BN / 2] int64 words, twice the bytes),
+    written by every rank; both of parity 0, parity 1
     ``half_*`` elements on. ``DEVICE_EPOCH`` (the graph lane, CUDA-graph replays): the epoch is
     ``epochs[0] + 1`` and the ticket starts at 0; the last program to leave stores the epoch
     into all ``EPOCH_SLOTS`` slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits)."""
+    tl.static_assert(not (LL and DEVICE_EPOCH), "LL words need host epochs, which restart")
     if DEVICE_EPOCH:
         epoch = tl.load(epochs) + 1
         ticket_base = 0
@@ -213,33 +224,44 @@ class SplitConfig:
 
     tile: tiles.TileConfig
     split: int
-    ll: bool = False  # the sums pushed as LL words (module docstring), where ``uses_ll`` allows
+    ll: bool | None = None  # the sums as LL words: True / False asked, None ``uses_ll``'s rule
 
     def __str__(self) -> str:
-        return f"{self.tile}k{self.split}" + ("ll" if self.ll else "")
+        return f"{self.tile}k{self.split}" + {True: "ll", False: "fl", None: ""}[self.ll]
 
 
-#: Up to this many rows the sums travel as LL words by default (``SplitConfig.ll``): few bytes,
-#: so doubling them costs less than the fence and flag they replace.
-LL_MAX_ROWS = 32
+#: LL words where each rank pushes at most this many values to its peers, all of them together
+#: (2xH200, ``explore/split_k_ll_a1817fe``, µs, LL / a flag per tile: 16x4096x8192 25.6 / 26.6,
+#: 16x14336x8192 61.7 / 62.9 (2^17 values); 32x2048x4096 15.5 / 15.5 (2^17); 128x2048x4096 20.2 / 17.7
+#: (2^19): twice the bytes on the link cost more than the fence and flag they replace).
+LL_MAX_PUSHED = 1 << 17
 
 
-def uses_ll(cfg: SplitConfig, dtype: torch.dtype, lane: bool = False) -> bool:
-    """Whether a call pushes LL words: asked by ``cfg``, 16-bit outputs (two to a word), and not
-    in a graph lane (whose epochs live on the device and do not restart)."""
-    return cfg.ll and dtype.itemsize == 2 and not lane
+def uses_ll(cfg: SplitConfig, m: int, n: int, world: int, dtype: torch.dtype, lane: bool = False) -> bool:
+    """Whether a call pushes LL words: 16-bit outputs (two to a word), not in a graph lane (whose
+    epochs live on the device and never restart), and as ``cfg.ll`` asks, or where it leaves
+    that open, where the values pushed are at most ``LL_MAX_PUSHED``."""
+    if dtype.itemsize != 2 or lane:
+        return False
+    return (world - 1) * m * n <= LL_MAX_PUSHED if cfg.ll is None else cfg.ll
+
+
+def sums_elems(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool = False) -> int:
+    """Output-dtype elements of the ranks' sums: a block per tile and rank, twice as many
+    elements as values in the LL form (a word per two values)."""
+    values = world * num_tiles(m, n, cfg) * cfg.tile.bm * cfg.tile.bn
+    return values * (2 if uses_ll(cfg, m, n, world, dtype, lane) else 1)
 
 
 #: Rows up to which ``mm_all_reduce`` may take this kernel (one or two row blocks).
 MAX_ROWS = 256
 
 
-#: From this many output columns (with 65-128 rows: 8 stages of 64-deep K steps) and this K (the
-#: blocks are 128 x 64) the 65-128-row tilings: 128 such blocks fill the SMs without K slices, so no
-#: fp32 slice is stored and summed (2xH200, ``explore/split_k_sweep3_*``, µs, narrow blocks /
-#: before: 16x4096x8192 16x64x256 26.7 / 28.2 (now ``_narrow``); 128x4096x8192 128x64x128 35.5 /
-#: one-shot 40.1, 128x14336x8192 76.8 / one-shot 79.7, 128x7168x4096 (two slices) 33.9 / 35.3; at
-#: K = 2048 the 64 x 64 blocks stayed ahead, 17.9 / 19.0).
+#: 65-128 rows from ``NARROW_MIN_K``: blocks of 128 x 64, 128 of which fill the SMs without K
+#: slices, so no fp32 slice is stored and summed; from ``NARROW_MIN_N`` columns in 8 stages of
+#: 64-deep K steps (2xH200, ``explore/split_k_sweep3_*``, µs, these blocks / before: 128x4096x8192
+#: 35.5 / one-shot 40.1, 128x14336x8192 76.8 / one-shot 79.7, 128x7168x4096 (two slices) 33.9 /
+#: 35.3; at K = 2048 the 64 x 64 blocks stayed ahead, 17.9 / 19.0).
 NARROW_MIN_N, NARROW_MIN_K = 8192, 4096
 
 
@@ -257,7 +279,7 @@ def _narrow(m: int, n: int, programs: int) -> tiles.TileConfig | None:
 
 
 def one_row_block(m: int, k: int) -> bool:
-    """65-128 rows from ``NARROW_MIN_K``: the 128 x 64 blocks of ``config``, which
+    """65-128 rows from ``NARROW_MIN_K``: the 128 x 64 blocks of ``wide_tile``, which
     ``dispatch.split_k_by_default`` also lets take larger outputs."""
     return 64 < m <= 128 and k >= NARROW_MIN_K
 
@@ -271,15 +293,15 @@ def config(m: int, k: int, n: int, programs: int, split: int | None = None,
     ``split_k_sweep3/5``; measured at 16 and 128 rows, taken for the rows between alike); and
     enough K slices that the units fill ``programs`` once (one wave:
     with few rows the tail after the GEMM is latency, which more waves would not hide), each at
-    least two K steps long; LL words up to ``LL_MAX_ROWS`` rows. Shape and the group's SM count
-    only, so the same on every rank. ``split``, ``tile`` and ``ll`` override (sweeps)."""
+    least two K steps long. Shape and the group's SM count only, so the same on every rank.
+    ``split``, ``tile`` and ``ll`` (``SplitConfig.ll``) override (sweeps)."""
     tile = tile or (_narrow(m, n, programs) if m <= 32 else None) or wide_tile(m, k, n)
     if split is None:
         count = tiles.cdiv(m, tile.bm) * tiles.cdiv(n, tile.bn)
         split = 1
         while split * 2 * count <= programs and split * 4 <= tiles.cdiv(k, tile.bk):
             split *= 2
-    return SplitConfig(tile, max(1, split), m <= LL_MAX_ROWS if ll is None else ll)
+    return SplitConfig(tile, max(1, split), ll)
 
 
 def wide_tile(m: int, k: int, n: int) -> tiles.TileConfig:
@@ -305,11 +327,9 @@ def num_tiles(m: int, n: int, cfg: SplitConfig) -> int:
 
 
 def data_bytes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool = False) -> int:
-    """Per parity: the ranks' sums (output dtype; LL words: 4 bytes a value), then the fp32
-    slices (256-byte aligned)."""
-    block = cfg.tile.bm * cfg.tile.bn
-    sums = world * num_tiles(m, n, cfg) * block * (4 if uses_ll(cfg, dtype, lane) else dtype.itemsize)
-    return tiles.cdiv(sums, 256) * 256 + num_tiles(m, n, cfg) * cfg.split * block * 4
+    """Per parity: the ranks' sums (``sums_elems``), then the fp32 slices (256-byte aligned)."""
+    sums = sums_elems(m, n, world, cfg, dtype, lane) * dtype.itemsize
+    return tiles.cdiv(sums, 256) * 256 + num_tiles(m, n, cfg) * cfg.split * cfg.tile.bm * cfg.tile.bn * 4
 
 
 def flag_slots(m: int, n: int, world: int, cfg: SplitConfig) -> int:
@@ -322,7 +342,8 @@ def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters
     (``dispatch.fused_unsupported``), or None."""
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"
-    cfg = config(m, k, n, 132)  # (the tiling, hence the tile count, does not depend on the SMs)
+    # the wide blocks' tiles: a narrow tiling has at most one per SM, far below both limits
+    cfg = SplitConfig(wide_tile(m, k, n), 1)
     if num_tiles(m, n, cfg) > counters:
         return "more tiles than the workspace has arrival counters"
     if flag_slots(m, n, world, cfg) > flag_limit:
@@ -365,16 +386,16 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     block = cfg.tile.bm * cfg.tile.bn
-    ll = uses_ll(cfg, a.dtype, lane)
-    sums_elems = ws.world * count * block * (2 if ll else 1)  # (LL: a word per two values)
-    parts_at = tiles.cdiv(sums_elems * a.dtype.itemsize, 256) * 256
+    ll = uses_ll(cfg, m, n, ws.world, a.dtype, lane)
+    sums = sums_elems(m, n, ws.world, cfg, a.dtype, lane)
+    parts_at = tiles.cdiv(sums * a.dtype.itemsize, 256) * 256
     units = count * cfg.split
     programs = max(1, min(units, ws.max_programs))
     if lane:
         sums0, parts0 = ws.data(a.dtype), ws.data(torch.float32)[parts_at // 4:]
         flags, ticket, epochs = ws.flags, ws.ticket, ws.counter
     else:
-        sums0 = ws.data(0, (sums_elems,), a.dtype)
+        sums0 = ws.data(0, (sums,), a.dtype)
         parts0 = ws.data(0, (count * cfg.split * block,), torch.float32, parts_at)
         flags, ticket, epochs = ws.tile_flags, ws.ticket, ws.ticket  # (epochs: unused)
     consts = dict(OP=GRAPH_LANE_OP if lane else FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split,
