@@ -10,9 +10,6 @@ triton = pytest.importorskip("triton")
 
 
 def _compile(tma: bool, scatter: bool, stagger: bool = False):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from commfuse.kernels import fused_all_reduce
 
     bm, bn, bk = 128, 256, 64
@@ -24,13 +21,22 @@ def _compile(tma: bool, scatter: bool, stagger: bool = False):
     consts = dict(OP=5, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, SUB_M=64, B_TRANSPOSED=True,
                   HAS_BIAS=False, TICKETS=True, SCATTER=scatter, ABLATE=0, PULL=False, TRACE=False,
                   INLINE=not scatter, TMA_PUSH=tma, STAGGER=stagger)
-    sig.update({name: "constexpr" for name in consts})
+    return _compile_for_sm90(fused_all_reduce.gemm_all_reduce_kernel, sig, consts, num_warps=8, num_stages=3)
+
+
+def _compile_for_sm90(fn, sig: dict, consts: dict, **options):
+    """``fn`` compiled for sm_90 with ``sig``'s arguments (pointers 16-byte aligned) and
+    ``consts``; skips where this Triton cannot."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(sig, **{name: "constexpr" for name in consts})
     pointers = [i for i, (name, kind) in enumerate(sig.items()) if kind.startswith("*")]
-    src = ASTSource(fn=fused_all_reduce.gemm_all_reduce_kernel, signature=sig,
+    src = ASTSource(fn=fn, signature=sig,
                     constexprs={(list(sig).index(name),): value for name, value in consts.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except (ImportError, FileNotFoundError) as exc:  # a Triton without the CUDA backend or ptxas
         pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
 
@@ -61,9 +67,6 @@ def test_staggered_start_compiles_for_sm90():
 
 
 def _compile_split_k(ll: bool):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from commfuse.kernels import fused_split_k
 
     bm, bn, bk = 16, 64, 256
@@ -74,15 +77,7 @@ def _compile_split_k(ll: bool):
            "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64"}
     consts = dict(OP=8, WORLD=2, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
                   DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll)
-    sig.update({name: "constexpr" for name in consts})
-    pointers = [i for i, (name, kind) in enumerate(sig.items()) if kind.startswith("*")]
-    src = ASTSource(fn=fused_split_k.split_k_all_reduce_kernel, signature=sig,
-                    constexprs={(list(sig).index(name),): value for name, value in consts.items()},
-                    attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+    return _compile_for_sm90(fused_split_k.split_k_all_reduce_kernel, sig, consts, num_warps=4, num_stages=4)
 
 
 def test_split_k_ll_form_compiles_for_sm90_without_the_flag_release():
