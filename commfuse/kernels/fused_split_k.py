@@ -2,7 +2,7 @@
 last K slice of each tile sums the tile's slices, pushes the sum to every peer and raises one
 flag per peer (or pushes LL words, below); each rank then adds the ranks' sums of the tile in rank
 order. No grid-wide barrier, no second kernel, no pull: what is left after the GEMM is one push
-and one flag.
+and one flag (LL: the push alone).
 
 With few rows the GEMM streams the weight and the output is small, so the exchange costs
 latency, not bandwidth; a tile-per-program GEMM has too few tiles to stream at full speed (2-3x
