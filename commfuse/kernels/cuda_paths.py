@@ -116,7 +116,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     tail = dispatch.ce_tail() if algo == "ce_overlap" else None  # a bad setting raises before the epoch
     streams = dispatch.ce_streams() if algo == "ce_overlap" else None
     graphs = algo == "ce_overlap" and ce_graphs.enabled()  # replayed as a CUDA graph where it can be
-    setting = (tail, dispatch.copy_engine_rows(m), streams) if graphs else None
+    rows = dispatch.copy_engine_rows(m) if algo == "ce_overlap" else None
+    setting = (tail, rows, streams) if graphs else None
     with _exchange(ws, "mm_all_reduce") as (epoch, parity):
         partial = ws.data(parity, (m, n), a.dtype)
         if algo == "overlap":
@@ -127,10 +128,12 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             if m and all(p is not None for p in peers):
                 if graphs:
                     ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda sides: (
-                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, sides, streams)),
+                        _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, sides, streams,
+                                                rows)),
                         a.device.index)
                 else:
-                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, streams=streams)
+                    _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail, streams=streams,
+                                            rows=rows)
                 return out
             _ran_instead("mm_all_reduce", algo, "one_shot")
             algo = "one_shot"  # no rows to chunk, or the provider has no peer views
@@ -236,7 +239,7 @@ def _gather_overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, re
 
 
 def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, tail: str = "copy",
-                            sides: tuple | None = None, streams: int = 1) -> None:
+                            sides: tuple | None = None, streams: int = 1, rows: tuple | None = None) -> None:
     """cuBLAS per row chunk; as each chunk lands, the copy engines (no SMs) pull the peers' rows
     of it on a side stream and one local add sums them, while the next chunk multiplies. Every
     GEMM is queued first, then the side streams' work, each chunk's behind its GEMM's event:
@@ -253,10 +256,11 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     ``sides``: the capture's (pulls, adds, barriers) side streams). Consecutive calls on a group
     must come from one stream (or streams ordered after each other): a call's barriers follow its
     first GEMM on the caller's stream, which follows the previous call's pulls, and that is what
-    keeps a peer from writing a partial this rank still pulls."""
-    rows = list(dispatch.copy_engine_rows(a.shape[0]))
+    keeps a peer from writing a partial this rank still pulls. ``rows``: each chunk's rows (default
+    ``dispatch.copy_engine_rows``; the caller passes the ones its graph key holds)."""
+    rows = list(rows or dispatch.copy_engine_rows(a.shape[0]))
     a_rows, partial_rows, out_rows = a.split(rows), partial.split(rows), out.split(rows)
-    bias_rows = _row_chunks(bias, rows, len(a_rows))
+    bias_rows = _row_chunks(bias, rows)
     # the one-shot's flag slots follow the chunks' barriers: where they do not fit (hundreds of
     # chunks at many ranks), every rank alike keeps the copy engines for the last chunk too
     one_shot_tail = (len(a_rows) > 1 and tail == "one_shot"
@@ -306,10 +310,9 @@ def _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, epoch, ta
     main.wait_stream(side)
 
 
-def _row_chunks(bias, rows, count: int) -> list:
-    """``_rows`` of each chunk of the output, ``count`` chunks of ``rows`` rows (an int, or each
-    chunk's rows; one ``split``)."""
-    return list(bias.split(rows)) if _per_row(bias) else [bias] * count
+def _row_chunks(bias, rows: list) -> list:
+    """``_rows`` of each chunk of the output, the chunks of ``rows`` rows each (one ``split``)."""
+    return list(bias.split(rows)) if _per_row(bias) else [bias] * len(rows)
 
 
 def _overlapped(ws, a, b, bias, partial, out, epoch) -> None:
