@@ -32,16 +32,17 @@ In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, a
 staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
 capture the launch and replay it.
 
-Program p's first unit is unit p; later units are claimed in order from the workspace's ticket
-by running programs. The grid is at most one program per SM (``ws.max_programs``), so, as the
-exchange kernels' barriers need theirs, all programs are resident at once (kernels of other
-streams can only delay some), every first unit is being computed on every rank, and a later
-claimed unit belongs to a running program on every rank that claimed as far; a unit pushes
-before its program waits, so no wait depends on a program that has not started. Claiming the
-first unit too cost the ticket's round trip at the start of every program: 0.2-0.4 µs of
+Program p's first unit is unit p; later units, if there are more than programs, are claimed in
+order from the workspace's ticket by running programs. The grid is at most one program per SM
+(``ws.max_programs``), so, as the exchange kernels' barriers need theirs, all programs are
+resident at once (kernels of other streams can only delay some), every first unit is being
+computed on every rank, and a later claimed unit belongs to a running program on every rank
+that claimed as far; a unit pushes before its program waits, so no wait depends on a program
+that has not started. Claiming the first unit cost the ticket's round trip at the start of
+every program, and the failed claim of a one-wave call another at its end: 0.2-0.4 µs each of
 9-29 µs calls at 16 and 128 rows (one H200, group of one,
-``benchmarks/results/h200/explore/split_k_static_first*``). Parity halves alternate between
-calls as in ``fused_all_reduce.py``.
+``benchmarks/results/h200/explore/split_k_{static_first,no_claim}*``). Parity halves alternate
+between calls as in ``fused_all_reduce.py``.
 """
 
 from __future__ import annotations
@@ -209,7 +210,10 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
             late = _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank,
                            err, timeout, OP, WORLD, BM, BN, LL)
         pending = tl.where(last, tile, -1)
-        u = claim(ticket, ticket_base) + tl.num_programs(0)
+        if num_tiles * SPLIT > tl.num_programs(0):
+            u = claim(ticket, ticket_base) + tl.num_programs(0)
+        else:  # one wave: every unit was a first one (no failed claim to wait for)
+            u = num_tiles * SPLIT
     if pending >= 0:
         _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
                 OP, WORLD, BM, BN, LL)
@@ -428,6 +432,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         base = 0 if lane else ws.ticket_base
         run_kernel(split_k_all_reduce_kernel, (programs,), *args(epoch, base), **consts)
         if not lane:
-            ws.ticket_base = base + units  # the units after the first ones, one failed claim per program
+            # the units after the first ones and one failed claim per program, if any claimed
+            ws.ticket_base = base + (units if units > programs else 0)
 
     return launch
