@@ -141,18 +141,21 @@ def stale_words_are_not_taken(world: int = 2, rank: int = 0) -> None:
     finally:
         del os.environ["COMMFUSE_TIMEOUT_S"]
     assert out.isnan().all(), "stale sums were taken"
-    assert [int(x) for x in ErrorWord._word] == [1, 8, rank, 1 - rank], list(ErrorWord._word)
+    first_peer = min(p for p in range(world) if p != rank)  # the first rank with words missing
+    assert [int(x) for x in ErrorWord._word] == [1, 8, rank, first_peer], list(ErrorWord._word)
     ErrorWord._word.zero_()
 
 
 def main() -> None:
     stale_words_are_not_taken()
+    stale_words_are_not_taken(world=4, rank=2)
     for m, k, n, split, bias in [(5, 96, 40, 2, True), (16, 64, 32, 1, False), (20, 80, 48, 3, False),
                                  (33, 128, 16, 4, True)]:
         case(m, k, n, split, bias, lane=False)
         case(m, k, n, split, bias, lane=False, calls=2, ll=True)  # both parities
         case(m, k, n, split, bias, lane=False, ll=None)  # the default rule
         case(m, k, n, split, bias, lane=True, calls=2, ll=True)  # (a lane keeps its flags)
+    case(20, 80, 48, 3, True, lane=False, world=3, rank=1, ll=True)  # LL reads padded to 4 ranks
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)
