@@ -156,6 +156,14 @@ def main() -> None:
         case(m, k, n, split, bias, lane=False, ll=None)  # the default rule
         case(m, k, n, split, bias, lane=True, calls=2, ll=True)  # (a lane keeps its flags)
     case(20, 80, 48, 3, True, lane=False, world=3, rank=1, ll=True)  # LL reads padded to 4 ranks
+    default = fused_split_k.LL_GROUP_VALUES
+    for values, world, rank in ((512, 8, 7), (256, 3, 1)):  # LL reads of 2 ranks and 1 rank at a time
+        fused_split_k.LL_GROUP_VALUES = values
+        try:
+            case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)
+            stale_words_are_not_taken(world=world, rank=rank)
+        finally:
+            fused_split_k.LL_GROUP_VALUES = default
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)

@@ -26,9 +26,9 @@ pattern arithmetic never writes (read as fp32 or bf16 a signalling NaN, as fp16 
 with a payload), its low ``LL_EPOCH_BITS`` bits the epoch's; the workspace restarts its epochs
 before those bits repeat and zeroes its data then and at allocation
 (``symm.Workspace._restart_epochs``), so a stale word carries the current flag only if raw bytes
-copied into the data halves held exactly that NaN. The reader loads every rank's words of the
-tile at once and sums them in one fixed order (of a [ranks, BM, BN] tensor), so a later rank,
-whose peers' words are already there, pays one local round trip instead of one per rank.
+copied into the data halves held exactly that NaN. The reader loads the ranks' words of a tile
+together (``ll_group``: all of them at 2 ranks) and sums them in one fixed order, so a later
+rank, whose peers' words are already there, pays one local round trip instead of one per rank.
 
 In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, as the lane's
 staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
@@ -89,27 +89,27 @@ def _ll_pack(val, flag, BM: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _ll_missing(words, flag):
-    """Per rank (the first axis of [RANKS, BM, BN // 2] ``words``), how many words do not carry
+    """Per rank (the first axis of [GROUP, BM, BN // 2] ``words``), how many words do not carry
     ``flag`` (the same counts in every thread)."""
     return tl.sum(tl.sum(((words & -4294967296) != flag).to(tl.int32), 2), 1)
 
 
 @triton.jit
-def _ll_read(sums, tile, num_tiles, flag, late, timeout, err, OP: tl.constexpr, rank, WORLD: tl.constexpr,
-             RANKS: tl.constexpr, dtype: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """(values, late): every rank's block of ``tile`` (``_ll_pack`` words), loaded together (one
-    round trip, not one per rank) and unpacked to [RANKS, BM, BN] ``dtype`` once every word carries
-    ``flag``, polled until then or ``timeout`` ns on (then late, the first rank with words
-    missing named in the error word; a program already late polls no more). ``RANKS``: WORLD
-    rounded up to a power of two; the padding ranks read as zeros."""
-    ranks = tl.arange(0, RANKS)
+def _ll_read(sums, tile, num_tiles, first, flag, late, start, timeout, err, OP: tl.constexpr, rank,
+             WORLD: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr):
+    """(values, late): the blocks of ``tile`` (``_ll_pack`` words) of ranks ``first`` to ``first +
+    GROUP - 1``, loaded together (one round trip, not one per rank) and unpacked to [GROUP, BM, BN]
+    ``dtype`` once every word carries ``flag``, polled until then or ``timeout`` ns after
+    ``start`` (then late, the first rank with words missing named in the error word; a program
+    already late polls no more). Ranks from ``WORLD`` on (padding) read as zeros."""
+    ranks = first + tl.arange(0, GROUP)
     block = (ranks * num_tiles + tile).to(tl.int64) * (BM * BN // 2)
     at = (sums.to(tl.pointer_type(tl.int64), bitcast=True) + block[:, None, None]
           + tl.arange(0, BM)[None, :, None] * (BN // 2) + tl.arange(0, BN // 2)[None, None, :])
     real = (ranks < WORLD)[:, None, None]
     words = tl.load(at, mask=real, other=flag, volatile=True)
     if late == 0:
-        start = now()
         missing = _ll_missing(words, flag)
         while (tl.sum(missing, 0) != 0) & (late == 0):
             words = tl.load(at, mask=real, other=flag, volatile=True)
@@ -117,11 +117,11 @@ def _ll_read(sums, tile, num_tiles, flag, late, timeout, err, OP: tl.constexpr, 
             if (tl.sum(missing, 0) != 0) & (now() - start > timeout):
                 late += 1
         if late != 0:
-            record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, RANKS), 0))
+            record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, WORLD), 0))
     words = tl.where(real, words, 0)
     lo = (words & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
     hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (RANKS, BM, BN)), late
+    return tl.reshape(tl.join(lo, hi), (GROUP, BM, BN)), late
 
 
 @triton.jit
@@ -133,13 +133,15 @@ def _ll_block(sums, index, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
             OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            LL: tl.constexpr, RANKS: tl.constexpr):
+            LL: tl.constexpr, LL_GROUP: tl.constexpr):
     """Wait for the peers' sums of ``tile`` and write its output: NaN if a peer came late."""
     acc = tl.zeros((BM, BN), tl.float32)
     if LL:  # one fixed order of the ranks' sums on every rank: the same bits everywhere
-        parts, late = _ll_read(sums, tile, num_tiles, _ll_flag(epoch), late, timeout, err, OP, rank, WORLD,
-                               RANKS, out.dtype.element_ty, BM, BN)
-        acc = tl.sum(parts.to(tl.float32), 0)
+        start = now()
+        for first in tl.static_range(0, WORLD, LL_GROUP):
+            parts, late = _ll_read(sums, tile, num_tiles, first, _ll_flag(epoch), late, start, timeout, err,
+                                   OP, rank, WORLD, LL_GROUP, out.dtype.element_ty, BM, BN)
+            acc += tl.sum(parts.to(tl.float32), 0)
     else:
         if late == 0:
             late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
@@ -162,7 +164,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                               BN: tl.constexpr, BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                               HAS_BIAS: tl.constexpr, DEVICE_EPOCH: tl.constexpr,
                               EPOCH_SLOTS: tl.constexpr, LL: tl.constexpr = False,
-                              RANKS: tl.constexpr = 0):
+                              LL_GROUP: tl.constexpr = 0):
     """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
     output dtype's [WORLD, tiles] blocks (``LL``: of [BM, BN / 2] int64 words, twice the bytes),
     written by every rank; both of parity 0, parity 1
@@ -170,7 +172,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
     ``epochs[0] + 1`` and the ticket starts at 0; the last program to leave stores the epoch
     into all ``EPOCH_SLOTS`` slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits)."""
     tl.static_assert(not (LL and DEVICE_EPOCH), "LL words need host epochs, which restart")
-    tl.static_assert(not LL or RANKS >= WORLD, "LL reads every rank's words at once: RANKS >= WORLD")
+    tl.static_assert(not LL or LL_GROUP > 0, "LL reads LL_GROUP ranks' words at once")
     if DEVICE_EPOCH:
         epoch = tl.load(epochs) + 1
         ticket_base = 0
@@ -220,7 +222,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                                      heap_bases, sem="release", scope="sys")
         if pending >= 0:
             late = _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank,
-                           err, timeout, OP, WORLD, BM, BN, LL, RANKS)
+                           err, timeout, OP, WORLD, BM, BN, LL, LL_GROUP)
         pending = tl.where(last, tile, -1)
         if num_tiles * SPLIT > tl.num_programs(0):
             u = claim(ticket, ticket_base) + tl.num_programs(0)
@@ -228,7 +230,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
             u = num_tiles * SPLIT
     if pending >= 0:
         _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
-                OP, WORLD, BM, BN, LL, RANKS)
+                OP, WORLD, BM, BN, LL, LL_GROUP)
     if DEVICE_EPOCH:  # every program read the epoch before any left: the last one advances it
         tl.debug_barrier()
         if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -272,6 +274,16 @@ def sums_elems(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype,
     elements as values in the LL form (a word per two values)."""
     values = world * num_tiles(m, n, cfg) * cfg.tile.bm * cfg.tile.bn
     return values * (2 if uses_ll(cfg, m, n, world, dtype, lane) else 1)
+
+
+#: Values of the LL words a program reads at once (``ll_group``): 32 registers of words a thread.
+LL_GROUP_VALUES = 4096
+
+
+def ll_group(world: int, bm: int, bn: int) -> int:
+    """How many ranks' LL blocks of a tile a program loads together: every rank's (rounded up to a
+    power of two, the padding read as zeros) as far as ``LL_GROUP_VALUES`` allows, at least one."""
+    return min(triton.next_power_of_2(world), max(1, LL_GROUP_VALUES // (bm * bn)))
 
 
 #: Rows up to which ``mm_all_reduce`` may take this kernel (one or two row blocks).
@@ -423,7 +435,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                   BM=cfg.tile.bm, BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, DEVICE_EPOCH=lane,
                   EPOCH_SLOTS=epochs.numel() if lane else 1, LL=ll,
-                  RANKS=triton.next_power_of_2(ws.world), num_warps=cfg.tile.warps,
+                  LL_GROUP=ll_group(ws.world, cfg.tile.bm, cfg.tile.bn), num_warps=cfg.tile.warps,
                   num_stages=cfg.tile.stages)
 
     def args(epoch: int, base: int) -> tuple:
