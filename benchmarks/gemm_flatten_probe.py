@@ -6,13 +6,13 @@ interleave), so this measures what the tile boundaries cost, each variant checke
 
     python benchmarks/gemm_flatten_probe.py MxKxN[,...] TILECONFIG[,...]
 """
-import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from commfuse.bench import time_us
 from commfuse.kernels import tiles
 from commfuse.kernels.tiles import tile_coords
 from commfuse.kernels.launch import run as run_kernel
@@ -37,20 +37,6 @@ def flat_kernel(a_desc, b_desc, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, 
         rows = pm * BM + tl.arange(0, BM)
         cols = pn * BN + tl.arange(0, BN)
         tl.store(c + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(c.dtype.element_ty))
-
-
-def time_us(fn, iters=30):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e8))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev) * 1000
 
 
 def main():

@@ -47,15 +47,17 @@ def _commit() -> str:
 
 
 def time_us(fn, warmup: int = 5, iters: int = 20) -> float:
-    """Median per-call GPU time in µs, max over ranks.
+    """Median per-call GPU time in µs, max over ranks (this process's alone without a group).
 
     Calls run back to back on the stream behind a GPU sleep long enough for the host to enqueue
     them all, so the events time the device work, not Python's launch overhead.
     """
+    grouped = dist.is_available() and dist.is_initialized()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    dist.barrier()
+    if grouped:
+        dist.barrier()
     torch.cuda._sleep(SLEEP_CYCLES)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
@@ -64,7 +66,8 @@ def time_us(fn, warmup: int = 5, iters: int = 20) -> float:
         end.record()
     torch.cuda.synchronize()
     med = torch.tensor(statistics.median(s.elapsed_time(e) for s, e in events) * 1000.0, device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if grouped:
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
 
 
