@@ -4,10 +4,11 @@ written into this rank's workspace before the launch, as their pushes would have
 this rank's pushes are checked in their buffers after. Both epoch modes: host epochs (a workspace) and device epochs (a graph
 lane, two calls in a row). Exits non-zero on a mismatch.
 
-What the interpreter cannot show: it runs programs one after another, so the first program
-claims every unit (no concurrent claims, no arrival races, the deferred tile output always
-follows the next unit of the same program), and rank 1's flags are set before the launch, so no
-wait ever spins. Those run on GPUs (``tests/gpu/test_gpu_split_k.py``)."""
+What the interpreter cannot show: it runs programs one after another, so in a call of more
+units than programs the first program claims every unit (no concurrent claims, no arrival
+races, the deferred tile output always follows the next unit of the same program), in a
+one-wave call each program runs its own unit alone, and the peers' flags are set before the
+launch, so no wait ever spins. Those run on GPUs (``tests/gpu/test_gpu_split_k.py``)."""
 
 from __future__ import annotations
 
@@ -116,10 +117,11 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         assert int(ErrorWord._word[0]) == 0
 
 
-def stale_words_are_not_taken(world: int = 2, rank: int = 0) -> None:
+def stale_words_are_not_taken(world: int = 2, rank: int = 0, stale: int | None = None) -> None:
     """LL: a peer's words from the call before with this parity (epoch - 2) are not the call's
     sums: the wait for them times out (a bound below zero: at once), the outputs are NaN and the
-    error word names the peer."""
+    error word names the first peer whose words are stale (``stale``: that peer's only, the
+    others' are the call's)."""
     import os
 
     m, k, n = 16, 64, 32
@@ -133,7 +135,8 @@ def stale_words_are_not_taken(world: int = 2, rank: int = 0) -> None:
     for p in range(world):
         if p != rank:
             words = me.buffer[-2 * (1 << 17):].view(DT)[(5 % 2) * (1 << 16):].view(torch.int64)
-            words[p * count * 128:(p + 1) * count * 128].copy_(ll_words(blocks(a @ w.t(), 16, 16), 3).flatten())
+            epoch = 3 if stale is None or p == stale else 5
+            words[p * count * 128:(p + 1) * count * 128].copy_(ll_words(blocks(a @ w.t(), 16, 16), epoch).flatten())
     out = torch.zeros(m, n, dtype=DT)
     os.environ["COMMFUSE_TIMEOUT_S"] = "-1"
     try:
@@ -141,8 +144,8 @@ def stale_words_are_not_taken(world: int = 2, rank: int = 0) -> None:
     finally:
         del os.environ["COMMFUSE_TIMEOUT_S"]
     assert out.isnan().all(), "stale sums were taken"
-    first_peer = min(p for p in range(world) if p != rank)  # the first rank with words missing
-    assert [int(x) for x in ErrorWord._word] == [1, 8, rank, first_peer], list(ErrorWord._word)
+    first = min(p for p in range(world) if p != rank) if stale is None else stale
+    assert [int(x) for x in ErrorWord._word] == [1, 8, rank, first], list(ErrorWord._word)
     ErrorWord._word.zero_()
 
 
@@ -157,13 +160,18 @@ def main() -> None:
         case(m, k, n, split, bias, lane=True, calls=2, ll=True)  # (a lane keeps its flags)
     case(20, 80, 48, 3, True, lane=False, world=3, rank=1, ll=True)  # LL reads padded to 4 ranks
     default = fused_split_k.LL_GROUP_VALUES
-    for values, world, rank in ((512, 8, 7), (256, 3, 1)):  # LL reads of 2 ranks and 1 rank at a time
+    # LL reads of 2 ranks at a time (at 3 ranks the second group padded) and of 1
+    for values, world, rank, stale in ((512, 8, 7, 5), (512, 3, 0, 2), (256, 3, 1, None)):
         fused_split_k.LL_GROUP_VALUES = values
         try:
             case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)
             stale_words_are_not_taken(world=world, rank=rank)
+            if stale is not None:  # a late peer in a later group is the one named
+                stale_words_are_not_taken(world=world, rank=rank, stale=stale)
         finally:
             fused_split_k.LL_GROUP_VALUES = default
+    for lane in (False, True):  # one wave of two slices (the defaults' form): no claims
+        case(16, 64, 16, 2, True, lane=lane, calls=2)
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)

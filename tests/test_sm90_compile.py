@@ -66,7 +66,7 @@ def test_staggered_start_compiles_for_sm90():
     assert staggered.asm["ptx"].count("%globaltimer") > plain.asm["ptx"].count("%globaltimer")
 
 
-def _compile_split_k(ll: bool):
+def _compile_split_k(ll: bool, world: int = 2, group: int = 2):
     from commfuse.kernels import fused_split_k
 
     bm, bn, bk = 16, 64, 256
@@ -75,8 +75,8 @@ def _compile_split_k(ll: bool):
            "out": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_bm": "i32", "stride_bn": "i32",
            "flags": "*i32", "counters": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32",
            "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64"}
-    consts = dict(OP=8, WORLD=2, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
-                  DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll, LL_GROUP=2)
+    consts = dict(OP=8, WORLD=world, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
+                  DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll, LL_GROUP=group)
     return _compile_for_sm90(fused_split_k.split_k_all_reduce_kernel, sig, consts, num_warps=4, num_stages=4)
 
 
@@ -88,3 +88,15 @@ def test_split_k_ll_form_compiles_for_sm90_without_the_flag_release():
     plain, ll = _compile_split_k(False).asm["ptx"], _compile_split_k(True).asm["ptx"]
     assert "atom.global.sys.release" in plain and ".release" not in ll and ".acquire" not in ll
     assert "st.global.v2.b64" in ll and "ld.volatile.global.b64" in ll
+
+
+@pytest.mark.parametrize("world, group", [(3, 4), (8, 2)])
+def test_split_k_ll_reads_in_groups_compile_for_sm90(world, group):
+    """The LL reader over a padded group (3 ranks read as 4) and over several groups (8 ranks, 2
+    at a time) compiles for sm_90; its volatile polls are predicated (the padding, or the words
+    a thread does not hold, are not loaded)."""
+    pytest.importorskip("iris")
+    import re
+
+    ptx = _compile_split_k(True, world, group).asm["ptx"]
+    assert re.search(r"@%p\d+ ld\.volatile\.global\.b64", ptx), "no predicated volatile poll"

@@ -1,7 +1,7 @@
 """``mm_all_reduce`` for few rows (decode, small batches) in one kernel: a split-K GEMM whose
 last K slice of each tile sums the tile's slices, pushes the sum to every peer and raises one
-flag per peer (or pushes LL words, below); each rank then adds the ranks' sums of the tile in rank
-order. No grid-wide barrier, no second kernel, no pull: what is left after the GEMM is one push
+flag per peer (or pushes LL words, below); each rank then adds the ranks' sums of the tile in one
+fixed order. No grid-wide barrier, no second kernel, no pull: what is left after the GEMM is one push
 and one flag (LL: the push alone).
 
 With few rows the GEMM streams the weight and the output is small, so the exchange costs
@@ -27,24 +27,27 @@ with a payload), its low ``LL_EPOCH_BITS`` bits the epoch's; the workspace resta
 before those bits repeat and zeroes its data then and at allocation
 (``symm.Workspace._restart_epochs``), so a stale word carries the current flag only if raw bytes
 copied into the data halves held exactly that NaN. The reader loads the ranks' words of a tile
-together (``ll_group``: all of them at 2 ranks) and sums them in one fixed order, so a later
-rank, whose peers' words are already there, pays one local round trip instead of one per rank.
+in groups (``ll_group``: at 2 ranks both at once for blocks of up to 2048 values, the 16-row
+ones) and sums them in one fixed order, so a later rank, whose peers' words are already there,
+pays one local round trip per group instead of one per rank.
 
 In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, as the lane's
 staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
 capture the launch and replay it.
 
-Program p's first unit is unit p; later units, if there are more than programs, are claimed in
-order from the workspace's ticket by running programs. The grid is at most one program per SM
-(``ws.max_programs``), so, as the exchange kernels' barriers need theirs, all programs are
-resident at once (kernels of other streams can only delay some), every first unit is being
-computed on every rank, and a later claimed unit belongs to a running program on every rank
-that claimed as far; a unit pushes before its program waits, so no wait depends on a program
-that has not started. Claiming the first unit cost the ticket's round trip at the start of
-every program, and the failed claim of a one-wave call another at its end: 0.2-0.4 µs each of
-9-29 µs calls at 16 and 128 rows (one H200, group of one,
-``benchmarks/results/h200/explore/split_k_{static_first,no_claim}*``). Parity halves alternate
-between calls as in ``fused_all_reduce.py``.
+Where the units fit one wave (every default tiling: the slices are chosen so), program p takes
+unit p and no program touches the workspace's ticket: claiming cost the ticket's round trip at
+the start of every program and a failed claim's at its end, 0.3-0.8 µs of 9-29 µs calls at 16
+and 128 rows (one H200, group of one,
+``benchmarks/results/h200/explore/split_k_{static_first,no_claim}*``). That needs all programs
+resident at once (the grid is at most one per SM, ``ws.max_programs``), as the exchange kernels'
+barriers do: where a kernel of another stream holds SMs on one rank, the programs that start
+late there hold up their peers' waits, which count against ``COMMFUSE_TIMEOUT_S`` (NaN and the
+error word beyond it). Calls of more units than programs claim every unit in order from the
+ticket by running programs, so no wait there depends on a program that has not started: a
+program waits only for a tile whose units it has all claimed, and so (claims being in the same
+order on every rank) has every rank that waits for it; a claimed unit pushes before its program
+waits. Parity halves alternate between calls as in ``fused_all_reduce.py``.
 """
 
 from __future__ import annotations
@@ -184,7 +187,11 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
     per = tl.cdiv(k_blocks, SPLIT)
     late = tl.program_id(0) * 0  # after one late wait the program waits no more (NaN outputs)
     pending = late - 1  # a tile this program pushed, whose output it writes after its next unit
-    u = tl.program_id(0)  # the first unit: no claim (the module docstring)
+    one_wave = num_tiles * SPLIT <= tl.num_programs(0)  # then no claims (the module docstring)
+    if one_wave:
+        u = tl.program_id(0)
+    else:
+        u = claim(ticket, ticket_base)
     while u < num_tiles * SPLIT:
         tile = u // SPLIT
         s = u % SPLIT
@@ -224,10 +231,10 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
             late = _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank,
                            err, timeout, OP, WORLD, BM, BN, LL, LL_GROUP)
         pending = tl.where(last, tile, -1)
-        if num_tiles * SPLIT > tl.num_programs(0):
-            u = claim(ticket, ticket_base) + tl.num_programs(0)
-        else:  # one wave: every unit was a first one (no failed claim to wait for)
+        if one_wave:
             u = num_tiles * SPLIT
+        else:
+            u = claim(ticket, ticket_base)
     if pending >= 0:
         _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
                 OP, WORLD, BM, BN, LL, LL_GROUP)
@@ -283,7 +290,8 @@ LL_GROUP_VALUES = 4096
 def ll_group(world: int, bm: int, bn: int) -> int:
     """How many ranks' LL blocks of a tile a program loads together: every rank's (rounded up to a
     power of two, the padding read as zeros) as far as ``LL_GROUP_VALUES`` allows, at least one."""
-    return min(triton.next_power_of_2(world), max(1, LL_GROUP_VALUES // (bm * bn)))
+    fit = max(1, LL_GROUP_VALUES // (bm * bn))
+    return min(triton.next_power_of_2(world), 1 << (fit.bit_length() - 1))  # a power of two
 
 
 #: Rows up to which ``mm_all_reduce`` may take this kernel (one or two row blocks).
@@ -446,7 +454,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     # compile before the call's epoch begins: a compile that fails on one rank must not leave its
     # peers waiting. Keyed like Triton's specialisation (integers equal to 1 or multiples of 16).
     ints = (m, n, k, sbm, sbn, half // 4, half // a.dtype.itemsize)
-    key = (cfg, ll, a.dtype, ws.world, b_t, bias is not None, lane, a.device,
+    key = (cfg, ll, consts["LL_GROUP"], a.dtype, ws.world, b_t, bias is not None, lane, a.device,
            tuple((v == 1, v % 16 == 0) for v in ints),
            tuple(t.data_ptr() % 16 == 0 for t in (out, full_bias) if t is not None))
     if key not in _compiled and hasattr(split_k_all_reduce_kernel, "warmup"):  # (not interpreted)
@@ -457,7 +465,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         base = 0 if lane else ws.ticket_base
         run_kernel(split_k_all_reduce_kernel, (programs,), *args(epoch, base), **consts)
         if not lane:
-            # the units after the first ones and one failed claim per program, if any claimed
-            ws.ticket_base = base + (units if units > programs else 0)
+            # one wave: no claims; else every unit claimed once, one failed claim each
+            ws.ticket_base = base + (0 if units <= programs else units + programs)
 
     return launch
