@@ -35,16 +35,16 @@ In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, a
 staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
 capture the launch and replay it.
 
-Where the units fit one wave (every default tiling: the slices are chosen so), program p takes
-unit p and no program touches the workspace's ticket: claiming cost the ticket's round trip at
-the start of every program and a failed claim's at its end, 0.3-0.8 µs of 9-29 µs calls at 16
-and 128 rows (one H200, group of one,
+Where the units fit one wave (by default wherever the tiles do not outnumber the SMs: the
+slices are chosen so), program p takes unit p and no program touches the workspace's ticket:
+claiming cost the ticket's round trip at the start of every program and a failed claim's at its
+end, 0.3-0.8 µs of 9-29 µs calls at 16 and 128 rows (one H200, group of one,
 ``benchmarks/results/h200/explore/split_k_{static_first,no_claim}*``). That needs all programs
-resident at once (the grid is at most one per SM, ``ws.max_programs``), as the exchange kernels'
-barriers do: where a kernel of another stream holds SMs on one rank, the programs that start
-late there hold up their peers' waits, which count against ``COMMFUSE_TIMEOUT_S`` (NaN and the
-error word beyond it). Calls of more units than programs claim every unit in order from the
-ticket by running programs, so no wait there depends on a program that has not started: a
+resident at once (the grid is at most one per SM, ``ws.max_programs``), as the exchange
+kernels' barriers do: where a kernel of another stream holds SMs on one rank, the programs that
+start late there hold up their peers' waits, which count against ``COMMFUSE_TIMEOUT_S`` (NaN
+and the error word beyond it). Calls of more units than programs claim every unit in order from
+the ticket by running programs, so no wait there depends on a program that has not started: a
 program waits only for a tile whose units it has all claimed, and so (claims being in the same
 order on every rank) has every rank that waits for it; a claimed unit pushes before its program
 waits. Parity halves alternate between calls as in ``fused_all_reduce.py``.
