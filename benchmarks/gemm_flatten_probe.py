@@ -14,7 +14,7 @@ import triton.language as tl
 
 from commfuse.bench import time_us
 from commfuse.kernels import tiles
-from commfuse.kernels.tiles import tile_coords
+from commfuse.kernels.tiles import mma_tile, tile_coords
 from commfuse.kernels.launch import run as run_kernel
 
 
@@ -23,15 +23,10 @@ def flat_kernel(a_desc, b_desc, c, M, N, K, BM: tl.constexpr, BN: tl.constexpr, 
                 GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr):
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
     tile_c = tl.program_id(0) - NUM_SMS
     for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        acc = tl.zeros((BM, BN), tl.float32)
-        for k in range(k_tiles):
-            a = a_desc.load([pid_m * BM, k * BK])
-            b = b_desc.load([pid_n * BN, k * BK]).T
-            acc = tl.dot(a, b, acc)
+        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, True)  # (W.t() operands)
         tile_c += NUM_SMS
         pm, pn = tile_coords(tile_c, num_m, num_n, GROUP_M)
         rows = pm * BM + tl.arange(0, BM)

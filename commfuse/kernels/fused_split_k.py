@@ -107,9 +107,7 @@ def _ll_read(sums, tile, num_tiles, first, flag, late, start, timeout, err, OP: 
     ``start`` (then late, the first rank with words missing named in the error word; a program
     already late polls no more). Ranks from ``WORLD`` on (padding) read as zeros."""
     ranks = first + tl.arange(0, GROUP)
-    block = (ranks * num_tiles + tile).to(tl.int64) * (BM * BN // 2)
-    at = (sums.to(tl.pointer_type(tl.int64), bitcast=True) + block[:, None, None]
-          + tl.arange(0, BM)[None, :, None] * (BN // 2) + tl.arange(0, BN // 2)[None, None, :])
+    at = _ll_block(sums, (ranks * num_tiles + tile)[:, None, None], BM, BN)  # [GROUP, BM, BN // 2]
     real = (ranks < WORLD)[:, None, None]
     words = tl.load(at, mask=real, other=flag, volatile=True)
     if late == 0:
