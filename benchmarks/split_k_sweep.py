@@ -64,11 +64,13 @@ def main() -> int:
     p.add_argument("--alone", action="store_true", help="also time each variant as a group of one")
     p.add_argument("--ll", default="", help="LL forms to time (comma-separated 0 and 1; default: "
                    "each variant's own)")
+    p.add_argument("--workspace-mb", type=int, default=64, help="workspace bytes per parity, MiB "
+                   "(many-row tilings with K slices need more than the default)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group, rank = sweep_setup()
     gname = group.group_name
-    ws = symm.workspace(gname, 64 << 20, torch.device("cuda", torch.cuda.current_device()))
+    ws = symm.workspace(gname, args.workspace_mb << 20, torch.device("cuda", torch.cuda.current_device()))
     records = []
     first = True
     for shape in args.shapes.split(","):

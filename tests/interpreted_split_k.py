@@ -19,13 +19,21 @@ from commfuse.kernels.sync import ErrorWord
 from interpreter_peers import DT, group
 
 
-def blocks(full: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
-    """``full`` [M, N] as the kernel's dense [tiles, bm, bn] blocks, tile t = (t // num_n, t % num_n)."""
+def blocks(full: torch.Tensor, bm: int, bn: int, group_m: int = 1) -> torch.Tensor:
+    """``full`` [M, N] as the kernel's dense [tiles, bm, bn] blocks in ``tiles.tile_coords``'s
+    order (``group_m`` 1: tile t = (t // num_n, t % num_n))."""
     m, n = full.shape
     num_m, num_n = -(-m // bm), -(-n // bn)
     pad = torch.zeros(num_m * bm, num_n * bn, dtype=full.dtype)
     pad[:m, :n] = full
-    return pad.view(num_m, bm, num_n, bn).permute(0, 2, 1, 3).reshape(num_m * num_n, bm, bn)
+    grid = pad.view(num_m, bm, num_n, bn).permute(0, 2, 1, 3)
+    order = []
+    for t in range(num_m * num_n):  # tile_coords, written out again
+        per_group = group_m * num_n
+        first_m = (t // per_group) * group_m
+        size_m = min(num_m - first_m, group_m)
+        order.append((first_m + (t % per_group) % size_m, (t % per_group) // size_m))
+    return torch.stack([grid[i, j] for i, j in order])
 
 
 def ll_flag(epoch: int) -> int:
@@ -48,12 +56,12 @@ def ll_values(words: torch.Tensor, epoch: int) -> torch.Tensor:
 
 
 def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int = 1, world: int = 2,
-         rank: int = 0, ll: bool | None = False) -> None:
+         rank: int = 0, ll: bool | None = False, group_m: int = 1) -> None:
     """``rank`` of ``world`` runs the kernel; every other rank's pushes are simulated. ``ll``:
     the sums travel as LL words (not in a lane: there the kernel keeps its flags); None: where
-    ``uses_ll`` says."""
+    ``uses_ll`` says. ``group_m``: the tiles' grouped order (``tiles.tile_coords``)."""
     torch.manual_seed(m * 1000 + k + n + split + world)
-    tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0)
+    tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=group_m, reducers=0)
     cfg = fused_split_k.config(m, k, n, 3, split, tile, ll=ll)
     ll = fused_split_k.uses_ll(cfg, m, n, world, DT, lane)
     count = fused_split_k.num_tiles(m, n, cfg)
@@ -81,10 +89,10 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         for p in range(world):
             if p != rank and ll:
                 words = sums[rank][at:].view(torch.int64)
-                words[p * count * 128:(p + 1) * count * 128].copy_(ll_words(blocks(partial[p], 16, 16), epoch).flatten())
+                words[p * count * 128:(p + 1) * count * 128].copy_(ll_words(blocks(partial[p], 16, 16, group_m), epoch).flatten())
             elif p != rank:
                 sums[rank][at + p * count * 256:at + (p + 1) * count * 256].copy_(
-                    blocks(partial[p], 16, 16).flatten())
+                    blocks(partial[p], 16, 16, group_m).flatten())
                 for t in range(count):
                     flags[rank][t * world + p] = epoch
         out = torch.full((m, n), float("nan"), dtype=DT)
@@ -97,7 +105,7 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
         err = ((out.float() - want).norm() / want.norm()).item()
         assert err < 2e-3, (m, k, n, split, bias, lane, call, world, rank, err)
         # what this rank pushed into every peer: its rounded sum in slot [rank, tile], its flags
-        mine = blocks(partial[rank], 16, 16)
+        mine = blocks(partial[rank], 16, 16, group_m)
         for p in range(world):
             if p != rank and ll:
                 words = sums[p][at:].view(torch.int64)[rank * count * 128:(rank + 1) * count * 128]
@@ -172,6 +180,8 @@ def main() -> None:
             fused_split_k.LL_GROUP_VALUES = default
     for lane in (False, True):  # one wave of two slices (the defaults' form): no claims
         case(16, 64, 16, 2, True, lane=lane, calls=2)
+    for ll in (False, True):  # tiles in groups of 2 row blocks (3 row blocks: the last group short)
+        case(40, 64, 48, 2, True, lane=False, ll=ll, group_m=2)
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)

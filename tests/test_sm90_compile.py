@@ -76,7 +76,7 @@ def _compile_split_k(ll: bool, world: int = 2, group: int = 2):
            "flags": "*i32", "counters": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32",
            "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64"}
     consts = dict(OP=8, WORLD=world, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
-                  DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll, LL_GROUP=group)
+                  DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll, LL_GROUP=group, GROUP_M=1)
     return _compile_for_sm90(fused_split_k.split_k_all_reduce_kernel, sig, consts, num_warps=4, num_stages=4)
 
 

@@ -62,7 +62,7 @@ from . import tiles
 from .launch import run as run_kernel
 from .sync import (ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, record_late, require_iris, timeout_ns,
                    wait_other_ranks)
-from .tiles import claim, mma_range, tile_epilogue
+from .tiles import claim, mma_range, tile_coords, tile_epilogue
 
 
 @triton.jit
@@ -132,9 +132,9 @@ def _ll_block(sums, index, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
+def _finish(tile, late, sums, out, M, N, num_m, num_n, num_tiles, flags, epoch, rank, err, timeout,
             OP: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            LL: tl.constexpr, LL_GROUP: tl.constexpr):
+            GROUP_M: tl.constexpr, LL: tl.constexpr, LL_GROUP: tl.constexpr):
     """Wait for the peers' sums of ``tile`` and write its output: NaN if a peer came late."""
     acc = tl.zeros((BM, BN), tl.float32)
     if LL:  # one fixed order of the ranks' sums on every rank: the same bits everywhere
@@ -150,8 +150,9 @@ def _finish(tile, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, e
             acc += tl.load(_block(sums, p * num_tiles + tile, BM, BN), cache_modifier=".cg").to(tl.float32)
     if late != 0:
         acc = tl.full((BM, BN), float("nan"), tl.float32)
-    rows = (tile // num_n) * BM + tl.arange(0, BM)
-    cols = (tile % num_n) * BN + tl.arange(0, BN)
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
     tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
     return late
@@ -165,13 +166,15 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                               BN: tl.constexpr, BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                               HAS_BIAS: tl.constexpr, DEVICE_EPOCH: tl.constexpr,
                               EPOCH_SLOTS: tl.constexpr, LL: tl.constexpr = False,
-                              LL_GROUP: tl.constexpr = 0):
+                              LL_GROUP: tl.constexpr = 0, GROUP_M: tl.constexpr = 1):
     """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
     output dtype's [WORLD, tiles] blocks (``LL``: of [BM, BN / 2] int64 words, twice the bytes),
     written by every rank; both of parity 0, parity 1
     ``half_*`` elements on. ``DEVICE_EPOCH`` (the graph lane, CUDA-graph replays): the epoch is
     ``epochs[0] + 1`` and the ticket starts at 0; the last program to leave stores the epoch
-    into all ``EPOCH_SLOTS`` slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits)."""
+    into all ``EPOCH_SLOTS`` slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits).
+    ``GROUP_M``: the tiles' order (``tiles.tile_coords``; the tiling's ``group_m``, 1 in every
+    default, whose calls have one or two row blocks)."""
     tl.static_assert(not (LL and DEVICE_EPOCH), "LL words need host epochs, which restart")
     tl.static_assert(not LL or LL_GROUP > 0, "LL reads LL_GROUP ranks' words at once")
     if DEVICE_EPOCH:
@@ -179,8 +182,9 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
         ticket_base = 0
     parts = parts0 + (epoch % 2) * half_parts
     sums = sums0 + (epoch % 2) * half_sums
+    num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    num_tiles = tl.cdiv(M, BM) * num_n
+    num_tiles = num_m * num_n
     k_blocks = tl.cdiv(K, BK)
     per = tl.cdiv(k_blocks, SPLIT)
     late = tl.program_id(0) * 0  # after one late wait the program waits no more (NaN outputs)
@@ -193,8 +197,9 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
     while u < num_tiles * SPLIT:
         tile = u // SPLIT
         s = u % SPLIT
-        off_m = (tile // num_n) * BM
-        off_n = (tile % num_n) * BN
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
         acc = mma_range(a_desc, b_desc, off_m, off_n, s * per, tl.minimum(s * per + per, k_blocks),
                         BM, BN, BK, B_TRANSPOSED)
         last = True
@@ -226,16 +231,16 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                     iris.atomic_xchg(flags + tile * WORLD + rank, epoch, rank, (rank + k) % WORLD,
                                      heap_bases, sem="release", scope="sys")
         if pending >= 0:
-            late = _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank,
-                           err, timeout, OP, WORLD, BM, BN, LL, LL_GROUP)
+            late = _finish(pending, late, sums, out, M, N, num_m, num_n, num_tiles, flags, epoch, rank,
+                           err, timeout, OP, WORLD, BM, BN, GROUP_M, LL, LL_GROUP)
         pending = tl.where(last, tile, -1)
         if one_wave:
             u = num_tiles * SPLIT
         else:
             u = claim(ticket, ticket_base)
     if pending >= 0:
-        _finish(pending, late, sums, out, M, N, num_n, num_tiles, flags, epoch, rank, err, timeout,
-                OP, WORLD, BM, BN, LL, LL_GROUP)
+        _finish(pending, late, sums, out, M, N, num_m, num_n, num_tiles, flags, epoch, rank, err, timeout,
+                OP, WORLD, BM, BN, GROUP_M, LL, LL_GROUP)
     if DEVICE_EPOCH:  # every program read the epoch before any left: the last one advances it
         tl.debug_barrier()
         if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -441,7 +446,8 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
                   BM=cfg.tile.bm, BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, DEVICE_EPOCH=lane,
                   EPOCH_SLOTS=epochs.numel() if lane else 1, LL=ll,
-                  LL_GROUP=ll_group(ws.world, cfg.tile.bm, cfg.tile.bn), num_warps=cfg.tile.warps,
+                  LL_GROUP=ll_group(ws.world, cfg.tile.bm, cfg.tile.bn), GROUP_M=cfg.tile.group_m,
+                  num_warps=cfg.tile.warps,
                   num_stages=cfg.tile.stages)
 
     def args(epoch: int, base: int) -> tuple:
