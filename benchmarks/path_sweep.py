@@ -21,6 +21,9 @@ import commfuse  # noqa: F401
 from commfuse.bench import AG_MM_SHAPES, MM_AR_SHAPES, settings, sweep_finish, sweep_setup, time_us
 from commfuse.kernels.sync import check_errors
 
+#: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.
+TILINGS = {"128x128": "128x128x64s4w8g8r0o1", "128x64": "128x64x64s4w4g8r0o1",
+           "64x128": "64x128x64s4w4g8r0o1"}
 AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                  "fused": {"COMMFUSE_ALGO": "fused"},
                  "fused_reducers": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r16o1"},
@@ -29,6 +32,10 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                                                "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r0o1"}
                     for lag in ("0.5", "1", "2", "4", "100")},
                  "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
+                 # smaller tiles: more waves, so the first waves' exchange overlaps the later ones
+                 # (one wave of 128 x 256 tiles at 1024 rows leaves the whole exchange after it)
+                 **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
+                    for name, cfg in TILINGS.items() if name != "128x128"},
                  "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
                  # every chunk pulled by the copy engines (the tail too: before c0b19f0's default)
                  **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
@@ -50,9 +57,6 @@ AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
                     for c in (4, 8) for r in (128, 256, 512)},
                  # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
                  "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
-#: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.
-TILINGS = {"128x128": "128x128x64s4w8g8r0o1", "128x64": "128x64x64s4w4g8r0o1",
-           "64x128": "64x128x64s4w4g8r0o1"}
 AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
                  **{f"overlap_{src}": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL": src}
                     for src in ("workspace", "copy")},
