@@ -36,14 +36,6 @@ def merge_sums_allowed() -> bool:
     return os.environ.get("COMMFUSE_MERGE_SUMS", "1").strip() != "0"
 
 
-def weight_parts_allowed() -> bool:
-    """``COMMFUSE_WEIGHT_PARTS=0`` keeps a merged sum's weights concatenated in the graph instead of
-    handing them to ``mm_parts_all_reduce`` as parts (read at compile time)."""
-    import os
-
-    return os.environ.get("COMMFUSE_WEIGHT_PARTS", "1").strip() != "0"
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What one configured backend does. Part of the pass's cache key (``key()``)."""
@@ -103,7 +95,7 @@ class Settings:
         """A stable text of every setting that changes what the pass does."""
         classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
         return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk,
-                     self.launch_bound(), merge_sums_allowed(), weight_parts_allowed()))
+                     self.launch_bound(), merge_sums_allowed()))
 
     def launch_bound(self) -> int:
         return default_launch_bound_bytes() if self.launch_bound_bytes is None else self.launch_bound_bytes

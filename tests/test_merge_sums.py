@@ -19,7 +19,6 @@ from commfuse.demo import transformer as demo
 from helpers import calls, compile_code
 
 AR, RS = "commfuse.mm_all_reduce", "commfuse.mm_reduce_scatter"
-PARTS = "commfuse.mm_parts_all_reduce"  # a merged all-reduce, its weights as parts (weight_parts.py)
 C10D_AR, C10D_RS = "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor"
 
 
@@ -39,7 +38,7 @@ def test_all_reduced_partials_become_one_all_reduce(world):
         return (_ar(x1 @ w1) + r) + _ar(x2 @ w2)
 
     out, code = compile_code(f, x1, w1, x2, w2, r)
-    assert calls(code, PARTS) == 1 and calls(code, AR) == 0 and C10D_AR not in code, code
+    assert calls(code, AR) == 1 and C10D_AR not in code, code
     (rec,) = _merges()
     assert rec.shape == (64, 48, 48) and rec.reason == "merged 2 all-reduced partials (K=32+16)"
     torch.testing.assert_close(out, f(x1, w1, x2, w2, r))  # the fake group's all_reduce is the identity
@@ -53,7 +52,7 @@ def test_three_terms_3d_views(world2):
         return _ar(F.linear(a, wa)) + _ar(F.linear(b, wb)) + _ar(F.linear(c, wc))
 
     out, code = compile_code(f, *xs, *ws)
-    assert calls(code, PARTS) == 1 and calls(code, AR) == 0, code
+    assert calls(code, AR) == 1, code
     assert [r.shape for r in _merges()] == [(16, 48, 24)]
     torch.testing.assert_close(out, f(*xs, *ws))
 
@@ -114,7 +113,7 @@ def test_weight_gradient_reads_the_concatenation(world2):
         return _ar(a1 @ w1) + _ar(a2 @ w2), a1.t() @ a1, a2.sum(0)
 
     out, code = compile_code(f, x1, w1, x2, w2)
-    assert calls(code, PARTS) == 1 and calls(code, AR) == 0, code
+    assert calls(code, AR) == 1, code
     for got, want in zip(out, f(x1, w1, x2, w2)):
         torch.testing.assert_close(got, want)
 
@@ -168,7 +167,7 @@ def test_summed_partials_all_reduced_once_values(world2):
         return _ar(F.linear(x1, w1) + F.linear(x2, w2)) * 2
 
     out, code = compile_code(f, x1, w1, x2, w2)
-    assert calls(code, PARTS) == 1 and calls(code, AR) == 0 and C10D_AR not in code, code
+    assert calls(code, AR) == 1 and C10D_AR not in code, code
     assert [r.reason for r in _merges()] == ["merged 2 partials of one reduction (K=32+16)"]
     torch.testing.assert_close(out, f(x1, w1, x2, w2))
 
@@ -187,55 +186,6 @@ def test_off_switches(world2, monkeypatch):
     patterns = [p for p in commfuse.PATTERNS if p != "merge_sums"]
     _, code = compile_code(f, x1, w1, x2, w2, backend=commfuse.backend(min_mnk=0, patterns=patterns))
     assert calls(code, AR) == 2 and not _merges()
-
-
-def test_weight_parts_switch_keeps_the_concatenation(world2, monkeypatch):
-    """``COMMFUSE_WEIGHT_PARTS=0``: the merged sum multiplies one concatenation of the weights
-    (``mm_all_reduce``) instead of taking them as parts; the values are the same either way."""
-    x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
-
-    def f(x1, w1, x2, w2):
-        return _ar(x1 @ w1) + _ar(x2 @ w2)
-
-    monkeypatch.setenv("COMMFUSE_WEIGHT_PARTS", "0")
-    out, code = compile_code(f, x1, w1, x2, w2)
-    assert calls(code, AR) == 1 and calls(code, PARTS) == 0 and len(_merges()) == 1, code
-    torch.testing.assert_close(out, f(x1, w1, x2, w2))
-
-
-def test_weight_parts_only_for_a_concatenation_read_once(world2):
-    """The rewrite takes a fused call's ``cat`` along rows only where nothing else reads it."""
-    import torch.fx as fx
-
-    from commfuse.patterns import weight_parts
-    from helpers import group_name
-
-    g = fx.Graph()
-    a, b1, b2 = g.placeholder("a"), g.placeholder("b1"), g.placeholder("b2")
-    vals = {a: torch.randn(4, 6), b1: torch.randn(2, 5), b2: torch.randn(4, 5)}
-    for node, v in vals.items():
-        node.meta["val"] = v
-    cats = []
-    for dim in (0, 1, 0):
-        parts = (b1, b2) if dim == 0 else (b1, b1)
-        cat = g.call_function(torch.ops.aten.cat.default, (list(parts), dim))
-        cat.meta["val"] = torch.cat([vals[p] for p in parts], dim)
-        cats.append(cat)
-    outs = []
-    for cat in cats:
-        b = cat if cat.meta["val"].shape[0] == 6 else None
-        if b is None:
-            continue
-        node = g.call_function(torch.ops.commfuse.mm_all_reduce.default, (a, b, None, group_name()))
-        node.meta["val"] = torch.empty(4, 5)
-        outs.append(node)
-    g.output((*outs, cats[2]))  # the third concatenation is also returned: read twice
-    assert weight_parts.rewrite(g) == 1
-    targets = [n.target for n in g.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.commfuse.mm_parts_all_reduce.default) == 1
-    assert targets.count(torch.ops.commfuse.mm_all_reduce.default) == 1
-    (parts_call,) = [n for n in g.nodes if n.target is torch.ops.commfuse.mm_parts_all_reduce.default]
-    assert list(parts_call.args[1]) == [b1, b2] and tuple(parts_call.meta["val"].shape) == (4, 5)
 
 
 class _Two(nn.Module):

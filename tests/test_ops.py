@@ -18,45 +18,6 @@ def test_opcheck_mm_all_reduce(world2, bias, dtype):
     torch.library.opcheck(torch.ops.commfuse.mm_all_reduce.default, args)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_mm_parts_all_reduce(world2, bias, dtype):
-    a = torch.randn(33, 17, dtype=dtype)
-    parts = [torch.randn(9, 29, dtype=dtype), torch.randn(29, 8, dtype=dtype).t()]  # (a weight's W.t())
-    args = (a, parts, torch.randn(29, dtype=dtype) if bias else None, group_name())
-    torch.library.opcheck(torch.ops.commfuse.mm_parts_all_reduce.default, args)
-
-
-def test_mm_parts_all_reduce_is_the_concatenated_matmul(world2):
-    """Each part multiplies its columns of ``a`` into one output: the product with the parts
-    concatenated, rounded once per part (fp32 here: equal within rounding)."""
-    a, bias = torch.randn(6, 9, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
-    parts = [torch.randn(4, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64),
-             torch.randn(3, 5, dtype=torch.float64)]
-    from commfuse.kernels import reference
-
-    got = reference.matmul(a, reference.Parts(parts), bias)
-    torch.testing.assert_close(got, torch.addmm(bias, a, torch.cat(parts)))
-    a, parts, bias = a.float(), [p.float() for p in parts], bias.float()
-    got = torch.ops.commfuse.mm_parts_all_reduce(a, parts, bias, group_name())
-    torch.testing.assert_close(got, torch.addmm(bias, a, torch.cat(parts)))
-    out = torch.full((6, 5), float("nan"))
-    reference.matmul(a, reference.Parts(parts), None, out=out)  # into a given output (the paths' chunks)
-    torch.testing.assert_close(out, a @ torch.cat(parts))
-
-
-@pytest.mark.parametrize("parts, message", [
-    (lambda: [torch.randn(2, 3), torch.randn(2, 4)], "differ in columns or dtype"),
-    (lambda: [torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float16)], "differ in columns or dtype"),
-    (lambda: [torch.randn(2, 3), torch.randn(3, 3)], "inner dimensions differ"),
-    (lambda: [], "no parts"),
-])
-def test_mm_parts_all_reduce_errors(world2, parts, message):
-    with pytest.raises(RuntimeError, match="commfuse.mm_parts_all_reduce") as info:
-        torch.ops.commfuse.mm_parts_all_reduce(torch.randn(4, 4), parts(), None, group_name())
-    assert message in str(info.value)
-
-
 @pytest.mark.parametrize("gather_dim, shard_shape", [(0, (5, 24)), (0, (3, 4, 24)), (1, (2, 3, 24))])
 @pytest.mark.parametrize("return_gathered", [False, True])
 def test_opcheck_all_gather_mm(world, gather_dim, shard_shape, return_gathered):

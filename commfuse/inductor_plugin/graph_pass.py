@@ -31,7 +31,7 @@ from .. import patterns
 from ..config import Settings
 from ..exclusion import any_instance_excluded, module_stack
 from ..kernels import symm
-from ..patterns import merge_sums, weight_parts
+from ..patterns import merge_sums
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
 from ..report import MatchRecord, log, record
 
@@ -114,9 +114,6 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             record(rec)
             fused += 1
     if fused:
-        parts = weight_parts.rewrite(graph)
-        if parts:
-            log.debug("commfuse: %s: %d merged sums take their weights as parts (no concatenation)", label, parts)
         stable_topological_sort(graph)
         graph.lint()
         for group, nbytes in workspace_plan(graph).items():
@@ -125,8 +122,7 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
 
 
 def _mm_all_reduce_bytes(node: fx.Node):
-    a, b = val(node.args[0]), node.args[1]
-    b = val(b[0] if isinstance(b, (list, tuple)) else b)  # mm_parts_all_reduce: the parts' columns
+    a, b = val(node.args[0]), val(node.args[1])
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if not all(isinstance(x, int) for x in (m, k, n)):
         return None  # symbolic: the workspace grows on first use
@@ -163,8 +159,7 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """
     need: dict[str, int] = {}
     for node in graph.nodes:
-        if node.target in (torch.ops.commfuse.mm_all_reduce.default,  # the partial (or the fused slabs)
-                           torch.ops.commfuse.mm_parts_all_reduce.default):
+        if node.target is torch.ops.commfuse.mm_all_reduce.default:  # the partial (or the fused slabs)
             nbytes, group = _mm_all_reduce_bytes(node), node.args[3]
         elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard (or all rows)
             nbytes, group = _all_gather_mm_bytes(node), node.args[5]

@@ -86,8 +86,7 @@ def timed(op: str, paths: collections.Counter) -> Callable:
             host, cpu = time.perf_counter() - began, time.thread_time() - cpu
             taken = [k for k, v in paths.items() if k.startswith(op + ":") and v > before.get(k, 0)]
             path = taken[0].partition(":")[2] if len(taken) == 1 else "?"
-            b_transposed = (isinstance(b, torch.Tensor) and b.dim() == 2 and b.shape[0] > 1
-                            and b.stride(0) == 1)  # a weight's W.t() (never ``reference.Parts``)
+            b_transposed = b.dim() == 2 and b.shape[0] > 1 and b.stride(0) == 1  # a weight's W.t()
             _pending.append(((op, tuple(a.shape), tuple(b.shape), b_transposed, path), start, end, idle, host,
                              cpu))
             return out

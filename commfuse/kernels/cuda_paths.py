@@ -101,8 +101,6 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     m, n = a.shape[0], b.shape[1]
     algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
     PATHS[f"mm_all_reduce:{algo}"] += 1
-    if isinstance(b, reference.Parts) and algo in ("graph", "fused", "split_k"):
-        b = b.whole()  # the Triton kernels read one operand (cuBLAS multiplies the parts in turn)
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
     if algo == "nccl":
@@ -129,8 +127,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
             peers = [ws.peer_data(p, parity, (m, n), a.dtype) for p in range(ws.world)]
             if m and all(p is not None for p in peers):
                 if graphs:
-                    operands = (a, *b, bias, out, recv) if isinstance(b, reference.Parts) else (a, b, bias, out, recv)
-                    ce_graphs.run(ws, epoch, ce_graphs.key(parity, operands, setting), lambda sides: (
+                    ce_graphs.run(ws, epoch, ce_graphs.key(parity, (a, b, bias, out, recv), setting), lambda sides: (
                         _copy_engine_overlapped(ws, a, b, bias, partial, out, recv, peers, None, tail, sides, streams,
                                                 rows)),
                         a.device.index)

@@ -78,53 +78,6 @@ def _(a, b, bias, group_name):
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _check_parts(op: str, a: torch.Tensor, parts: list) -> reference.Parts:
-    torch._check(len(parts) >= 1, lambda: f"commfuse.{op}: no parts")
-    for p in parts:
-        torch._check(p.dim() == 2, lambda: f"commfuse.{op}: every part must be 2-D, got {tuple(p.shape)}")
-        torch._check(p.shape[1] == parts[0].shape[1] and p.dtype == parts[0].dtype,
-                     lambda: f"commfuse.{op}: parts {tuple(parts[0].shape)} {parts[0].dtype} and "
-                             f"{tuple(p.shape)} {p.dtype} differ in columns or dtype")
-    return reference.Parts(parts)
-
-
-@torch.library.custom_op("commfuse::mm_parts_all_reduce", mutates_args=())
-def mm_parts_all_reduce(
-    a: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None, group_name: str
-) -> torch.Tensor:
-    """``mm_all_reduce(a, cat(parts, 0), bias, group_name)`` without the concatenation: a merged
-    sum's weights (``patterns/merge_sums.py``) stay where they are, and each multiplies its
-    columns of ``a`` into one output (``reference.Parts``) where the path multiplies with cuBLAS;
-    the Triton kernels' paths concatenate them first."""
-    b = _validate_mm_parts_all_reduce(a, parts, bias, group_name)
-    return reference.mm_all_reduce(a, b, bias, group_name)
-
-
-@mm_parts_all_reduce.register_kernel("cuda")
-def _(a, parts, bias, group_name):
-    from . import cuda_paths
-
-    b = _validate_mm_parts_all_reduce(a, parts, bias, group_name)
-    return cuda_paths.mm_all_reduce(a, b, bias, group_name)
-
-
-def _validate_mm_parts_all_reduce(a, parts, bias, group_name) -> reference.Parts:
-    b = _check_parts("mm_parts_all_reduce", a, parts)
-    _check_matmul_args("mm_parts_all_reduce", a, b, bias)
-    _group_size("mm_parts_all_reduce", group_name)
-    verify.same_call("mm_parts_all_reduce", group_name, a=a, bias=bias,
-                     parts=[f"{p.dtype}{list(p.shape)}" for p in parts])
-    CALL_COUNTS["mm_parts_all_reduce"] += 1
-    return b
-
-
-@mm_parts_all_reduce.register_fake
-def _(a, parts, bias, group_name):
-    b = _check_parts("mm_parts_all_reduce", a, parts)
-    _check_matmul_args("mm_parts_all_reduce", a, b, bias)
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
 def _gathered_shape(shard: torch.Tensor, gather_dim: int, world_size: int) -> list:
     shape = list(shard.shape)
     shape[gather_dim] = shape[gather_dim] * world_size

@@ -13,46 +13,16 @@ import torch
 _c10d = torch.ops._c10d_functional
 
 
-class Parts(tuple):
-    """The row blocks of a matmul's right operand, ``cat(parts, 0)``, never concatenated: a merged
-    sum's weights (``mm_parts_all_reduce``). ``matmul`` multiplies each by its columns of ``a``
-    and adds into one output; paths that need one tensor (the Triton kernels) concatenate."""
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((sum(p.shape[0] for p in self), self[0].shape[1]))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self[0].dtype
-
-    def dim(self) -> int:
-        return 2
-
-    def whole(self) -> torch.Tensor:
-        return torch.cat(tuple(self), 0)
-
-
-def matmul(a: torch.Tensor, b, bias: torch.Tensor | None,
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b (+ bias)`` exactly as the matched ``mm``/``addmm`` node computed it (into ``out``).
-    ``b`` as ``Parts``: the first part's product (+ bias), then each later part's added in place
-    (cuBLAS's ``beta = 1``), so the output is rounded once per part instead of the parts being
-    copied into one operand."""
-    if isinstance(b, Parts):
-        k = b[0].shape[0]
-        out = matmul(a[:, :k], b[0], bias, out)
-        for part in b[1:]:
-            out.addmm_(a[:, k:k + part.shape[0]], part)
-            k += part.shape[0]
-        return out
+    """``a @ b (+ bias)`` exactly as the matched ``mm``/``addmm`` node computed it (into ``out``)."""
     if bias is None:
         return torch.mm(a, b, out=out)
     return torch.addmm(bias, a, b, out=out)
 
 
 def mm_all_reduce(
-    a: torch.Tensor, b, bias: torch.Tensor | None, group_name: str
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str
 ) -> torch.Tensor:
     partial = matmul(a, b, bias)
     return _c10d.wait_tensor(_c10d.all_reduce(partial, "sum", group_name))

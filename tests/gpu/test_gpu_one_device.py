@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from commfuse.kernels import (cuda_paths, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k,
-                              launch, reference, symm, tiles)
+                              launch, symm, tiles)
 from commfuse.kernels.sync import OP_MM_ALL_REDUCE, check_errors
 
 # Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
@@ -228,18 +228,14 @@ def _side_streams(world, monkeypatch, used: int = 1):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("tail", ["copy", "one_shot"])
 @pytest.mark.parametrize("streams", [1, 2, 3])
-@pytest.mark.parametrize("parts", [False, True], ids=["one_weight", "weight_parts"])
-def test_copy_engine_overlap(world, tail, streams, parts, monkeypatch):
+def test_copy_engine_overlap(world, tail, streams, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
     barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order, the side
     work over ``streams`` side streams (``dispatch.ce_streams``); with the
     ``one_shot`` tail the last chunk by the one-shot kernel. Calls 0 and 1 (without and with a
     bias, barriers left out) and call 2 (its barriers) load the local kernels and the barrier's
     with the copy tail, while no kernel spins; ``tail`` from call 3 on. Every rank returns the
-    same tensor. ``parts``: the weight as row blocks (``reference.Parts``, what
-    ``mm_parts_all_reduce`` passes), each chunk's GEMM one product per block (with 3 streams)."""
-    if parts and streams != 3:
-        pytest.skip("the weight's parts change the chunks' GEMMs only: timed with 3 streams")
+    same tensor."""
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     ws = _group(world, m * n * DT.itemsize)
     current = _side_streams(world, monkeypatch, streams)
@@ -257,8 +253,7 @@ def test_copy_engine_overlap(world, tail, streams, parts, monkeypatch):
         def run(r, epoch, parity):
             current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
-            weight = reference.Parts(b[r].split([k // 4, k - k // 4])) if parts else b[r]
-            cuda_paths._copy_engine_overlapped(ws[r], a[r], weight, c[r], partial, outs[r], recvs[r], peers, epoch,
+            cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
                                                tail if call >= 3 else "copy", streams=streams)
 
         _run(ws, rank_streams, run, monkeypatch, warm=call < 2)

@@ -50,57 +50,6 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
     assert relerr(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("path", ["default", "nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused",
-                                  "split_k"])
-@pytest.mark.parametrize("m", [16, 1000, 4096])
-def test_mm_parts_all_reduce(nccl, path, m, monkeypatch):
-    """A merged sum's weights as parts (``mm_parts_all_reduce``): every path (the Triton ones
-    concatenate them; where a forced path does not take the shape, whatever dispatch falls back
-    to) against fp32 on fresh data, every rank holding the same bits. The parts are a weight's
-    ``W.t()`` blocks and a row-major one, K not a multiple of any tile. Six calls with the same
-    tensors, refilled in place, each output NaN-filled in place before the next call (which takes
-    its block), nothing else allocated in the loop: copy-engine calls run eagerly, are captured,
-    then replayed (``ce_graphs``, keyed by every part; a graph per parity)."""
-    from commfuse.kernels import ce_graphs
-
-    if path != "default":
-        monkeypatch.setenv("COMMFUSE_ALGO", path)
-    ks, n, calls = (700, 303, 1021), 771, 6
-    torch.manual_seed(4000 * dist.get_rank() + m)
-    shapes = [(n, ks[0]), (ks[1], n), (n, ks[2])]  # parts 0 and 2 are used transposed (W.t())
-    inputs = [(torch.randn(m, sum(ks), device="cuda", dtype=torch.bfloat16),
-               [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) / sum(ks) ** 0.5 for shape in shapes],
-               torch.randn(n, device="cuda", dtype=torch.bfloat16)) for _ in range(calls)]
-    a, c = torch.empty_like(inputs[0][0]), torch.empty_like(inputs[0][2])
-    stored = [torch.empty_like(p) for p in inputs[0][1]]
-    parts = [stored[0].t(), stored[1], stored[2].t()]
-    saved = torch.empty(calls, m, n, device="cuda", dtype=torch.bfloat16)
-    before = dict(ce_graphs.COUNTS)
-    poison()
-    out = None
-    for i in range(calls):
-        a.copy_(inputs[i][0])
-        c.copy_(inputs[i][2])
-        for dst, src in zip(stored, inputs[i][1]):
-            dst.copy_(src)
-        if out is not None:
-            out.fill_(float("nan"))
-            del out
-        out = torch.ops.commfuse.mm_parts_all_reduce(a, parts, c, nccl.group_name)
-        saved[i].copy_(out)
-    check_errors()
-    for i, (x, ps, z) in enumerate(inputs):
-        whole = torch.cat([ps[0].t(), ps[1], ps[2].t()]).float()
-        ref = sum(xr.float() @ wr + zr.float() for xr, wr, zr in zip(gather_all(x), gather_all(whole), gather_all(z)))
-        assert relerr(saved[i], ref) < 1e-2, i
-        same = saved[i].clone()
-        dist.broadcast(same, 0)
-        assert torch.equal(same, saved[i]), i
-    if path == "ce_overlap" and m == 4096 and ce_graphs.enabled():
-        counts = {how: ce_graphs.COUNTS[how] - before[how] for how in before}
-        assert counts["captured"] >= 1 and counts["replayed"] >= 1, counts
-
-
 @pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003)),
                                                (1, (1, 129, 1003))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
