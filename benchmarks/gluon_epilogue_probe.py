@@ -1,0 +1,192 @@
+"""Can a tile's epilogue traffic hide under the next tile's K loop? One GPU, no group.
+
+The fused all-reduce kernel (``fused_all_reduce.py``) spends ~50 µs of a 450 µs call at
+4096x4096x8192 on its tiles' local epilogue traffic (``NOTES.md`` §29): an owned tile reads the
+peer's partial, adds it, writes the output and the sum it pushes. In Triton's language those
+loads and stores run after the tile's K loop and before the next one. Gluon
+(``triton.experimental.gluon``, Hopper TMA, mbarriers and wgmma) can issue them asynchronously:
+the partial's TMA load before the K loop, the stores as TMA stores that drain during the next
+tile's K loop. This times, per shape, checked against fp32 first:
+
+- ``cublas``: ``torch.mm``;
+- ``triton``: the tile GEMM (``tiles.matmul``), and ``triton+epi``: the same with the owned tile's
+  epilogue written as the fused kernel does (load a partial, add, store the output and a second
+  copy);
+- ``gluon``: a persistent Gluon GEMM whose output leaves by an asynchronous TMA store, and
+  ``gluon+epi``: the same epilogue as ``triton+epi`` through TMA (partial loaded during the K loop,
+  both stores asynchronous).
+
+If ``gluon+epi`` costs about what ``gluon`` does while ``triton+epi`` costs ~10% more than
+``triton``, the fused kernel's epilogue can hide this way.
+
+    python benchmarks/gluon_epilogue_probe.py [--shapes MxKxN,...] [--stages 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from commfuse.bench import time_us
+from commfuse.kernels import tiles
+from commfuse.kernels.launch import run as run_kernel
+from commfuse.kernels.tiles import mma_tile, tile_coords
+
+BM, BN, BK = 128, 256, 64
+
+
+@gluon.jit
+def _coords(t, num_m, num_n, GROUP_M: gl.constexpr):
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (t % per_group) % size_m, (t % per_group) // size_m
+
+
+@gluon.jit
+def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, g, off_m, off_n, k, STAGES: gl.constexpr):
+    s = g % STAGES
+    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [off_m, k], ready.index(s), a_bufs.index(s))
+    tma.async_copy_global_to_shared(b_desc, [off_n, k], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, EPI: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent ``c = a @ w.t()``; ``EPI``: ``c = a @ w.t() + p`` and ``s = c`` too."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    pbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(pbar, count=1)
+    num_m = gl.cdiv(M, BLOCK_M)
+    num_n = gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    g = 0  # K steps loaded and consumed so far (the stages' phases follow it)
+    done = 0  # tiles finished by this program (the partial barrier's phase)
+    for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _coords(t, num_m, num_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if EPI:  # the partial into c_smem while the K loop runs (once its last store has left)
+            tma.store_wait(pendings=0)
+            mbarrier.expect(pbar, p_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(p_desc, [off_m, off_n], pbar, c_smem)
+        for j in gl.static_range(STAGES - 1):
+            if j < steps:
+                _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, g + j, off_m, off_n, j * BLOCK_K, STAGES)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+        for k in range(steps):
+            s = (g + k) % STAGES
+            mbarrier.wait(ready.index(s), ((g + k) // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            nxt = k + STAGES - 1  # into the stage step k - 1 used, whose MMA has finished
+            if nxt < steps:
+                _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, g + nxt, off_m, off_n, nxt * BLOCK_K, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        g += steps
+        if EPI:
+            mbarrier.wait(pbar, done & 1)
+            acc += c_smem.load(acc_layout).to(gl.float32)
+            gl.barrier()  # every warp read the partial before c_smem is overwritten
+        else:
+            tma.store_wait(pendings=0)  # the last tile's output has left c_smem
+        c_smem.store(acc.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        if EPI:
+            tma.async_copy_shared_to_global(s_desc, [off_m, off_n], c_smem)
+        done += 1
+    tma.store_wait(pendings=0)
+
+
+@triton.jit
+def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    """``tiles.matmul_kernel`` with an owned tile's epilogue: ``c = a @ w.t() + p``, ``s = c``."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, True)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        val = (acc + tl.load(p + at).to(tl.float32)).to(c.dtype.element_ty)
+        tl.store(c + at, val)
+        tl.store(s + at, val)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096x4096x8192,8192x2048x4096,1024x7168x4096")
+    ap.add_argument("--stages", type=int, default=3)
+    args = ap.parse_args()
+    tiles.ensure_allocator()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = tiles.TileConfig(bm=BM, bn=BN, bk=BK, stages=args.stages, warps=8, group_m=8, reducers=0)
+    for shape in args.shapes.split(","):
+        m, k, n = (int(x) for x in shape.split("x"))
+        assert m % BM == 0 and n % BN == 0, "the probe's kernels have no masks"
+        torch.manual_seed(0)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        p = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        c, s = torch.empty_like(p), torch.empty_like(p)
+        ref = a.float() @ w.float().t()
+        grid = (min(sms, (m // BM) * (n // BN)),)
+        lay = {name: gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+               for name, block in (("a", [BM, BK]), ("b", [BN, BK]), ("c", [BM, BN]))}
+        ga = TensorDescriptor.from_tensor(a, [BM, BK], lay["a"])
+        gb = TensorDescriptor.from_tensor(w, [BN, BK], lay["b"])
+        gc, gp, gs = (TensorDescriptor.from_tensor(x, [BM, BN], lay["c"]) for x in (c, p, s))
+        ta, tb, _ = tiles.descriptor_operands(a, w.t(), cfg)
+        runs = {
+            "cublas": (lambda: torch.mm(a, w.t(), out=c), False),
+            "triton": (lambda: tiles.matmul(a, w.t(), None, cfg, out=c), False),
+            "triton+epi": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM, BN=BN, BK=BK,
+                                              GROUP_M=8, num_warps=8, num_stages=args.stages), True),
+            "gluon": (lambda: gluon_gemm_kernel[grid](ga, gb, gc, gp, gs, m, n, k, 8, args.stages, False, num_warps=8),
+                      False),
+            "gluon+epi": (lambda: gluon_gemm_kernel[grid](ga, gb, gc, gp, gs, m, n, k, 8, args.stages, True,
+                                                          num_warps=8), True),
+        }
+        line = []
+        for name, (run, epi) in runs.items():
+            try:
+                c.fill_(float("nan"))
+                s.fill_(float("nan"))
+                run()
+                torch.cuda.synchronize()
+                want = ref + p.float() if epi else ref
+                err = ((c.float() - want).norm() / want.norm()).item()
+                if epi:
+                    assert torch.equal(c, s), "the second copy differs"
+                assert err < 1e-2, f"relative error {err:.1e}"
+                line.append(f"{name} {time_us(run):.1f}")
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                line.append(f"{name} failed ({type(exc).__name__}: {str(exc)[:300]})")
+        print(f"{shape} (us): " + ", ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
