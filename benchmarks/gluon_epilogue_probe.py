@@ -13,13 +13,15 @@ tile's K loop. This times, per shape, checked against fp32 first:
   epilogue written as the fused kernel does (load a partial, add, store the output and a second
   copy);
 - ``gluon``: a persistent Gluon GEMM whose output leaves by an asynchronous TMA store, and
-  ``gluon+epi``: the same epilogue as ``triton+epi`` through TMA (partial loaded during the K loop,
-  both stores asynchronous).
+  ``gluon+epi1`` / ``gluon+epi2``: the same epilogue as ``triton+epi`` through TMA (the partial
+  loaded during the K loop, both stores asynchronous), the partial staged in the output's
+  shared-memory buffer (whose stores must then leave before the next K loop) or in one of its own
+  (they leave during it; 64 KiB more, so fewer operand stages fit).
 
-If ``gluon+epi`` costs about what ``gluon`` does while ``triton+epi`` costs ~10% more than
+If ``gluon+epi2`` costs about what ``gluon`` does while ``triton+epi`` costs ~10% more than
 ``triton``, the fused kernel's epilogue can hide this way.
 
-    python benchmarks/gluon_epilogue_probe.py [--shapes MxKxN,...] [--stages 3]
+    python benchmarks/gluon_epilogue_probe.py [--shapes MxKxN,...] [--stages 3] [--bk 64] [--epi 0,1,2]
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from commfuse.kernels import tiles
 from commfuse.kernels.launch import run as run_kernel
 from commfuse.kernels.tiles import mma_tile, tile_coords
 
-BM, BN, BK = 128, 256, 64
+BM, BN = 128, 256
+#: A barrier of the CTA's threads (``gl.barrier`` in Triton 3.9, ``thread_barrier`` or
+#: ``debug_barrier`` in older Gluon).
+_cta_barrier = next(getattr(gl, n) for n in ("barrier", "thread_barrier", "debug_barrier") if hasattr(gl, n))
 
 
 @gluon.jit
@@ -62,7 +67,9 @@ def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, g, off_m, off_n, k, STAGES
 @gluon.jit
 def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: gl.constexpr,
                       STAGES: gl.constexpr, EPI: gl.constexpr, num_warps: gl.constexpr):
-    """Persistent ``c = a @ w.t()``; ``EPI``: ``c = a @ w.t() + p`` and ``s = c`` too."""
+    """Persistent ``c = a @ w.t()``; ``EPI`` 1 or 2: ``c = a @ w.t() + p`` and ``s = c`` too, the
+    partial loaded into the output's buffer once its last stores have left (1: they must drain
+    before the K loop) or into a buffer of its own (2: they drain during the K loop)."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -72,6 +79,10 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    if EPI == 2:
+        p_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    else:
+        p_smem = c_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     pbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -86,10 +97,11 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
         pid_m, pid_n = _coords(t, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        if EPI:  # the partial into c_smem while the K loop runs (once its last store has left)
-            tma.store_wait(pendings=0)
+        if EPI:  # the partial into p_smem while the K loop runs
+            if EPI == 1:
+                tma.store_wait(pendings=0)  # (p_smem is c_smem: its last stores must have left)
             mbarrier.expect(pbar, p_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(p_desc, [off_m, off_n], pbar, c_smem)
+            tma.async_copy_global_to_shared(p_desc, [off_m, off_n], pbar, p_smem)
         for j in gl.static_range(STAGES - 1):
             if j < steps:
                 _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, g + j, off_m, off_n, j * BLOCK_K, STAGES)
@@ -106,9 +118,9 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
         g += steps
         if EPI:
             mbarrier.wait(pbar, done & 1)
-            acc += c_smem.load(acc_layout).to(gl.float32)
-            gl.barrier()  # every warp read the partial before c_smem is overwritten
-        else:
+            acc += p_smem.load(acc_layout).to(gl.float32)
+            _cta_barrier()  # every warp read the partial before p_smem is overwritten
+        if EPI != 1:
             tma.store_wait(pendings=0)  # the last tile's output has left c_smem
         c_smem.store(acc.to(dtype))
         fence_async_shared()
@@ -121,8 +133,10 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
 
 @triton.jit
 def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr):
-    """``tiles.matmul_kernel`` with an owned tile's epilogue: ``c = a @ w.t() + p``, ``s = c``."""
+                      GROUP_M: tl.constexpr, EVICT: tl.constexpr = ""):
+    """``tiles.matmul_kernel`` with an owned tile's epilogue: ``c = a @ w.t() + p``, ``s = c``;
+    ``EVICT``: the epilogue's loads and stores with that L2 eviction policy (``evict_first``: they
+    stream through L2 without pushing the K loop's operands out)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
@@ -131,18 +145,21 @@ def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         at = rows[:, None].to(tl.int64) * N + cols[None, :]
-        val = (acc + tl.load(p + at).to(tl.float32)).to(c.dtype.element_ty)
-        tl.store(c + at, val)
-        tl.store(s + at, val)
+        val = (acc + tl.load(p + at, eviction_policy=EVICT).to(tl.float32)).to(c.dtype.element_ty)
+        tl.store(c + at, val, eviction_policy=EVICT)
+        tl.store(s + at, val, eviction_policy=EVICT)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096x8192,8192x2048x4096,1024x7168x4096")
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--bk", type=int, default=64)
+    ap.add_argument("--epi", default="0,1,2", help="Gluon epilogues to time (gluon_gemm_kernel's EPI)")
     args = ap.parse_args()
     tiles.ensure_allocator()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    BK = args.bk
     cfg = tiles.TileConfig(bm=BM, bn=BN, bk=BK, stages=args.stages, warps=8, group_m=8, reducers=0)
     for shape in args.shapes.split(","):
         m, k, n = (int(x) for x in shape.split("x"))
@@ -165,11 +182,14 @@ def main() -> None:
             "triton": (lambda: tiles.matmul(a, w.t(), None, cfg, out=c), False),
             "triton+epi": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM, BN=BN, BK=BK,
                                               GROUP_M=8, num_warps=8, num_stages=args.stages), True),
-            "gluon": (lambda: gluon_gemm_kernel[grid](ga, gb, gc, gp, gs, m, n, k, 8, args.stages, False, num_warps=8),
-                      False),
-            "gluon+epi": (lambda: gluon_gemm_kernel[grid](ga, gb, gc, gp, gs, m, n, k, 8, args.stages, True,
-                                                          num_warps=8), True),
+            "triton+epi evict_first": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM, BN=BN,
+                                                          BK=BK, GROUP_M=8, EVICT="evict_first", num_warps=8,
+                                                          num_stages=args.stages), True),
         }
+        for epi in (int(e) for e in args.epi.split(",")):
+            runs[f"gluon+epi{epi}" if epi else "gluon"] = (
+                lambda epi=epi: gluon_gemm_kernel[grid](ga, gb, gc, gp, gs, m, n, k, 8, args.stages, epi, num_warps=8),
+                epi > 0)
         line = []
         for name, (run, epi) in runs.items():
             try:
@@ -184,8 +204,8 @@ def main() -> None:
                 assert err < 1e-2, f"relative error {err:.1e}"
                 line.append(f"{name} {time_us(run):.1f}")
             except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                line.append(f"{name} failed ({type(exc).__name__}: {str(exc)[:300]})")
-        print(f"{shape} (us): " + ", ".join(line), flush=True)
+                line.append(f"{name} failed ({type(exc).__name__}: {' '.join(str(exc).split())[-700:]})")
+        print(f"{shape} BK {BK}, {args.stages} stages (us): " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":
