@@ -133,10 +133,12 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
 
 @triton.jit
 def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVICT: tl.constexpr = ""):
+                      GROUP_M: tl.constexpr, EVICT: tl.constexpr = "", ALIAS: tl.constexpr = False):
     """``tiles.matmul_kernel`` with an owned tile's epilogue: ``c = a @ w.t() + p``, ``s = c``;
     ``EVICT``: the epilogue's loads and stores with that L2 eviction policy (``evict_first``: they
-    stream through L2 without pushing the K loop's operands out)."""
+    stream through L2 without pushing the K loop's operands out). ``ALIAS`` (timing only, the
+    result is wrong): every tile's epilogue reads and writes the same four tiles, which stay in
+    L2, so the epilogue's instructions and waits remain and its HBM traffic goes."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
@@ -145,9 +147,34 @@ def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
         at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        if ALIAS:
+            at = ((pid_m % 2) * BM + tl.arange(0, BM))[:, None].to(tl.int64) * N + ((pid_n % 2) * BN + tl.arange(0, BN))[None, :]
         val = (acc + tl.load(p + at, eviction_policy=EVICT).to(tl.float32)).to(c.dtype.element_ty)
         tl.store(c + at, val, eviction_policy=EVICT)
         tl.store(s + at, val, eviction_policy=EVICT)
+
+
+@triton.jit
+def triton_epi_tma_kernel(a_desc, b_desc, p_desc, c_desc, s_desc, c, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, GROUP_M: tl.constexpr, STORES: tl.constexpr):
+    """``triton_epi_kernel`` with the partial loaded through a TMA descriptor and, with
+    ``STORES``, both stores through TMA descriptors too (what the fused kernel's epilogue could
+    use for its local traffic)."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, True)
+        val = (acc + p_desc.load([pid_m * BM, pid_n * BN]).to(tl.float32)).to(c_desc.dtype)
+        if STORES:
+            c_desc.store([pid_m * BM, pid_n * BN], val)
+            s_desc.store([pid_m * BM, pid_n * BN], val)
+        else:
+            rows = pid_m * BM + tl.arange(0, BM)
+            cols = pid_n * BN + tl.arange(0, BN)
+            at = rows[:, None].to(tl.int64) * N + cols[None, :]
+            tl.store(c + at, val)
+            tl.store(s + at, val)
 
 
 def main() -> None:
@@ -177,11 +204,21 @@ def main() -> None:
         gb = TensorDescriptor.from_tensor(w, [BN, BK], lay["b"])
         gc, gp, gs = (TensorDescriptor.from_tensor(x, [BM, BN], lay["c"]) for x in (c, p, s))
         ta, tb, _ = tiles.descriptor_operands(a, w.t(), cfg)
+        tp, tc, ts = (tiles.TensorDescriptor(x, [m, n], [n, 1], [BM, BN]) for x in (p, c, s))
         runs = {
             "cublas": (lambda: torch.mm(a, w.t(), out=c), False),
             "triton": (lambda: tiles.matmul(a, w.t(), None, cfg, out=c), False),
             "triton+epi": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM, BN=BN, BK=BK,
                                               GROUP_M=8, num_warps=8, num_stages=args.stages), True),
+            "triton+epi tma load": (lambda: run_kernel(triton_epi_tma_kernel, grid, ta, tb, tp, tc, ts, c, s, m, n, k, BM=BM, BN=BN,
+                                                       BK=BK, GROUP_M=8, STORES=False, num_warps=8,
+                                                       num_stages=args.stages), True),
+            "triton+epi tma load+stores": (lambda: run_kernel(triton_epi_tma_kernel, grid, ta, tb, tp, tc, ts, c, s, m, n, k, BM=BM,
+                                                              BN=BN, BK=BK, GROUP_M=8, STORES=True, num_warps=8,
+                                                              num_stages=args.stages), True),
+            "triton+epi in L2 (wrong result)": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM,
+                                                                    BN=BN, BK=BK, GROUP_M=8, ALIAS=True, num_warps=8,
+                                                                    num_stages=args.stages), None),
             "triton+epi evict_first": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM, BN=BN,
                                                           BK=BK, GROUP_M=8, EVICT="evict_first", num_warps=8,
                                                           num_stages=args.stages), True),
@@ -197,6 +234,9 @@ def main() -> None:
                 s.fill_(float("nan"))
                 run()
                 torch.cuda.synchronize()
+                if epi is None:  # timing only
+                    line.append(f"{name} {time_us(run):.1f}")
+                    continue
                 want = ref + p.float() if epi else ref
                 err = ((c.float() - want).norm() / want.norm()).item()
                 if epi:
