@@ -18,12 +18,10 @@ SHAPES = "16x2048x4096,16x4096x8192,16x7168x4096,16x14336x8192,128x2048x4096,128
 
 
 def main() -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default=SHAPES)
-    args = p.parse_args()
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    for shape in args.shapes.split(","):
-        m, k, n = (int(x) for x in shape.split("x"))
+    for m, k, n in ((int(x) for x in shape.split("x")) for shape in p.parse_args().shapes.split(",")):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
         us = time_us(lambda: torch.mm(a, b))
@@ -31,7 +29,7 @@ def main() -> None:
             torch.mm(a, b)
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-        print(f"{shape}: {us:.1f} us  kernels: {' | '.join(names)}", flush=True)
+        print(f"{m}x{k}x{n}: {us:.1f} us  kernels: {' | '.join(names)}", flush=True)
 
 
 if __name__ == "__main__":
