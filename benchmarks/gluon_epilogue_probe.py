@@ -40,7 +40,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from commfuse.bench import time_us
 from commfuse.kernels import tiles
 from commfuse.kernels.launch import run as run_kernel
-from commfuse.kernels.tiles import mma_tile, tile_coords
+from commfuse.kernels.fused_all_reduce import _stagger
+from commfuse.kernels.tiles import claim, mma_tile, tile_coords
 
 BM, BN = 128, 256
 #: A barrier of the CTA's threads (``gl.barrier`` in Triton 3.9, ``thread_barrier`` or
@@ -177,12 +178,40 @@ def triton_epi_tma_kernel(a_desc, b_desc, p_desc, c_desc, s_desc, c, s, M, N, K,
             tl.store(s + at, val)
 
 
+@triton.jit
+def triton_epi_spread_kernel(a_desc, b_desc, p, c, s, ticket, base, spread, M, N, K, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EPI: tl.constexpr):
+    """``triton_epi_kernel`` (``EPI``) or the plain GEMM, its tiles claimed from a ticket as the
+    fused kernel's are and program p started ``p / programs`` of ``spread`` ns late
+    (``fused_all_reduce._stagger``): the tiles' ends spread over time instead of every
+    program's at once, so the epilogues' bytes no longer move in one burst per wave."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    _stagger(tl.program_id(0), tl.num_programs(0), spread)
+    tile = claim(ticket, base)
+    while tile < num_m * num_n:
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, True)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        at = rows[:, None].to(tl.int64) * N + cols[None, :]
+        if EPI:
+            val = (acc + tl.load(p + at).to(tl.float32)).to(c.dtype.element_ty)
+            tl.store(c + at, val)
+            tl.store(s + at, val)
+        else:
+            tl.store(c + at, acc.to(c.dtype.element_ty))
+        tile = claim(ticket, base)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096x8192,8192x2048x4096,1024x7168x4096")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--bk", type=int, default=64)
     ap.add_argument("--epi", default="0,1,2", help="Gluon epilogues to time (gluon_gemm_kernel's EPI)")
+    ap.add_argument("--spreads", default="", help="µs over which the ticket-order kernels' programs start "
+                    "(triton_epi_spread_kernel), each timed with and without the epilogue")
     args = ap.parse_args()
     tiles.ensure_allocator()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -223,6 +252,17 @@ def main() -> None:
                                                           BK=BK, GROUP_M=8, EVICT="evict_first", num_warps=8,
                                                           num_stages=args.stages), True),
         }
+        ticket = torch.zeros(1, device="cuda", dtype=torch.int32)
+        claims = [0]  # the ticket's value at the next launch: each launch claims every tile and fails once a program
+
+        def spread_run(epi: bool, us: int):
+            run_kernel(triton_epi_spread_kernel, grid, ta, tb, p, c, s, ticket, claims[0], us * 1000, m, n, k, BM=BM,
+                       BN=BN, BK=BK, GROUP_M=8, EPI=epi, num_warps=8, num_stages=args.stages)
+            claims[0] += (m // BM) * (n // BN) + grid[0]
+
+        for us in (int(x) for x in args.spreads.split(",") if x):
+            runs[f"tickets spread {us}"] = (lambda us=us: spread_run(False, us), False)
+            runs[f"tickets spread {us} +epi"] = (lambda us=us: spread_run(True, us), True)
         for epi in (int(e) for e in args.epi.split(",")):
             runs[f"gluon+epi{epi}" if epi else "gluon"] = (
                 lambda epi=epi: gluon_gemm_kernel[grid](ga, gb, gc, gp, gs, m, n, k, 8, args.stages, epi, num_warps=8),
