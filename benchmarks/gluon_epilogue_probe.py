@@ -134,12 +134,14 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
 
 @triton.jit
 def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVICT: tl.constexpr = "", ALIAS: tl.constexpr = False):
+                      GROUP_M: tl.constexpr, EVICT: tl.constexpr = "", ALIAS: tl.constexpr = False,
+                      PARTS: tl.constexpr = 3):
     """``tiles.matmul_kernel`` with an owned tile's epilogue: ``c = a @ w.t() + p``, ``s = c``;
     ``EVICT``: the epilogue's loads and stores with that L2 eviction policy (``evict_first``: they
     stream through L2 without pushing the K loop's operands out). ``ALIAS`` (timing only, the
     result is wrong): every tile's epilogue reads and writes the same four tiles, which stay in
-    L2, so the epilogue's instructions and waits remain and its HBM traffic goes."""
+    L2, so the epilogue's instructions and waits remain and its HBM traffic goes. ``PARTS``
+    (timing only unless 3): bit 1 the partial loaded and added, bit 2 the second store."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
@@ -150,9 +152,12 @@ def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl
         at = rows[:, None].to(tl.int64) * N + cols[None, :]
         if ALIAS:
             at = ((pid_m % 2) * BM + tl.arange(0, BM))[:, None].to(tl.int64) * N + ((pid_n % 2) * BN + tl.arange(0, BN))[None, :]
-        val = (acc + tl.load(p + at, eviction_policy=EVICT).to(tl.float32)).to(c.dtype.element_ty)
+        if PARTS & 1:
+            acc += tl.load(p + at, eviction_policy=EVICT).to(tl.float32)
+        val = acc.to(c.dtype.element_ty)
         tl.store(c + at, val, eviction_policy=EVICT)
-        tl.store(s + at, val, eviction_policy=EVICT)
+        if PARTS & 2:
+            tl.store(s + at, val, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -248,6 +253,12 @@ def main() -> None:
             "triton+epi in L2 (wrong result)": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM,
                                                                     BN=BN, BK=BK, GROUP_M=8, ALIAS=True, num_warps=8,
                                                                     num_stages=args.stages), None),
+            "triton+partial only (one store)": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM,
+                                                                    BN=BN, BK=BK, GROUP_M=8, PARTS=1, num_warps=8,
+                                                                    num_stages=args.stages), None),
+            "triton+second store only": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM,
+                                                             BN=BN, BK=BK, GROUP_M=8, PARTS=2, num_warps=8,
+                                                             num_stages=args.stages), None),
             "triton+epi evict_first": (lambda: run_kernel(triton_epi_kernel, grid, ta, tb, p, c, s, m, n, k, BM=BM, BN=BN,
                                                           BK=BK, GROUP_M=8, EVICT="evict_first", num_warps=8,
                                                           num_stages=args.stages), True),
