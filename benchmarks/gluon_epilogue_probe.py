@@ -135,6 +135,25 @@ def gluon_gemm_kernel(a_desc, b_desc, c_desc, p_desc, s_desc, M, N, K, GROUP_M: 
 
 
 @triton.jit
+def _tile_at(pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Offsets of tile (pid_m, pid_n) in a row-major [M, N] tensor."""
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    return rows[:, None].to(tl.int64) * N + cols[None, :]
+
+
+@triton.jit
+def _epilogue(acc, p, c, s, at, PARTS: tl.constexpr, EVICT: tl.constexpr):
+    """``c = acc (+ p)`` at ``at`` (bit 1 of ``PARTS``), and ``s = c`` (bit 2)."""
+    if PARTS & 1:
+        acc += tl.load(p + at, eviction_policy=EVICT).to(tl.float32)
+    val = acc.to(c.dtype.element_ty)
+    tl.store(c + at, val, eviction_policy=EVICT)
+    if PARTS & 2:
+        tl.store(s + at, val, eviction_policy=EVICT)
+
+
+@triton.jit
 def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, EVICT: tl.constexpr = "", ALIAS: tl.constexpr = False,
                       PARTS: tl.constexpr = 3):
@@ -149,17 +168,8 @@ def triton_epi_kernel(a_desc, b_desc, p, c, s, M, N, K, BM: tl.constexpr, BN: tl
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, True)
-        rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        at = rows[:, None].to(tl.int64) * N + cols[None, :]
-        if ALIAS:
-            at = ((pid_m % 2) * BM + tl.arange(0, BM))[:, None].to(tl.int64) * N + ((pid_n % 2) * BN + tl.arange(0, BN))[None, :]
-        if PARTS & 1:
-            acc += tl.load(p + at, eviction_policy=EVICT).to(tl.float32)
-        val = acc.to(c.dtype.element_ty)
-        tl.store(c + at, val, eviction_policy=EVICT)
-        if PARTS & 2:
-            tl.store(s + at, val, eviction_policy=EVICT)
+        at = _tile_at(pid_m % 2, pid_n % 2, N, BM, BN) if ALIAS else _tile_at(pid_m, pid_n, N, BM, BN)
+        _epilogue(acc, p, c, s, at, PARTS, EVICT)
 
 
 @triton.jit
@@ -178,9 +188,7 @@ def triton_epi_tma_kernel(a_desc, b_desc, p_desc, c_desc, s_desc, c, s, M, N, K,
             c_desc.store([pid_m * BM, pid_n * BN], val)
             s_desc.store([pid_m * BM, pid_n * BN], val)
         else:
-            rows = pid_m * BM + tl.arange(0, BM)
-            cols = pid_n * BN + tl.arange(0, BN)
-            at = rows[:, None].to(tl.int64) * N + cols[None, :]
+            at = _tile_at(pid_m, pid_n, N, BM, BN)
             tl.store(c + at, val)
             tl.store(s + at, val)
 
@@ -191,7 +199,7 @@ def triton_epi_spread_kernel(a_desc, b_desc, p, c, s, ticket, base, spread, M, N
     """``triton_epi_kernel`` (``EPI``) or the plain GEMM, its tiles claimed from a ticket as the
     fused kernel's are and program p started ``p / programs`` of ``spread`` ns late
     (``fused_all_reduce._stagger``): the tiles' ends spread over time instead of every
-    program's at once, so the epilogues' bytes no longer move in one burst per wave."""
+    program's at once (it did not make the epilogue any cheaper: ``gluon_epilogue_probe_f``)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     _stagger(tl.program_id(0), tl.num_programs(0), spread)
@@ -199,15 +207,7 @@ def triton_epi_spread_kernel(a_desc, b_desc, p, c, s, ticket, base, spread, M, N
     while tile < num_m * num_n:
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, True)
-        rows = pid_m * BM + tl.arange(0, BM)
-        cols = pid_n * BN + tl.arange(0, BN)
-        at = rows[:, None].to(tl.int64) * N + cols[None, :]
-        if EPI:
-            val = (acc + tl.load(p + at).to(tl.float32)).to(c.dtype.element_ty)
-            tl.store(c + at, val)
-            tl.store(s + at, val)
-        else:
-            tl.store(c + at, acc.to(c.dtype.element_ty))
+        _epilogue(acc, p, c, s, _tile_at(pid_m, pid_n, N, BM, BN), 3 if EPI else 0, "")
         tile = claim(ticket, base)
 
 
