@@ -1,12 +1,13 @@
 """Every kernel's cross-rank protocol at 2, 4 and 8 ranks on one GPU, against fp32 references.
 
-Each rank is a workspace on the same GPU (its own buffer; one heap-bases table, so Iris's pointer
-translation reaches any rank's buffer), its kernels launched on its own stream with 1/world of
-the SMs, so every rank's programs run at once and really wait on each other's flags. What one GPU
-cannot show is the link (remote stores here are local) and several processes; the ranks' tile
-ownership, flag counts, shares, epochs and parity reuse at 4 and 8 ranks it does, where no
-4- or 8-GPU machine was lent. Runs in one process (skipped under torchrun, where rank 0 alone
-running these would leave the other ranks waiting in their collective tests):
+Each rank is a workspace on the same GPU (``commfuse.kernels.emulated``: its own buffer; one
+heap-bases table, so Iris's pointer translation reaches any rank's buffer), its kernels launched
+on its own stream with 1/world of the SMs, so every rank's programs run at once and really wait
+on each other's flags. What one GPU cannot show is the link (remote stores here are local) and
+several processes; the ranks' tile ownership, flag counts, shares, epochs and parity reuse at 4
+and 8 ranks it does, where no 4- or 8-GPU machine was lent. Runs in one process (skipped under
+torchrun, where rank 0 alone running these would leave the other ranks waiting in their
+collective tests):
 
     pytest -m gpu tests/gpu/test_gpu_one_device.py
 """
@@ -18,8 +19,8 @@ import os
 import pytest
 import torch
 
-from commfuse.kernels import (cuda_paths, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k,
-                              launch, symm, tiles)
+from commfuse.kernels import (cuda_paths, dispatch, emulated, exchange, fused_all_gather, fused_all_reduce,
+                              fused_split_k, launch, tiles)
 from commfuse.kernels.sync import OP_MM_ALL_REDUCE, check_errors
 
 # Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
@@ -45,26 +46,8 @@ def _bounded(monkeypatch):
     check_errors()
 
 
-class _Views:
-    """The torch provider's peer views (``get_buffer``) over the emulated ranks' buffers."""
-
-    def __init__(self, bufs):
-        self.bufs = bufs
-
-    def get_buffer(self, peer, sizes, dtype, storage_offset):
-        nbytes = torch.Size(sizes).numel() * dtype.itemsize
-        start = storage_offset * dtype.itemsize
-        return self.bufs[peer][start:start + nbytes].view(dtype).view(sizes)
-
-
 def _group(world: int, data_bytes: int) -> list:
-    programs = torch.cuda.get_device_properties(0).multi_processor_count // world
-    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8, device="cuda")
-            for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
-    views = _Views(bufs)
-    return [symm.Workspace(f"one-device-{world}", r, world, bufs[r], bases, data_bytes, max_programs=programs,
-                           _keepalive=views) for r in range(world)]
+    return emulated.group(world, data_bytes)
 
 
 def _operands(world, m, k, n, bias, call=0):
@@ -138,6 +121,21 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
     if scatter and reducers:
         pytest.skip("the reduce-scatter form has no reducers")
     _fused_calls(world, scatter, reducers)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("tma_epi", ["3", "1", "2"], ids=["tma_loads_stores", "tma_loads", "tma_stores"])
+def test_fused_all_reduce_kernel_tma_epilogue(world, scatter, tma_epi, monkeypatch):
+    """``COMMFUSE_FUSED_TMA_EPILOGUE``: the epilogues' and copies' local loads and/or stores
+    through the kernel's own TMA descriptors (an experiment; pointers by default); every call
+    takes the form asked for."""
+    monkeypatch.setenv("COMMFUSE_FUSED_TMA_EPILOGUE", tma_epi)
+    before = fused_all_reduce.TMA_EPI_CALLS
+    ws = _fused_calls(world, scatter, 0)
+    assert fused_all_reduce.TMA_EPI_CALLS - before == 3 * world
+    plans = [v for v in ws[0].launches.values() if isinstance(v, fused_all_reduce._Plan)]
+    assert plans and all(p.bound.fixed["TMA_EPI"] == int(tma_epi) for p in plans)
 
 
 @pytest.mark.parametrize("world", [2, 8])

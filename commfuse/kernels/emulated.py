@@ -1,0 +1,38 @@
+"""A group of ranks on one GPU, for tests and one-GPU benchmarks of the cross-rank kernels.
+
+Each rank is a workspace over a buffer of its own on the same device; all share one heap-bases
+table, so Iris's pointer translation reaches any rank's buffer, and each rank gets 1/world of the
+SMs as its grid. Launch every rank's kernel on a stream of its own so all their programs run at
+once and really wait on each other's flags. What this cannot show is the link: a remote store is
+a local one here, so every byte a kernel exchanges costs HBM bandwidth on the one device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import symm
+
+
+class _Views:
+    """The torch provider's peer views (``get_buffer``) over the emulated ranks' buffers."""
+
+    def __init__(self, bufs):
+        self.bufs = bufs
+
+    def get_buffer(self, peer, sizes, dtype, storage_offset):
+        nbytes = torch.Size(sizes).numel() * dtype.itemsize
+        start = storage_offset * dtype.itemsize
+        return self.bufs[peer][start:start + nbytes].view(dtype).view(sizes)
+
+
+def group(world: int, data_bytes: int, device: torch.device | str = "cuda") -> list[symm.Workspace]:
+    """``world`` workspaces of ``data_bytes`` per parity on one device, zeroed, one per rank."""
+    device = torch.device(device)
+    programs = torch.cuda.get_device_properties(device).multi_processor_count // world
+    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8, device=device)
+            for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+    views = _Views(bufs)
+    return [symm.Workspace(f"one-device-{world}", r, world, bufs[r], bases, data_bytes, max_programs=programs,
+                           _keepalive=views) for r in range(world)]
