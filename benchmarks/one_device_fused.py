@@ -8,7 +8,7 @@ What it can show: how a change to the kernel's own memory traffic moves a call, 
 exchanged byte also costing this one device's HBM (a remote store is local here). Not a 2-GPU
 number, and not a floor.
 
-    python benchmarks/one_device_fused.py [--shapes MxKxN,...] [--variants default,tma_epi,...]
+    python benchmarks/one_device_fused.py [--shapes MxKxN,...] [--variants default,tma_push,...]
         [--world 2] [--rounds 3] [--out FILE.json]
 """
 
@@ -25,12 +25,13 @@ from commfuse.bench import time_us
 from commfuse.kernels import dispatch, emulated, fused_all_reduce
 from commfuse.kernels.sync import check_errors
 
+#: Settings to compare (999477e also had the epilogue's local traffic through TMA descriptors,
+#: ``COMMFUSE_FUSED_TMA_EPILOGUE``: slower, reverted; ``results/h200/README.md``).
 VARIANTS = {
     "default": {},
-    "tma_epi": {"COMMFUSE_FUSED_TMA_EPILOGUE": "3"},
-    "tma_loads": {"COMMFUSE_FUSED_TMA_EPILOGUE": "1"},
-    "tma_stores": {"COMMFUSE_FUSED_TMA_EPILOGUE": "2"},
     "tma_push": {"COMMFUSE_FUSED_TMA_PUSH": "1"},
+    "stagger0": {"COMMFUSE_FUSED_STAGGER_US": "0"},
+    "lag2": {"COMMFUSE_AR_COPY_LAG": "2"},
 }
 SHAPES = "1024x2048x4096,4096x2048x4096,4096x4096x8192,8192x2048x4096"
 
@@ -106,7 +107,7 @@ class Case:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=SHAPES)
-    p.add_argument("--variants", default="default,tma_epi")
+    p.add_argument("--variants", default="default,tma_push")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="JSON file for the results")

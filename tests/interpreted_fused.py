@@ -40,7 +40,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     torch.manual_seed(m + k + n + world + rank + scatter)
     cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=0 if inline else 1,
                            per_sm=1)
-    inline_before, tma_epi_before = fused_all_reduce.INLINE_CALLS, fused_all_reduce.TMA_EPI_CALLS
+    inline_before = fused_all_reduce.INLINE_CALLS
     count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)
     slab_tiles = -(-count // world)
     result_at = world * slab_tiles
@@ -53,8 +53,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
     for traced in (False, True):
         fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
-                                    pull, traced, fused_all_reduce.tma_push() and not pull, False,
-                                    fused_all_reduce.tma_epilogue())] = 1
+                                    pull, traced, fused_all_reduce.tma_push() and not pull, False)] = 1
 
     def place(t):
         """(owner, slot, first row, column block) of tile t."""
@@ -119,8 +118,6 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
         assert int(ErrorWord._word[0]) == 0
     assert fused_all_reduce.INLINE_CALLS - inline_before == (calls if inline else 0), "inline copies ran"
-    tma_epi = fused_all_reduce.tma_epilogue()
-    assert fused_all_reduce.TMA_EPI_CALLS - tma_epi_before == (calls if tma_epi else 0), "TMA epilogues ran"
 
 
 def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, gathered: bool,
@@ -307,7 +304,7 @@ def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
     me = ws[rank]
     for traced in (False, True):
         fused_all_reduce._resident[(cfg, DT, world, True, True, None, True, False, 0, False, traced,
-                                    False, False, fused_all_reduce.tma_epilogue())] = 1
+                                    False, False)] = 1
     place = lambda u: (u % world, u // world, (u // num_n) * BM, u % num_n)  # noqa: E731
     saved, fused_all_reduce.wait_or_record = fused_all_reduce.wait_or_record, _spy_wait
     try:
@@ -368,12 +365,6 @@ def main() -> None:
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)  # the pull ignores it
         os.environ.pop("COMMFUSE_FUSED_TMA_PUSH")
-        for bits in ("3", "1", "2"):  # the epilogues' and copies' local loads / stores through TMA
-            os.environ["COMMFUSE_FUSED_TMA_EPILOGUE"] = bits
-            case(40, 48, 40, world, rank, scatter=False, bias=True)  # ragged tiles: clipped stores
-            case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
-            case(3 * world, 32, 40, world, rank, scatter=True, bias=True)
-        os.environ.pop("COMMFUSE_FUSED_TMA_EPILOGUE")
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
         case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
         case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)

@@ -2,8 +2,8 @@
 what the interpreter cannot run is replaced, and a group of ranks lives in one process.
 
 The interpreter has no inline assembly, so the GPU timer becomes a clock that never advances (no
-wait times out; the scripts' subprocess timeout bounds a wait that never ends) and the proxy
-fence before TMA loads and the fused all-reduce's wait for its TMA pushes no-ops (one memory,
+wait times out; the scripts' subprocess timeout bounds a wait that never ends) and the fused
+all-gather's proxy fence and the fused all-reduce's wait for its TMA pushes no-ops (one memory,
 stores done when issued). The fused all-reduce's ablation bits are
 constexpr globals for the compiler and plain integers for the interpreter. The error word needs
 pinned memory, which needs CUDA: a plain tensor stands in.
@@ -33,7 +33,7 @@ sync.now = _now
 fused_all_reduce.now = _now
 fused_all_gather.now = _now
 fused_split_k.now = _now
-sync.proxy_fence = fused_all_gather.proxy_fence = fused_all_reduce.proxy_fence = _no_fence
+fused_all_gather._proxy_fence = _no_fence
 fused_all_reduce._bulk_stores_done = _no_fence
 fused_all_reduce.NO_REMOTE, fused_all_reduce.NO_WAIT, fused_all_reduce.NO_COPY = 1, 2, 4
 ErrorWord._word = torch.zeros(4, dtype=torch.int32)

@@ -158,7 +158,8 @@ def test_exploration_sweeps_parse_their_arguments():
                             ("split_k_sweep.py", ("--splits", "--workspace-mb")), ("path_sweep.py", ("--rounds",)),
                             ("diag_skew.py", ("--skews",)), ("diag_host.py", ("--parts",)),
                             ("cublas_kernels.py", ("--shapes",)), ("weight_parts_probe.py", ("--shapes",)),
-                            ("gluon_epilogue_probe.py", ("--spreads",))):
+                            ("gluon_epilogue_probe.py", ("--spreads",)),
+                            ("one_device_fused.py", ("--variants", "--world"))):
         proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--help"],
                               capture_output=True, text=True, timeout=300, cwd=root)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,7 +9,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _compile(tma: bool, scatter: bool, stagger: bool = False, tma_epi: int = 0):
+def _compile(tma: bool, scatter: bool, stagger: bool = False):
     from commfuse.kernels import fused_all_reduce
 
     bm, bn, bk = 128, 256, 64
@@ -20,7 +20,7 @@ def _compile(tma: bool, scatter: bool, stagger: bool = False, tma_epi: int = 0):
            "trace": "*i64", "compute": "i32", "lag": "i32", "positions": "i32", "stagger": "i32"}
     consts = dict(OP=5, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, SUB_M=64, B_TRANSPOSED=True,
                   HAS_BIAS=False, TICKETS=True, SCATTER=scatter, ABLATE=0, PULL=False, TRACE=False,
-                  INLINE=not scatter, TMA_PUSH=tma, STAGGER=stagger, TMA_EPI=tma_epi)
+                  INLINE=not scatter, TMA_PUSH=tma, STAGGER=stagger)
     return _compile_for_sm90(fused_all_reduce.gemm_all_reduce_kernel, sig, consts, num_warps=8, num_stages=3)
 
 
@@ -55,26 +55,6 @@ def test_tma_push_compiles_for_sm90(scatter):
     assert tma.asm["ptx"].count("st.global.v4") < plain.asm["ptx"].count("st.global.v4")
     assert tma.metadata.shared <= plain.metadata.shared <= 227 * 1024
     assert tma.metadata.global_scratch_size > 0  # the device-made descriptors
-
-
-@pytest.mark.parametrize("scatter", [False, True])
-def test_tma_epilogue_compiles_for_sm90(scatter):
-    """``TMA_EPI`` 3: the epilogue's local loads (the pushed partials; the pushed sums the copies
-    read) and the output's stores become TMA bulk copies through descriptors the kernel makes,
-    a proxy fence follows the acquires, the pushes to peers stay register stores, and the shared
-    memory stays what the K loop needs."""
-    pytest.importorskip("iris")
-    plain, epi = _compile(False, scatter), _compile(False, scatter, tma_epi=3)
-    p, e = plain.asm["ptx"], epi.asm["ptx"]
-    tma_load = "cp.async.bulk.tensor.2d.shared::cta.global"
-    assert "cp.async.bulk.tensor.2d.global.shared" not in p and "cp.async.bulk.tensor.2d.global.shared" in e
-    assert e.count(tma_load) > p.count(tma_load)  # the partials (and sums) too, not only A and B
-    assert "ld.global.v4" in p and e.count("ld.global.v4") < p.count("ld.global.v4")
-    assert e.count("st.global.v4") >= p.count("st.global.v4") // 2  # the pushes are still stores
-    assert "fence.proxy.async.global" in e and "fence.proxy.async.global" not in p
-    assert "fence.proxy.tensormap" in e  # device-made descriptors
-    assert epi.metadata.shared <= plain.metadata.shared <= 227 * 1024
-    assert epi.metadata.global_scratch_size > 0 == plain.metadata.global_scratch_size
 
 
 def test_staggered_start_compiles_for_sm90():

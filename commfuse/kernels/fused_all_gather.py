@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import tiles
 from .launch import run as run_kernel
-from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AG_OP, iris, now, proxy_fence, require_iris,
+from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AG_OP, iris, now, require_iris,
                    timeout_ns, trace_tile, trace_time, wait_or_record)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
@@ -50,6 +50,14 @@ PUSHERS = 16
 def pusher_count() -> int:
     env = os.environ.get("COMMFUSE_AG_PUSHERS", "").strip()
     return max(1, int(env)) if env else PUSHERS
+
+
+@triton.jit
+def _proxy_fence():
+    """Order this thread's earlier generic-proxy accesses (the flag acquire) before its later
+    async-proxy ones (TMA loads of the rows the flag guards)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -114,7 +122,7 @@ def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, O
     for c in range(first_chunk, last_chunk):
         if late == 0:
             late = wait_or_record(flags + c * WORLD + src, epoch, start, timeout, err, OP, rank, src)
-    proxy_fence()
+    _proxy_fence()
     return late
 
 

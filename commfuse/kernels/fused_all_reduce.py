@@ -56,7 +56,7 @@ import triton.language as tl
 from . import tiles
 from .launch import Bound
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
-                   proxy_fence, require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
+                   require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
                    wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
@@ -125,35 +125,27 @@ def inline_positions(count: int, world: int, rank: int, lag: int) -> int:
 
 
 @triton.jit
-def _copy_pushed(data, out, sums_desc, copy_desc, tile, pid_m, pid_n, M, N, result_at, late,
-                 BM: tl.constexpr, BN: tl.constexpr, SUB_M: tl.constexpr, TMA_EPI: tl.constexpr):
-    """Copy the sum a peer pushed for one of its tiles into ``out``; NaN if its wait was late.
-    ``TMA_EPI`` bit 1: loaded through the result area's [SUB_M, BN] descriptor; bit 2: stored
-    through ``out``'s."""
+def _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM: tl.constexpr,
+                 BN: tl.constexpr, SUB_M: tl.constexpr):
+    """Copy the sum a peer pushed for one of its tiles into ``out``; NaN if its wait was late."""
     for sub in tl.static_range(BM // SUB_M):
         r = sub * SUB_M + tl.arange(0, SUB_M)
         c = tl.arange(0, BN)
-        if TMA_EPI & 1:
-            val = sums_desc.load([(result_at + tile) * BM + sub * SUB_M, 0])
-        else:
-            val = tl.load(data + (result_at + tile).to(tl.int64) * (BM * BN) + r[:, None] * BN + c[None, :])
+        val = tl.load(data + (result_at + tile).to(tl.int64) * (BM * BN) + r[:, None] * BN + c[None, :])
         if late != 0:
             val = tl.full((SUB_M, BN), float("nan"), tl.float32).to(val.dtype)
-        if TMA_EPI & 2:  # rows and columns past the output are clipped by the descriptor
-            copy_desc.store([pid_m * BM + sub * SUB_M, pid_n * BN], val)
-        else:
-            rows = pid_m * BM + r
-            cols = pid_n * BN + c
-            tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val,
-                     mask=(rows[:, None] < M) & (cols[None, :] < N))
+        rows = pid_m * BM + r
+        cols = pid_n * BN + c
+        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val,
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 @triton.jit
-def _copy_position(tile, prev, late, data, out, sums_desc, copy_desc, flags, heap_bases, epoch, rank, err,
-                   timeout, M, N, num_m, num_n, num_tiles, slab_tiles, result_at, OP: tl.constexpr,
+def _copy_position(tile, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M, N,
+                   num_m, num_n, num_tiles, slab_tiles, result_at, OP: tl.constexpr,
                    WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
                    SUB_M: tl.constexpr, SCATTER: tl.constexpr, ABLATE: tl.constexpr,
-                   TMA_PUSH: tl.constexpr, TMA_EPI: tl.constexpr):
+                   TMA_PUSH: tl.constexpr):
     """Inline copy: a peer's pushed sum of ``tile`` into ``out``. A sum not yet released is waited
     for only after this program released its own pending tile (``prev``), so no two programs wait
     on each other's unreleased flags. Returns (prev, late)."""
@@ -167,11 +159,8 @@ def _copy_position(tile, prev, late, data, out, sums_desc, copy_desc, flags, hea
                 prev = prev * 0 - 1
             late = wait_or_record(flag, epoch, now(), timeout, err, OP, rank, owner)
         tl.debug_barrier()
-    if TMA_EPI & 1:
-        proxy_fence()  # the flag's acquire before the TMA load of the sum it guards
     if ABLATE & NO_COPY == 0:
-        _copy_pushed(data, out, sums_desc, copy_desc, tile, pid_m, pid_n, M, N, result_at, late, BM, BN,
-                     SUB_M, TMA_EPI)
+        _copy_pushed(data, out, tile, pid_m, pid_n, M, N, result_at, late, BM, BN, SUB_M)
     return prev, late
 
 
@@ -297,23 +286,21 @@ def _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank, heap_bases,
 
 
 @triton.jit
-def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, slab_desc, out_desc, M, N, K,
-                       stride_bm, stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m,
-                       num_n, num_tiles, slab_tiles, result_at, OP: tl.constexpr,
-                       WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
+                       stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
+                       num_tiles, slab_tiles, result_at, OP: tl.constexpr, WORLD: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr = False,
-                       TMA_PUSH: tl.constexpr = False, TMA_EPI: tl.constexpr = 0):
+                       TMA_PUSH: tl.constexpr = False):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
     to the peers; reduce-scatter: this rank's share of the rows). ``PULL`` (reduce-scatter only):
     a peer's tile is stored in this rank's own memory and released at once; an own tile loads
     the peers' partials from theirs (``_pull_partials``): before its K loop if they are released
-    already, else after it. ``TMA_PUSH``: pushes go through the TMA unit (``_push``).
-    ``TMA_EPI``: an own tile's pushed partials are loaded through the [BM, BN] descriptor
-    ``slab_desc`` (bit 1), its output stored through ``out_desc`` (bit 2). Returns (the tile to
-    release after the next one, or -1; late)."""
+    already, else after it. ``TMA_PUSH``: pushes go through the TMA unit (``_push``). Returns
+    (the tile to release after the next one, or -1; late)."""
     tile, off_m, pid_n, row_end = _place(i, rank, M, num_m, num_n, num_tiles, GROUP_M, WORLD, BM,
                                          SCATTER)
     owner = _owner(tile, slab_tiles, WORLD, SCATTER)
@@ -343,28 +330,17 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, slab_desc
         else:
             if (late == 0) & (ABLATE & NO_WAIT == 0):
                 late = wait_other_ranks(flags, tile, epoch, rank, err, timeout, OP, WORLD)
-            if TMA_EPI & 1:
-                proxy_fence()  # the flags' acquires before the TMA loads of the partials
             for k in tl.static_range(1, WORLD):
                 peer = (rank + k) % WORLD
-                if TMA_EPI & 1:
-                    acc += slab_desc.load([(peer * slab_tiles + slot) * BM, 0]).to(tl.float32)
-                else:
-                    acc += tl.load(_tile_block(data, peer * slab_tiles + slot, BM, BN)).to(tl.float32)
+                acc += tl.load(_tile_block(data, peer * slab_tiles + slot, BM, BN)).to(tl.float32)
         if late != 0:
             acc = tl.full((BM, BN), float("nan"), tl.float32)
         val = acc.to(out.dtype.element_ty)
-        if TMA_EPI & 2:  # rows past the output (or this rank's share) and columns past N are clipped
-            first = off_m
-            if SCATTER:
-                first = off_m - rank * (M // WORLD)
-            out_desc.store([first, pid_n * BN], val)
-        elif SCATTER:  # ``out`` holds this rank's share only
+        if SCATTER:  # ``out`` holds this rank's share only
             tl.store(out + (rows - rank * (M // WORLD))[:, None].to(tl.int64) * N + cols[None, :],
                      val, mask=mask)
         else:
             tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], val, mask=mask)
-        if not SCATTER:  # the sum, to every peer
             for k in tl.static_range(1, WORLD):
                 to = rank if ABLATE & NO_REMOTE else (rank + k) % WORLD
                 _push(data, result_at + tile, val, rank, to, heap_bases, (result_at + num_tiles) * BM,
@@ -401,7 +377,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
                            PULL: tl.constexpr = False, TRACE: tl.constexpr = False,
                            INLINE: tl.constexpr = False, TMA_PUSH: tl.constexpr = False,
-                           STAGGER: tl.constexpr = False, TMA_EPI: tl.constexpr = 0):
+                           STAGGER: tl.constexpr = False):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
@@ -414,10 +390,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
     its start, its end, each multiplied position's start and end), for the benchmarks.
     ``STAGGER`` (ticket order only): program p starts its first tile p / ``compute`` of
-    ``stagger`` ns late (``_stagger``, ``stagger_ns``).
-    ``TMA_EPI`` (bits, ``tma_epilogue``): the epilogues' and copies' local loads (1: partials and
-    sums read from this rank's workspace) and stores (2: the output) go through descriptors each
-    program makes once; the pushes are unchanged."""
+    ``stagger`` ns late (``_stagger``, ``stagger_ns``)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -429,21 +402,6 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     result_at = WORLD * slab_tiles  # the result area follows the slabs
     late = pid * 0  # once a wait timed out, this program waits no more: the rest of its tiles are NaN
     trace_time(trace, 0, TRACE)
-    slab_desc, out_desc, sums_desc, copy_desc = data, out, data, out  # unused without TMA_EPI
-    COPY_TMA: tl.constexpr = 0 if SCATTER else TMA_EPI  # the reduce-scatter copies nothing
-    area = (result_at + num_tiles) * BM  # rows of the workspace's dense [*, BN] tiles
-    out_rows = M
-    if SCATTER:
-        area = result_at * BM  # the slabs only
-        out_rows = M // WORLD
-    if TMA_EPI & 1:
-        slab_desc = tl.make_tensor_descriptor(data, shape=[area, BN], strides=[BN, 1], block_shape=[BM, BN])
-    if TMA_EPI & 2:
-        out_desc = tl.make_tensor_descriptor(out, shape=[out_rows, N], strides=[N, 1], block_shape=[BM, BN])
-    if COPY_TMA & 1:  # the copies move [SUB_M, BN] blocks
-        sums_desc = tl.make_tensor_descriptor(data, shape=[area, BN], strides=[BN, 1], block_shape=[SUB_M, BN])
-    if COPY_TMA & 2:
-        copy_desc = tl.make_tensor_descriptor(out, shape=[M, N], strides=[N, 1], block_shape=[SUB_M, BN])
     if pid < compute:
         prev = pid * 0 - 1
         if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
@@ -459,25 +417,25 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                 if kind == 0:
                     trace_tile(trace, j, i, 0, TRACE)
                     prev, late = _multiply_position(
-                        i, prev, late, a_desc, b_desc, bias, data, out, slab_desc, out_desc, M, N,
-                        K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err, timeout,
-                        num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK,
-                        GROUP_M, B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, TMA_PUSH, TMA_EPI)
+                        i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
+                        stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
+                        num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M,
+                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, TMA_PUSH)
                     trace_tile(trace, j, i, 1, TRACE)
                     j += 1
                 elif kind == 1:
                     prev, late = _copy_position(
-                        i, prev, late, data, out, sums_desc, copy_desc, flags, heap_bases, epoch,
-                        rank, err, timeout, M, N, num_m, num_n, num_tiles, slab_tiles, result_at,
-                        OP, WORLD, BM, BN, GROUP_M, SUB_M, SCATTER, ABLATE, TMA_PUSH, COPY_TMA)
+                        i, prev, late, data, out, flags, heap_bases, epoch, rank, err, timeout, M,
+                        N, num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN,
+                        GROUP_M, SUB_M, SCATTER, ABLATE, TMA_PUSH)
                 q = claim(ticket, ticket_base)
         else:  # static: program p takes positions p, p + compute, ...
             for i in range(pid, num_tiles, compute):
                 prev, late = _multiply_position(
-                    i, prev, late, a_desc, b_desc, bias, data, out, slab_desc, out_desc, M, N, K,
-                    stride_bm, stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m,
-                    num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M,
-                    B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, TMA_PUSH, TMA_EPI)
+                    i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
+                    flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
+                    slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
+                    SCATTER, ABLATE, PULL, TMA_PUSH)
         if prev >= 0:
             _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER, TMA_PUSH)
     else:
@@ -488,10 +446,9 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
             tile = owner + WORLD * (u // (WORLD - 1))
             if tile < num_tiles:  # a reducer holds no tile of its own (prev -1)
                 _, late = _copy_position(
-                    tile, pid * 0 - 1, late, data, out, sums_desc, copy_desc, flags, heap_bases,
-                    epoch, rank, err, timeout, M, N, num_m, num_n, num_tiles, slab_tiles,
-                    result_at, OP, WORLD, BM, BN, GROUP_M, SUB_M, SCATTER, ABLATE, TMA_PUSH,
-                    COPY_TMA)
+                    tile, pid * 0 - 1, late, data, out, flags, heap_bases, epoch, rank, err, timeout,
+                    M, N, num_m, num_n, num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, GROUP_M,
+                    SUB_M, SCATTER, ABLATE, TMA_PUSH)
     trace_time(trace, 1, TRACE)
 
 
@@ -521,9 +478,9 @@ def tickets() -> bool:
 
 
 #: Reduce-scatter calls whose owners pulled the partials, all-reduce calls with the copies inline
-#: (no reducers), calls that pushed through the TMA unit and calls whose epilogues used TMA
-#: descriptors, since import (tests check the path ran).
-PULL_CALLS = INLINE_CALLS = TMA_CALLS = TMA_EPI_CALLS = 0
+#: (no reducers), and calls that pushed through the TMA unit, since import (tests check the path
+#: ran).
+PULL_CALLS = INLINE_CALLS = TMA_CALLS = 0
 
 
 def tma_push() -> bool:
@@ -532,30 +489,6 @@ def tma_push() -> bool:
     ``explore/paths_tma_9288ea7``; NOTES.md §28-29). Ranks may differ: it changes how bytes
     travel, not which."""
     return os.environ.get("COMMFUSE_FUSED_TMA_PUSH", "0") == "1"
-
-
-def tma_epilogue() -> int:
-    """``COMMFUSE_FUSED_TMA_EPILOGUE`` (an experiment, 0 by default): bits of the epilogues' and
-    copies' local traffic that goes through TMA descriptors the kernel makes (``TMA_EPI``): 1 the
-    loads of the pushed partials and sums, 2 the output's stores. Both were 1-2% slower than
-    pointers on an emulated pair of ranks on one H200 (``NOTES.md`` §38). Ranks may differ: it
-    changes how this rank's own memory is read and written, not what crosses NVLink."""
-    given = os.environ.get("COMMFUSE_FUSED_TMA_EPILOGUE", "0").strip()
-    if given not in ("0", "1", "2", "3"):
-        raise ValueError(f"commfuse: COMMFUSE_FUSED_TMA_EPILOGUE={given!r} must be 0, 1, 2 or 3")
-    return int(given)
-
-
-def _out_fits_tma(out: torch.Tensor) -> bool:
-    """``out`` dense, its rows and base 16-byte aligned: what the kernel's descriptor of it
-    (``TMA_EPI``) assumes. Checked per call (the plan is kept across calls)."""
-    return (out.stride(1) == 1 and out.stride(0) == out.shape[1] and (out.shape[1] * out.element_size()) % 16 == 0
-            and out.data_ptr() % 16 == 0)
-
-
-def _data_fits_tma(ws, elems: int, dtype: torch.dtype) -> bool:
-    """Both parities' data 16-byte aligned (fixed per workspace: checked once per plan)."""
-    return all(ws.data(p, (elems,), dtype).data_ptr() % 16 == 0 for p in (0, 1))
 
 
 def stagger_ns(scatter: bool = False, count: int = 0, compute: int = 1) -> int:
@@ -609,7 +542,7 @@ def copy_lag(compute: int) -> int:
 
 
 #: (config, dtype, world, weight layout, bias, device, tickets, scatter, ablate, pull, traced,
-#: TMA pushes, staggered start, TMA epilogue) -> programs per SM
+#: TMA pushes) -> programs per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -628,7 +561,7 @@ class _Plan(NamedTuple):
 
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int,
           sbn: int, out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, ablate: int, pull: bool,
-          traced: bool, tma_epi: int, device: torch.device) -> _Plan:
+          traced: bool, device: torch.device) -> _Plan:
     if tile_flag_slots(m, n, ws.world, cfg, scatter) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
     if scatter and m % ws.world:
@@ -645,10 +578,9 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
                   HAS_BIAS=full_bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
                   PULL=pull and scatter, TRACE=traced, INLINE=inline,
                   TMA_PUSH=tma_push() and not (pull and scatter), STAGGER=staggered,
-                  TMA_EPI=tma_epi if _data_fits_tma(ws, elems, dtype) else tma_epi & 2, num_warps=cfg.warps,
-                  num_stages=cfg.stages)
+                  num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, dtype, ws.world, b_t, full_bias is not None, device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"], consts["TMA_EPI"])
+           ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(
             a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
@@ -697,28 +629,24 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     traced = trace is not None
-    tma_epi = tma_epilogue()
-    if not _out_fits_tma(out):
-        tma_epi &= 1
     # every setting the plan reads is in its key, so a changed one makes a new plan
     key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, ablate, pull, traced,
-           tickets(), tma_push(), tma_epi, os.environ.get("COMMFUSE_AR_COPY_LAG"), stagger_ns(scatter),
-           ErrorWord.get(), timeout_ns())
+           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), stagger_ns(scatter), ErrorWord.get(),
+           timeout_ns())
     plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
-                                      scatter, ablate, pull, traced, tma_epi, a.device))
+                                      scatter, ablate, pull, traced, a.device))
     consts = plan.bound.fixed
-    if consts["TMA_PUSH"] or consts["TMA_EPI"]:  # device-made descriptors need an allocator (kept per thread)
+    if consts["TMA_PUSH"]:  # device-made descriptors need an allocator, which Triton keeps per thread
         tiles.ensure_allocator()
     if traced and trace.numel() < plan.bound.grid[0] * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {plan.bound.grid[0] * TRACE_SLOTS} slots")
 
     def launch(epoch: int, parity: int) -> None:
-        global PULL_CALLS, INLINE_CALLS, TMA_CALLS, TMA_EPI_CALLS
+        global PULL_CALLS, INLINE_CALLS, TMA_CALLS
         base = ws.ticket_base
         PULL_CALLS += consts["PULL"]
         INLINE_CALLS += consts["INLINE"]
         TMA_CALLS += consts["TMA_PUSH"]
-        TMA_EPI_CALLS += consts["TMA_EPI"] != 0
         if traced:
             trace.fill_(-1)
         plan.bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,

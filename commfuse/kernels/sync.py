@@ -56,14 +56,6 @@ def signal_peers(flags, slot, epoch, rank, heap_bases, WORLD: tl.constexpr):
 
 
 @triton.jit
-def proxy_fence():
-    """Order this thread's earlier generic-proxy accesses (a flag's acquire) before its later
-    async-proxy ones (TMA loads of the data the flag guards)."""
-    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def now():
     """The GPU's nanosecond timer, the same value in every thread of the program. Each thread
     reads ``%globaltimer`` on its own; a wait that compared per-thread readings could let some

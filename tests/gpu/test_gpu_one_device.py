@@ -123,21 +123,6 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
     _fused_calls(world, scatter, reducers)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
-@pytest.mark.parametrize("tma_epi", ["3", "1", "2"], ids=["tma_loads_stores", "tma_loads", "tma_stores"])
-def test_fused_all_reduce_kernel_tma_epilogue(world, scatter, tma_epi, monkeypatch):
-    """``COMMFUSE_FUSED_TMA_EPILOGUE``: the epilogues' and copies' local loads and/or stores
-    through the kernel's own TMA descriptors (an experiment; pointers by default); every call
-    takes the form asked for."""
-    monkeypatch.setenv("COMMFUSE_FUSED_TMA_EPILOGUE", tma_epi)
-    before = fused_all_reduce.TMA_EPI_CALLS
-    ws = _fused_calls(world, scatter, 0)
-    assert fused_all_reduce.TMA_EPI_CALLS - before == 3 * world
-    plans = [v for v in ws[0].launches.values() if isinstance(v, fused_all_reduce._Plan)]
-    assert plans and all(p.bound.fixed["TMA_EPI"] == int(tma_epi) for p in plans)
-
-
 @pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
 def test_fused_all_reduce_kernel_with_a_staggered_start(world, scatter, monkeypatch):
