@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from . import env
+
 MM_AR_SHAPES = [(m, k, n) for m in (16, 128, 1024, 4096, 8192)
                 for k, n in ((14336, 8192), (4096, 8192), (7168, 4096), (2048, 4096))]
 AG_MM_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (4096, 8192, 5120),
@@ -199,7 +201,7 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
         for chunks in ("2", "4", "8"):
             with settings({"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": chunks}):
                 t[f"commfuse_ce_overlap_{chunks}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
-    if m >= 1024 and os.environ.get("COMMFUSE_BENCH_OVERLAP", "1") == "1":
+    if m >= 1024 and env.flag("COMMFUSE_BENCH_OVERLAP", True):
         for cfg in ("2x32", "4x32", "4x16", "8x32", "4x66"):
             with settings({"COMMFUSE_ALGO": "overlap", "COMMFUSE_OVERLAP": cfg}):
                 t[f"commfuse_overlap_{cfg}"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))
@@ -223,7 +225,7 @@ def bench_mm_all_reduce(m, k, n, dtype, group):
     except Exception as exc:
         if dist.get_rank() == 0:
             print(f"    (torch symm_mem peers unavailable: {exc})", file=sys.stderr)
-    if os.environ.get("COMMFUSE_BENCH_IRIS") == "1":  # Iris's own fused op on its heap
+    if env.flag("COMMFUSE_BENCH_IRIS", False):  # Iris's own fused op on its heap
         peers["iris_matmul_all_reduce"] = _iris_peer(a, b)
     _settle(t, lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)),
             lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname))

@@ -12,7 +12,8 @@ import torch.nn as nn
 #: matmul partials that is reduced (or of reduced partials) into one matmul reduced once.
 PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 
-#: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing.
+#: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing
+#: (the rank-local dimension counts as ``patterns.common.SHARDED_DIM``).
 DEFAULT_MIN_MNK = 1 << 15
 
 #: Without CUDA graphs, matmuls whose output is at most this many bytes stay unfused: they are
@@ -23,17 +24,19 @@ DEFAULT_LAUNCH_BOUND_BYTES = 1 << 20
 
 
 def default_launch_bound_bytes() -> int:
-    """``COMMFUSE_LAUNCH_BOUND_BYTES`` if set (0 fuses every size), else the default."""
-    import os
+    """``COMMFUSE_LAUNCH_BOUND_BYTES`` if set (bytes, a whole number; 0 fuses every size), else
+    the default."""
+    from . import env
 
-    return int(os.environ.get("COMMFUSE_LAUNCH_BOUND_BYTES", DEFAULT_LAUNCH_BOUND_BYTES))
+    return env.integer("COMMFUSE_LAUNCH_BOUND_BYTES", DEFAULT_LAUNCH_BOUND_BYTES, minimum=0)
 
 
 def merge_sums_allowed() -> bool:
-    """``COMMFUSE_MERGE_SUMS=0`` switches the ``merge_sums`` rewrite off (read at compile time)."""
-    import os
+    """``COMMFUSE_MERGE_SUMS=0`` (or false, off, no) switches the ``merge_sums`` rewrite off (read
+    at compile time)."""
+    from . import env
 
-    return os.environ.get("COMMFUSE_MERGE_SUMS", "1").strip() != "0"
+    return env.flag("COMMFUSE_MERGE_SUMS", True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Users' first complaint about fusion passes is that they silently do not fire, so each decision is
 logged under the ``commfuse`` logger and kept as data: ``commfuse.report()`` after a compile.
-Set ``COMMFUSE_LOG=1`` (or ``debug``) in the environment to print decisions to stderr.
+Set ``COMMFUSE_LOG=1`` (or ``debug``) in the environment to print decisions to stderr; it is read
+when commfuse is imported and again whenever the graph pass runs (0, off, false or no: quiet).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ _MAX_RECORDS = 10_000
 _records: collections.deque["MatchRecord"] = collections.deque(maxlen=_MAX_RECORDS)
 
 
-def _configure_from_env() -> None:
+def configure_logging() -> None:
+    """``COMMFUSE_LOG``: a stderr handler on the ``commfuse`` logger at INFO (DEBUG for ``debug``),
+    added once; unset, 0, off, false or no leave the logger as it is."""
     level = os.environ.get("COMMFUSE_LOG", "").strip().lower()
-    if not level or level in ("0", "off", "false"):
+    if not level or level in ("0", "off", "false", "no"):
         return
     log.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
     if not log.handlers:
@@ -29,7 +32,7 @@ def _configure_from_env() -> None:
         log.addHandler(handler)
 
 
-_configure_from_env()
+configure_logging()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,10 +171,22 @@ def test_all_gather_mm_choice(monkeypatch):
 
 
 def test_choice_depends_on_shape_only(monkeypatch):
-    """Same inputs, same answer: every rank must enter the same collective."""
+    """Same inputs, same answer on every rank: the dispatch reads no rank-local state (the rank,
+    the device), so ranks that call with the same sizes enter the same collective."""
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    answers = {dispatch.mm_all_reduce(m, 7168, 4096, BF16, 4) for m in [1024] * 5}
-    assert len(answers) == 1
+    shapes = [(m, k, n) for m in (16, 128, 1024, 4096, 8192) for k, n in ((2048, 4096), (7168, 4096), (14336, 8192))]
+
+    def answers():
+        return ([dispatch.mm_all_reduce(m, k, n, BF16, 2) for m, k, n in shapes]
+                + [dispatch.all_gather_mm(m, k, n, BF16, 2) for m, k, n in shapes]
+                + [dispatch.mm_reduce_scatter(m, k, n, BF16, 2) for m, k, n in shapes])
+
+    first = answers()
+    assert len(set(first)) > 2  # the shapes do steer it
+    for rank in (1, 3):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, rank=rank, **k: rank)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda rank=rank: rank)
+        assert answers() == first, rank
 
 
 def test_forced_algorithm(monkeypatch):

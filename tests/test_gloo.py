@@ -52,10 +52,14 @@ def _compare(name, fn, inputs, reference):
 
 
 def _worker(rank: int, init_file: str) -> None:
+    import datetime
+
     import commfuse
 
     torch._inductor.config.fx_graph_cache = False
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    # collectives that do not pair across ranks fail in a minute instead of gloo's 30
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
     group = dist.group.WORLD
     torch.manual_seed(100 + rank)  # every rank holds different data
 
@@ -104,7 +108,66 @@ def _worker(rank: int, init_file: str) -> None:
     fn = lambda x1, w1, x2, w2: funcol.reduce_scatter_tensor(F.linear(x1, w1) + F.linear(x2, w2), "sum", 1, group)
     _compare("merged reduce-scatter", fn, [x1, w1, x2, w2], total.chunk(WORLD, dim=1)[rank])
     assert [r.reason for r in commfuse.report().merged] == ["merged 2 partials of one reduction (K=32+8)"]
+    _uneven_shards(rank, group)
+    _review_forms(rank, group)
     dist.destroy_process_group()
+
+
+def _uneven_shards(rank: int, group) -> None:
+    """33 in-features on 2 ranks: K is 17 on rank 0 and 16 on rank 1. With a size threshold
+    between the ranks' M * N * K, a rule that read K merged (and fused) on one rank only: its one
+    all-reduce met the other rank's first, a wrong sum there and a hang on the other. Both ranks
+    decide alike now, and the values hold. The run-time check learns the sizes differ."""
+    import commfuse
+    from commfuse.kernels import shards
+
+    k = 17 if rank == 0 else 16
+    x1, x2 = torch.randn(64, k), torch.randn(64, k)
+    w1, w2 = torch.randn(48, k), torch.randn(48, k)
+    fn = lambda x1, w1, x2, w2: (funcol.all_reduce(F.linear(x1, w1), "sum", group)  # noqa: E731
+                                 + funcol.all_reduce(F.linear(x2, w2), "sum", group))
+    partial = F.linear(x1.double(), w1.double()) + F.linear(x2.double(), w2.double())
+    reference = sum(_gather_all(partial))
+    for min_mnk in (64 * 48 * 17, 0):
+        commfuse.clear_report()
+        torch._dynamo.reset()
+        out = torch.compile(fn, backend=commfuse.backend(min_mnk=min_mnk), fullgraph=True)(x1, w1, x2, w2)
+        _check(f"uneven K, min_mnk={min_mnk}", out, reference)
+        decisions = [(r.pattern, r.fused) for r in commfuse.report()]
+        every = [None] * WORLD
+        dist.all_gather_object(every, decisions)
+        assert every[0] == every[1], every
+    before = shards.LEARNED
+    assert not shards.alike(group.group_name, "mm_all_reduce", k, torch.device("cpu"))
+    assert shards.alike(group.group_name, "mm_all_reduce", 16 * 1024, torch.device("cpu"))
+    assert shards.alike(group.group_name, "mm_all_reduce", 16 * 1024, torch.device("cpu"))  # kept
+    assert not shards.alike(group.group_name, "mm_all_reduce", k, torch.device("cpu"))
+    assert shards.LEARNED == before + 2
+
+
+def _review_forms(rank: int, group) -> None:
+    """Forms a review found: an all-gather whose product Inductor turns into ``addmm`` with the
+    residual as a per-row bias (the op checked that bias against the shard's rows and raised),
+    and a reduce-scatter of a cat of only some of a split's pieces (matched as the whole tensor:
+    a result of the wrong shape)."""
+    import commfuse
+
+    x, w, r = torch.randn(16, 32), torch.randn(24, 32), torch.randn(16 * WORLD, 24)
+    fn = lambda x, w, r: F.linear(funcol.all_gather_tensor(x, 0, group), w) + r  # noqa: E731
+    reference = F.linear(torch.cat(_gather_all(x.double())), w.double()) + r.double()
+    _compare("all_gather_mm + residual (addmm, per-row bias)", fn, [x, w, r], reference)
+    y_in, w2 = torch.randn(16, 32), torch.randn(24, 32)
+
+    def subset(y_in, w2):
+        pieces = torch.split(y_in @ w2.t(), 4, dim=0)  # four pieces of [4, 24], two reduce-scattered
+        return funcol.reduce_scatter_tensor(torch.cat(pieces[:WORLD], 0), "sum", 0, group)
+
+    eager = subset(y_in, w2)
+    commfuse.clear_report()
+    torch._dynamo.reset()
+    compiled = torch.compile(subset, backend=commfuse.backend(min_mnk=0), fullgraph=True)(y_in, w2)
+    assert compiled.shape == eager.shape, (compiled.shape, eager.shape)
+    _check("reduce_scatter of a cat of some split pieces", compiled, eager)
 
 
 @pytest.mark.slow

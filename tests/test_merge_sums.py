@@ -151,12 +151,31 @@ def test_left_alone(world2):
 
 
 def test_size_guards_apply_to_each_term(world2):
-    """A sum whose terms the fusion would leave unfused (size threshold) is not merged: merging
-    it would only copy the weights."""
+    """A sum whose terms the fusion would leave unfused (size threshold: M * N * ``SHARDED_DIM``)
+    is not merged: merging it would only copy the weights."""
+    from commfuse.patterns.common import SHARDED_DIM
+
     x1, w1, x2, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(64, 16), torch.randn(16, 48)
-    _, code = compile_code(lambda *t: _ar(t[0] @ t[1]) + _ar(t[2] @ t[3]), x1, w1, x2, w2,
-                           backend=commfuse.backend(min_mnk=64 * 32 * 48))
+    for min_mnk, merged in ((64 * 48 * SHARDED_DIM + 1, False), (64 * 48 * SHARDED_DIM, True)):
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        compile_code(lambda *t: _ar(t[0] @ t[1]) + _ar(t[2] @ t[3]), x1, w1, x2, w2,
+                     backend=commfuse.backend(min_mnk=min_mnk))
+        assert bool(_merges()) is merged, (min_mnk, commfuse.report())
+
+
+def test_fp16_all_reduced_terms_are_not_merged(world2):
+    """Form B adds each rank's partials before the reduction: in fp16 partials that cancel across
+    ranks can overflow where the reduced terms do not, so fp16 sums keep their all-reduces."""
+    x1, w1, x2, w2 = (torch.randn(64, 32, dtype=torch.float16), torch.randn(32, 48, dtype=torch.float16),
+                      torch.randn(64, 16, dtype=torch.float16), torch.randn(16, 48, dtype=torch.float16))
+    fn = lambda *t: _ar(t[0] @ t[1]) + _ar(t[2] @ t[3])  # noqa: E731
+    compile_code(fn, x1, w1, x2, w2)
     assert not _merges(), commfuse.report()
+    torch._dynamo.reset()
+    commfuse.clear_report()
+    compile_code(fn, *(t.to(torch.bfloat16) for t in (x1, w1, x2, w2)))
+    assert _merges(), commfuse.report()
 
 
 def test_summed_partials_all_reduced_once_values(world2):

@@ -49,8 +49,15 @@ def test_reference_semantics(world2):
     """On the fake group rank 0's collectives are identities: the ops reduce to their matmuls."""
     a, b, bias = torch.randn(6, 4), torch.randn(4, 5), torch.randn(5)
     torch.testing.assert_close(torch.ops.commfuse.mm_all_reduce(a, b, bias, group_name()), torch.addmm(bias, a, b))
-    out, gathered = torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), b, None, 0, 2, group_name(), True)
-    torch.testing.assert_close(out, gathered @ b)
+    shard = torch.randn(3, 4)
+    out, gathered = torch.ops.commfuse.all_gather_mm(shard, b, None, 0, 2, group_name(), True)
+    torch.testing.assert_close(gathered, shard.repeat(2, 1))  # the fake group's all-gather repeats it
+    torch.testing.assert_close(out, shard.repeat(2, 1) @ b)
+    rows_bias = torch.randn(6, 5)  # a bias per gathered row (Inductor's addmm of a residual)
+    out, _ = torch.ops.commfuse.all_gather_mm(shard, b, rows_bias, 0, 2, group_name(), False)
+    torch.testing.assert_close(out, shard.repeat(2, 1) @ b + rows_bias)
+    with pytest.raises(RuntimeError, match=r"bias \(3, 5\) does not broadcast to \(6, 5\)"):
+        torch.ops.commfuse.all_gather_mm(shard, b, torch.randn(3, 5), 0, 2, group_name(), False)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -164,18 +164,50 @@ def test_mm_all_reduce_skips(world2, case, reason):
 
 
 def test_size_threshold(world2):
+    """``min_mnk`` against M * N * ``SHARDED_DIM``: the K a rank's shard has is not read."""
+    from commfuse.patterns.common import SHARDED_DIM
+
     a, w = torch.randn(8, 16), torch.randn(16, 8)
 
     def f(a, w):
         return _ar(a @ w)
 
-    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=8 * 16 * 8 + 1))
+    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=8 * 8 * SHARDED_DIM + 1))
     assert calls(code, AR) == 0
     assert "below the size threshold" in _only("mm_all_reduce").reason
     torch._dynamo.reset()
     commfuse.clear_report()
-    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=8 * 16 * 8))
+    _, code = compile_code(f, a, w, backend=commfuse.backend(min_mnk=8 * 8 * SHARDED_DIM))
     assert calls(code, AR) == 1
+
+
+@pytest.mark.parametrize("pattern", ["mm_all_reduce", "all_gather_mm", "merge_sums"])
+def test_rank_local_sizes_do_not_steer_the_rewrite(world2, pattern):
+    """Unevenly sharded layers (33 features on 2 ranks: 17 on one, 16 on the other) give each
+    rank its own K (all-reduce, merged sums) or N (all-gather). A size rule that read it could
+    fuse on one rank and not the other, whose collectives would then not pair (a hang, or a
+    wrong sum). Every threshold and launch bound decides alike for both sizes."""
+    from commfuse.patterns.common import SHARDED_DIM
+
+    def decisions(local: int, **settings) -> list:
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        if pattern == "all_gather_mm":  # N is the rank's
+            args, fn = (torch.randn(16, 32), torch.randn(32, local)), lambda x, w: _ag(x) @ w
+        elif pattern == "mm_all_reduce":  # K is the rank's
+            args, fn = (torch.randn(16, local), torch.randn(local, 48)), lambda a, w: _ar(a @ w)
+        else:
+            args = (torch.randn(16, local), torch.randn(local, 48), torch.randn(16, local), torch.randn(local, 48))
+            fn = lambda a1, w1, a2, w2: _ar(a1 @ w1) + _ar(a2 @ w2)  # noqa: E731
+        compile_code(fn, *args, backend=commfuse.backend(**settings))
+        return [(r.pattern, r.fused) for r in commfuse.report()]
+
+    shared = 2 * 16 * 32 if pattern == "all_gather_mm" else 16 * 48  # the exchanged tensor's elements (2 ranks)
+    for settings in (dict(min_mnk=shared * 16), dict(min_mnk=shared * 17), dict(min_mnk=shared * SHARDED_DIM),
+                     dict(min_mnk=shared * SHARDED_DIM + 1), dict(min_mnk=0, launch_bound_bytes=shared * 4),
+                     dict(min_mnk=0, launch_bound_bytes=shared * 4 - 1)):
+        assert decisions(16, **settings) == decisions(17, **settings), settings
+    assert decisions(16, min_mnk=shared * SHARDED_DIM) != decisions(16, min_mnk=shared * SHARDED_DIM + 1)
 
 
 def test_launch_bound_sizes_stay_unfused_without_cuda_graphs(world2):
@@ -227,6 +259,7 @@ def test_all_gather_mm_2d(world):
     rec = _only("all_gather_mm")
     assert rec.fused and rec.shape == (16 * world, 32, 24)
     assert out.shape == (16 * world, 24)
+    torch.testing.assert_close(out, f(shard, w))  # the fake group's all-gather repeats the shard
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -241,6 +274,7 @@ def test_all_gather_mm_3d_linear(world, bias):
     out, code = compile_code(f, shard, w, b)
     assert_fused(code, AG, C10D_AG)
     assert out.shape == (8 * world, 4, 24)
+    torch.testing.assert_close(out, f(shard, w, b))  # the bias too (the fake all-gather repeats the shard)
 
 
 def test_all_gather_mm_dtensor_layout_dim1(world):
@@ -254,6 +288,7 @@ def test_all_gather_mm_dtensor_layout_dim1(world):
     assert_fused(code, AG, C10D_AG)
     assert "aten.cat" not in code and out.shape == (2, 8 * world, 24)
     assert f"{AG}.default(arg0_1, " in code and ", 1, " in code  # gather_dim=1
+    torch.testing.assert_close(out, f(shard, w))  # the fake all-gather repeats the shard along dim 1
 
 
 def test_all_gather_mm_gathered_kept_for_other_users(world2):
@@ -270,6 +305,8 @@ def test_all_gather_mm_gathered_kept_for_other_users(world2):
     rec = _only("all_gather_mm")
     assert rec.shape == (32, 32, 48)  # wq: the widest
     assert "True)" in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered
+    for got, want in zip(out, f(shard, wq, wk, wv)):  # the fused product and the gathered tensor's users
+        torch.testing.assert_close(got, want)
 
 
 def test_all_gather_mm_training(world2):
@@ -510,3 +547,4 @@ def test_gemm_bound_all_gather_fuses(world2):
     out, code = compile_code(lambda x, w: _ag(x) @ w, shard, w)
     assert calls(code, "commfuse.all_gather_mm") == 1 and _only("all_gather_mm").fused
     assert out.shape == (8, 16384)
+    torch.testing.assert_close(out, shard.repeat(2, 1) @ w)

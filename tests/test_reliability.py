@@ -152,10 +152,12 @@ def _verify_worker(rank: int, init_file: str) -> None:
     b = torch.randn(8, 6)
     a = torch.randn(4 + rank, 8)  # rank 1 has one row more: a bug in the caller
     with pytest.raises(RuntimeError, match=r"mm_all_reduce: ranks of group .* disagree about the call: "
-                       rf"rank {rank} and rank {1 - rank} differ \(a: float32\[{4 + rank}, 8\] here, "
-                       rf"float32\[{5 - rank}, 8\] there\)"):
+                       rf"rank {rank} and rank {1 - rank} differ \(rows: {4 + rank} here, {5 - rank} there\)"):
         torch.ops.commfuse.mm_all_reduce(a, b, None, group)
     out = torch.ops.commfuse.mm_all_reduce(a[:4], b, None, group)  # agreeing calls go through
+    assert out.shape == (4, 6)
+    # an unevenly sharded K (9 and 8) is no disagreement: the product and its sum are well formed
+    out = torch.ops.commfuse.mm_all_reduce(torch.randn(4, 9 - rank), torch.randn(9 - rank, 6), None, group)
     assert out.shape == (4, 6)
     calls = []
     real = verify.dist.all_gather_object

@@ -59,8 +59,11 @@ def backend(
         exclude: module classes, module instances, or qualified-name patterns (``fnmatch``, relative
             to the compiled module, e.g. ``"layers.0.*"``) whose matmuls stay unfused.
         patterns: which rewrites run, from ``commfuse.PATTERNS`` (default: all).
-        min_mnk: matmuls with M*N*K below this stay unfused.
-        launch_bound_bytes: without CUDA graphs, matmuls whose output has at most this many bytes
+        min_mnk: matmuls with M*N*K below this stay unfused (the dimension a rank's shard may size
+            differently from its peers', K of an all-reduced or reduce-scattered product, N of an
+            all-gathered one, counts as 64: ranks with unevenly sharded layers decide alike).
+        launch_bound_bytes: without CUDA graphs, matmuls whose exchanged tensor (the output; an
+            all-gather's gathered operand) has at most this many bytes
             stay unfused (launch-bound: the fused op's host cost outweighs its GPU saving); 0 fuses
             them too. Default: ``COMMFUSE_LAUNCH_BOUND_BYTES`` or 1 MiB. With
             ``mode="reduce-overhead"`` they fuse.

@@ -3,7 +3,8 @@
 It runs as Inductor's ``post_grad_custom_post_pass`` (after Inductor's own patterns and
 ``_micro_pipeline_tp``), on the functional post-grad graphs of forward and backward. It decides
 from shapes, dtypes, groups and module metadata only, never rank-local state, so every rank
-compiles the same graph.
+compiles the same graph; of the shapes, only the sizes every rank shares (a shard's K or N may
+differ between ranks where a layer is sharded unevenly: ``patterns.common.SHARDED_DIM``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ except ImportError:  # torch 2.11
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import kernels  # noqa: F401  (registers torch.ops.commfuse before any rewrite)
-from .. import patterns
+from .. import env, patterns
 from ..config import Settings
 from ..exclusion import any_instance_excluded, module_stack
 from ..kernels import symm
 from ..patterns import merge_sums
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
-from ..report import MatchRecord, log, record
+from ..report import MatchRecord, configure_logging, log, record
 
 _graph_numbers = itertools.count()
 
@@ -80,6 +81,8 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     """Apply every enabled pattern to ``graph``; record each candidate. Returns how many rewrites
     (fusions and merged sums) were made."""
     label = graph_label(graph, next(_graph_numbers))
+    env.validate()  # a malformed setting fails here, named, not inside a rewrite or a collective call
+    configure_logging()  # COMMFUSE_LOG set after the import
     fused = 0
     if merge_sums.enabled(settings):
         try:

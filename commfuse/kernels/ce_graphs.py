@@ -23,10 +23,10 @@ turns them off.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .. import env
 from ..report import log
 from . import symm
 from .sync import timeout_ns
@@ -46,7 +46,7 @@ _streams: dict[int, tuple] = {}
 
 
 def enabled() -> bool:
-    return not _disabled and os.environ.get("COMMFUSE_CE_GRAPHS", "1") != "0"
+    return not _disabled and env.flag("COMMFUSE_CE_GRAPHS", True)
 
 
 def _signature(t: torch.Tensor | None):

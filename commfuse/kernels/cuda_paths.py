@@ -25,7 +25,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import (call_times, ce_graphs, dispatch, exchange, fused_all_gather, fused_all_reduce, fused_split_k,
-               reference, symm, tiles)
+               reference, shards, symm, tiles)
 from .sync import GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, ErrorWord
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
@@ -99,7 +99,10 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     ErrorWord.check("mm_all_reduce")
     group = _resolve_process_group(group_name)
     m, n = a.shape[0], b.shape[1]
-    algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
+    if group.size() > 1 and not shards.alike(group_name, "mm_all_reduce", a.shape[1], a.device):
+        algo = "nccl"  # K differs between ranks: no path that reads it may be taken
+    else:
+        algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
     PATHS[f"mm_all_reduce:{algo}"] += 1
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
@@ -345,7 +348,10 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     rows = shard.numel() // k * world_size if k else 0
     rows_dim = dispatch.rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
     slabs = dispatch.row_slabs(shard.shape, rows_dim)  # else a block in each of these slabs
-    algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs)
+    if world_size > 1 and not shards.alike(group_name, "all_gather_mm", b.shape[1], shard.device):
+        algo = "nccl"  # N differs between ranks: no path that reads it may be taken
+    else:
+        algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs)
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
@@ -394,7 +400,10 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     shape = reference.resolve_shape(shape, m * n)
     rows_dim = dispatch.rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
     slabs = dispatch.row_slabs(shape, rows_dim)  # else a block in each of these slabs
-    algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs)
+    if world_size > 1 and not shards.alike(group_name, "mm_reduce_scatter", a.shape[1], a.device):
+        algo = "nccl"  # K differs between ranks: no path that reads it may be taken
+    else:
+        algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs)
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

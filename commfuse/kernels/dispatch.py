@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from .. import env
 from ..report import log
 from . import symm
 
@@ -82,8 +83,8 @@ def _tile_config_override():
     """``COMMFUSE_TILE_CONFIG`` (e.g. ``128x256x64s3w8g8r16o1``): every fused kernel's tiling."""
     from .tiles import TileConfig
 
-    env = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
-    return TileConfig.parse(env) if env else None
+    given = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
+    return TileConfig.parse(given) if given else None
 
 
 def tile_config(m: int, k: int, n: int, scatter: bool = False):
@@ -171,18 +172,12 @@ AG_PUSH_MODES = ("ce", "sm")
 AG_CE_MIN_SHARD_BYTES = 2 << 20
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    """A switch read per call: unset keeps ``default``; 0, false, off or no turn it off."""
-    env = os.environ.get(name, "").strip().lower()
-    return default if not env else env not in ("0", "false", "off", "no")
-
-
 def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     """A setting that names one of ``choices``, or None when unset; anything else raises."""
-    env = os.environ.get(name, "").strip()
-    if env and env not in choices:
-        raise ValueError(f"{name}={env!r} is not one of {choices}")
-    return env or None
+    given = os.environ.get(name, "").strip()
+    if given and given not in choices:
+        raise ValueError(f"{name}={given!r} is not one of {choices}")
+    return given or None
 
 
 def gather_push(shard_bytes: int) -> str:
@@ -199,7 +194,7 @@ RS_PULL = False
 
 
 def scatter_pull() -> bool:
-    return _env_flag("COMMFUSE_RS_PULL", RS_PULL)
+    return env.flag("COMMFUSE_RS_PULL", RS_PULL)
 
 
 def fused_unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int,
@@ -262,7 +257,7 @@ def graph_split_k(m: int, k: int, n: int, dtype: torch.dtype, lane):
     capture and in re-warming alike."""
     from . import fused_split_k
 
-    if os.environ.get("COMMFUSE_GRAPH_SPLIT_K", "1") == "0":
+    if not env.flag("COMMFUSE_GRAPH_SPLIT_K", True):
         return None
     if not split_k_by_default(m, k, n, dtype, lane.world):
         return None
@@ -276,10 +271,9 @@ def split_k_config(m: int, k: int, n: int, programs: int, tile=None):
     whether the sums travel as LL words (sweeps; alike on every rank)."""
     from . import fused_split_k
 
-    env = os.environ.get("COMMFUSE_SPLIT_K", "").strip()
+    split = env.integer("COMMFUSE_SPLIT_K", None, minimum=1)
     ll = _env_choice("COMMFUSE_SPLIT_K_LL", ("0", "1"))
-    return fused_split_k.config(m, k, n, programs, int(env) if env else None, tile,
-                                ll=None if ll is None else ll == "1")
+    return fused_split_k.config(m, k, n, programs, split, tile, ll=None if ll is None else ll == "1")
 
 
 #: The split-K kernel's workspace is sized for this many programs, more than any GPU has SMs: a
@@ -464,10 +458,13 @@ def mm_all_reduce(m: int, k: int, n: int, dtype: torch.dtype, world: int, lane_b
 
 def overlap_config(m: int) -> tuple[int, int]:
     """(row chunks, exchange programs) of the SM-overlapped all-reduce; ``COMMFUSE_OVERLAP=CxP``."""
-    env = os.environ.get("COMMFUSE_OVERLAP")
-    if env:
-        chunks, programs = (int(x) for x in env.lower().split("x"))
-        return chunks, programs
+    given = os.environ.get("COMMFUSE_OVERLAP", "").strip()
+    if given:
+        parts = given.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"commfuse: COMMFUSE_OVERLAP={given!r} is not CxP (row chunks x exchange "
+                             "programs, both at least 1, e.g. 4x32)")
+        return int(parts[0]), int(parts[1])
     return 4, 32
 
 
@@ -478,12 +475,12 @@ def scatter_chunks(rows: int, world: int, slabs: int = 1) -> int:
     barrier flag slot per chunk, slab and step: at most what the flag area holds (0: none fits).
     With slabs, one chunk per slab (``explore/paths_batch4_e84201d.json``, [4, S, .], us, 1 / 2 / 4
     chunks: 16384x4096x7168 1341 / 1555 / 1525, 4096^3 227 / 299 / 533)."""
-    env = os.environ.get("COMMFUSE_RS_CHUNKS")
+    given = env.integer("COMMFUSE_RS_CHUNKS", None, minimum=1)
     slots = (symm.FLAG_BYTES - symm.BASES_BYTES) // 4 // max(world, 1) // max(world - 1, 1) // max(slabs, 1)
     if slots < 1 or rows < 1:  # not even one chunk per slab, or no rows: no overlap
         return 0
     default = 1 if slabs > 1 else RS_CHUNKS_LARGE if rows >= RS_LARGE_SHARE else 2
-    return max(1, min(int(env) if env else default, rows, 64, slots))
+    return max(1, min(given or default, rows, 64, slots))
 
 
 #: Shares of this many rows and more use 4 row chunks, smaller ones 2 (2xH200, interleaved rounds,
@@ -497,8 +494,8 @@ def copy_engine_chunks(m: int) -> int:
     (2xH200, interleaved rounds, ``explore/paths_8f97686.json``, us, 4 / 8 chunks: 8192 rows
     2684 / 2647 and 737 / 714, 4096 rows 1340 / 1353 and 370 / 916 +-1024: 512-row chunks
     sometimes run several times slower); ``COMMFUSE_CE_CHUNKS`` overrides."""
-    env = os.environ.get("COMMFUSE_CE_CHUNKS")
-    return max(1, min(int(env) if env else min(8, max(2, m // 1024)), m, 256))  # a flag slot per chunk
+    given = env.integer("COMMFUSE_CE_CHUNKS", None, minimum=1)
+    return max(1, min(given or min(8, max(2, m // 1024)), m, 256))  # a flag slot per chunk
 
 
 def copy_engine_rows(m: int) -> tuple[int, ...]:
@@ -509,10 +506,7 @@ def copy_engine_rows(m: int) -> tuple[int, ...]:
     is that chunk's exchange, so a shorter last chunk shortens the call's tail; a shorter chunk's
     GEMM runs less efficiently (no default: ``NOTES.md`` §35)."""
     chunks = copy_engine_chunks(m)
-    env = os.environ.get("COMMFUSE_CE_LAST_ROWS")
-    last = int(env) if env else 0
-    if last < 0:
-        raise ValueError(f"commfuse: COMMFUSE_CE_LAST_ROWS must be at least 0, not {env!r}")
+    last = env.integer("COMMFUSE_CE_LAST_ROWS", 0, minimum=0)
     if chunks < 2 or not 0 < last < m - (chunks - 2):
         rows = max(1, -(-m // chunks))
         return tuple(min(rows, m - lo) for lo in range(0, m, rows))
@@ -565,9 +559,9 @@ def ce_min_k(m: int = CE_MIN_M) -> int:
     """The K from which ``m``-row all-reduces (at least ``CE_MIN_M``) take the copy-engine
     overlap: ``CE_MIN_K``, ``CE_WIDE_MIN_K`` from ``CE_WIDE_M`` rows; ``COMMFUSE_CE_MIN_K`` sets
     it for every row count (0 turns the rule off)."""
-    env = os.environ.get("COMMFUSE_CE_MIN_K")
-    if env:
-        return int(env)
+    given = env.integer("COMMFUSE_CE_MIN_K", None, minimum=0)
+    if given is not None:
+        return given
     return CE_WIDE_MIN_K if m >= CE_WIDE_M else CE_MIN_K
 
 
@@ -622,7 +616,7 @@ SLAB_OVERLAP = False
 
 
 def slab_overlap() -> bool:
-    return _env_flag("COMMFUSE_SLAB_OVERLAP", SLAB_OVERLAP)
+    return env.flag("COMMFUSE_SLAB_OVERLAP", SLAB_OVERLAP)
 
 
 def _overlaps_rows(dim: int, rows: int, k: int, n: int, world: int, slabs: int) -> bool:

@@ -28,12 +28,12 @@ of any op, writes the same region. Ranks push to rank - 1 first: it reads their 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from . import tiles
 from .launch import run as run_kernel
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AG_OP, iris, now, require_iris,
@@ -48,8 +48,7 @@ PUSHERS = 16
 
 
 def pusher_count() -> int:
-    env = os.environ.get("COMMFUSE_AG_PUSHERS", "").strip()
-    return max(1, int(env)) if env else PUSHERS
+    return env.integer("COMMFUSE_AG_PUSHERS", PUSHERS, minimum=1)
 
 
 @triton.jit
@@ -213,8 +212,7 @@ def copy_engine_flags():
 def ce_chunks(rows: int) -> int:
     """Row chunks of a copy-engine push of ``rows`` (one flag each): ``COMMFUSE_AG_CE_CHUNKS``
     (set alike on every rank), default ``CE_CHUNKS``; at most one per ``CHUNK_ROWS`` rows."""
-    env = os.environ.get("COMMFUSE_AG_CE_CHUNKS", "").strip()
-    return max(1, min(int(env) if env else CE_CHUNKS, tiles.cdiv(rows, CHUNK_ROWS)))
+    return max(1, min(env.integer("COMMFUSE_AG_CE_CHUNKS", CE_CHUNKS, minimum=1), tiles.cdiv(rows, CHUNK_ROWS)))
 
 
 #: Chunks of a copy-engine push: each costs a copy and a flag write per peer, and each copy its

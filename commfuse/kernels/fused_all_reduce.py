@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from . import tiles
 from .launch import Bound
 from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
@@ -474,7 +475,7 @@ def tickets() -> bool:
     or faster than a static stride on 2xH200, ``explore/sweep_tickets_8d76355.json``, and no wait
     depends on a program that has not started); ``COMMFUSE_FUSED_TICKETS=0`` restores the static
     stride, which needs every compute program resident."""
-    return os.environ.get("COMMFUSE_FUSED_TICKETS", "1") != "0"
+    return env.flag("COMMFUSE_FUSED_TICKETS", True)
 
 
 #: Reduce-scatter calls whose owners pulled the partials, all-reduce calls with the copies inline
@@ -488,7 +489,7 @@ def tma_push() -> bool:
     unit (an experiment, off: correct on 2xH200 and 1-3% slower on every shape timed,
     ``explore/paths_tma_9288ea7``; NOTES.md §28-29). Ranks may differ: it changes how bytes
     travel, not which."""
-    return os.environ.get("COMMFUSE_FUSED_TMA_PUSH", "0") == "1"
+    return env.flag("COMMFUSE_FUSED_TMA_PUSH", False)
 
 
 def stagger_ns(scatter: bool = False, count: int = 0, compute: int = 1) -> int:
@@ -499,13 +500,12 @@ def stagger_ns(scatter: bool = False, count: int = 0, compute: int = 1) -> int:
     ``STAGGER_ONE_WAVE_US``, where the spread delays the call's end as much as its start) and
     the reduce-scatter not at all (timed: NOTES.md §32). Ranks may differ: it only delays this
     rank's own work."""
-    given = os.environ.get("COMMFUSE_FUSED_STAGGER_US")
-    if given is None:
+    us = env.number("COMMFUSE_FUSED_STAGGER_US", None, minimum=0)
+    if us is None:
         if scatter:
             return 0
         return int((STAGGER_US if count > compute else STAGGER_ONE_WAVE_US) * 1000)
-    us = float(given)
-    if not 0 <= us <= STAGGER_MAX_US:  # NaN too; a spread near the waits' timeout would trip it
+    if us > STAGGER_MAX_US:  # a spread near the waits' timeout would trip it
         raise ValueError(f"commfuse: COMMFUSE_FUSED_STAGGER_US={us} must be within 0-{STAGGER_MAX_US} µs")
     return int(us * 1000)
 
@@ -535,9 +535,7 @@ def copy_lag(compute: int) -> int:
     lags of 2, 4 and 100 timed alike, ``explore/paths_lag_6e0500b``). ``COMMFUSE_AR_COPY_LAG``
     sets the multiple of ``compute`` (a float; ranks may differ: it only orders this rank's own
     work)."""
-    waves = float(os.environ.get("COMMFUSE_AR_COPY_LAG", "4"))
-    if waves < 0:
-        raise ValueError(f"commfuse: COMMFUSE_AR_COPY_LAG={waves} must be at least 0")
+    waves = env.number("COMMFUSE_AR_COPY_LAG", 4.0, minimum=0)
     return int(round(waves * compute))
 
 

@@ -20,9 +20,10 @@ the model by a fifth to two fifths (§31).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from .. import env
 
 try:
     from triton import knobs as _KNOBS
@@ -40,7 +41,7 @@ _disabled: list[str] = []  # the reason, once the direct launch failed to bind
 
 
 def enabled() -> bool:
-    return not _disabled and os.environ.get("COMMFUSE_FAST_LAUNCH", "1") != "0" and not _hooked()
+    return not _disabled and env.flag("COMMFUSE_FAST_LAUNCH", True) and not _hooked()
 
 
 def _hooked() -> bool:

@@ -24,7 +24,10 @@ CALL_COUNTS: collections.Counter[str] = collections.Counter()
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                       rows: int | None = None) -> None:
+    """``rows``: the product's rows when they are not ``a``'s (the all-gather's gathered rows)."""
+    rows = a.shape[0] if rows is None else rows
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"commfuse.{op}: a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
     torch._check(a.shape[1] == b.shape[0], lambda: f"commfuse.{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
     torch._check(a.dtype == b.dtype, lambda: f"commfuse.{op}: a is {a.dtype} but b is {b.dtype}")
@@ -32,9 +35,9 @@ def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     if bias is not None:
         torch._check(bias.dtype == a.dtype, lambda: f"commfuse.{op}: bias is {bias.dtype} but a is {a.dtype}")
         torch._check(bias.dim() <= 2, lambda: f"commfuse.{op}: bias must be 1-D or 2-D, got {tuple(bias.shape)}")
-        rows_ok = bias.dim() < 2 or bias.shape[0] == 1 or bias.shape[0] == a.shape[0]
+        rows_ok = bias.dim() < 2 or bias.shape[0] == 1 or bias.shape[0] == rows
         cols_ok = bias.dim() == 0 or bias.shape[-1] == 1 or bias.shape[-1] == b.shape[1]
-        torch._check(rows_ok and cols_ok, lambda: f"commfuse.{op}: bias {tuple(bias.shape)} does not broadcast to ({a.shape[0]}, {b.shape[1]})")
+        torch._check(rows_ok and cols_ok, lambda: f"commfuse.{op}: bias {tuple(bias.shape)} does not broadcast to ({rows}, {b.shape[1]})")
 
 
 def _group_size(op: str, group_name: str) -> int:
@@ -68,7 +71,8 @@ def _(a, b, bias, group_name):
 def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
     _check_matmul_args("mm_all_reduce", a, b, bias)
     _group_size("mm_all_reduce", group_name)
-    verify.same_call("mm_all_reduce", group_name, a=a, b=b, bias=bias)
+    # what every rank shares (K may differ: an unevenly sharded dimension, ``shards.py``)
+    verify.same_call("mm_all_reduce", group_name, rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias)
     CALL_COUNTS["mm_all_reduce"] += 1
 
 
@@ -135,8 +139,11 @@ def _check_world(op: str, group_name: str, world_size: int) -> None:
 def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) -> None:
     _check_gather_args(shard, b, gather_dim, world_size)
     _check_world("all_gather_mm", group_name, world_size)
-    _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias)
-    verify.same_call("all_gather_mm", group_name, shard=shard, b=b, bias=bias, gather_dim=gather_dim)
+    _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias,
+                       math.prod(_gathered_shape(shard, gather_dim, world_size)[:-1]))
+    # N may differ between ranks (``shards.py``): the bias's rank and dtype only
+    verify.same_call("all_gather_mm", group_name, shard=shard, k=b.shape[0], dtype=b.dtype,
+                     bias=None if bias is None else f"{bias.dtype} {bias.dim()}-D", gather_dim=gather_dim)
     CALL_COUNTS["all_gather_mm"] += 1
 
 
@@ -145,6 +152,7 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     _check_gather_args(shard, b, gather_dim, world_size)
     shape = _gathered_shape(shard, gather_dim, world_size)
     rows = math.prod(shape[:-1])
+    _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias, rows)
     out = shard.new_empty((rows, b.shape[1]))
     gathered = shard.new_empty(shape) if return_gathered else shard.new_empty((0,))
     return out, gathered
@@ -198,8 +206,8 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
     _check_matmul_args("mm_reduce_scatter", a, b, bias)
     _check_scatter_args(a, b, shape, scatter_dim, world_size)
     _check_world("mm_reduce_scatter", group_name, world_size)
-    verify.same_call("mm_reduce_scatter", group_name, a=a, b=b, bias=bias, shape=list(shape),
-                     scatter_dim=scatter_dim)
+    verify.same_call("mm_reduce_scatter", group_name, rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias,
+                     shape=list(shape), scatter_dim=scatter_dim)
     CALL_COUNTS["mm_reduce_scatter"] += 1
 
 

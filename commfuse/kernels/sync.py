@@ -11,7 +11,6 @@ cannot starve a signaller, unless other work holds SMs while they spin (see READ
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -43,7 +42,9 @@ DEFAULT_TIMEOUT_S = 600.0
 
 def timeout_ns() -> int:
     """Bound on every cross-GPU wait, from ``COMMFUSE_TIMEOUT_S`` (default 600 s, as NCCL's)."""
-    return int(float(os.environ.get("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S)) * 1e9)
+    from .. import env
+
+    return int(env.number("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S, positive=True) * 1e9)
 
 
 @triton.jit

@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .. import env
+
 
 def enabled() -> bool:
-    return (os.environ.get("COMMFUSE_VERIFY", "") == "1"
+    return (env.flag("COMMFUSE_VERIFY", False)
             or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
 
 

@@ -113,7 +113,7 @@ class AllGatherMmMatch:
                 a, b, bias = matmul_operands(mm)
                 if depends_on([b, bias], {wait, gathered}):
                     raise Skip("the matmul's right operand or bias is computed from the gathered tensor")
-                check_fusable(mm, a, b, bias, settings)
+                check_fusable(mm, a, b, bias, settings, sharded="n")
             except Skip as exc:
                 first_skip = first_skip or Skip(str(exc), mm=mm)
                 continue

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -104,8 +103,13 @@ def depends_on(nodes, targets: set) -> bool:
 
 def split_then_cat(split: Any, cat: Any, world: int) -> bool:
     """Whether ``cat`` concatenates all ``world`` pieces of ``split``, in order, and nothing else
-    reads them: DTensor's way of moving a shard dimension to dim 0 and back."""
+    reads them: DTensor's way of moving a shard dimension to dim 0 and back. The split must make
+    exactly ``world`` pieces: a cat of the first ``world`` of more (the rest unused, so gone from
+    the graph) is a slice of the tensor, not all of it."""
     if not (is_call(split, (aten.split.Tensor,)) and is_call(cat, (aten.cat.default,))):
+        return False
+    pieces = val(split)
+    if not isinstance(pieces, (list, tuple)) or len(pieces) != world:
         return False
     items = sorted(split.users, key=lambda n: n.args[1] if n.op == "call_function" else -1)
     if len(items) != world or any(
@@ -136,10 +140,23 @@ def mnk(a: fx.Node, b: fx.Node) -> tuple:
     return (va.shape[0], va.shape[1], vb.shape[1])
 
 
+#: What the size rules count the dimension a rank's shard may size differently from its peers'
+#: as (K of an all-reduced or reduce-scattered product, N of an all-gathered one: a dimension
+#: sharded unevenly, 33 in-features on 2 ranks, is 17 on one rank and 16 on the other). A rule
+#: that read the rank's own size could fuse on one rank and not on another, and the ranks would
+#: then run different collectives (a hang, or a sum paired with the wrong call). Every other size
+#: in the rules is one all ranks share.
+SHARDED_DIM = 64
+
+
 def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, settings,
-                  graph_lane: bool = False) -> None:
+                  graph_lane: bool = False, sharded: str = "k") -> None:
     """The guards every pattern applies: dtype, size, opt-out. Raises Skip with the reason.
-    ``graph_lane``: the op has a CUDA-graph path (only those fuse launch-bound sizes under graphs)."""
+    ``graph_lane``: the op has a CUDA-graph path (only those fuse launch-bound sizes under graphs).
+    ``sharded``: which of the product's dimensions may differ between ranks, ``"k"`` (the
+    all-reduce and reduce-scatter, whose exchanged tensor is the [M, N] product) or ``"n"`` (the
+    all-gather, whose exchanged tensor is the gathered [M, K] operand): the size rules use only
+    the others (``SHARDED_DIM``), so every rank decides alike."""
     va, vb = val(a), val(b)
     if va is None or vb is None:
         raise Skip("matmul operands carry no meta['val'] (not a traced post-grad graph)")
@@ -147,19 +164,24 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
         raise Skip(f"dtype {va.dtype} is not fp16, bf16 or fp32")
     if vb.dtype != va.dtype or (bias is not None and val(bias).dtype != va.dtype):
         raise Skip("matmul operands have mixed dtypes")
-    size = math.prod(mnk(a, b))
+    m, k, n = mnk(a, b)
+    shared = m * n if sharded == "k" else m * k  # the exchanged tensor's elements
+    size = shared * SHARDED_DIM
     if statically_known_true(size < settings.min_mnk):
-        raise Skip(f"M*N*K={size} is below the size threshold min_mnk={settings.min_mnk}")
-    m, _, n = mnk(a, b)
-    out_bytes = m * n * va.dtype.itemsize
+        dims = "M*N" if sharded == "k" else "M*K"
+        raise Skip(f"{dims}*{SHARDED_DIM}={size} is below the size threshold min_mnk={settings.min_mnk} "
+                   f"(the {'K' if sharded == 'k' else 'N'} a rank's shard may size alike or not counts as "
+                   f"{SHARDED_DIM})")
+    exchanged = shared * va.dtype.itemsize
+    what = "output" if sharded == "k" else "gathered operand"
     bound = settings.launch_bound()
-    if bound > 0 and statically_known_true(out_bytes <= bound):
+    if bound > 0 and statically_known_true(exchanged <= bound):
         if not _cudagraphs():
             hint = '; mode="reduce-overhead" fuses it' if graph_lane else ""
-            raise Skip(f"output of {out_bytes} bytes is launch-bound without CUDA graphs (at most "
+            raise Skip(f"{what} of {exchanged} bytes is launch-bound without CUDA graphs (at most "
                        f"launch_bound_bytes={bound}): the unfused ops cost less host time{hint}")
         if not graph_lane:
-            raise Skip(f"output of {out_bytes} bytes is launch-bound, and inside CUDA graphs this op "
+            raise Skip(f"{what} of {exchanged} bytes is launch-bound, and inside CUDA graphs this op "
                        "has no graph-lane path (it would run NCCL): left to Inductor")
     reason = excluded_by(mm, settings)
     if reason:

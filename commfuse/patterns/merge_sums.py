@@ -14,7 +14,10 @@ the sum can cross the links once, as one fusable matmul -> collective::
        ==> add(wait(all_reduce(view(mm(cat(a), cat(b))), g)), rest...)
 
 The sum is reassociated: the merged terms are accumulated in the matmul (fp32) instead of being
-rounded one by one and added, so results differ from the unmerged graph by rounding only. Terms
+rounded one by one and added, so results differ from the unmerged graph by rounding only. Form B
+also moves the add before the reduction: each rank's partials are added first, which can leave
+fp16's range where the reduced terms would not (partials that cancel across ranks), so form B is
+not applied to fp16 (form A's graph adds the partials first already). Terms
 are plain ``mm`` (no bias, no alpha) whose partials have no other user, of one dtype and one
 [M, N], each of which the fusion patterns would take alone (dtype, size threshold, launch bound,
 opt-out); a term read twice leaves its tree alone. Applied before the fusion patterns, and decided
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 from ..config import merge_sums_allowed
@@ -119,6 +123,9 @@ def _all_reduce_term(leaf: fx.Node, settings) -> Term | None:
     if not is_call(ar, (c10d.all_reduce.default,)) or list(ar.users) != [leaf]:
         return None
     if str(arg(ar, 1, "reduceOp")).lower() != "sum":
+        return None
+    reduced = val(ar.args[0])
+    if reduced is None or reduced.dtype == torch.float16:  # the per-rank sum may overflow (docstring)
         return None
     term = _mm_term(ar.args[0], settings, graph_lane=True)
     if term is None:

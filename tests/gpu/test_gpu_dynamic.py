@@ -20,10 +20,14 @@ pytestmark = pytest.mark.gpu
 
 def test_one_graph_for_m_from_1_to_16384(nccl, monkeypatch):
     g = nccl
-    torch.manual_seed(0)  # the same weights on every rank
+    torch.manual_seed(0)  # the gathered product's weight: the same on every rank
     w1 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    # the reduced products' weights differ per rank (row-parallel shards), so the sums' terms do:
+    # a path that ignored its peer's partial would not match
+    torch.manual_seed(1 + dist.get_rank())
     w2 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
     w3 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    w2_all, w3_all = [w.float() for w in gather_all(w2)], [w.float() for w in gather_all(w3)]
 
     def f(x):
         h = funcol.all_gather_tensor(x, 0, g) @ w1
@@ -48,8 +52,8 @@ def test_one_graph_for_m_from_1_to_16384(nccl, monkeypatch):
             ar, rs = compiled(x)
         check_errors()
         h = (torch.cat(gather_all(x)).float() @ w1.float()).bfloat16().float()  # the same on every rank
-        want_ar = 2 * torch.relu(h) @ w2.float()
-        want_rs = (2 * h @ w3.float())[dist.get_rank() * m:(dist.get_rank() + 1) * m]
+        want_ar = sum(torch.relu(h) @ w for w in w2_all)
+        want_rs = sum(h @ w for w in w3_all)[dist.get_rank() * m:(dist.get_rank() + 1) * m]
         assert ar.shape == (2 * m, 1024) and rs.shape == (m, 1024)
         assert relerr(ar, want_ar) < 2e-2, f"M={m}: all_reduce"
         assert relerr(rs, want_rs) < 2e-2, f"M={m}: reduce_scatter"

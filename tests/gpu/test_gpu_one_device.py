@@ -208,9 +208,10 @@ def _side_streams(world, monkeypatch, used: int = 1):
     return current
 
 
-@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("tail", ["copy", "one_shot"])
-@pytest.mark.parametrize("streams", [1, 2, 3])
+# 8 ranks with 3 side streams each would spin on 33 streams, past CUDA's 32 hardware queues: the
+# 3-stream schedule runs at 2 and 4 ranks (and at 2 GPUs), 8 ranks with 1 and 2
+@pytest.mark.parametrize("world, streams", [(w, s) for w in WORLDS for s in (1, 2, 3) if w * (1 + s) + 1 <= 32])
 def test_copy_engine_overlap(world, tail, streams, monkeypatch):
     """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
     barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order, the side

@@ -1,0 +1,91 @@
+"""The ``COMMFUSE_*`` settings read from the environment, through one parser per kind.
+
+A switch set to ``true`` where only ``1`` was understood, or a size written ``1MiB``, must not be
+read as the default without a word: a safety check left off (``COMMFUSE_VERIFY``) or a rewrite
+left on (``COMMFUSE_MERGE_SUMS``) changes what a user believes runs. So every reader here raises a
+``ValueError`` naming the variable for a value it does not understand; unset or empty means the
+default. ``validate()`` checks every setting at once, at compile time, so a bad value fails
+there and not in the middle of a collective call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def flag(name: str, default: bool) -> bool:
+    """A switch: 1 / true / on / yes or 0 / false / off / no (any case)."""
+    value = _raw(name).lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"commfuse: {name}={os.environ[name]!r} is not a switch; use 1/true/on/yes or "
+                     "0/false/off/no")
+
+
+def integer(name: str, default: int | None, minimum: int | None = None) -> int | None:
+    """A whole number (``1048576``, not ``1MiB``), at least ``minimum`` when one is given."""
+    value = _raw(name)
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"commfuse: {name}={value!r} is not a whole number") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"commfuse: {name}={number} must be at least {minimum}")
+    return number
+
+
+def number(name: str, default: float | None, minimum: float | None = None,
+           positive: bool = False) -> float | None:
+    """A finite number, at least ``minimum`` (or above 0 with ``positive``) when asked."""
+    value = _raw(name)
+    if not value:
+        return default
+    try:
+        x = float(value)
+    except ValueError:
+        raise ValueError(f"commfuse: {name}={value!r} is not a number") from None
+    if not math.isfinite(x):
+        raise ValueError(f"commfuse: {name}={value!r} must be a finite number")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"commfuse: {name}={value} must be at least {minimum}")
+    if positive and x <= 0:
+        raise ValueError(f"commfuse: {name}={value} must be above 0")
+    return x
+
+
+#: Every switch and number the package reads, with how ``validate`` checks its syntax (the
+#: readers also check ranges and defaults where they read them).
+SWITCHES = ("COMMFUSE_MERGE_SUMS", "COMMFUSE_VERIFY", "COMMFUSE_FAST_LAUNCH", "COMMFUSE_CE_GRAPHS",
+            "COMMFUSE_FUSED_TICKETS", "COMMFUSE_FUSED_TMA_PUSH", "COMMFUSE_GRAPH_SPLIT_K",
+            "COMMFUSE_RS_PULL", "COMMFUSE_SLAB_OVERLAP", "COMMFUSE_BENCH_OVERLAP", "COMMFUSE_BENCH_IRIS")
+INTEGERS = {"COMMFUSE_LAUNCH_BOUND_BYTES": 0, "COMMFUSE_GRAPH_BYTES": 1, "COMMFUSE_IRIS_HEAP_BYTES": 1,
+            "COMMFUSE_SPLIT_K": 1, "COMMFUSE_RS_CHUNKS": 1, "COMMFUSE_CE_CHUNKS": 1,
+            "COMMFUSE_CE_LAST_ROWS": 0, "COMMFUSE_CE_MIN_K": 0, "COMMFUSE_AG_PUSHERS": 1,
+            "COMMFUSE_AG_CE_CHUNKS": 1}
+NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True), "COMMFUSE_FUSED_STAGGER_US": dict(minimum=0),
+           "COMMFUSE_AR_COPY_LAG": dict(minimum=0)}
+
+
+def validate() -> None:
+    """Raise on the first setting of ``SWITCHES``, ``INTEGERS`` or ``NUMBERS`` that does not parse
+    or is out of range (what ``commfuse.backend`` and the graph pass call)."""
+    for name in SWITCHES:
+        flag(name, False)
+    for name, minimum in INTEGERS.items():
+        integer(name, None, minimum)
+    for name, limits in NUMBERS.items():
+        number(name, None, **limits)
