@@ -55,7 +55,10 @@ def sim(request, monkeypatch):
     ws = bufs.mine
     WORLD = world
 
+    bufs.algos = []  # the exchange each all-reduce asked for (the stand-in sums alike for all)
+
     def all_reduce(ws_, partial, out, epoch, algo, op_code, **_):
+        bufs.algos.append(algo)
         out.copy_(sum(bufs.at(p, partial).float() for p in range(WORLD)))
 
     def gather(ws_, mine, out, outer, inner, epoch, op_code, **_):
@@ -118,6 +121,8 @@ def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
     out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
     want = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world))
     torch.testing.assert_close(out, want)
+    if algo in ("one_shot", "two_shot"):  # the stand-in sums alike: the forced exchange must be the one asked
+        assert sim.algos == [algo], sim.algos
 
 
 @pytest.mark.parametrize("bias_kind", [None, "2d"])
