@@ -49,8 +49,9 @@ def integer(name: str, default: int | None, minimum: int | None = None) -> int |
 
 
 def number(name: str, default: float | None, minimum: float | None = None,
-           positive: bool = False) -> float | None:
-    """A finite number, at least ``minimum`` (or above 0 with ``positive``) when asked."""
+           positive: bool = False, maximum: float | None = None) -> float | None:
+    """A finite number, at least ``minimum`` (or above 0 with ``positive``) and at most ``maximum``
+    when asked."""
     value = _raw(name)
     if not value:
         return default
@@ -64,6 +65,8 @@ def number(name: str, default: float | None, minimum: float | None = None,
         raise ValueError(f"commfuse: {name}={value} must be at least {minimum}")
     if positive and x <= 0:
         raise ValueError(f"commfuse: {name}={value} must be above 0")
+    if maximum is not None and x > maximum:
+        raise ValueError(f"commfuse: {name}={value} must be at most {maximum:g}")
     return x
 
 
@@ -76,7 +79,7 @@ INTEGERS = {"COMMFUSE_LAUNCH_BOUND_BYTES": 0, "COMMFUSE_GRAPH_BYTES": 1, "COMMFU
             "COMMFUSE_SPLIT_K": 1, "COMMFUSE_RS_CHUNKS": 1, "COMMFUSE_CE_CHUNKS": 1,
             "COMMFUSE_CE_LAST_ROWS": 0, "COMMFUSE_CE_MIN_K": 0, "COMMFUSE_AG_PUSHERS": 1,
             "COMMFUSE_AG_CE_CHUNKS": 1}
-NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True), "COMMFUSE_FUSED_STAGGER_US": dict(minimum=0),
+NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True, maximum=1e9), "COMMFUSE_FUSED_STAGGER_US": dict(minimum=0),
            "COMMFUSE_AR_COPY_LAG": dict(minimum=0)}
 
 

@@ -141,6 +141,53 @@ def device_epoch_case(world: int, rank: int, numel: int) -> None:
         assert int(ErrorWord._word[0]) == 0
 
 
+def late_peer_case(world: int, rank: int) -> None:
+    """A peer that never signals, its half holding an earlier call's bytes: every wait is past its
+    bound at once. The kernels must leave NaN where that peer's data would go (one-shot, two-shot,
+    reduce-scatter: every output; the gather: the peers' rows, its own copied), never a sum with
+    the stale bytes, and name the late peer in the error word."""
+    late = (rank + 1) % world
+    saved = exchange.timeout_ns
+    exchange.timeout_ns = lambda: -1
+    try:
+        ws = group(world, 1 << 16, 3)
+        me = ws[rank]
+        epoch, parity = me.next_epoch()
+
+        def arm(shape):
+            views = [x.data(parity, shape, DT) for x in ws]
+            for p, v in enumerate(views):
+                v.copy_(torch.randn(shape, dtype=DT) if p != late else torch.full(shape, 100.0, dtype=DT))
+            me.flags.zero_()
+            for p in range(world):
+                if p not in (rank, late):
+                    me.flags.view(-1, world)[:2 * me.max_programs, p] = epoch
+            ErrorWord._word.zero_()
+            return views
+
+        for algo in ("one_shot", "two_shot"):
+            views = arm((1000,))
+            out = torch.zeros(1000, dtype=DT)
+            exchange.all_reduce(me, views[rank], out, epoch, algo, 1, block=BLOCK,
+                                max_programs=me.max_programs, num_warps=4)
+            assert bool(out.isnan().all()), (world, rank, algo, "a late peer's call left values")
+            assert ErrorWord._word.tolist()[:3] == [1, 1, rank], (algo, ErrorWord._word.tolist())
+        views = arm((5, 48))
+        out = torch.zeros(5, world, 48, dtype=DT)
+        exchange.gather(me, views[rank], out, 5, 48, epoch, 2, block=BLOCK, num_warps=4)
+        assert torch.equal(out[:, rank], views[rank]), (world, rank, "own rows")
+        others = [p for p in range(world) if p != rank]
+        assert bool(out[:, others].isnan().all()), (world, rank, "gather: a late peer's rows")
+        views = arm((3, world, 40))
+        out = torch.zeros(3, 40, dtype=DT)
+        exchange.reduce_scatter(me, views[rank], out, 3, 40, epoch, 3, block=BLOCK, num_warps=4)
+        assert bool(out.isnan().all()), (world, rank, "reduce_scatter")
+        assert int(ErrorWord._word[3]) in range(world) and int(ErrorWord._word[3]) != rank
+    finally:
+        exchange.timeout_ns = saved
+        ErrorWord._word.zero_()
+
+
 def main() -> None:
     for world, rank in ((2, 1), (4, 2), (8, 5)):
         for algo in ("one_shot", "two_shot"):
@@ -149,6 +196,7 @@ def main() -> None:
         rowwise_case(world, rank, "reduce_scatter", 3, 40)
         lane_case(world, rank, 300)
         device_epoch_case(world, rank, 500)
+        late_peer_case(world, rank)
     print("ok")
 
 

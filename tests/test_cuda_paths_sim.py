@@ -523,3 +523,33 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
         assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
     else:
         assert not ws.graphs and not ws.graphs_seen
+
+
+def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
+    """A CUDA-graph capture sends these calls to NCCL. A rank whose graph tree re-warms runs the
+    same calls eagerly while its peer replays the NCCL collectives, so once a capture took NCCL for
+    an op, group and shapes, eager calls with those run NCCL too; other shapes keep their path."""
+    from commfuse.kernels import dispatch
+
+    monkeypatch.setattr(symm, "_captured_nccl", set())
+    world, rank = sim.world, sim.mine.rank
+    shard, b = torch.randn(4, 6), torch.randn(6, 5)
+    a, w = torch.randn(2 * world, 6), torch.randn(6, 7)
+
+    def paths(op):
+        return {k.split(":")[1]: v for k, v in cuda_paths.PATHS.items() if k.startswith(op + ":")}
+
+    def run(capturing, rows=4):
+        monkeypatch.setattr(dispatch, "capturing", lambda: capturing)
+        before = (paths("all_gather_mm"), paths("mm_reduce_scatter"))
+        cuda_paths.all_gather_mm(shard[:rows], b, None, 0, world, "0")
+        cuda_paths.mm_reduce_scatter(a[:rows * world // 2], w, None, [rows * world // 2, 7], 0, world, "0")
+        after = (paths("all_gather_mm"), paths("mm_reduce_scatter"))
+        return [next(k for k in aft if aft[k] != bef.get(k, 0)) for bef, aft in zip(before, after)]
+
+    assert run(False) == ["symm", "symm"]  # before any capture
+    assert run(True) == ["nccl", "nccl"]  # inside the capture
+    assert run(False) == ["nccl", "nccl"]  # the re-warming rank meets its peer's replays
+    assert run(False, rows=2) == ["symm", "symm"]  # shapes no capture took keep their path
+    symm.release_all()
+    assert run(False) == ["symm", "symm"]

@@ -249,6 +249,33 @@ def test_timeout_error_names_op_rank_and_peer(monkeypatch):
     ErrorWord.check()  # the word was cleared: the error is raised once
 
 
+def test_a_timeout_makes_every_workspace_refuse_until_released(monkeypatch):
+    """A peer slower than the bound may pair its waits with this rank's later calls: after any
+    timeout no workspace of the process may run another call (on any group) until release_all."""
+    ws = {name: symm.Workspace(name, 0, 2, torch.zeros(symm.HEADER_BYTES + 2 * 1024, dtype=torch.uint8),
+                               torch.zeros(2, dtype=torch.int64), 1024, max_programs=4)
+          for name in ("tp", "sp")}
+    monkeypatch.setattr(symm, "_workspaces", {(name, "torch"): w for name, w in ws.items()})
+    word = torch.tensor([1, 3, 0, 1], dtype=torch.int32)
+    monkeypatch.setattr(ErrorWord, "_word", word)
+    monkeypatch.setattr(ErrorWord, "_host", word.numpy())
+    with pytest.raises(RuntimeError, match=r"mm_reduce_scatter: rank 0 timed out"):
+        ErrorWord.check("mm_all_reduce")
+    for w in ws.values():
+        with pytest.raises(RuntimeError, match=r"mm_reduce_scatter: rank 0 timed out.*refuse further calls.*release_all"):
+            w.next_epoch()
+
+
+def test_timeout_bound_fits_the_kernels_nanoseconds(monkeypatch):
+    from commfuse.kernels import sync
+
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1e9")
+    assert sync.timeout_ns() == 10**18 < 2**63
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1e11")
+    with pytest.raises(ValueError, match="COMMFUSE_TIMEOUT_S=1e11 must be at most 1e"):
+        sync.timeout_ns()
+
+
 def test_mm_reduce_scatter_choice(monkeypatch):
     monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
     # small calls (1024-2048 rows, at most 2048^2 outputs): the fused kernel

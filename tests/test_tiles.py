@@ -26,8 +26,9 @@ INTERPRETED = {
                                    "function) and an exhaustive model of its waits: never stuck, "
                                    "stuck without a copy's release before its wait",
     "interpreted_exchange.py": "one-shot, two-shot (both phases), the pull gather, the "
-                               "reduce-scatter, the graph lane's staged one-shot, and the one-shot "
-                               "and barrier reading their epoch on the device",
+                               "reduce-scatter, the graph lane's staged one-shot, the one-shot "
+                               "and barrier reading their epoch on the device, and NaN (not stale "
+                               "bytes) where a late peer's data would go",
 }
 
 

@@ -103,6 +103,8 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
         algo = "nccl"  # K differs between ranks: no path that reads it may be taken
     else:
         algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
+    algo = symm.steer_by_captures("mm_all_reduce", group_name, (tuple(a.shape), tuple(b.shape), a.dtype), algo,
+                                  dispatch.capturing())
     PATHS[f"mm_all_reduce:{algo}"] += 1
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
@@ -352,6 +354,9 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         algo = "nccl"  # N differs between ranks: no path that reads it may be taken
     else:
         algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs)
+    algo = symm.steer_by_captures("all_gather_mm", group_name,
+                                  (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim), algo,
+                                  dispatch.capturing())
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
@@ -404,6 +409,9 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
         algo = "nccl"  # K differs between ranks: no path that reads it may be taken
     else:
         algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs)
+    algo = symm.steer_by_captures("mm_reduce_scatter", group_name,
+                                  (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim), algo,
+                                  dispatch.capturing())
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

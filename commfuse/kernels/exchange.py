@@ -52,27 +52,6 @@ def sum_over_peers(ptr, mask, rank, heap_bases, WORLD: tl.constexpr, VEC: tl.con
     return acc
 
 
-@triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
-def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout, epoch_at,
-                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = 1,
-                    DEVICE_EPOCH: tl.constexpr = False):
-    """Every rank reads every peer's whole partial and sums: one hop, world x the reads. ``VEC``
-    (``peer_load``): 0 where ``partial`` is not 16-byte aligned (a chunk of a larger partial).
-    ``DEVICE_EPOCH``: the epoch is ``*epoch_at`` (a cell the host fills before a CUDA-graph replay,
-    ``ce_graphs.py``), not the ``epoch`` argument."""
-    if DEVICE_EPOCH:
-        epoch = tl.load(epoch_at)
-    pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK
-    signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, slot_base + pid, epoch, rank, err, timeout, OP, WORLD)
-    for start in range(pid * BLOCK, n, step):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, VEC)
-        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
-
-
 @triton.jit
 def poison(out, start, n, step, BLOCK: tl.constexpr):
     """NaN into this program's blocks of ``out``: a call whose peer never came must not look valid."""
@@ -80,6 +59,31 @@ def poison(out, start, n, step, BLOCK: tl.constexpr):
         offs = s + tl.arange(0, BLOCK)
         tl.store(out + offs, tl.full((BLOCK,), float("nan"), tl.float32).to(out.dtype.element_ty),
                  mask=offs < n)
+
+
+@triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
+def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout, epoch_at,
+                    OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = 1,
+                    DEVICE_EPOCH: tl.constexpr = False):
+    """Every rank reads every peer's whole partial and sums: one hop, world x the reads. ``VEC``
+    (``peer_load``): 0 where ``partial`` is not 16-byte aligned (a chunk of a larger partial).
+    ``DEVICE_EPOCH``: the epoch is ``*epoch_at`` (a cell the host fills before a CUDA-graph replay,
+    ``ce_graphs.py``), not the ``epoch`` argument. A late peer leaves NaN in this program's blocks
+    of ``out``, never a sum with whatever that peer's half held."""
+    if DEVICE_EPOCH:
+        epoch = tl.load(epoch_at)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
+    late = wait_peers(flags, slot_base + pid, epoch, rank, err, timeout, OP, WORLD)
+    if late != 0:
+        poison(out, pid * BLOCK, n, step, BLOCK)
+    else:
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            acc = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, VEC)
+            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -121,31 +125,39 @@ def two_shot_kernel(partial, out, n, share, flags, heap_bases, epoch, rank, err,
     """Reduce-scatter (each rank sums its share, in place), then all-gather the reduced shares.
 
     Program p handles the same blocks of every share in both phases, so it only waits for program
-    p of each peer.
+    p of each peer. A late peer in the first phase leaves NaN in this rank's share (of ``out`` and
+    of the partial its peers gather), one in either phase NaN in this program's blocks of the
+    peers' shares of ``out``.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     step = nprog * BLOCK
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
     lo = rank * share
     hi = tl.minimum(lo + share, n)
     for start in range(lo + pid * BLOCK, hi, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < hi
-        val = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, 1).to(out.dtype.element_ty)
+        val = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, 1)
+        if late != 0:
+            val = tl.full((BLOCK,), float("nan"), tl.float32)
+        val = val.to(out.dtype.element_ty)
         tl.store(partial + offs, val, mask=mask)  # my share of my partial: only I read or write it
         tl.store(out + offs, val, mask=mask)
     signal_peers(flags, nprog + pid, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, nprog + pid, epoch, rank, err, timeout, OP, WORLD)
+    late2 = wait_peers(flags, nprog + pid, epoch, rank, err, timeout, OP, WORLD)
     for i in tl.static_range(1, WORLD):
         peer = (rank + i) % WORLD
         plo = peer * share
         phi = tl.minimum(plo + share, n)
-        for start in range(plo + pid * BLOCK, phi, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < phi
-            tl.store(out + offs, peer_load(partial + offs, rank, peer, heap_bases, mask, 1), mask=mask)
+        if (late | late2) != 0:
+            poison(out, plo + pid * BLOCK, phi, step, BLOCK)
+        else:
+            for start in range(plo + pid * BLOCK, phi, step):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < phi
+                tl.store(out + offs, peer_load(partial + offs, rank, peer, heap_bases, mask, 1), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch"])
@@ -154,11 +166,12 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
                        VEC: tl.constexpr):
     """Copy every rank's shard (``outer`` rows of ``inner`` elements) into ``out``, rank r's row o
     at ``out[o, r]`` of an ``[outer, WORLD, inner]`` view: a gather along any leading dimension.
-    ``VEC``: 1 when rows start on 16-byte boundaries, so peer loads may be vectorised."""
+    ``VEC``: 1 when rows start on 16-byte boundaries, so peer loads may be vectorised. A late peer
+    leaves NaN in this program's blocks of the peers' rows (its own rows are copied as usual)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
     per_row = tl.cdiv(inner, BLOCK)
     for i in tl.static_range(WORLD):
         peer = (rank + i) % WORLD
@@ -167,6 +180,8 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < inner
             val = peer_load(shard + row.to(tl.int64) * inner + offs, rank, peer, heap_bases, mask, VEC)
+            if (late != 0) & (i != 0):
+                val = tl.full((BLOCK,), float("nan"), tl.float32).to(val.dtype)
             dst = out + (row.to(tl.int64) * WORLD + peer) * inner + offs
             tl.store(dst, val, mask=mask)
 
@@ -176,11 +191,12 @@ def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, 
                           OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                           VEC: tl.constexpr):
     """``out[o] = sum over peers of partial[o, rank]`` for ``partial`` viewed ``[outer, WORLD,
-    inner]``: this rank's share of a sum scattered along any leading dimension."""
+    inner]``: this rank's share of a sum scattered along any leading dimension. A late peer leaves
+    NaN in this program's blocks of ``out``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
-    wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
+    late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
     per_row = tl.cdiv(inner, BLOCK)
     for blk in range(pid, outer * per_row, nprog):
         row = blk // per_row
@@ -188,6 +204,8 @@ def reduce_scatter_kernel(partial, out, outer, inner, flags, heap_bases, epoch, 
         mask = offs < inner
         src = partial + (row.to(tl.int64) * WORLD + rank) * inner + offs
         acc = sum_over_peers(src, mask, rank, heap_bases, WORLD, VEC)
+        if late != 0:
+            acc = tl.full((BLOCK,), float("nan"), tl.float32)
         tl.store(out + row.to(tl.int64) * inner + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 

@@ -372,10 +372,18 @@ def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: W
                0 if ws is None else 2 * ws.data_bytes)
     # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest
     # size, and on the smallest SM count so every rank launches the same grids.
+    # The graph lane's size too (``COMMFUSE_GRAPH_BYTES``, read per rank): its parity halves must
+    # start at the same offset on every rank, or a staged peer read lands in the wrong bytes.
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    agreed = torch.tensor([size, -sms], dtype=torch.int64, device=device)
+    lane_bytes = _lanes[key].data_bytes if key in _lanes else graph_data_bytes()
+    agreed = torch.tensor([size, -sms, lane_bytes, -lane_bytes], dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     size, sms = _round_up(int(agreed[0]), _ALIGN), -int(agreed[1])
+    if int(agreed[2]) != -int(agreed[3]):
+        raise ValueError(
+            f"commfuse: COMMFUSE_GRAPH_BYTES differs between the ranks of group {group_name!r} "
+            f"({-int(agreed[3])} to {int(agreed[2])} bytes after rounding; this rank: {lane_bytes}); "
+            "set it alike on every rank")
     if ws is not None:  # every rank must be done with the old buffer before anyone frees it
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -386,7 +394,6 @@ def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: W
     bases = _header(buf, HEADER_BYTES, ptrs, FLAG_BYTES)
     buf[HEADER_BYTES:].zero_()  # no stale bytes can pass for a split-K LL word (fused_split_k.py)
     if key not in _lanes:  # with the first workspace, so it exists before any capture
-        lane_bytes = graph_data_bytes()
         lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
         _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf,
                                 _header(lbuf, GRAPH_FLAG_BYTES, lptrs, GRAPH_FLAG_BYTES), lane_bytes,
@@ -425,6 +432,30 @@ def replayed_lane_bytes(group_name: str) -> int:
     return lane.data_bytes if lane is not None and key in _replayed else 0
 
 
+def mark_all_broken(reason: str) -> None:
+    """A wait timed out: every workspace of this process refuses further calls with ``reason``."""
+    with _lock:
+        for ws in _workspaces.values():
+            ws.broken = reason
+
+
+#: Calls (op, group, shapes) that a CUDA-graph capture of this process sent to NCCL.
+_captured_nccl: set[tuple] = set()
+
+
+def steer_by_captures(op: str, group_name: str, key: tuple, algo: str, capturing: bool) -> str:
+    """Inside a capture, calls the graph lane cannot take run NCCL. A rank whose graph tree
+    re-warms (eager) while its peer replays must meet those NCCL collectives, so once this process
+    captured a call to NCCL, eager calls of the same op, group and shapes run NCCL too (ranks
+    capture alike, so every rank decides alike)."""
+    entry = (op, group_name, key)
+    if capturing:
+        if algo == "nccl":
+            _captured_nccl.add(entry)
+        return algo
+    return "nccl" if algo != "nccl" and entry in _captured_nccl else algo
+
+
 def fail_lanes(reason: str) -> None:
     """A graph-lane wait timed out: the ranks' device-side epochs now differ, for good."""
     global _lane_failure
@@ -439,4 +470,5 @@ def release_all() -> None:
         _workspaces.clear()
         _lanes.clear()
         _replayed.clear()
+        _captured_nccl.clear()
         _lane_failure = None

@@ -36,15 +36,17 @@ OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
        FUSED_SPLIT_K_OP: "mm_all_reduce (fused split-K kernel)"}
 
 
-#: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone.
+#: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone. The
+#: largest accepted (about 31 years) keeps the bound in nanoseconds within the kernels' int64.
 DEFAULT_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 1e9
 
 
 def timeout_ns() -> int:
     """Bound on every cross-GPU wait, from ``COMMFUSE_TIMEOUT_S`` (default 600 s, as NCCL's)."""
     from .. import env
 
-    return int(env.number("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S, positive=True) * 1e9)
+    return int(env.number("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S, positive=True, maximum=MAX_TIMEOUT_S) * 1e9)
 
 
 @triton.jit
@@ -197,10 +199,15 @@ class ErrorWord:
             "reach the same collective call: a rank that raised, skipped the call or diverged. "
             "Results of that call are invalid. COMMFUSE_TIMEOUT_S sets the bound."
         )
-        if op == GRAPH_LANE_OP:  # its epochs are on the device: ranks stay out of step from now on
-            from . import symm
+        from . import symm
 
+        if op == GRAPH_LANE_OP:  # its epochs are on the device: ranks stay out of step from now on
             symm.fail_lanes(msg)
+        # A peer slower than the bound may since have paired its waits with this rank's later
+        # epochs: no workspace of this process may pair up calls again until every rank starts over.
+        symm.mark_all_broken(
+            f"{msg} This process's workspaces refuse further calls: call "
+            "commfuse.kernels.symm.release_all() on every rank to start over.")
         raise RuntimeError(msg)
 
 
