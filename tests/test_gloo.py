@@ -137,12 +137,30 @@ def _uneven_shards(rank: int, group) -> None:
         every = [None] * WORLD
         dist.all_gather_object(every, decisions)
         assert every[0] == every[1], every
+    cpu, name = torch.device("cpu"), group.group_name
+    shards.forget()
     before = shards.LEARNED
-    assert not shards.alike(group.group_name, "mm_all_reduce", k, torch.device("cpu"))
-    assert shards.alike(group.group_name, "mm_all_reduce", 16 * 1024, torch.device("cpu"))
-    assert shards.alike(group.group_name, "mm_all_reduce", 16 * 1024, torch.device("cpu"))  # kept
-    assert not shards.alike(group.group_name, "mm_all_reduce", k, torch.device("cpu"))
-    assert shards.LEARNED == before + 2
+    assert shards.alike(name, "all_gather_mm", 16 * 1024, cpu)
+    assert shards.alike(name, "all_gather_mm", 16 * 1024, cpu)  # kept
+    assert shards.LEARNED == before + 1
+    assert not shards.alike(name, "mm_all_reduce", k, cpu)
+    # an even layer whose size rank 1 already met at the uneven one: rank 1 must not answer from
+    # what it kept while rank 0 agrees (they would pair the agreement with another collective)
+    assert shards.alike(name, "mm_all_reduce", 16, cpu)
+    assert shards.alike(name, "mm_all_reduce", 16 * 1024, cpu)
+    assert not shards.alike(name, "mm_all_reduce", k, cpu)
+    assert shards.LEARNED == before + 5  # once uneven, every call of the op agrees
+    assert shards.alike(name, "all_gather_mm", 16 * 1024, cpu)  # other ops keep their answers
+    assert shards.LEARNED == before + 5
+    # an even layer first: only agreeing on every call (COMMFUSE_VERIFY) can tell the uneven one
+    shards.forget()
+    os.environ["COMMFUSE_VERIFY"] = "1"
+    try:
+        assert shards.alike(name, "mm_reduce_scatter", 16, cpu)
+        assert not shards.alike(name, "mm_reduce_scatter", k, cpu)
+    finally:
+        del os.environ["COMMFUSE_VERIFY"]
+        shards.forget()
 
 
 def _review_forms(rank: int, group) -> None:

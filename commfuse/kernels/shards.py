@@ -8,6 +8,14 @@ data). So the first call of a (group, op, size) learns, by one small all-reduce 
 whether every rank has that size, and keeps the answer; where the sizes differ, every rank takes
 the unfused NCCL path. Inside a CUDA-graph capture nothing can be learned: a size no eager call
 has seen counts as unlike there (every rank made the same calls before, so all decide alike).
+
+What a rank keeps is keyed by its own size, and two layers can share a size on one rank but not
+on another (in-features 33 and 32 on 2 ranks: rank 1 has 16 for both). A kept answer can then let
+one rank skip the agreement that its peer enters. So once an agreement finds sizes that differ
+(which every rank learns from the same call), every later call of that op on the group agrees
+anew, a small collective per call in such models only. A model whose even layer comes first
+cannot be protected this way without such a collective on every call (what rank 1 sees at the
+two layers is the same): ``COMMFUSE_VERIFY=1`` agrees on every call from the start.
 """
 
 from __future__ import annotations
@@ -17,11 +25,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..report import log
+from . import verify
 
-#: (group, op, size) -> whether every rank had that size; cleared when full (ranks make the same
-#: calls, so every rank clears it at the same call).
-_known: dict[tuple, bool] = {}
+#: group -> (op, size) -> whether every rank had that size. Each group's table is cleared when
+#: full: its ranks make the same calls on it, so every one clears at the same call.
+_known: dict[str, dict[tuple, bool]] = {}
 LIMIT = 4096
+
+#: (group, op) whose calls agree on every call: an agreement found sizes that differ there.
+_uneven: set[tuple[str, str]] = set()
 
 #: Agreements learned by a collective since import (tests check the first call pays one, later
 #: calls none).
@@ -30,24 +42,33 @@ LEARNED = 0
 
 def alike(group_name: str, op: str, size: int, device: torch.device) -> bool:
     """Whether every rank of ``group_name`` calls ``op`` with this rank-local ``size``."""
-    key = (group_name, op, size)
-    known = _known.get(key)
-    if known is not None:
-        return known
+    known = _known.setdefault(group_name, {})
+    every_call = (group_name, op) in _uneven or verify.enabled()
+    answer = None if every_call else known.get((op, size))
+    if answer is not None:
+        return answer
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False  # not kept: an eager call learns it
+        return False  # unknown, or agreed per call: NCCL on every rank, nothing kept
     global LEARNED
     group = _resolve_process_group(group_name)
     both = torch.tensor([size, -size], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # [largest, -smallest]
     largest, smallest = (int(x) for x in both.tolist())
-    known = largest == -smallest
+    answer = largest == -smallest
     LEARNED += 1
-    if not known:
+    if not answer and (group_name, op) not in _uneven:
+        _uneven.add((group_name, op))
         log.warning("commfuse.%s: the ranks of group %r have operands of different sizes (%d to %d: "
-                    "an unevenly sharded dimension); these calls run the unfused NCCL path",
-                    op, group_name, -smallest, largest)
-    if len(_known) >= LIMIT:
-        _known.clear()
-    _known[key] = known
-    return known
+                    "an unevenly sharded dimension); these calls run the unfused NCCL path, and every "
+                    "later %s call on this group first agrees on its sizes (a small collective)",
+                    op, group_name, -smallest, largest, op)
+    if len(known) >= LIMIT:
+        known.clear()
+    known[(op, size)] = answer
+    return answer
+
+
+def forget() -> None:
+    """Drop every kept answer (tests; call on every rank together)."""
+    _known.clear()
+    _uneven.clear()
