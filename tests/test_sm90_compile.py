@@ -100,3 +100,33 @@ def test_split_k_ll_reads_in_groups_compile_for_sm90(world, group):
 
     ptx = _compile_split_k(True, world, group).asm["ptx"]
     assert re.search(r"@%p\d+ ld\.volatile\.global\.b64", ptx), "no predicated volatile poll"
+
+
+_EXCHANGE_COMMON = {"flags": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32", "err": "*i32",
+                    "timeout": "i64"}
+
+
+@pytest.mark.parametrize("kernel", ["one_shot_kernel", "two_shot_kernel", "pull_gather_kernel",
+                                    "reduce_scatter_kernel"])
+def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel):
+    """The exchange kernels, with a late peer's NaN (``tests/interpreted_exchange.py`` checks the
+    values), compile for sm_90: signals released and waits acquired at system scope."""
+    pytest.importorskip("iris")
+    from commfuse.kernels import exchange
+
+    if kernel == "one_shot_kernel":
+        sig = {"partial": "*bf16", "out": "*bf16", "n": "i32", "slot_base": "i32", **_EXCHANGE_COMMON,
+               "epoch_at": "*i32"}
+        consts = dict(OP=1, WORLD=2, BLOCK=8192, VEC=1, DEVICE_EPOCH=False)
+    elif kernel == "two_shot_kernel":
+        sig = {"partial": "*bf16", "out": "*bf16", "n": "i32", "share": "i32", **_EXCHANGE_COMMON}
+        consts = dict(OP=1, WORLD=4, BLOCK=8192)
+    else:
+        sig = {"shard" if kernel == "pull_gather_kernel" else "partial": "*bf16", "out": "*bf16",
+               "outer": "i32", "inner": "i32", **_EXCHANGE_COMMON}
+        consts = dict(OP=2, WORLD=2, BLOCK=8192, VEC=1)
+    # the argument order is the kernel's own
+    names = list(getattr(exchange, kernel).arg_names)
+    sig = {name: sig[name] for name in names if name in sig}
+    ptx = _compile_for_sm90(getattr(exchange, kernel), sig, consts, num_warps=16).asm["ptx"]
+    assert "sys.release" in ptx and "sys.acquire" in ptx, "the signal's release, the wait's acquire"

@@ -180,8 +180,9 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             offs = (blk % per_row) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < inner
             val = peer_load(shard + row.to(tl.int64) * inner + offs, rank, peer, heap_bases, mask, VEC)
-            if (late != 0) & (i != 0):
-                val = tl.full((BLOCK,), float("nan"), tl.float32).to(val.dtype)
+            if i != 0:  # a peer's rows (i is a compile-time index)
+                if late != 0:
+                    val = tl.full((BLOCK,), float("nan"), tl.float32).to(val.dtype)
             dst = out + (row.to(tl.int64) * WORLD + peer) * inner + offs
             tl.store(dst, val, mask=mask)
 

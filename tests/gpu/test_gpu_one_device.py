@@ -182,6 +182,40 @@ def test_exchange_all_reduce(world, algo):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
 
 
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "gather", "reduce_scatter"])
+def test_exchange_with_a_peer_that_never_comes_leaves_nan(algo, monkeypatch):
+    """Rank 0 of 2 alone calls (rank 1 never launches), its peer's half holding an earlier call's
+    bytes: the wait expires, the error names op, rank and peer, and where the peer's data would go
+    the output is NaN, never a sum with the stale bytes."""
+    from commfuse.kernels import symm
+
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "0.5")
+    m, n = 64, 200
+    ws = _group(2, 2 * m * n * DT.itemsize)
+    epoch, parity = ws[0].next_epoch()
+    for r, value in enumerate((1.0, 100.0)):  # rank 1's half: stale bytes
+        ws[r].data(parity, (2 * m * n,), DT).fill_(value)
+    mine = ws[0].data(parity, (m, 2, n) if algo == "reduce_scatter" else (m, n), DT)
+    if algo in ("one_shot", "two_shot"):
+        out = torch.zeros(m, n, device="cuda", dtype=DT)
+        exchange.all_reduce(ws[0], mine, out, epoch, algo, OP_MM_ALL_REDUCE)
+        peers_part = out
+    elif algo == "gather":
+        out = torch.zeros(m, 2, n, device="cuda", dtype=DT)
+        exchange.gather(ws[0], mine, out, m, n, epoch, OP_MM_ALL_REDUCE)
+        assert torch.equal(out[:, 0].float().cpu(), torch.ones(m, n)), "own rows copied"
+        peers_part = out[:, 1]
+    else:
+        out = torch.zeros(m, n, device="cuda", dtype=DT)
+        exchange.reduce_scatter(ws[0], mine, out, m, n, epoch, OP_MM_ALL_REDUCE)
+        peers_part = out
+    torch.cuda.synchronize()
+    assert bool(peers_part.isnan().all()), f"{algo}: a late peer's call left values"
+    with pytest.raises(RuntimeError, match=r"mm_all_reduce: rank 0 timed out after 0.5 s waiting for rank 1"):
+        check_errors()
+    symm.release_all()  # (emulated workspaces are not the registry's: tests/test_dispatch.py checks it)
+
+
 def _run(ws, streams, run, monkeypatch, warm: bool = False) -> None:
     """One call of a host-orchestrated path on every rank, synchronised. ``warm``: with its
     barriers left out (what it reads from the peers is then garbage, and is not checked), to load
