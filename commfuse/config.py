@@ -70,6 +70,10 @@ class Settings:
 
         classes: list[type] = []
         names: list[str] = []
+        if isinstance(exclude, (str, type, nn.Module)):  # one entry, not a sequence of characters
+            exclude = (exclude,)
+        if isinstance(patterns, str):
+            patterns = (patterns,)
         for item in exclude:
             if isinstance(item, type) and issubclass(item, nn.Module):
                 classes.append(item)

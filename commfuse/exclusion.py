@@ -7,10 +7,14 @@ Three ways, all resolved against the ``nn_module_stack`` that Dynamo records on 
   (same name, same behaviour, ``isinstance`` unchanged), so graphs traced from it carry the marker;
 * a class: ``commfuse.backend(exclude=[MyAttention])`` skips matmuls inside any instance of it;
 * a qualified-name pattern: ``commfuse.backend(exclude=["layers.0.*"])`` (``fnmatch`` syntax) skips
-  matmuls inside modules whose name, relative to the compiled module, matches.
+  matmuls inside modules whose name, relative to the compiled module, matches. Dynamo's path starts
+  at a local or global of the compiled frame (``L['self']``, ``L['args'][0]`` where a decorator
+  wraps ``forward``, as transformers does, ``G['model']`` in a compiled function): that root, with
+  any indices after it, is dropped, so names are relative to the module the frame reaches.
 
 A match is excluded when any module on its matmul's stack is, so excluding a block excludes
-everything inside it.
+everything inside it. An excluded instance stays excluded when a library later swaps its class for
+a subclass (FSDP2's ``fully_shard``, a parametrization): the marker is inherited.
 """
 
 from __future__ import annotations
@@ -67,13 +71,22 @@ def exclude(module: nn.Module) -> nn.Module:
 
 def include(module: nn.Module) -> nn.Module:
     """Undo :func:`exclude` on ``module``. Returns ``module``."""
-    if is_excluded_instance(module):
+    if type(module).__dict__.get(_MARKER_ATTR, False):
         module.__class__ = type(module)._commfuse_base
+    elif is_excluded_instance(module):
+        raise TypeError(
+            f"commfuse.include: this {type(module).__name__} was excluded before its class was swapped "
+            "for a subclass (FSDP2's fully_shard, a parametrization): call include before that change")
     return module
 
 
 def is_excluded_instance(module: nn.Module) -> bool:
-    return bool(type(module).__dict__.get(_MARKER_ATTR, False))
+    return _marked(type(module))
+
+
+def _marked(cls: type) -> bool:
+    """The marker class, or a class made from it later (FSDP2, parametrizations subclass it)."""
+    return any(c.__dict__.get(_MARKER_ATTR, False) for c in cls.__mro__)
 
 
 def any_instance_excluded() -> bool:
@@ -81,12 +94,13 @@ def any_instance_excluded() -> bool:
     return bool(_markers)
 
 
-_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_ROOT = re.compile(r"^(?:[LG]\[['\"][^'\"]+['\"]\]|[LG]\.[A-Za-z_]\w*)(?:\[\d+\])*\.?")
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
 def qualified_name(dynamo_path: str) -> str:
-    """``"L['self'].layers[0]._modules['mlp']"`` -> ``"layers.0.mlp"``."""
+    """``"L['self'].layers[0]._modules['mlp']"`` -> ``"layers.0.mlp"``; ``"L['args'][0].layers.1"``
+    -> ``"layers.1"``; ``"G['model'].layers[1]"`` -> ``"layers.1"``."""
     path = _ROOT.sub("", dynamo_path)
     path = _INDEX.sub(r".\1", path)
     path = path.replace("._modules.", ".").replace("_modules.", "")
@@ -109,7 +123,7 @@ def _class_matches(cls: object, excluded: tuple[type, ...]) -> bool:
 def excluded_by(node, settings) -> str | None:
     """Why ``node`` is excluded (a sentence), or None if it may fuse."""
     for name, cls in module_stack(node):
-        if isinstance(cls, type) and cls.__dict__.get(_MARKER_ATTR, False):
+        if isinstance(cls, type) and _marked(cls):
             return f"module {name or '<root>'} was opted out with commfuse.exclude()"
         if settings.exclude_classes and _class_matches(cls, settings.exclude_classes):
             shown = cls.__name__ if isinstance(cls, type) else cls

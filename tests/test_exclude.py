@@ -157,3 +157,56 @@ def test_qualified_name_normalisation():
     assert qualified_name("L['self']._modules['layers']._modules['3'].attn") == "layers.3.attn"
     assert qualified_name("L['mod'].lin") == "lin"
     assert qualified_name("L['self']") == ""
+    # a forward wrapped by a decorator taking *args (transformers), a compiled function's global
+    assert qualified_name("L['args'][0].layers.1.lin") == "layers.1.lin"
+    assert qualified_name("G['model'].layers[1]._modules['lin']") == "layers.1.lin"
+    assert qualified_name("G.model.layers.0") == "layers.0"
+
+
+def _deco(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return inner
+
+
+class DecoratedNet(Net):
+    """transformers wraps ``forward`` in decorators taking ``*args``: Dynamo's path then starts at
+    ``L['args'][0]``, not ``L['self']``."""
+
+    @_deco
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_exclude_name_under_a_decorated_forward(world2):
+    run(DecoratedNet(), commfuse.backend(min_mnk=0, exclude=["layers.1.*"]))
+    assert fused_modules() == ["layers.0.proj", "layers.2.proj"]
+    assert skipped("excluded name pattern") == ["layers.1.proj"]
+
+
+def test_exclude_survives_a_later_class_swap(world2):
+    """A parametrization (as FSDP2's fully_shard) swaps the instance's class for a subclass of the
+    one it had: an instance excluded before stays excluded; include then says what to do."""
+    from torch.nn.utils import parametrize
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    net = Net()
+    commfuse.exclude(net.layers[1].proj)
+    parametrize.register_parametrization(net.layers[1].proj, "weight", Scale())
+    assert type(net.layers[1].proj).__name__ == "ParametrizedRowLinear"
+    assert commfuse.exclusion.is_excluded_instance(net.layers[1].proj)
+    run(net, commfuse.backend(min_mnk=0))
+    assert fused_modules() == ["layers.0.proj", "layers.2.proj"]
+    with pytest.raises(TypeError, match="include before that change"):
+        commfuse.include(net.layers[1].proj)
+
+
+def test_a_bare_string_is_one_entry(world2):
+    run(Net(), commfuse.backend(min_mnk=0, exclude="layers.2.*", patterns="mm_all_reduce"))
+    assert fused_modules() == ["layers.0.proj", "layers.1.proj"]
