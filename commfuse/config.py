@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import dataclasses
 from collections.abc import Iterable
 from typing import Any
@@ -86,6 +88,9 @@ class Settings:
                     "commfuse: exclude entries must be nn.Module subclasses, module instances or "
                     f"qualified-name patterns (str), got {item!r}"
                 )
+        for name, value in (("min_mnk", min_mnk), ("launch_bound_bytes", launch_bound_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+                raise ValueError(f"commfuse.backend: {name} must be a whole number of at least 0, got {value!r}")
         return cls(
             patterns=tuple(PATTERNS if patterns is None else patterns),
             exclude_classes=tuple(classes),

@@ -74,7 +74,8 @@ def number(name: str, default: float | None, minimum: float | None = None,
 #: readers also check ranges and defaults where they read them).
 SWITCHES = ("COMMFUSE_MERGE_SUMS", "COMMFUSE_VERIFY", "COMMFUSE_FAST_LAUNCH", "COMMFUSE_CE_GRAPHS",
             "COMMFUSE_FUSED_TICKETS", "COMMFUSE_FUSED_TMA_PUSH", "COMMFUSE_GRAPH_SPLIT_K",
-            "COMMFUSE_RS_PULL", "COMMFUSE_SLAB_OVERLAP", "COMMFUSE_BENCH_OVERLAP", "COMMFUSE_BENCH_IRIS")
+            "COMMFUSE_RS_PULL", "COMMFUSE_SLAB_OVERLAP", "COMMFUSE_BENCH_OVERLAP", "COMMFUSE_BENCH_IRIS",
+            "COMMFUSE_SPLIT_K_LL")
 INTEGERS = {"COMMFUSE_LAUNCH_BOUND_BYTES": 0, "COMMFUSE_GRAPH_BYTES": 1, "COMMFUSE_IRIS_HEAP_BYTES": 1,
             "COMMFUSE_SPLIT_K": 1, "COMMFUSE_RS_CHUNKS": 1, "COMMFUSE_CE_CHUNKS": 1,
             "COMMFUSE_CE_LAST_ROWS": 0, "COMMFUSE_CE_MIN_K": 0, "COMMFUSE_AG_PUSHERS": 1,
@@ -83,12 +84,35 @@ NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True, maximum=1e9), "COMMFUSE_FUS
            "COMMFUSE_AR_COPY_LAG": dict(minimum=0)}
 
 
+#: Settings that name one of a few values; the readers that raise on anything else.
+LOG_LEVELS = ("1", "on", "true", "yes", "info", "debug", "0", "off", "false", "no")
+
+
+def _choices() -> None:
+    """The settings that take a name or a form (``validate`` calls each one's own reader)."""
+    from .kernels import dispatch, symm
+
+    level = os.environ.get("COMMFUSE_LOG", "").strip().lower()
+    if level and level not in LOG_LEVELS:
+        raise ValueError(f"commfuse: COMMFUSE_LOG={level!r} is not one of {LOG_LEVELS}")
+    symm.provider_name()
+    dispatch.tile_config_override()
+    dispatch.split_k_ll()
+    dispatch.gather_push(0)
+    dispatch.gather_local_source()
+    dispatch.ce_streams()
+    dispatch.ce_tail()
+    dispatch.overlap_config(1)
+    dispatch._forced(())
+
+
 def validate() -> None:
-    """Raise on the first setting of ``SWITCHES``, ``INTEGERS`` or ``NUMBERS`` that does not parse
-    or is out of range (what ``commfuse.backend`` and the graph pass call)."""
+    """Raise on the first setting of ``SWITCHES``, ``INTEGERS``, ``NUMBERS`` or the named choices
+    that does not parse or is out of range (what ``commfuse.backend`` and the graph pass call)."""
     for name in SWITCHES:
         flag(name, False)
     for name, minimum in INTEGERS.items():
         integer(name, None, minimum)
     for name, limits in NUMBERS.items():
         number(name, None, **limits)
+    _choices()

@@ -58,6 +58,8 @@ def run(args: argparse.Namespace):
     from commfuse.config import DEFAULT_MIN_MNK
     from commfuse.demo import transformer as demo
 
+    if args.world_size < 1:
+        raise SystemExit(f"commfuse explain: --world-size must be at least 1, got {args.world_size}")
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     world = dist.get_world_size()

@@ -83,3 +83,11 @@ def test_settings_validation():
     with pytest.raises(ValueError, match="min_mnk"):
         Settings(min_mnk=-1)
     assert Settings.build(exclude=["a.*", torch.nn.Linear]).exclude_names == ("a.*",)
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_mnk="big"), dict(min_mnk=-1), dict(launch_bound_bytes=-5),
+                                    dict(launch_bound_bytes=1.5), dict(min_mnk=True)])
+def test_backend_sizes_must_be_whole_numbers(kwargs):
+    """A negative launch bound fused every size, a string minimum failed inside ``int()``."""
+    with pytest.raises(ValueError, match=f"commfuse.backend: {next(iter(kwargs))} must be a whole number"):
+        commfuse.backend(**kwargs)

@@ -96,3 +96,28 @@ def test_every_setting_read_through_the_parsers_is_validated_and_documented():
     assert read == checked, (sorted(read - checked), sorted(checked - read))
     readme = (ROOT / "README.md").read_text()
     assert not [name for name in checked if name not in readme]
+
+
+@pytest.mark.parametrize("name, value", [
+    ("COMMFUSE_LOG", "verbose"), ("COMMFUSE_SYMM_PROVIDER", "nvshmem"), ("COMMFUSE_TILE_CONFIG", "128by256"),
+    ("COMMFUSE_SPLIT_K_LL", "maybe"), ("COMMFUSE_AG_PUSH", "gpu"), ("COMMFUSE_AG_LOCAL", "cpy"),
+    ("COMMFUSE_CE_STREAMS", "4"), ("COMMFUSE_CE_TAIL", "nccl"), ("COMMFUSE_OVERLAP", "4by32"),
+    ("COMMFUSE_ALGO", "fastest"),
+])
+def test_named_choices_are_validated_at_compile_time(monkeypatch, name, value):
+    """Settings that name a value fail in ``validate`` (the graph pass), naming the variable,
+    not first inside a call on GPUs (``COMMFUSE_OVERLAP`` was read inside the call's exchange,
+    where an error marks the workspace broken) or never on the CPU."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        env.validate()
+
+
+def test_the_split_k_ll_setting_is_a_switch(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_SPLIT_K_LL", "true")
+    assert dispatch.split_k_ll() is True
+    monkeypatch.setenv("COMMFUSE_SPLIT_K_LL", "0")
+    assert dispatch.split_k_ll() is False
+    monkeypatch.delenv("COMMFUSE_SPLIT_K_LL")
+    assert dispatch.split_k_ll() is None
+    env.validate()

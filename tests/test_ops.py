@@ -119,3 +119,8 @@ def test_mm_reduce_scatter_dynamic_dim_as_minus_one(world2):
     torch.library.opcheck(torch.ops.commfuse.mm_reduce_scatter.default, (a, b, None, [-1, 8, 6], 1, 2, group_name()))
     with pytest.raises(RuntimeError, match="more than one -1"):
         torch.ops.commfuse.mm_reduce_scatter(a, b, None, [-1, -1, 6], 1, 2, group_name())
+    # a -1 beside a 0 divided by zero; another negative size named no op
+    with pytest.raises(RuntimeError, match="commfuse.mm_reduce_scatter: shape .* a -1 beside a 0"):
+        torch.ops.commfuse.mm_reduce_scatter(a, b, None, [0, -1, 6], 1, 2, group_name())
+    with pytest.raises(RuntimeError, match="commfuse.mm_reduce_scatter: shape .* negative size"):
+        torch.ops.commfuse.mm_reduce_scatter(a, b, None, [-2, -8, 6], 1, 2, group_name())

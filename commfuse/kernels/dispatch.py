@@ -79,12 +79,18 @@ SPLIT_K_MAX_ROWS, SPLIT_K_MAX_ELEMS = 128, 1 << 19
 SPLIT_K_NARROW_MAX_ELEMS = 1 << 20
 
 
-def _tile_config_override():
+def tile_config_override():
     """``COMMFUSE_TILE_CONFIG`` (e.g. ``128x256x64s3w8g8r16o1``): every fused kernel's tiling."""
     from .tiles import TileConfig
 
     given = os.environ.get("COMMFUSE_TILE_CONFIG", "").strip()
-    return TileConfig.parse(given) if given else None
+    try:
+        return TileConfig.parse(given) if given else None
+    except ValueError as exc:
+        raise ValueError(f"COMMFUSE_TILE_CONFIG: {exc}") from None
+
+
+_tile_config_override = tile_config_override
 
 
 def tile_config(m: int, k: int, n: int, scatter: bool = False):
@@ -272,8 +278,12 @@ def split_k_config(m: int, k: int, n: int, programs: int, tile=None):
     from . import fused_split_k
 
     split = env.integer("COMMFUSE_SPLIT_K", None, minimum=1)
-    ll = _env_choice("COMMFUSE_SPLIT_K_LL", ("0", "1"))
-    return fused_split_k.config(m, k, n, programs, split, tile, ll=None if ll is None else ll == "1")
+    return fused_split_k.config(m, k, n, programs, split, tile, ll=split_k_ll())
+
+
+def split_k_ll() -> bool | None:
+    """``COMMFUSE_SPLIT_K_LL``: a switch (the split-K sums as LL words or not), None when unset."""
+    return env.flag("COMMFUSE_SPLIT_K_LL", None)
 
 
 #: The split-K kernel's workspace is sized for this many programs, more than any GPU has SMs: a

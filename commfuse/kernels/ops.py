@@ -162,6 +162,10 @@ def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
     op = "commfuse.mm_reduce_scatter"
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"{op}: a and b must be 2-D")
     torch._check(list(shape).count(-1) <= 1, lambda: f"{op}: shape {list(shape)} has more than one -1")
+    torch._check(all(s >= 0 or s == -1 for s in shape),
+                 lambda: f"{op}: shape {list(shape)} has a negative size other than one -1")
+    torch._check(-1 not in shape or math.prod(s for s in shape if s != -1) != 0,
+                 lambda: f"{op}: shape {list(shape)} has a -1 beside a 0, which leaves it undetermined")
     shape = reference.resolve_shape(shape, a.shape[0] * b.shape[1])
     torch._check(len(shape) >= 2 and math.prod(shape) == a.shape[0] * b.shape[1] and shape[-1] == b.shape[1],
                  lambda: f"{op}: shape {list(shape)} is not a view of the {a.shape[0]}x{b.shape[1]} product")
