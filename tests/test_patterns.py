@@ -334,6 +334,19 @@ def test_all_gather_skip_right_operand(world2):
     assert "left operand" in _only("all_gather_mm").reason
 
 
+def test_all_gather_whose_matmul_went_with_the_all_reduce_says_so(world2):
+    """all_gather -> mm -> all_reduce: the all-reduce's fusion takes the matmul first; the
+    all-gather's record says that, not that no matmul reads the gathered tensor."""
+    shard, w = torch.randn(16, 32), torch.randn(32, 48)
+
+    def f(x, w):
+        return funcol.all_reduce(_ag(x) @ w, "sum", dist.group.WORLD)
+
+    _, code = compile_code(f, shard, w)
+    assert calls(code, "commfuse.mm_all_reduce") == 1 and calls(code, AG) == 0
+    assert "already fused with the collective after it" in _only("all_gather_mm").reason
+
+
 def test_all_gather_skip_fp64(world2):
     shard, w = torch.randn(16, 32, dtype=torch.float64), torch.randn(32, 24, dtype=torch.float64)
     _, code = compile_code(lambda x, w: _ag(x) @ w, shard, w)

@@ -49,6 +49,11 @@ from .common import (
     val,
 )
 
+def _fused_after() -> tuple:
+    """The ops an earlier pattern puts where a matmul of the gathered tensor fed a collective."""
+    return (torch.ops.commfuse.mm_all_reduce.default, torch.ops.commfuse.mm_reduce_scatter.default)
+
+
 NAME = "all_gather_mm"
 ANCHORS = (c10d.all_gather_into_tensor.default,)
 
@@ -105,6 +110,9 @@ class AllGatherMmMatch:
                 candidates += [(mm, user) for mm in user.users
                                if is_call(mm, MATMUL_OPS) and left_operand(mm) is user]
         if not candidates:
+            taken = [u for u in gathered.users if getattr(u, "target", None) in _fused_after()]
+            if taken:  # all_gather -> mm -> all_reduce: the matmul went with the collective after it
+                raise Skip(f"its matmul was already fused with the collective after it ({taken[0].target})")
             raise Skip("no mm/addmm takes the gathered tensor as its left operand")
         candidates.sort(key=lambda c: _static_or(val(c[0]).shape[1], 0), reverse=True)
         first_skip = None
