@@ -61,6 +61,21 @@ def poison(out, start, n, step, BLOCK: tl.constexpr):
                  mask=offs < n)
 
 
+@triton.jit
+def sum_or_poison(src, out, n, start, step, late, rank, heap_bases, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                  VEC: tl.constexpr):
+    """This program's blocks of ``out`` (from ``start``, every ``step``): every rank's ``src``
+    summed in rank order, or NaN if a peer came ``late``."""
+    if late != 0:
+        poison(out, start, n, step, BLOCK)
+    else:
+        for s in range(start, n, step):
+            offs = s + tl.arange(0, BLOCK)
+            mask = offs < n
+            acc = sum_over_peers(src + offs, mask, rank, heap_bases, WORLD, VEC)
+            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
 def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, err, timeout, epoch_at,
                     OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr = 1,
@@ -76,14 +91,7 @@ def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, 
     step = tl.num_programs(0) * BLOCK
     signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
     late = wait_peers(flags, slot_base + pid, epoch, rank, err, timeout, OP, WORLD)
-    if late != 0:
-        poison(out, pid * BLOCK, n, step, BLOCK)
-    else:
-        for start in range(pid * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            acc = sum_over_peers(partial + offs, mask, rank, heap_bases, WORLD, VEC)
-            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    sum_or_poison(partial, out, n, pid * BLOCK, step, late, rank, heap_bases, WORLD, BLOCK, VEC)
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -107,14 +115,7 @@ def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_b
         tl.store(half + offs, tl.load(src + offs, mask=mask), mask=mask)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
     late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
-    if late != 0:
-        poison(out, pid * BLOCK, n, step, BLOCK)
-    else:
-        for start in range(pid * BLOCK, n, step):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            acc = sum_over_peers(half + offs, mask, rank, heap_bases, WORLD, 1)
-            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
+    sum_or_poison(half, out, n, pid * BLOCK, step, late, rank, heap_bases, WORLD, BLOCK, 1)
     for slot in range(pid, SLOTS, nprog):
         tl.store(counter + slot, epoch)
 
