@@ -18,6 +18,10 @@ PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 #: (the rank-local dimension counts as ``patterns.common.SHARDED_DIM``).
 DEFAULT_MIN_MNK = 1 << 15
 
+#: Modules that are never called, so never on a matmul's module stack: an ``exclude`` entry of
+#: one of them excludes its members.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
 #: Without CUDA graphs, matmuls whose output is at most this many bytes stay unfused: they are
 #: launch-bound (decode), and the fused op's host cost (Python dispatch, a Triton launch) exceeds
 #: the few microseconds of GPU time it saves. Measured on 2xH200: decode steps 0.82-0.85x of
@@ -72,8 +76,9 @@ class Settings:
 
         classes: list[type] = []
         names: list[str] = []
-        if isinstance(exclude, (str, type, nn.Module)):  # one entry, not a sequence of characters
-            exclude = (exclude,)
+        if isinstance(exclude, (str, type)) or (isinstance(exclude, nn.Module)
+                                                and not isinstance(exclude, _CONTAINERS)):
+            exclude = (exclude,)  # one entry, not a sequence of characters
         if isinstance(patterns, str):
             patterns = (patterns,)
         for item in exclude:
@@ -81,6 +86,9 @@ class Settings:
                 classes.append(item)
             elif isinstance(item, str):
                 names.append(item)
+            elif isinstance(item, _CONTAINERS):  # never on a module stack: its members are
+                for member in (item.values() if isinstance(item, nn.ModuleDict) else item):
+                    exclude_instance(member)
             elif isinstance(item, nn.Module):
                 exclude_instance(item)
             else:

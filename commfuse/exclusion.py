@@ -9,8 +9,9 @@ Three ways, all resolved against the ``nn_module_stack`` that Dynamo records on 
 * a qualified-name pattern: ``commfuse.backend(exclude=["layers.0.*"])`` (``fnmatch`` syntax) skips
   matmuls inside modules whose name, relative to the compiled module, matches. Dynamo's path starts
   at a local or global of the compiled frame (``L['self']``, ``L['args'][0]`` where a decorator
-  wraps ``forward``, as transformers does, ``G['model']`` in a compiled function): that root, with
-  any indices after it, is dropped, so names are relative to the module the frame reaches.
+  wraps ``forward``, as transformers does, ``G['model']`` in a compiled function): that root is
+  dropped (``L['args']`` with its index), so names are relative to the module the frame reaches;
+  a list of modules keeps its index (``L['mods'][1].mlp`` is ``1.mlp``).
 
 A match is excluded when any module on its matmul's stack is, so excluding a block excludes
 everything inside it. An excluded instance stays excluded when a library later swaps its class for
@@ -94,7 +95,7 @@ def any_instance_excluded() -> bool:
     return bool(_markers)
 
 
-_ROOT = re.compile(r"^(?:[LG]\[['\"][^'\"]+['\"]\]|[LG]\.[A-Za-z_]\w*)(?:\[\d+\])*\.?")
+_ROOT = re.compile(r"^(?:L\[['\"]args['\"]\]\[\d+\]|[LG]\[['\"][^'\"]+['\"]\]|[LG]\.[A-Za-z_]\w*)\.?")
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 

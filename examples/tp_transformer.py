@@ -5,9 +5,10 @@
     torchrun --nproc_per_node=2 examples/tp_transformer.py --model hooks   # gpt-fast-style hooks
 
 Rank 0 prints what fused (``commfuse.report()``) and the relative error of the compiled output
-against eager. The model code is untouched: only the ``backend=`` argument changes. On the CPU the
-fused ops run the unfused computation, so nothing is left launch-bound there (``launch_bound_bytes=0``:
-the small sizes fuse and their values are checked); a run in which nothing fused fails.
+against eager. The model code is untouched: only the ``backend=`` argument changes. With small sizes
+(``--small``, the default on the CPU, where the fused ops run the unfused computation) nothing is
+left launch-bound (``launch_bound_bytes=0``), so the small outputs fuse and their values are
+checked; a run in which nothing fused fails.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def main() -> None:
 
     device, dtype = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = demo.sized_config(args.small or device.type != "cuda", args.layers, world)
+    small = args.small or device.type != "cuda"
+    cfg = demo.sized_config(small, args.layers, world)
 
     torch.manual_seed(0)  # same weights on every rank before sharding
     model = demo.Transformer(cfg).to(device=device, dtype=dtype)
@@ -47,9 +49,8 @@ def main() -> None:
     torch.manual_seed(1 + (rank if args.model == "sp" else 0))  # SP: each rank holds its own shard
     x = torch.randn(args.batch, seq, cfg.dim, device=device, dtype=dtype)
 
-    on_cpu = device.type != "cuda"
     compiled = torch.compile(model, backend=commfuse.backend(exclude=args.exclude,
-                                                             launch_bound_bytes=0 if on_cpu else None))
+                                                             launch_bound_bytes=0 if small else None))
     with torch.no_grad():
         want = model(x)
         got = compiled(x)

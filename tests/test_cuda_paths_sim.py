@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from commfuse.kernels import ce_graphs, cuda_paths, exchange, symm
+from commfuse.kernels import ce_graphs, cuda_paths, exchange, shards, symm
 from helpers import init_fake_pg
 
 
@@ -550,6 +550,31 @@ def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
     assert run(False) == ["symm", "symm"]  # before any capture
     assert run(True) == ["nccl", "nccl"]  # inside the capture
     assert run(False) == ["nccl", "nccl"]  # the re-warming rank meets its peer's replays
+    # ... with nothing before them, not even the size agreement of an op whose sizes once differed
+    monkeypatch.setattr(shards, "_uneven", {("0", "all_gather_mm"), ("0", "mm_reduce_scatter")})
+    learned = shards.LEARNED
+    assert run(False) == ["nccl", "nccl"] and shards.LEARNED == learned
+    monkeypatch.setattr(shards, "_uneven", set())
     assert run(False, rows=2) == ["symm", "symm"]  # shapes no capture took keep their path
     symm.release_all()
     assert run(False) == ["symm", "symm"]
+
+
+def test_a_captured_all_reduce_past_the_lane_makes_its_eager_twins_run_nccl(sim, monkeypatch):
+    """A capture whose all-reduce the graph lane cannot take (no lane yet) runs NCCL inside the
+    lane path; its eager twin must run NCCL too, not a symmetric path."""
+    from commfuse.kernels import dispatch
+
+    monkeypatch.setattr(symm, "_captured_nccl", set())
+    monkeypatch.setattr(symm, "graph_lane", lambda name: None)
+    a, b = torch.randn(8, 6), torch.randn(6, 5)
+
+    def path(capturing):
+        monkeypatch.setattr(dispatch, "capturing", lambda: capturing)
+        before = dict(cuda_paths.PATHS)
+        cuda_paths.mm_all_reduce(a, b, None, "0")
+        return next(k for k, v in cuda_paths.PATHS.items() if v != before.get(k, 0))
+
+    assert path(True) == "mm_all_reduce:graph"  # the lane path, which found no lane: NCCL
+    assert path(False) == "mm_all_reduce:nccl"
+    symm.release_all()

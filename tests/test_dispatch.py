@@ -256,6 +256,7 @@ def test_a_timeout_makes_every_workspace_refuse_until_released(monkeypatch):
                                torch.zeros(2, dtype=torch.int64), 1024, max_programs=4)
           for name in ("tp", "sp")}
     monkeypatch.setattr(symm, "_workspaces", {(name, "torch"): w for name, w in ws.items()})
+    monkeypatch.setattr(symm, "_broken", None)
     word = torch.tensor([1, 3, 0, 1], dtype=torch.int32)
     monkeypatch.setattr(ErrorWord, "_word", word)
     monkeypatch.setattr(ErrorWord, "_host", word.numpy())
@@ -264,6 +265,10 @@ def test_a_timeout_makes_every_workspace_refuse_until_released(monkeypatch):
     for w in ws.values():
         with pytest.raises(RuntimeError, match=r"mm_reduce_scatter: rank 0 timed out.*refuse further calls.*release_all"):
             w.next_epoch()
+    # nor may a regrown workspace, or another group's first, start afresh (allocation is collective)
+    for name, nbytes in (("tp", 1 << 20), ("dp", 1)):
+        with pytest.raises(RuntimeError, match="refuse further calls"):
+            symm.workspace(name, nbytes, torch.device("cpu"))
 
 
 def test_timeout_bound_fits_the_kernels_nanoseconds(monkeypatch):

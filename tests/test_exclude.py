@@ -161,6 +161,8 @@ def test_qualified_name_normalisation():
     assert qualified_name("L['args'][0].layers.1.lin") == "layers.1.lin"
     assert qualified_name("G['model'].layers[1]._modules['lin']") == "layers.1.lin"
     assert qualified_name("G.model.layers.0") == "layers.0"
+    assert qualified_name("L['mods'][1].mlp") == "1.mlp"  # a list of modules keeps its index
+    assert qualified_name("G['pair'][0]") == "0"
 
 
 def _deco(fn):
@@ -210,3 +212,12 @@ def test_exclude_survives_a_later_class_swap(world2):
 def test_a_bare_string_is_one_entry(world2):
     run(Net(), commfuse.backend(min_mnk=0, exclude="layers.2.*", patterns="mm_all_reduce"))
     assert fused_modules() == ["layers.0.proj", "layers.1.proj"]
+
+
+def test_a_module_list_entry_excludes_its_members(world2):
+    """A ModuleList is never called, so never on a module stack: excluding it means its members."""
+    net = Net()
+    run(net, commfuse.backend(min_mnk=0, exclude=net.layers[1:]))
+    assert fused_modules() == ["layers.0.proj"]
+    for layer in net.layers:
+        commfuse.include(layer)

@@ -99,12 +99,14 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     ErrorWord.check("mm_all_reduce")
     group = _resolve_process_group(group_name)
     m, n = a.shape[0], b.shape[1]
-    if group.size() > 1 and not shards.alike(group_name, "mm_all_reduce", a.shape[1], a.device):
+    key = (tuple(a.shape), tuple(b.shape), a.dtype)
+    if symm.captured_to_nccl("mm_all_reduce", group_name, key, dispatch.capturing()):
+        algo = "nccl"  # a re-warming rank meets its peer's replay, with no agreement before it
+    elif group.size() > 1 and not shards.alike(group_name, "mm_all_reduce", a.shape[1], a.device):
         algo = "nccl"  # K differs between ranks: no path that reads it may be taken
     else:
         algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
-    algo = symm.steer_by_captures("mm_all_reduce", group_name, (tuple(a.shape), tuple(b.shape), a.dtype), algo,
-                                  dispatch.capturing())
+    symm.record_capture("mm_all_reduce", group_name, key, algo, dispatch.capturing())
     PATHS[f"mm_all_reduce:{algo}"] += 1
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
@@ -186,6 +188,8 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     if lane is None or nbytes > lane.data_bytes:
         dispatch.nccl_fallback("mm_all_reduce", "no graph lane yet: the group's first call "
                                "was captured" if lane is None else "larger than the graph lane")
+        symm.record_capture("mm_all_reduce", group_name, (tuple(a.shape), tuple(b.shape), a.dtype), "nccl",
+                            capturing)  # its eager twins must meet the replays
         return reference.mm_all_reduce(a, b, bias, group_name)
     if capturing:
         symm.mark_replayed(group_name)
@@ -350,13 +354,14 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     rows = shard.numel() // k * world_size if k else 0
     rows_dim = dispatch.rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
     slabs = dispatch.row_slabs(shard.shape, rows_dim)  # else a block in each of these slabs
-    if world_size > 1 and not shards.alike(group_name, "all_gather_mm", b.shape[1], shard.device):
+    key = (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim)
+    if symm.captured_to_nccl("all_gather_mm", group_name, key, dispatch.capturing()):
+        algo = "nccl"  # a re-warming rank meets its peer's replay, with no agreement before it
+    elif world_size > 1 and not shards.alike(group_name, "all_gather_mm", b.shape[1], shard.device):
         algo = "nccl"  # N differs between ranks: no path that reads it may be taken
     else:
         algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs)
-    algo = symm.steer_by_captures("all_gather_mm", group_name,
-                                  (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim), algo,
-                                  dispatch.capturing())
+    symm.record_capture("all_gather_mm", group_name, key, algo, dispatch.capturing())
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
@@ -405,13 +410,14 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     shape = reference.resolve_shape(shape, m * n)
     rows_dim = dispatch.rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
     slabs = dispatch.row_slabs(shape, rows_dim)  # else a block in each of these slabs
-    if world_size > 1 and not shards.alike(group_name, "mm_reduce_scatter", a.shape[1], a.device):
+    key = (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim)
+    if symm.captured_to_nccl("mm_reduce_scatter", group_name, key, dispatch.capturing()):
+        algo = "nccl"  # a re-warming rank meets its peer's replay, with no agreement before it
+    elif world_size > 1 and not shards.alike(group_name, "mm_reduce_scatter", a.shape[1], a.device):
         algo = "nccl"  # K differs between ranks: no path that reads it may be taken
     else:
         algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs)
-    algo = symm.steer_by_captures("mm_reduce_scatter", group_name,
-                                  (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim), algo,
-                                  dispatch.capturing())
+    symm.record_capture("mm_reduce_scatter", group_name, key, algo, dispatch.capturing())
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

@@ -43,12 +43,14 @@ LEARNED = 0
 def alike(group_name: str, op: str, size: int, device: torch.device) -> bool:
     """Whether every rank of ``group_name`` calls ``op`` with this rank-local ``size``."""
     known = _known.setdefault(group_name, {})
-    every_call = (group_name, op) in _uneven or verify.enabled()
-    answer = None if every_call else known.get((op, size))
-    if answer is not None:
-        return answer
+    uneven = (group_name, op) in _uneven
+    answer = known.get((op, size))
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False  # unknown, or agreed per call: NCCL on every rank, nothing kept
+        # nothing can be agreed here: an unknown size, or any of an op whose sizes differed, runs
+        # NCCL on every rank (what eager calls learned before, every rank learned alike)
+        return bool(answer) and not uneven
+    if answer is not None and not uneven and not verify.enabled():
+        return answer
     global LEARNED
     group = _resolve_process_group(group_name)
     both = torch.tensor([size, -size], dtype=torch.int64, device=device)

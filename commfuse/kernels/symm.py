@@ -336,6 +336,9 @@ def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspa
         ws = _workspaces.get(key)
         if ws is not None and ws.data_bytes >= data_bytes:
             return ws
+        broken = _broken or (ws.broken if ws is not None else None)
+        if broken:  # no collective allocation (nor a fresh workspace) from a rank that may be out of step
+            raise RuntimeError(broken)
         outside_graph_pools(device, _allocate, key, data_bytes, device, ws)
         return _workspaces[key]
 
@@ -433,27 +436,35 @@ def replayed_lane_bytes(group_name: str) -> int:
 
 
 def mark_all_broken(reason: str) -> None:
-    """A wait timed out: every workspace of this process refuses further calls with ``reason``."""
+    """A wait timed out: every workspace of this process refuses further calls with ``reason``,
+    and so does any made later (a regrown one, another group's first) until ``release_all``."""
+    global _broken
     with _lock:
+        _broken = reason
         for ws in _workspaces.values():
             ws.broken = reason
+
+
+_broken: str | None = None
 
 
 #: Calls (op, group, shapes) that a CUDA-graph capture of this process sent to NCCL.
 _captured_nccl: set[tuple] = set()
 
 
-def steer_by_captures(op: str, group_name: str, key: tuple, algo: str, capturing: bool) -> str:
+def captured_to_nccl(op: str, group_name: str, key: tuple, capturing: bool) -> bool:
     """Inside a capture, calls the graph lane cannot take run NCCL. A rank whose graph tree
     re-warms (eager) while its peer replays must meet those NCCL collectives, so once this process
-    captured a call to NCCL, eager calls of the same op, group and shapes run NCCL too (ranks
-    capture alike, so every rank decides alike)."""
-    entry = (op, group_name, key)
-    if capturing:
-        if algo == "nccl":
-            _captured_nccl.add(entry)
-        return algo
-    return "nccl" if algo != "nccl" and entry in _captured_nccl else algo
+    captured a call to NCCL, eager calls of the same op, group and shapes (``key``) run NCCL too,
+    with nothing before them (no size agreement: the replay has none). Ranks capture alike, so
+    every rank decides alike."""
+    return not capturing and (op, group_name, key) in _captured_nccl
+
+
+def record_capture(op: str, group_name: str, key: tuple, algo: str, capturing: bool) -> None:
+    """A call inside a capture that runs NCCL (``algo``): its eager twins will too."""
+    if capturing and algo == "nccl":
+        _captured_nccl.add((op, group_name, key))
 
 
 def fail_lanes(reason: str) -> None:
@@ -465,10 +476,11 @@ def fail_lanes(reason: str) -> None:
 def release_all() -> None:
     """Drop every workspace and graph lane (tests, teardown). Not collective; call on every rank
     together, and never replay a CUDA graph captured before (it holds the lanes' addresses)."""
-    global _lane_failure
+    global _lane_failure, _broken
     with _lock:
         _workspaces.clear()
         _lanes.clear()
         _replayed.clear()
         _captured_nccl.clear()
         _lane_failure = None
+        _broken = None
