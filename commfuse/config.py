@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numbers
-
 import dataclasses
+import numbers
 from collections.abc import Iterable
 from typing import Any
 

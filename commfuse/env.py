@@ -84,8 +84,8 @@ NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True, maximum=1e9), "COMMFUSE_FUS
            "COMMFUSE_AR_COPY_LAG": dict(minimum=0)}
 
 
-#: Settings that name one of a few values; the readers that raise on anything else.
-LOG_LEVELS = ("1", "on", "true", "yes", "info", "debug", "0", "off", "false", "no")
+#: What ``COMMFUSE_LOG`` takes (``report.configure_logging``): a switch, or a level by name.
+LOG_LEVELS = _TRUE + ("info", "debug") + _FALSE
 
 
 def _choices() -> None:

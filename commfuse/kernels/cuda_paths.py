@@ -94,19 +94,33 @@ def _exchange(ws, op: str):
         raise
 
 
+def _path(op: str, group_name: str, key: tuple, world: int, own_size: int, device, decide) -> str:
+    """A call's path: NCCL for the eager twin of a call a CUDA-graph capture sent to NCCL (a
+    re-warming rank meets its peer's replay, with no size agreement before it: the replay has
+    none), NCCL where the ranks' own sizes (``own_size``: K, or the all-gather's N) differ, since
+    no path that reads that size may be taken; else ``decide()``. A captured call that runs NCCL
+    is recorded for its twins."""
+    capturing = dispatch.capturing()
+    if symm.captured_to_nccl(op, group_name, key, capturing):
+        return "nccl"
+    algo = "nccl" if world > 1 and not shards.alike(group_name, op, own_size, device) else decide()
+    symm.record_capture(op, group_name, key, algo, capturing)
+    return algo
+
+
+def _all_reduce_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """What tells one ``mm_all_reduce`` call's shapes from another's (``symm.captured_to_nccl``)."""
+    return tuple(a.shape), tuple(b.shape), a.dtype
+
+
 @call_times.timed("mm_all_reduce", PATHS)
 def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
     ErrorWord.check("mm_all_reduce")
     group = _resolve_process_group(group_name)
     m, n = a.shape[0], b.shape[1]
-    key = (tuple(a.shape), tuple(b.shape), a.dtype)
-    if symm.captured_to_nccl("mm_all_reduce", group_name, key, dispatch.capturing()):
-        algo = "nccl"  # a re-warming rank meets its peer's replay, with no agreement before it
-    elif group.size() > 1 and not shards.alike(group_name, "mm_all_reduce", a.shape[1], a.device):
-        algo = "nccl"  # K differs between ranks: no path that reads it may be taken
-    else:
-        algo = dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(), symm.replayed_lane_bytes(group_name))
-    symm.record_capture("mm_all_reduce", group_name, key, algo, dispatch.capturing())
+    algo = _path("mm_all_reduce", group_name, _all_reduce_key(a, b), group.size(), a.shape[1], a.device,
+                 lambda: dispatch.mm_all_reduce(m, a.shape[1], n, a.dtype, group.size(),
+                                                symm.replayed_lane_bytes(group_name)))
     PATHS[f"mm_all_reduce:{algo}"] += 1
     if algo == "graph":
         return _graph_lane_all_reduce(a, b, bias, group_name)
@@ -188,7 +202,7 @@ def _graph_lane_all_reduce(a, b, bias, group_name: str) -> torch.Tensor:
     if lane is None or nbytes > lane.data_bytes:
         dispatch.nccl_fallback("mm_all_reduce", "no graph lane yet: the group's first call "
                                "was captured" if lane is None else "larger than the graph lane")
-        symm.record_capture("mm_all_reduce", group_name, (tuple(a.shape), tuple(b.shape), a.dtype), "nccl",
+        symm.record_capture("mm_all_reduce", group_name, _all_reduce_key(a, b), "nccl",
                             capturing)  # its eager twins must meet the replays
         return reference.mm_all_reduce(a, b, bias, group_name)
     if capturing:
@@ -354,14 +368,9 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     rows = shard.numel() // k * world_size if k else 0
     rows_dim = dispatch.rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
     slabs = dispatch.row_slabs(shard.shape, rows_dim)  # else a block in each of these slabs
-    key = (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim)
-    if symm.captured_to_nccl("all_gather_mm", group_name, key, dispatch.capturing()):
-        algo = "nccl"  # a re-warming rank meets its peer's replay, with no agreement before it
-    elif world_size > 1 and not shards.alike(group_name, "all_gather_mm", b.shape[1], shard.device):
-        algo = "nccl"  # N differs between ranks: no path that reads it may be taken
-    else:
-        algo = dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs)
-    symm.record_capture("all_gather_mm", group_name, key, algo, dispatch.capturing())
+    algo = _path("all_gather_mm", group_name, (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim),
+                 world_size, b.shape[1], shard.device,  # N is the rank's own size here
+                 lambda: dispatch.all_gather_mm(rows, k, b.shape[1], shard.dtype, world_size, rows_dim, slabs))
     PATHS[f"all_gather_mm:{algo}"] += 1
     if algo == "nccl":
         return reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
@@ -410,14 +419,9 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     shape = reference.resolve_shape(shape, m * n)
     rows_dim = dispatch.rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
     slabs = dispatch.row_slabs(shape, rows_dim)  # else a block in each of these slabs
-    key = (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim)
-    if symm.captured_to_nccl("mm_reduce_scatter", group_name, key, dispatch.capturing()):
-        algo = "nccl"  # a re-warming rank meets its peer's replay, with no agreement before it
-    elif world_size > 1 and not shards.alike(group_name, "mm_reduce_scatter", a.shape[1], a.device):
-        algo = "nccl"  # K differs between ranks: no path that reads it may be taken
-    else:
-        algo = dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs)
-    symm.record_capture("mm_reduce_scatter", group_name, key, algo, dispatch.capturing())
+    algo = _path("mm_reduce_scatter", group_name, (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim),
+                 world_size, a.shape[1], a.device,
+                 lambda: dispatch.mm_reduce_scatter(m, a.shape[1], n, a.dtype, world_size, rows_dim, slabs))
     PATHS[f"mm_reduce_scatter:{algo}"] += 1
     if algo == "nccl":
         return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)

@@ -90,8 +90,6 @@ def tile_config_override():
         raise ValueError(f"COMMFUSE_TILE_CONFIG: {exc}") from None
 
 
-_tile_config_override = tile_config_override
-
 
 def tile_config(m: int, k: int, n: int, scatter: bool = False):
     """The fused all-reduce / reduce-scatter kernel's tiling (shape only: the same on every
@@ -104,8 +102,8 @@ def tile_config(m: int, k: int, n: int, scatter: bool = False):
     from .tiles import TileConfig
 
     if scatter and m * n <= SMALL_TILES_ELEMS:
-        return _tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
-    return _tile_config_override() or TileConfig(reducers=0)
+        return tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
+    return tile_config_override() or TileConfig(reducers=0)
 
 
 #: Outputs up to this many elements take 64x128 tiles in the fused reduce-scatter and all-gather
@@ -159,10 +157,10 @@ def gather_tile_config(rows: int, k: int, n: int):
     from .tiles import TileConfig
 
     if rows * n <= SMALL_TILES_ELEMS:
-        return _tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
+        return tile_config_override() or TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
     if rows * n <= 2048 * 2048:
-        return _tile_config_override() or TileConfig(bm=128, bn=128, stages=4, reducers=0)
-    return _tile_config_override() or TileConfig(reducers=0)
+        return tile_config_override() or TileConfig(bm=128, bn=128, stages=4, reducers=0)
+    return tile_config_override() or TileConfig(reducers=0)
 
 
 #: Who pushes the fused all-gather's shard into the peers' workspaces: ``ce``, the copy engines
