@@ -6,11 +6,13 @@
     print(commfuse.report())                                     # what fused, what did not, why
 """
 
-from . import kernels  # noqa: F401  (registers torch.ops.commfuse.*)
+from . import ops  # noqa: F401  (registers torch.ops.commfuse.*)
 from .config import PATTERNS, Settings
 from .exclusion import exclude, include
 from .inductor_plugin import CommfuseBackend, backend
 from .report import MatchRecord, Report, clear_report, report
+from .runtime.errors import check_errors
+from .runtime.groups import release_all
 
 __version__ = "0.1.0"
 
@@ -21,8 +23,10 @@ __all__ = [
     "Report",
     "Settings",
     "backend",
+    "check_errors",
     "clear_report",
     "exclude",
     "include",
+    "release_all",
     "report",
 ]

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from . import env
+
 #: Names of the rewrites, in the order the graph pass applies them. ``merge_sums`` turns a sum of
 #: matmul partials that is reduced (or of reduced partials) into one matmul reduced once.
 PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
@@ -21,27 +23,16 @@ DEFAULT_MIN_MNK = 1 << 15
 #: one of them excludes its members.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
-#: Without CUDA graphs, matmuls whose output is at most this many bytes stay unfused: they are
-#: launch-bound (decode), and the fused op's host cost (Python dispatch, a Triton launch) exceeds
-#: the few microseconds of GPU time it saves. Measured on 2xH200: decode steps 0.82-0.85x of
-#: Inductor when fused without graphs, faster than Inductor with them (benchmarks/results/h200x2).
-DEFAULT_LAUNCH_BOUND_BYTES = 1 << 20
-
-
 def default_launch_bound_bytes() -> int:
-    """``COMMFUSE_LAUNCH_BOUND_BYTES`` if set (bytes, a whole number; 0 fuses every size), else
-    the default."""
-    from . import env
-
-    return env.integer("COMMFUSE_LAUNCH_BOUND_BYTES", DEFAULT_LAUNCH_BOUND_BYTES, minimum=0)
+    """``COMMFUSE_LAUNCH_BOUND_BYTES`` (bytes; 0 fuses every size). Without CUDA graphs, matmuls
+    whose exchanged tensor is at most this many bytes stay unfused: they are launch-bound (decode),
+    and the fused op's host cost exceeds the few microseconds of GPU time it saves."""
+    return env.current().launch_bound_bytes
 
 
 def merge_sums_allowed() -> bool:
-    """``COMMFUSE_MERGE_SUMS=0`` (or false, off, no) switches the ``merge_sums`` rewrite off (read
-    at compile time)."""
-    from . import env
-
-    return env.flag("COMMFUSE_MERGE_SUMS", True)
+    """``COMMFUSE_MERGE_SUMS=0`` switches the ``merge_sums`` rewrite off (read at compile time)."""
+    return env.current().merge_sums
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,118 +1,256 @@
-"""The ``COMMFUSE_*`` settings read from the environment, through one parser per kind.
+"""Every ``COMMFUSE_*`` setting, parsed once into one typed object.
 
-A switch set to ``true`` where only ``1`` was understood, or a size written ``1MiB``, must not be
-read as the default without a word: a safety check left off (``COMMFUSE_VERIFY``) or a rewrite
-left on (``COMMFUSE_MERGE_SUMS``) changes what a user believes runs. So every reader here raises a
-``ValueError`` naming the variable for a value it does not understand; unset or empty means the
-default. ``validate()`` checks every setting at once, at compile time, so a bad value fails
-there and not in the middle of a collective call.
+``current()`` reads the environment the first time it is asked and keeps the result: a call does
+not parse strings. Each setting is declared once in ``SETTINGS`` (its name, kind, default and what
+it does); ``docs/settings.md`` lists the same table and a test keeps the two alike.
+
+A value that does not parse (a switch set to ``maybe``, a size written ``1MiB``) is never read as
+the default without a word: a safety check left off or a rewrite left on changes what a user
+believes runs. ``validate()``, which ``commfuse.backend(...)`` calls, raises one ``ValueError``
+naming the variable; it also warns once about a ``COMMFUSE_*`` name that is no setting (a
+misspelling, with the closest names) and about a removed setting that is still set.
+
+``override(**values)`` sets values for a block of code (tools and tests that change settings
+between calls) and drops what the run-time kept per call signature, which was decided under the
+settings before; ``reload()`` reads the environment again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
 import math
 import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
+PREFIX = "COMMFUSE_"
 
 
-def _raw(name: str) -> str:
-    return os.environ.get(name, "").strip()
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One ``COMMFUSE_*`` variable. ``kind``: ``switch``, ``int``, ``float``, ``choice`` or ``text``.
+
+    ``paths``: it changes which path or protocol runs, so every rank must set it alike and the
+    tuner's cache is keyed by it; ``compile``: it changes what the graph pass does (its cache key)."""
+
+    name: str
+    kind: str
+    default: Any
+    doc: str
+    choices: tuple = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    paths: bool = False
+    compile: bool = False
+
+    @property
+    def field(self) -> str:
+        return self.name[len(PREFIX):].lower()
+
+    def parse(self, raw: str | None) -> Any:
+        """The typed value of ``raw`` (unset or empty: the default); ``ValueError`` naming the
+        variable for anything else that does not parse or is out of range."""
+        value = (raw or "").strip()
+        if not value:
+            return self.default
+        if self.kind == "switch":
+            if value.lower() in _TRUE:
+                return True
+            if value.lower() in _FALSE:
+                return False
+            raise ValueError(f"commfuse: {self.name}={raw!r} is not a switch; use 1/true/on/yes or 0/false/off/no")
+        if self.kind == "choice":
+            low = value.lower()
+            if low not in self.choices:
+                raise ValueError(f"commfuse: {self.name}={raw!r} is not one of {', '.join(self.choices)}")
+            return low
+        if self.kind == "text":
+            return value
+        try:
+            number = int(value) if self.kind == "int" else float(value)
+        except ValueError:
+            what = "a whole number (bytes as 1048576, not 1MiB)" if self.kind == "int" else "a number"
+            raise ValueError(f"commfuse: {self.name}={raw!r} is not {what}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"commfuse: {self.name}={raw!r} must be a finite number")
+        if self.minimum is not None and number < self.minimum:
+            raise ValueError(f"commfuse: {self.name}={raw!r} must be at least {self.minimum:g}")
+        if self.maximum is not None and number > self.maximum:
+            raise ValueError(f"commfuse: {self.name}={raw!r} must be at most {self.maximum:g}")
+        return number
 
 
-def flag(name: str, default: bool) -> bool:
-    """A switch: 1 / true / on / yes or 0 / false / off / no (any case)."""
-    value = _raw(name).lower()
-    if not value:
-        return default
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"commfuse: {name}={os.environ[name]!r} is not a switch; use 1/true/on/yes or "
-                     "0/false/off/no")
+#: The names ``COMMFUSE_ALGO`` takes: every path of every op (an op whose paths do not include the
+#: forced name keeps its own choice).
+ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused", "split_k", "symm")
+LOG_LEVELS = _TRUE + _FALSE + ("info", "debug")
+TUNE_MODES = ("off", "cache", "first-use")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("COMMFUSE_LOG", "choice", None, "print every fusion decision to stderr: a switch, or `info` / "
+            "`debug` (the same as `TORCH_LOGS=commfuse` / `+commfuse`)", choices=LOG_LEVELS),
+    Setting("COMMFUSE_TIMEOUT_S", "float", 600.0, "bound in seconds on every cross-GPU wait; a late peer "
+            "becomes an error naming the op, the ranks and the group", minimum=1e-9, maximum=1e9),
+    Setting("COMMFUSE_VERIFY", "switch", False, "before every fused call, check with a small collective that "
+            "every rank makes the same call (shapes, dtypes, call count); for debugging"),
+    Setting("COMMFUSE_ALGO", "choice", None, "force one path for every call of the ops that have it "
+            "(benchmarks and tests; set alike on every rank)", choices=ALGOS, paths=True),
+    Setting("COMMFUSE_SYMM_PROVIDER", "choice", "torch", "where symmetric buffers come from: torch symmetric "
+            "memory, or the Iris heap (`iris`: the WORLD group only)", choices=("torch", "iris"), paths=True),
+    Setting("COMMFUSE_IRIS_HEAP_BYTES", "int", 4 << 30, "size of the Iris heap with the iris provider",
+            minimum=1),
+    Setting("COMMFUSE_GRAPH_BYTES", "int", 4 << 20, "per-parity bytes of each group's graph lane: "
+            "`mm_all_reduce` calls captured in CUDA graphs up to this output size fuse", minimum=1,
+            paths=True),
+    Setting("COMMFUSE_LAUNCH_BOUND_BYTES", "int", 1 << 20, "default of `launch_bound_bytes`: without CUDA "
+            "graphs, matmuls exchanging at most this many bytes stay unfused", minimum=0, compile=True),
+    Setting("COMMFUSE_MERGE_SUMS", "switch", True, "merge sums of reduced matmul partials into one matmul "
+            "(the `merge_sums` rewrite)", compile=True),
+    Setting("COMMFUSE_FAST_LAUNCH", "switch", True, "launch a kernel's repeated specialisations directly, "
+            "without Triton's per-launch binding"),
+    Setting("COMMFUSE_CE_GRAPHS", "switch", True, "replay a copy-engine all-reduce whose operands sit where "
+            "an earlier call's did as a CUDA graph (two host operations instead of ~40 launches)"),
+    Setting("COMMFUSE_TUNE", "choice", "off", "measured dispatch: `off` (the rules), `cache` (use tuned answers, "
+            "never tune), `first-use` (tune a call signature, every rank together, at its first call)",
+            choices=TUNE_MODES),
+    Setting("COMMFUSE_CACHE_DIR", "text", "", "where tuned answers are kept (default: the user cache "
+            "directory, `~/.cache/commfuse`)"),
+    Setting("COMMFUSE_TUNE_MARGIN", "float", 0.03, "a tuned path replaces the rules' choice only if it is "
+            "this fraction faster", minimum=0.0, maximum=0.5),
+)
+
+#: Settings that no longer exist, and what became of them (a still-set one warns once).
+REMOVED: dict[str, str] = {}
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+_BY_FIELD = {s.field: s for s in SETTINGS}
 
 
-def integer(name: str, default: int | None, minimum: int | None = None) -> int | None:
-    """A whole number (``1048576``, not ``1MiB``), at least ``minimum`` when one is given."""
-    value = _raw(name)
-    if not value:
-        return default
+@dataclasses.dataclass(frozen=True)
+class Values:
+    """Every setting's typed value; read ``current().timeout_s`` and the like."""
+
+    values: tuple  # (field, value) in SETTINGS order
+
+    def __getattr__(self, field: str) -> Any:
+        for name, value in object.__getattribute__(self, "values"):
+            if name == field:
+                return value
+        raise AttributeError(f"commfuse settings have no {field!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def paths_key(self) -> tuple:
+        """The settings that change which path or protocol runs (the tuner's cache key)."""
+        return tuple((s.field, getattr(self, s.field)) for s in SETTINGS if s.paths)
+
+    def compile_key(self) -> tuple:
+        """The settings that change what the graph pass does (its cache key)."""
+        return tuple((s.field, getattr(self, s.field)) for s in SETTINGS if s.compile)
+
+
+_current: Values | None = None
+_overrides: list[dict[str, Any]] = []
+_on_change: list[Callable[[], None]] = []
+_warned: set[str] = set()
+
+
+def _parse_environment(environ) -> dict[str, Any]:
+    return {s.field: s.parse(environ.get(s.name)) for s in SETTINGS}
+
+
+def current() -> Values:
+    """The settings in force (the environment read once, then any ``override``)."""
+    global _current
+    if _current is None:
+        values = _parse_environment(os.environ)
+        for layer in _overrides:
+            values.update(layer)
+        _current = Values(tuple(values.items()))
+    return _current
+
+
+def _changed() -> None:
+    global _current
+    _current = None
+    for callback in list(_on_change):
+        callback()
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever the settings change (``override``, ``reload``): the run-time
+    drops what it decided per call signature under the old ones."""
+    _on_change.append(callback)
+
+
+def reload() -> Values:
+    """Read the environment again (after a test changed it)."""
+    _changed()
+    return current()
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[Values]:
+    """Set settings by field name (``override(algo="fused", timeout_s=5.0)``) inside a block. Each
+    value is checked as the environment's would be (a string is parsed; ``None`` is the default)."""
+    layer = {}
+    for field, value in values.items():
+        setting = _BY_FIELD.get(field)
+        if setting is None:
+            raise TypeError(f"commfuse: no setting {field!r}; known: {sorted(_BY_FIELD)}")
+        if value is None:
+            layer[field] = setting.default
+        elif isinstance(value, str) or setting.kind == "switch" and not isinstance(value, bool):
+            layer[field] = setting.parse(str(value))
+        else:
+            layer[field] = setting.parse(str(value)) if setting.kind in ("int", "float") else value
+    _overrides.append(layer)
+    _changed()
     try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"commfuse: {name}={value!r} is not a whole number") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"commfuse: {name}={number} must be at least {minimum}")
-    return number
+        yield current()
+    finally:
+        _overrides.remove(layer)
+        _changed()
 
 
-def number(name: str, default: float | None, minimum: float | None = None,
-           positive: bool = False, maximum: float | None = None) -> float | None:
-    """A finite number, at least ``minimum`` (or above 0 with ``positive``) and at most ``maximum``
-    when asked."""
-    value = _raw(name)
-    if not value:
-        return default
-    try:
-        x = float(value)
-    except ValueError:
-        raise ValueError(f"commfuse: {name}={value!r} is not a number") from None
-    if not math.isfinite(x):
-        raise ValueError(f"commfuse: {name}={value!r} must be a finite number")
-    if minimum is not None and x < minimum:
-        raise ValueError(f"commfuse: {name}={value} must be at least {minimum}")
-    if positive and x <= 0:
-        raise ValueError(f"commfuse: {name}={value} must be above 0")
-    if maximum is not None and x > maximum:
-        raise ValueError(f"commfuse: {name}={value} must be at most {maximum:g}")
-    return x
+def unknown_names(environ=None) -> list[str]:
+    """``COMMFUSE_*`` variables set in the environment that are no setting (nor removed)."""
+    environ = os.environ if environ is None else environ
+    return sorted(n for n in environ if n.startswith(PREFIX) and n not in _BY_NAME and n not in REMOVED)
 
 
-#: Every switch and number the package reads, with how ``validate`` checks its syntax (the
-#: readers also check ranges and defaults where they read them).
-SWITCHES = ("COMMFUSE_MERGE_SUMS", "COMMFUSE_VERIFY", "COMMFUSE_FAST_LAUNCH", "COMMFUSE_CE_GRAPHS",
-            "COMMFUSE_FUSED_TICKETS", "COMMFUSE_FUSED_TMA_PUSH", "COMMFUSE_GRAPH_SPLIT_K",
-            "COMMFUSE_RS_PULL", "COMMFUSE_SLAB_OVERLAP", "COMMFUSE_BENCH_OVERLAP", "COMMFUSE_BENCH_IRIS",
-            "COMMFUSE_SPLIT_K_LL")
-INTEGERS = {"COMMFUSE_LAUNCH_BOUND_BYTES": 0, "COMMFUSE_GRAPH_BYTES": 1, "COMMFUSE_IRIS_HEAP_BYTES": 1,
-            "COMMFUSE_SPLIT_K": 1, "COMMFUSE_RS_CHUNKS": 1, "COMMFUSE_CE_CHUNKS": 1,
-            "COMMFUSE_CE_LAST_ROWS": 0, "COMMFUSE_CE_MIN_K": 0, "COMMFUSE_AG_PUSHERS": 1,
-            "COMMFUSE_AG_CE_CHUNKS": 1}
-NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True, maximum=1e9), "COMMFUSE_FUSED_STAGGER_US": dict(minimum=0),
-           "COMMFUSE_AR_COPY_LAG": dict(minimum=0)}
+def validate() -> Values:
+    """Parse every setting now (``ValueError`` naming the first bad one) and warn once about an
+    unknown or removed ``COMMFUSE_*`` name. ``commfuse.backend(...)`` and the graph pass call it."""
+    values = _parse_environment(os.environ)  # raises on the first bad value, named
+    for name in unknown_names():
+        if name not in _warned:
+            _warned.add(name)
+            close = difflib.get_close_matches(name, list(_BY_NAME) + list(REMOVED), n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            warnings.warn(f"commfuse: {name} is not a commfuse setting and is ignored{hint}", stacklevel=2)
+    for name, fate in REMOVED.items():
+        if name in os.environ and name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"commfuse: {name} no longer exists and is ignored: {fate}", stacklevel=2)
+    if _current is not None and not _overrides and dict(_current.values) != values:
+        _changed()  # the environment changed since it was read: take the new values
+    return current()
 
 
-#: What ``COMMFUSE_LOG`` takes (``report.configure_logging``): a switch, or a level by name.
-LOG_LEVELS = _TRUE + ("info", "debug") + _FALSE
+def describe() -> list[tuple[str, str, str, str]]:
+    """(name, kind, default, what it does) per setting, as ``docs/settings.md`` lists them."""
+    def shown(s: Setting) -> str:
+        if s.default is None:
+            return "unset"
+        if s.kind == "switch":
+            return "on" if s.default else "off"
+        return str(s.default)
 
-
-def _choices() -> None:
-    """The settings that take a name or a form (``validate`` calls each one's own reader)."""
-    from .kernels import dispatch, symm
-
-    level = os.environ.get("COMMFUSE_LOG", "").strip().lower()
-    if level and level not in LOG_LEVELS:
-        raise ValueError(f"commfuse: COMMFUSE_LOG={level!r} is not one of {LOG_LEVELS}")
-    symm.provider_name()
-    dispatch.tile_config_override()
-    dispatch.split_k_ll()
-    dispatch.gather_push(0)
-    dispatch.gather_local_source()
-    dispatch.ce_streams()
-    dispatch.ce_tail()
-    dispatch.overlap_config(1)
-    dispatch._forced(())
-
-
-def validate() -> None:
-    """Raise on the first setting of ``SWITCHES``, ``INTEGERS``, ``NUMBERS`` or the named choices
-    that does not parse or is out of range (what ``commfuse.backend`` and the graph pass call)."""
-    for name in SWITCHES:
-        flag(name, False)
-    for name, minimum in INTEGERS.items():
-        integer(name, None, minimum)
-    for name, limits in NUMBERS.items():
-        number(name, None, **limits)
-    _choices()
+    return [(s.name, s.kind if s.kind != "choice" else "|".join(s.choices), shown(s), s.doc) for s in SETTINGS]

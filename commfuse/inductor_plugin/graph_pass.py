@@ -27,26 +27,33 @@ except ImportError:  # torch 2.11
     CustomPassBase = CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from .. import kernels  # noqa: F401  (registers torch.ops.commfuse before any rewrite)
-from .. import env, patterns
+from .. import env, ops, patterns  # noqa: F401  (ops: registers torch.ops.commfuse before any rewrite)
 from ..config import Settings
 from ..exclusion import any_instance_excluded, module_stack
-from ..kernels import symm
 from ..patterns import merge_sums
+from ..runtime import groups, policy, rules
+from ..runtime.facts import local_facts
+from ..runtime.paths.base import Call, row_slabs, rows_dim
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
 from ..report import MatchRecord, configure_logging, log, record
 
 _graph_numbers = itertools.count()
+_FUSED_OPS = (torch.ops.commfuse.mm_all_reduce.default, torch.ops.commfuse.all_gather_mm.default,
+              torch.ops.commfuse.mm_reduce_scatter.default)
+#: Where each fused op takes its group name.
+_GROUP_ARG = dict(zip(_FUSED_OPS, (3, 5, 6)))
 
 
 @functools.lru_cache(1)
 def _source_hash() -> str:
-    """Hash of every source file of the package: any change to the pass invalidates the cache."""
+    """Hash of every source and rules file of the package: any change to the pass, or to the rules
+    that size its workspaces, invalidates the cache."""
     root = pathlib.Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
+    digest.update(rules.data_hash().encode())
     return digest.hexdigest()
 
 
@@ -120,58 +127,53 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         stable_topological_sort(graph)
         graph.lint()
         for group, nbytes in workspace_plan(graph).items():
-            symm.plan(group, nbytes)
+            groups.plan(group, nbytes)
     return fused
 
 
-def _mm_all_reduce_bytes(node: fx.Node):
-    a, b = val(node.args[0]), val(node.args[1])
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    if not all(isinstance(x, int) for x in (m, k, n)):
-        return None  # symbolic: the workspace grows on first use
-    from ..kernels import dispatch
-
-    return dispatch.all_reduce_workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
-
-
-def _all_gather_mm_bytes(node: fx.Node):
-    shard, b = val(node.args[0]), val(node.args[1])
-    k, n, world = shard.shape[-1], b.shape[1], node.args[4]
-    rows = math.prod(shard.shape[:-1]) * world
-    if not all(isinstance(x, int) for x in (rows, k, n)):
-        return None  # symbolic: the workspace grows on first use
-    from ..kernels import dispatch
-
-    return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, dispatch.rows_dim(shard.shape, node.args[3]))
-
-
-def _mm_reduce_scatter_bytes(node: fx.Node):
-    a, b = val(node.args[0]), val(node.args[1])
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    if not all(isinstance(x, int) for x in (m, k, n)):
-        return None  # symbolic: the workspace grows on first use
-    from ..kernels import dispatch
-
-    return dispatch.scatter_workspace_bytes(m, k, n, a.dtype, node.args[5], dispatch.rows_dim(node.args[3], node.args[4]))
+def _call(node: fx.Node) -> Call | None:
+    """The ``Call`` a fused node will make, from its operands' shapes; None while a size is symbolic
+    (the workspace then grows on first use instead)."""
+    if node.target is torch.ops.commfuse.mm_all_reduce.default:
+        a, b = val(node.args[0]), val(node.args[1])
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        dims, world, group = (m, k, n), _resolve_process_group(node.args[3]).size(), node.args[3]
+        extra = {}
+    elif node.target is torch.ops.commfuse.all_gather_mm.default:
+        shard, b, gather_dim, world = val(node.args[0]), val(node.args[1]), node.args[3], node.args[4]
+        k, n = shard.shape[-1], b.shape[1]
+        dims = (math.prod(shard.shape[:-1]) * world, k, n)
+        dim = rows_dim(shard.shape, gather_dim)
+        extra = dict(rows_dim=dim, slabs=row_slabs(shard.shape, dim))
+    elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:
+        a, b, shape, scatter_dim, world = val(node.args[0]), val(node.args[1]), node.args[3], node.args[4], node.args[5]
+        dims = (a.shape[0], a.shape[1], b.shape[1])
+        dim = rows_dim(shape, scatter_dim)
+        extra = dict(rows_dim=dim, slabs=row_slabs(shape, dim))
+    else:
+        return None
+    if not all(isinstance(x, int) for x in dims):
+        return None
+    dtype = val(node.args[0]).dtype
+    return Call(node.target.__name__.split(".")[0], *dims, dtype, world, node.args[2] is not None, **extra)
 
 
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
-    """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs.
-
-    Shapes that are symbolic are left out: the workspace then grows on first use instead.
+    """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs, as
+    the paths the group's GPU would choose say (``runtime.policy``), from this rank's GPU's facts:
+    the allocation agrees on the largest request of every rank itself.
     """
     need: dict[str, int] = {}
+    forced = env.current().algo
     for node in graph.nodes:
-        if node.target is torch.ops.commfuse.mm_all_reduce.default:  # the partial (or the fused slabs)
-            nbytes, group = _mm_all_reduce_bytes(node), node.args[3]
-        elif node.target is torch.ops.commfuse.all_gather_mm.default:  # the shard (or all rows)
-            nbytes, group = _all_gather_mm_bytes(node), node.args[5]
-        elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:  # the partial (or slabs)
-            nbytes, group = _mm_reduce_scatter_bytes(node), node.args[6]
-        else:
+        if node.op != "call_function" or node.target not in _FUSED_OPS:
             continue
-        if isinstance(nbytes, int):
-            need[group] = max(need.get(group, 0), nbytes)
+        call = _call(node)
+        if call is None:
+            continue
+        group = node.args[_GROUP_ARG[node.target]]
+        nbytes = policy.workspace_bytes(call, local_facts(call.world), forced=forced)
+        need[group] = max(need.get(group, 0), nbytes)
     return need
 
 

@@ -1,3 +1,5 @@
-"""Kernels, symmetric-memory providers and dispatch behind the ``torch.ops.commfuse`` ops."""
+"""Triton device code and each kernel's launcher: no policy, no settings, no workspace management.
 
-from . import ops  # noqa: F401  (registers torch.ops.commfuse.*)
+A launcher reads what it needs of a workspace from the object it is handed (its flags, heap bases,
+rank, error word and wait bound) and takes every other choice as an argument.
+"""

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from . import tiles
 from .launch import Bound, run as run_kernel
-from .sync import ErrorWord, iris, require_iris, signal_peers, timeout_ns, wait_peers
+from .sync import iris, require_iris, signal_peers, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
 #: Epochs and flag slots change every call, so no kernel specialises on them: Triton would compile
@@ -263,7 +263,7 @@ def _epoch_at(ws, device: bool) -> torch.Tensor:
 def _common(ws, epoch):
     require_iris()
     return dict(flags=ws.flags, heap_bases=ws.heap_bases, epoch=epoch, rank=ws.rank,
-                err=ErrorWord.get(), timeout=timeout_ns())
+                err=ws.err, timeout=ws.timeout_ns)
 
 
 def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int | None, algo: str, op_code: int,
@@ -304,7 +304,7 @@ def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int,
     # one flag slot per program per rank: at large world sizes the flag area bounds the grid
     grid = (_programs(lane, n, block, lane.flags.numel() // lane.world),)
     run_kernel(staged_one_shot_kernel, grid, src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
-               lane.flags, lane.counter, lane.heap_bases, lane.rank, ErrorWord.get(), timeout_ns(),
+               lane.flags, lane.counter, lane.heap_bases, lane.rank, lane.err, lane.timeout_ns,
                OP=op_code, WORLD=lane.world, BLOCK=block, SLOTS=lane.counter.numel(), num_warps=num_warps)
 
 

@@ -33,22 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import env
 from . import tiles
 from .launch import run as run_kernel
-from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AG_OP, iris, now, require_iris,
-                   timeout_ns, trace_tile, trace_time, wait_or_record)
+from .sync import TRACE_SLOTS, FUSED_AG_OP, iris, now, require_iris, trace_tile, trace_time, wait_or_record
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 #: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
 CHUNK_ROWS = 32
-#: Programs that push the shard and then copy the peers' rows into the gathered tensor
-#: (``COMMFUSE_AG_PUSHERS`` overrides, for sweeps; ranks may differ: chunk slots do not depend on it).
+#: Programs that push the shard and then copy the peers' rows into the gathered tensor (ranks may
+#: differ: chunk slots do not depend on it).
 PUSHERS = 16
-
-
-def pusher_count() -> int:
-    return env.integer("COMMFUSE_AG_PUSHERS", PUSHERS, minimum=1)
 
 
 @triton.jit
@@ -209,30 +203,28 @@ def copy_engine_flags():
         return None
 
 
-def ce_chunks(rows: int) -> int:
-    """Row chunks of a copy-engine push of ``rows`` (one flag each): ``COMMFUSE_AG_CE_CHUNKS``
-    (set alike on every rank), default ``CE_CHUNKS``; at most one per ``CHUNK_ROWS`` rows."""
-    return max(1, min(env.integer("COMMFUSE_AG_CE_CHUNKS", CE_CHUNKS, minimum=1), tiles.cdiv(rows, CHUNK_ROWS)))
+def ce_chunks(rows: int, chunks: int = 1) -> int:
+    """Row chunks of a copy-engine push of ``rows`` (one flag each): ``chunks``, at most one per
+    ``CHUNK_ROWS`` rows. Each chunk costs a copy and a flag write per peer, and each copy its
+    start-up latency: one by default."""
+    return max(1, min(chunks, tiles.cdiv(rows, CHUNK_ROWS)))
 
 
-#: Chunks of a copy-engine push: each costs a copy and a flag write per peer, and each copy its
-#: start-up latency (``dispatch.AG_CE_MIN_SHARD_BYTES`` has the numbers): one.
-CE_CHUNKS = 1
 #: Calls whose shard the copy engines pushed, since import (tests check which push ran).
 CE_CALLS = 0
 
 
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
             out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None,
-            side: torch.cuda.Stream | None = None):
+            side: torch.cuda.Stream | None = None, pushers: int = PUSHERS, ce_chunk_count: int = 1):
     """What of a call can fail on one rank alone (operand copies, descriptors, peer views, the
     first compile of a configuration), done before the call's epoch begins; returns
     ``launch(epoch, parity)``, which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless
     it is None, ``gathered`` [world * rows, K], through ``ws`` (``data_elems`` per parity).
     ``shard`` is [rows, K], this rank's rows. ``side``: a stream on which the copy engines push
-    the shard into the peers' workspaces, in ``ce_chunks()`` chunks each followed by its flag
+    the shard into the peers' workspaces, in ``ce_chunk_count`` chunks each followed by its flag
     (a stream write); every program then multiplies. Without it, or without peer views or the
-    stream write, ``PUSHERS`` programs push. ``trace``: an int64 tensor of at least
+    stream write, ``pushers`` programs push. ``trace``: an int64 tensor of at least
     ``TRACE_SLOTS`` per program, which the kernel fills with GPU times (benchmarks only; -1
     where a program left slots unused)."""
     require_iris()
@@ -250,7 +242,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                  for q in peers for parity in (0, 1)} if write_flag is not None else {}
     peer_flags = {q: ws.peer_tile_flags(q) for q in peers} if write_flag is not None else {}
     ce = write_flag is not None and all(v is not None for v in (*peer_rows.values(), *peer_flags.values()))
-    flag_rows = tiles.cdiv(rows, ce_chunks(rows)) if ce else CHUNK_ROWS
+    flag_rows = tiles.cdiv(rows, ce_chunks(rows, ce_chunk_count)) if ce else CHUNK_ROWS
     flag_base = ce_flag_base(rows, world) if ce else 0
     flags = ws.tile_flags[flag_base:]  # the kernel waits on flags from here
     g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
@@ -262,8 +254,8 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     def args(epoch, parity, ticket_base):
         return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
                 full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
-                sbm, sbn, flags, ws.heap_bases, epoch, rank, ErrorWord.get(),
-                timeout_ns(), ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
+                sbm, sbn, flags, ws.heap_bases, epoch, rank, ws.err,
+                ws.timeout_ns, ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
 
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
@@ -280,7 +272,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
     count = world * tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
     programs = per_sm * ws.max_programs
-    pushers = 0 if ce else max(1, min(pusher_count(), tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
+    pushers = 0 if ce else max(1, min(pushers, tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
     compute = max(1, min(count, programs - pushers))
     if trace is not None and trace.numel() < (pushers + compute) * TRACE_SLOTS:
         raise ValueError(f"commfuse: the trace needs {(pushers + compute) * TRACE_SLOTS} slots")

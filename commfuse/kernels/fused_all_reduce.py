@@ -46,19 +46,16 @@ same, as an owner's call e + 1 waits for every writer's partials of e + 1.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import env
 from . import tiles
 from .launch import Bound
-from .sync import (TRACE_SLOTS, ErrorWord, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer,
-                   require_iris, timeout_ns, trace_tile, trace_time, wait_or_record,
-                   wait_other_ranks)
+from .sync import (TRACE_SLOTS, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer, require_iris, trace_tile,
+                   trace_time, wait_or_record, wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
@@ -470,72 +467,19 @@ def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool 
     return (slabs if scatter else slabs + count) * cfg.bm * cfg.bn
 
 
-def tickets() -> bool:
-    """Compute programs claim tile positions in order from an atomic ticket (the default: as fast
-    or faster than a static stride on 2xH200, ``explore/sweep_tickets_8d76355.json``, and no wait
-    depends on a program that has not started); ``COMMFUSE_FUSED_TICKETS=0`` restores the static
-    stride, which needs every compute program resident."""
-    return env.flag("COMMFUSE_FUSED_TICKETS", True)
-
-
 #: Reduce-scatter calls whose owners pulled the partials, all-reduce calls with the copies inline
 #: (no reducers), and calls that pushed through the TMA unit, since import (tests check the path
 #: ran).
 PULL_CALLS = INLINE_CALLS = TMA_CALLS = 0
 
-
-def tma_push() -> bool:
-    """``COMMFUSE_FUSED_TMA_PUSH=1``: the fused all-reduce / reduce-scatter push through the TMA
-    unit (an experiment, off: correct on 2xH200 and 1-3% slower on every shape timed,
-    ``explore/paths_tma_9288ea7``; NOTES.md §28-29). Ranks may differ: it changes how bytes
-    travel, not which."""
-    return env.flag("COMMFUSE_FUSED_TMA_PUSH", False)
-
-
-def stagger_ns(scatter: bool = False, count: int = 0, compute: int = 1) -> int:
-    """The spread, in ns, over which the fused kernel's programs start their first tiles
-    (``_stagger``), for a call of ``count`` tiles on ``compute`` multiplying programs.
-    ``COMMFUSE_FUSED_STAGGER_US`` sets it in µs for both forms (0 starts them together). By
-    default the all-reduce spreads them over ``STAGGER_US`` (one wave of tiles:
-    ``STAGGER_ONE_WAVE_US``, where the spread delays the call's end as much as its start) and
-    the reduce-scatter not at all (timed: NOTES.md §32). Ranks may differ: it only delays this
-    rank's own work."""
-    us = env.number("COMMFUSE_FUSED_STAGGER_US", None, minimum=0)
-    if us is None:
-        if scatter:
-            return 0
-        return int((STAGGER_US if count > compute else STAGGER_ONE_WAVE_US) * 1000)
-    if us > STAGGER_MAX_US:  # a spread near the waits' timeout would trip it
-        raise ValueError(f"commfuse: COMMFUSE_FUSED_STAGGER_US={us} must be within 0-{STAGGER_MAX_US} µs")
-    return int(us * 1000)
-
-
-#: The fused all-reduce's default spread (µs) for calls of more than one wave of tiles, and for
-#: one wave. 2xH200, 8192x2048x4096: 0 / 10 / 15 / 25 / 35 / 50 µs -> 285 / 281 / 276 / 275 / 279 /
-#: 284 µs; 1024x2048x4096 (one wave): 60.8 / 60.4 / 58.9 / 63.9 / 71.6 at 0 / 10 / 15 / 25 / 35
-#: (``explore/paths_stagger_ar_7d8a496``, NOTES.md §32). The link carries one wave's pushes
-#: (~132 x 64 KB) in about 25 µs, so that spread keeps it busy without queueing the pushes.
-STAGGER_US = 25
-STAGGER_ONE_WAVE_US = 15
-
-
-#: The largest spread ``COMMFUSE_FUSED_STAGGER_US`` takes (a few tiles' K loops is what it is for).
-STAGGER_MAX_US = 10_000
-
-
 #: Reducers of a tiling without any (``reducers`` 0: inline copies) when the tile order is static.
 STATIC_REDUCERS = 16
 
 
-def copy_lag(compute: int) -> int:
-    """Own tiles (``_interleaved``'s units) the inline copies trail this rank's own tiles by: a
-    peer's own tile is released after that program's next tile, about two waves of ``compute``
-    tiles after it began, so at least twice ``compute``; by default 4 ``compute`` (which at 2
-    ranks puts every copy after the last own tile in calls of up to ~8 * ``compute`` tiles;
-    lags of 2, 4 and 100 timed alike, ``explore/paths_lag_6e0500b``). ``COMMFUSE_AR_COPY_LAG``
-    sets the multiple of ``compute`` (a float; ranks may differ: it only orders this rank's own
-    work)."""
-    waves = env.number("COMMFUSE_AR_COPY_LAG", 4.0, minimum=0)
+def copy_lag(waves: float, compute: int) -> int:
+    """Own tiles (``_interleaved``'s units) the inline copies trail this rank's own tiles by:
+    ``waves`` times ``compute``. A peer's own tile is released after that program's next tile,
+    about two waves of ``compute`` tiles after it began, so at least 2 waves are needed."""
     return int(round(waves * compute))
 
 
@@ -558,27 +502,27 @@ class _Plan(NamedTuple):
 
 
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int,
-          sbn: int, out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, ablate: int, pull: bool,
-          traced: bool, device: torch.device) -> _Plan:
+          sbn: int, out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, opts: "Options", traced: bool,
+          device: torch.device) -> _Plan:
     if tile_flag_slots(m, n, ws.world, cfg, scatter) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
     if scatter and m % ws.world:
         raise RuntimeError(f"commfuse: {m} rows do not split into {ws.world} shares")
     elems = data_elems(m, n, ws.world, cfg, scatter)
     fixed = dict(M=m, N=n, K=k, flags=ws.tile_flags, heap_bases=ws.heap_bases, rank=ws.rank,
-                 err=ErrorWord.get(), timeout=timeout_ns(), ticket=ws.ticket)
-    inline = not scatter and cfg.reducers == 0 and tickets()
+                 err=ws.err, timeout=ws.timeout_ns, ticket=ws.ticket)
+    inline = not scatter and cfg.reducers == 0 and opts.tickets
     count = num_tiles(m, n, ws.world, cfg, scatter)
-    # the staggered start is compiled in where any spread may be asked for; its value is set below
-    staggered = tickets() and max(stagger_ns(scatter, 2, 1), stagger_ns(scatter, 1, 1)) > 0
+    # the staggered start is compiled in where any spread is asked for; its value is set below
+    staggered = opts.tickets and max(opts.stagger_ns) > 0
     consts = dict(OP=FUSED_RS_OP if scatter else FUSED_AR_OP, WORLD=ws.world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, SUB_M=max(1, min(cfg.bm, 16384 // cfg.bn)), B_TRANSPOSED=b_t,
-                  HAS_BIAS=full_bias is not None, TICKETS=tickets(), SCATTER=scatter, ABLATE=ablate,
-                  PULL=pull and scatter, TRACE=traced, INLINE=inline,
-                  TMA_PUSH=tma_push() and not (pull and scatter), STAGGER=staggered,
+                  HAS_BIAS=full_bias is not None, TICKETS=opts.tickets, SCATTER=scatter, ABLATE=opts.ablate,
+                  PULL=opts.pull and scatter, TRACE=traced, INLINE=inline,
+                  TMA_PUSH=opts.tma_push and not (opts.pull and scatter), STAGGER=staggered,
                   num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, dtype, ws.world, b_t, full_bias is not None, device.index, consts["TICKETS"], scatter,
-           ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"])
+           opts.ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"])
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(
             a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
@@ -599,40 +543,54 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
         reducers = max(1, min(wanted, programs - compute))
     # any lag past this rank's own tiles gives the same order (all copies after them); the
     # clamp keeps the kernel argument a 32-bit integer
-    lag = min(copy_lag(compute), count) if inline else 0
+    lag = min(copy_lag(opts.copy_lag_waves, compute), count) if inline else 0
     positions = inline_positions(count, ws.world, ws.rank, lag) if inline else count
-    spread = stagger_ns(scatter, count, compute) if staggered else 0
+    spread = (opts.stagger_ns[0] if count > compute else opts.stagger_ns[1]) if staggered else 0
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
                   positions=positions, stagger=spread, **fixed, **consts)
     return _Plan(bound, elems)
 
 
+class Options(NamedTuple):
+    """How a call runs the kernel beyond its tiling (the path decides; benchmarks vary them).
+
+    ``tickets``: programs claim tile positions in order from the workspace's ticket (else a
+    static stride, which needs every program resident and ``reducers`` to copy the pushed sums).
+    ``stagger_ns``: the spread over which the programs start their first tiles, for calls of more
+    than one wave of tiles and for one wave (0: together; ticket order only). ``copy_lag_waves``:
+    how far the inline copies trail this rank's own tiles, in waves of its programs.
+    ``tma_push``: push through the TMA unit. ``pull`` (reduce-scatter): the owners pull the peers'
+    partials. ``ablate``: ``ABLATIONS`` bits, for timing only (results are wrong)."""
+    tickets: bool = True
+    stagger_ns: tuple[int, int] = (0, 0)
+    copy_lag_waves: float = 4.0
+    tma_push: bool = False
+    pull: bool = False
+    ablate: int = 0
+
+
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
-            scatter: bool = False, ablate: int = 0, pull: bool = False,
-            trace: torch.Tensor | None = None):
+            scatter: bool = False, opts: Options = Options(), trace: torch.Tensor | None = None):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
     parity); with ``scatter``, this rank's share of its rows (``out`` is [M / world, N], M a
     multiple of the world size). The launch itself still encodes the TMA descriptors and
-    compiles a new specialisation of a known configuration. ``pull`` (with ``scatter``): the
-    owners pull the peers' partials instead of the peers pushing them (``_pull_partials``).
-    ``trace``: an int64 tensor of at least ``TRACE_SLOTS`` per program, filled with GPU times
-    (benchmarks only; the ticket order; -1 where a program left slots unused). What depends only
-    on the shapes, layouts and settings is worked out once (``_plan``): a model step waits for
-    this host work (``NOTES.md`` §30-31)."""
+    compiles a new specialisation of a known configuration. ``trace``: an int64 tensor of at
+    least ``TRACE_SLOTS`` per program, filled with GPU times (benchmarks only; the ticket order;
+    -1 where a program left slots unused). What depends only on the shapes, layouts and options
+    is worked out once per workspace (``_plan``): a model step waits for this host work."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     traced = trace is not None
-    # every setting the plan reads is in its key, so a changed one makes a new plan
-    key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, ablate, pull, traced,
-           tickets(), tma_push(), os.environ.get("COMMFUSE_AR_COPY_LAG"), stagger_ns(scatter), ErrorWord.get(),
-           timeout_ns())
+    # every option the plan reads is in its key, so a changed one makes a new plan
+    key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, opts, traced, ws.err.data_ptr(),
+           ws.timeout_ns)
     plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
-                                      scatter, ablate, pull, traced, a.device))
+                                      scatter, opts, traced, a.device))
     consts = plan.bound.fixed
     if consts["TMA_PUSH"]:  # device-made descriptors need an allocator, which Triton keeps per thread
         tiles.ensure_allocator()

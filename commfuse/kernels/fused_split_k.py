@@ -60,8 +60,7 @@ import triton.language as tl
 
 from . import tiles
 from .launch import run as run_kernel
-from .sync import (ErrorWord, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, record_late, require_iris, timeout_ns,
-                   wait_other_ranks)
+from .sync import FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, record_late, require_iris, wait_other_ranks
 from .tiles import claim, mma_range, tile_coords, tile_epilogue
 
 
@@ -398,13 +397,21 @@ def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters
 def misfit(ws, m: int, n: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool) -> str | None:
     """What of a call does not fit ``ws`` (a workspace, or with ``lane`` a graph lane): its flag
     slots, arrival counters or one parity's bytes; None if all fit."""
-    if flag_slots(m, n, ws.world, cfg) > (ws.flags if lane else ws.tile_flags).numel():
+    return misfit_sizes(m, n, ws.world, cfg, dtype, lane, (ws.flags if lane else ws.tile_flags).numel(),
+                        ws.tile_counters.numel(), ws.data_bytes)
+
+
+def misfit_sizes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool, slots: int,
+                 counters: int, half_bytes: int) -> str | None:
+    """``misfit`` for a buffer of ``slots`` flags, ``counters`` arrival counters and
+    ``half_bytes`` per parity."""
+    if flag_slots(m, n, world, cfg) > slots:
         return "too many tiles for the workspace's tile flags"
-    if num_tiles(m, n, cfg) > ws.tile_counters.numel():
+    if num_tiles(m, n, cfg) > counters:
         return "too many tiles for the workspace's arrival counters"
-    if data_bytes(m, n, ws.world, cfg, dtype, lane) > ws.data_bytes:
-        return (f"{data_bytes(m, n, ws.world, cfg, dtype, lane)} bytes of split-K workspace do not fit "
-                f"the {ws.data_bytes} bytes of a parity")
+    need = data_bytes(m, n, world, cfg, dtype, lane)
+    if need > half_bytes:
+        return f"{need} bytes of split-K workspace do not fit the {half_bytes} bytes of a parity"
     return None
 
 
@@ -453,7 +460,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     def args(epoch: int, base: int) -> tuple:
         return (a_desc, b_desc, full_bias if full_bias is not None else out, parts0, sums0,
                 half // 4, half // a.dtype.itemsize, out, m, n, k, sbm, sbn, flags, ws.tile_counters,
-                ws.heap_bases, epoch, ws.rank, ErrorWord.get(), timeout_ns(), ticket, base, epochs)
+                ws.heap_bases, epoch, ws.rank, ws.err, ws.timeout_ns, ticket, base, epochs)
 
     # compile before the call's epoch begins: a compile that fails on one rank must not leave its
     # peers waiting. Keyed like Triton's specialisation (integers equal to 1 or multiples of 16).

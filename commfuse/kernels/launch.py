@@ -6,7 +6,8 @@ per collective call (the copy-engine overlap launches a barrier per chunk). A tr
 measured host-bound on these calls (``benchmarks/results/h200x2/explore/diag_skew_ea260fa.log``).
 After the first launch through Triton, this keeps the compiled kernel under a key at least as fine
 as Triton's specialisation (integers equal to 0 or 1 or divisible by 16, their width, pointer
-alignment, descriptor shapes) and launches it directly. ``COMMFUSE_FAST_LAUNCH=0`` turns it off.
+alignment, descriptor shapes) and launches it directly (``configure(False)`` turns it off; the
+run-time passes ``COMMFUSE_FAST_LAUNCH``).
 
 Host-bound loops of one call could not see the saving (it was dropped once for that); inside the
 DTensor model, where the host's caches are cold, the fused call's host time fell from ~490 to
@@ -23,8 +24,6 @@ import logging
 
 import torch
 
-from .. import env
-
 try:
     from triton import knobs as _KNOBS
 except ImportError:  # a Triton without knobs: no hooks or global options to honour
@@ -38,10 +37,17 @@ MAX_ENTRIES = 4096
 _compiled: dict[tuple, object] = {}
 _signatures: dict[object, tuple] = {}
 _disabled: list[str] = []  # the reason, once the direct launch failed to bind
+_switched_on = True  # ``configure``: the run-time's setting (``COMMFUSE_FAST_LAUNCH``)
+
+
+def configure(fast: bool) -> None:
+    """Whether launches may go direct (the run-time passes its setting)."""
+    global _switched_on
+    _switched_on = bool(fast)
 
 
 def enabled() -> bool:
-    return not _disabled and env.flag("COMMFUSE_FAST_LAUNCH", True) and not _hooked()
+    return _switched_on and not _disabled and not _hooked()
 
 
 def _hooked() -> bool:

@@ -3,8 +3,8 @@ bounded waits that record who did not arrive instead of hanging.
 
 A flag slot holds the epoch (call number) its writer last reached; epochs only grow, so a wait is
 ``flag >= epoch`` and nothing is ever reset. A wait that passes ``timeout_ns`` writes
-``[1, op, rank, peer]`` into a pinned host word (``ErrorWord``) and lets the kernel finish; the host
-raises on the next check. Grids are at most as many programs as fit on the GPU at once (one per
+``[1, op, rank, peer]`` into a pinned host word (the workspace's ``err``) and lets the kernel
+finish; the run-time raises on its next check. Grids are at most as many programs as fit on the GPU at once (one per
 SM, or what the fused kernel's compiled size allows), so all programs are resident and spinning
 cannot starve a signaller, unless other work holds SMs while they spin (see README, known risks).
 """
@@ -25,28 +25,8 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
     iris = peer_pointer = None
     _IRIS_ERROR = exc
 
-#: Op codes the kernels write into the error word on a timeout, and the names they stand for.
-OP_MM_ALL_REDUCE, OP_ALL_GATHER_MM, OP_MM_REDUCE_SCATTER, GRAPH_LANE_OP = 1, 2, 3, 4
-FUSED_AR_OP, FUSED_RS_OP, FUSED_AG_OP, FUSED_SPLIT_K_OP = 5, 6, 7, 8
-OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
-       OP_MM_REDUCE_SCATTER: "mm_reduce_scatter", GRAPH_LANE_OP: "mm_all_reduce (graph lane)",
-       FUSED_AR_OP: "mm_all_reduce (fused tile kernel)",
-       FUSED_RS_OP: "mm_reduce_scatter (fused tile kernel)",
-       FUSED_AG_OP: "all_gather_mm (fused tile kernel)",
-       FUSED_SPLIT_K_OP: "mm_all_reduce (fused split-K kernel)"}
-
-
-#: NCCL's own default bound: long enough for a rank that checkpoints or evaluates alone. The
-#: largest accepted (about 31 years) keeps the bound in nanoseconds within the kernels' int64.
-DEFAULT_TIMEOUT_S = 600.0
-MAX_TIMEOUT_S = 1e9
-
-
-def timeout_ns() -> int:
-    """Bound on every cross-GPU wait, from ``COMMFUSE_TIMEOUT_S`` (default 600 s, as NCCL's)."""
-    from .. import env
-
-    return int(env.number("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S, positive=True, maximum=MAX_TIMEOUT_S) * 1e9)
+from .codes import (FUSED_AG_OP, FUSED_AR_OP, FUSED_RS_OP, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, OP_ALL_GATHER_MM,  # noqa: F401
+                    OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, OPS)
 
 
 @triton.jit
@@ -169,52 +149,6 @@ def wait_peers(flags, slot, epoch, rank, err, timeout, OP: tl.constexpr, WORLD: 
             any_late = 1
     tl.debug_barrier()
     return any_late
-
-
-class ErrorWord:
-    """A pinned host int32[4] the kernels write on timeout; read without synchronising the GPU."""
-
-    _word: torch.Tensor | None = None
-    _host = None  # a numpy view of the same memory: reading it costs no tensor op (every call checks)
-
-    @classmethod
-    def get(cls) -> torch.Tensor:
-        if cls._word is None:
-            cls._word = torch.zeros(4, dtype=torch.int32, pin_memory=True)
-            cls._host = cls._word.numpy()
-        return cls._word
-
-    @classmethod
-    def check(cls, during: str | None = None) -> None:
-        """Raise if any earlier kernel timed out. ``during`` names the op being called now."""
-        word = cls._word
-        if word is None or cls._host[0] == 0:
-            return
-        op, rank, peer = (int(x) for x in word[1:])
-        word.zero_()
-        now = f" (noticed when {during} was called)" if during else ""
-        msg = (
-            f"commfuse.{OPS.get(op, op)}: rank {rank} timed out after "
-            f"{timeout_ns() / 1e9:g} s waiting for rank {peer} of its group{now}. The peer did not "
-            "reach the same collective call: a rank that raised, skipped the call or diverged. "
-            "Results of that call are invalid. COMMFUSE_TIMEOUT_S sets the bound."
-        )
-        from . import symm
-
-        if op == GRAPH_LANE_OP:  # its epochs are on the device: ranks stay out of step from now on
-            symm.fail_lanes(msg)
-        # A peer slower than the bound may since have paired its waits with this rank's later
-        # epochs: no workspace of this process may pair up calls again until every rank starts over.
-        symm.mark_all_broken(
-            f"{msg} This process's workspaces refuse further calls: call "
-            "commfuse.kernels.symm.release_all() on every rank to start over.")
-        raise RuntimeError(msg)
-
-
-def check_errors() -> None:
-    """Synchronise the current device and raise if a commfuse wait timed out."""
-    torch.cuda.synchronize()
-    ErrorWord.check()
 
 
 def require_iris() -> None:

@@ -2,8 +2,8 @@
 
 One dimension of a tensor-parallel product is a rank's own: K of an all-reduced or reduce-scattered
 product, N of an all-gathered one, which uneven sharding sizes per rank (33 in-features on 2
-ranks: 17 and 16). The collective is still well formed, but a dispatch that read that size could
-send the ranks down different paths, whose protocols would not pair (a hang, or a sum of mismatched
+ranks: 17 and 16). The collective is still well formed, but a path that read that size could
+differ between the ranks, and their protocols would not pair (a hang, or a sum of mismatched
 data). So the first call of a (group, op, size) learns, by one small all-reduce over the group,
 whether every rank has that size, and keeps the answer; where the sizes differ, every rank takes
 the unfused NCCL path. Inside a CUDA-graph capture nothing can be learned: a size no eager call
@@ -20,57 +20,47 @@ two layers is the same): ``COMMFUSE_VERIFY=1`` agrees on every call from the sta
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..report import log
-from . import verify
+log = logging.getLogger("commfuse")
 
-#: group -> (op, size) -> whether every rank had that size. Each group's table is cleared when
-#: full: its ranks make the same calls on it, so every one clears at the same call.
-_known: dict[str, dict[tuple, bool]] = {}
+#: Answers a group keeps; its table is cleared when full (its ranks make the same calls on it, so
+#: every one clears at the same call).
 LIMIT = 4096
-
-#: (group, op) whose calls agree on every call: an agreement found sizes that differ there.
-_uneven: set[tuple[str, str]] = set()
 
 #: Agreements learned by a collective since import (tests check the first call pays one, later
 #: calls none).
 LEARNED = 0
 
 
-def alike(group_name: str, op: str, size: int, device: torch.device) -> bool:
-    """Whether every rank of ``group_name`` calls ``op`` with this rank-local ``size``."""
-    known = _known.setdefault(group_name, {})
-    uneven = (group_name, op) in _uneven
+def alike(group, op: str, size: int, device: torch.device, capturing: bool, verify: bool) -> bool:
+    """Whether every rank of ``group`` (``groups.Group``) calls ``op`` with this rank-local
+    ``size``. ``verify``: agree on every call (``COMMFUSE_VERIFY``)."""
+    known = group.shard_sizes
+    uneven = op in group.uneven_ops
     answer = known.get((op, size))
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing:
         # nothing can be agreed here: an unknown size, or any of an op whose sizes differed, runs
         # NCCL on every rank (what eager calls learned before, every rank learned alike)
         return bool(answer) and not uneven
-    if answer is not None and not uneven and not verify.enabled():
+    if answer is not None and not uneven and not verify:
         return answer
     global LEARNED
-    group = _resolve_process_group(group_name)
     both = torch.tensor([size, -size], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # [largest, -smallest]
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group.pg())  # [largest, -smallest]
     largest, smallest = (int(x) for x in both.tolist())
     answer = largest == -smallest
     LEARNED += 1
-    if not answer and (group_name, op) not in _uneven:
-        _uneven.add((group_name, op))
+    if not answer and op not in group.uneven_ops:
+        group.uneven_ops.add(op)
         log.warning("commfuse.%s: the ranks of group %r have operands of different sizes (%d to %d: "
                     "an unevenly sharded dimension); these calls run the unfused NCCL path, and every "
                     "later %s call on this group first agrees on its sizes (a small collective)",
-                    op, group_name, -smallest, largest, op)
+                    op, group.name, -smallest, largest, op)
     if len(known) >= LIMIT:
         known.clear()
     known[(op, size)] = answer
     return answer
-
-
-def forget() -> None:
-    """Drop every kept answer (tests; call on every rank together)."""
-    _known.clear()
-    _uneven.clear()

@@ -4,39 +4,38 @@ Kernels address peers through Iris's RMA primitives, which translate a local poi
 ``ptr - heap_bases[me] + heap_bases[peer]``. Two providers give that table:
 
 * ``torch`` (default): ``torch.distributed._symmetric_memory``; its per-peer buffer pointers are the
-  heap bases.
+  heap bases, and its per-peer tensor views let the copy engines read a peer's half;
 * ``iris``: the Iris symmetric heap (``allocator_type="vmem_chunked"`` on NVIDIA), chosen with
-  ``COMMFUSE_SYMM_PROVIDER=iris``.
+  ``COMMFUSE_SYMM_PROVIDER=iris`` (the WORLD group only).
 
 Each group also gets a *graph lane* (``GraphLane``), a second, fixed-size buffer that CUDA-graph
-replays use: its epochs live on the device, so a replay needs no host step (see ``exchange.py``).
+replays use: its epochs live on the device, so a replay needs no host step (``kernels/exchange.py``).
 
 Every device tensor a workspace or lane keeps (flags, heap bases, epoch counters) lives inside its
 symmetric buffer, never in PyTorch's caching allocator: the first call of a group may run inside a
 CUDA-graph warm-up, whose allocations come from the graph's private pool and are reused by later
 captures (a heap-bases table there was overwritten: illegal addresses).
 
-Layout of a workspace: ``[flags | heap bases: FLAG_BYTES][tile flags | split-K counters | ticket:
-TILE_FLAG_BYTES][data parity 0][data parity 1]``. Flags are int32 epoch counters that only grow, so they never need
-resetting (until epochs restart near EPOCH_LIMIT); the two data halves alternate between calls,
-which (with the flag wait at the start of every exchange kernel, and the per-tile flags of the
-fused kernel) keeps a fast rank from overwriting data a slow peer is still reading. Allocation is
-collective and slow: it happens lazily on the first call for a group, is reused after, and grows
-only when a larger call arrives (the same on every rank, since sizes come from shapes alone).
+Layout of a workspace::
+
+    [flags | heap bases: FLAG_BYTES][tile flags | split-K counters | epoch cell | ticket: TILE_FLAG_BYTES]
+    [data parity 0][data parity 1]
+
+Flags are int32 epoch counters that only grow, so they never need resetting (until epochs restart
+near ``EPOCH_LIMIT``); the two data halves alternate between calls, which (with the flag wait at
+the start of every exchange kernel, and the per-tile flags of the fused kernels) keeps a fast rank
+from overwriting data a slow peer is still reading. Allocation is collective and slow: it happens
+on a group's first symmetric call, is reused after, and grows only when a larger call arrives.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 
 import torch
 import torch.distributed as dist
-
-from .. import env
-from ..report import log
 
 FLAG_BYTES = 64 * 1024
 #: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile), then
@@ -53,29 +52,31 @@ HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
 BASES_BYTES = 1024
 #: Epochs restart (collectively, flags and data zeroed) before they reach this: the int32 flags
 #: never overflow, and the split-K kernel's LL words, whose flags hold an epoch's low 21 bits
-#: (``fused_split_k.LL_EPOCH_BITS``), never meet a stale word of an earlier epoch with the same bits.
+#: (``kernels.fused_split_k.LL_EPOCH_BITS``), never meet a stale word of an earlier epoch with the
+#: same bits.
 EPOCH_LIMIT = (1 << 21) - 1
 MIN_DATA_BYTES = 16 * 1024 * 1024  # per parity; a first allocation serves many later shapes
-_ALIGN = 256
-
-
-def provider_name() -> str:
-    name = os.environ.get("COMMFUSE_SYMM_PROVIDER", "torch").strip().lower()
-    if name not in ("torch", "iris"):
-        raise ValueError(f"COMMFUSE_SYMM_PROVIDER must be 'torch' or 'iris', got {name!r}")
-    return name
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
-
+ALIGN = 256
 
 #: Launches and plans a workspace keeps (``Workspace.kept``); all are dropped when full.
 KEPT_LIMIT = 256
 
 
+def round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def error_word() -> torch.Tensor:
+    """A pinned host int32[8] the kernels write when a wait times out: ``[1, op, rank, peer, ...]``.
+    Pinned so the host reads it without synchronising the GPU."""
+    return torch.zeros(8, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+
 @dataclasses.dataclass
 class Workspace:
+    """One group's symmetric buffer on this rank. The kernels' launchers read its fields (flags,
+    heap bases, rank, the error word, the wait bound) and nothing else of the run-time."""
+
     group_name: str
     rank: int
     world: int
@@ -83,6 +84,8 @@ class Workspace:
     heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap), in ``buffer``
     data_bytes: int
     max_programs: int = 132  # the smallest SM count of the group: every rank launches the same grid
+    err: torch.Tensor | None = None  # the group's error word (``error_word``)
+    timeout_ns: int = 600 * 10**9  # bound on every wait of the kernels launched on it
     epoch: int = 0
     broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
     ticket_base: int = 0  # the ticket's value at the next fused call (claims so far, counted here)
@@ -92,16 +95,41 @@ class Workspace:
     _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
     #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
     _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: kernel launches and call plans kept for this workspace's life (``launch.Bound``), keyed by
-    #: their caller; see ``kept``
+    #: kernel launches and call plans kept for this workspace's life (``kernels.launch.Bound``),
+    #: keyed by their caller; see ``kept``
     launches: dict = dataclasses.field(default_factory=dict, repr=False)
     #: copy-engine calls replayed as CUDA graphs (``ce_graphs.py``): key -> graph, and the keys of
     #: calls seen once; the graphs hold this workspace's addresses and go with it
     graphs: dict = dataclasses.field(default_factory=dict, repr=False)
     graphs_seen: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: The stream of the last call (``order``), and once calls came from more than one stream, an
+    #: event recorded after each call's work
+    last_stream: object = dataclasses.field(default=None, repr=False)
+    last_event: object = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.err is None:
+            self.err = error_word()
+
+    def order(self, stream) -> bool:
+        """Put a call on ``stream`` after the workspace's previous call: calls are paired across
+        ranks by their epochs, taken in host order, so on the device each must also start after the
+        one before it (the serialisation NCCL gets from one internal stream per group). A call on
+        the stream of the last call is ordered already and costs nothing here; a call on another
+        stream waits for the event recorded after the last call (or, the first time, for that
+        stream's queue). Returns whether the caller must record ``last_event`` after its work."""
+        last = self.last_stream
+        if last is not None and last != stream:
+            if self.last_event is None:
+                stream.wait_stream(last)
+                self.last_event = torch.cuda.Event()
+            else:
+                stream.wait_event(self.last_event)
+        self.last_stream = stream
+        return self.last_event is not None
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
-    # refuse the in-place writes (``_restart_epochs``) of a later call outside it.
+    # refuse the in-place writes (``restart_epochs``) of a later call outside it.
     @functools.cached_property
     def flags(self) -> torch.Tensor:
         with torch.inference_mode(False):
@@ -133,6 +161,10 @@ class Workspace:
         with torch.inference_mode(False):
             return self.buffer[HEADER_BYTES - 16:HEADER_BYTES - 12].view(torch.int32)
 
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
     def kept(self, key, make):
         """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept (a
         plan per row count: dynamic shapes would otherwise grow this without bound)."""
@@ -144,22 +176,24 @@ class Workspace:
             self.launches[key] = value
         return value
 
-    def next_epoch(self) -> tuple[int, int]:
-        """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half."""
+    def next_epoch(self, restart=None) -> tuple[int, int]:
+        """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half.
+        Near ``EPOCH_LIMIT`` every rank (at the same call count) calls ``restart()`` first."""
         if self.broken:
             raise RuntimeError(self.broken)
         if self.epoch >= EPOCH_LIMIT:
-            self._restart_epochs()
+            (restart or self.restart_epochs)()
         self.epoch += 1
         return self.epoch, self.epoch % 2
 
-    def _restart_epochs(self) -> None:
+    def restart_epochs(self, group=None) -> None:
         """Collective (every rank reaches the same call count): zero the flags, the tile flags
         (the heap bases between them stay) and the data (no LL word of an old epoch survives),
         count from 0."""
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        if group is None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
 
-        group = _resolve_process_group(self.group_name)
+            group = _resolve_process_group(self.group_name)
         if self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)
         dist.barrier(group=group)  # nobody still reads or signals old epochs
@@ -221,18 +255,17 @@ GRAPH_LOCAL_BYTES = 2048
 _LANE_LOCALS_AT = _LANE_COUNTER_AT - GRAPH_LOCAL_BYTES
 
 
-def graph_data_bytes() -> int:
-    """Per-parity bytes of the graph lane: calls captured in CUDA graphs up to this size use it
-    (``COMMFUSE_GRAPH_BYTES``, default 4 MiB: bf16 decode batches of 128 at hidden size 16384)."""
-    return _round_up(env.integer("COMMFUSE_GRAPH_BYTES", 4 << 20, minimum=1), _ALIGN)
+def graph_lane_capacity() -> tuple[int, int]:
+    """(flag slots, split-K arrival counters) of every graph lane: what a kernel's tiling must fit."""
+    return _LANE_LOCALS_AT // 8, (_LANE_COUNTER_AT - _LANE_LOCALS_AT - 16) // 4
 
 
 @dataclasses.dataclass
 class GraphLane:
     """A fixed-size symmetric buffer ``[int64 flags | split-K words | epoch counters | heap bases]
-    [data parity 0][data parity 1]``: ``counter`` holds the lane's epoch per program. Kernels read the epoch from ``counter`` and advance
-    it themselves, so the same launch can be captured once and replayed any number of times. It is
-    never grown or freed while the process runs: captured graphs hold its addresses."""
+    [data parity 0][data parity 1]``: ``counter`` holds the lane's epoch per program. Kernels read
+    the epoch from ``counter`` and advance it themselves, so the same launch can be captured once
+    and replayed any number of times. It is never grown: captured graphs hold its addresses."""
 
     group_name: str
     rank: int
@@ -241,7 +274,13 @@ class GraphLane:
     heap_bases: torch.Tensor
     data_bytes: int
     max_programs: int
+    err: torch.Tensor | None = None
+    timeout_ns: int = 600 * 10**9
     _keepalive: object = None
+
+    def __post_init__(self) -> None:
+        if self.err is None:
+            self.err = error_word()
 
     @property
     def flags(self) -> torch.Tensor:
@@ -263,6 +302,10 @@ class GraphLane:
         """int64 [GRAPH_SLOTS]: this rank's epoch per program (only this rank reads or writes it)."""
         return self.buffer[_LANE_COUNTER_AT:GRAPH_FLAG_BYTES - BASES_BYTES].view(torch.int64)
 
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
     def data(self, dtype: torch.dtype) -> torch.Tensor:
         """Both parities, as one flat tensor of ``dtype`` (parity p starts at p * half_elems)."""
         return self.buffer[GRAPH_FLAG_BYTES:].view(dtype)
@@ -271,56 +314,9 @@ class GraphLane:
         return self.data_bytes // dtype.itemsize
 
 
-_workspaces: dict[tuple[str, str], Workspace] = {}
-_lanes: dict[tuple[str, str], GraphLane] = {}
-_planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
-_lock = threading.Lock()
-
-
-def plan(group_name: str, data_bytes: int) -> None:
-    """Record that a compiled graph will need ``data_bytes`` per parity on ``group_name``, so the
-    first allocation serves every fused op of the graph (the graph pass calls this)."""
-    with _lock:
-        _planned[group_name] = max(_planned.get(group_name, 0), int(data_bytes))
-
-
-def _allocate_torch(group_name: str, nbytes: int, device: torch.device):
-    import torch.distributed._symmetric_memory as symm_mem
-
-    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(buf, group_name)
-    return buf, list(handle.buffer_ptrs), handle
-
-
-_iris_ctx = None
-
-
-def iris_context():
-    """The process's Iris heap (collective on first use): ``COMMFUSE_IRIS_HEAP_BYTES``, default 4 GiB."""
-    global _iris_ctx
-    if _iris_ctx is None:
-        import iris
-
-        heap = env.integer("COMMFUSE_IRIS_HEAP_BYTES", 4 << 30, minimum=1)
-        _iris_ctx = iris.iris(heap, allocator_type="vmem_chunked")
-    return _iris_ctx
-
-
-def _allocate_iris(group_name: str, nbytes: int, device: torch.device):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
-    if group.size() != dist.get_world_size():
-        raise RuntimeError("commfuse: the Iris provider supports only the WORLD group; use the torch provider")
-    ctx = iris_context()
-    buf = ctx.zeros(nbytes, dtype=torch.uint8)
-    return buf, [int(x) for x in ctx.get_heap_bases().tolist()], ctx
-
-
-def _header(buf: torch.Tensor, header_bytes: int, ptrs: list[int], bases_end: int) -> torch.Tensor:
+def header(buf: torch.Tensor, header_bytes: int, ptrs: list[int], bases_end: int) -> torch.Tensor:
     """Zero a buffer's header (flags, counters) and write the heap bases in the BASES_BYTES before
-    ``bases_end``; returns them as an int64 view of the buffer (no allocation: see the module
-    docstring)."""
+    ``bases_end``; returns them as an int64 view of the buffer (no allocation: module docstring)."""
     if 8 * len(ptrs) > BASES_BYTES:
         raise RuntimeError(f"commfuse: groups of more than {BASES_BYTES // 8} ranks are not supported")
     buf[:header_bytes].zero_()
@@ -329,18 +325,29 @@ def _header(buf: torch.Tensor, header_bytes: int, ptrs: list[int], bases_end: in
     return bases
 
 
-def workspace(group_name: str, data_bytes: int, device: torch.device) -> Workspace:
-    """The group's workspace with at least ``data_bytes`` per parity. Collective when it allocates."""
-    key = (group_name, provider_name())
-    with _lock:
-        ws = _workspaces.get(key)
-        if ws is not None and ws.data_bytes >= data_bytes:
-            return ws
-        broken = _broken or (ws.broken if ws is not None else None)
-        if broken:  # no collective allocation (nor a fresh workspace) from a rank that may be out of step
-            raise RuntimeError(broken)
-        outside_graph_pools(device, _allocate, key, data_bytes, device, ws)
-        return _workspaces[key]
+def allocate_torch(group, nbytes: int, device: torch.device):
+    """A symmetric buffer from torch symmetric memory (collective): (buffer, heap bases, handle)."""
+    import torch.distributed._symmetric_memory as symm_mem  # (only where a GPU path runs)
+
+    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    return buf, list(handle.buffer_ptrs), handle
+
+
+_iris_ctx = None
+
+
+def allocate_iris(group, nbytes: int, device: torch.device, heap_bytes: int):
+    """A buffer on the process's Iris heap (made collectively on first use, ``heap_bytes``)."""
+    global _iris_ctx
+    if group.size() != dist.get_world_size():
+        raise RuntimeError("commfuse: the Iris provider supports only the WORLD group; use the torch provider")
+    if _iris_ctx is None:
+        import iris  # an optional provider: kept out of ``import commfuse``
+
+        _iris_ctx = iris.iris(heap_bytes, allocator_type="vmem_chunked")
+    buf = _iris_ctx.zeros(nbytes, dtype=torch.uint8)
+    return buf, [int(x) for x in _iris_ctx.get_heap_bases().tolist()], _iris_ctx
 
 
 def outside_graph_pools(device: torch.device, fn, *args) -> None:
@@ -363,124 +370,3 @@ def outside_graph_pools(device: torch.device, fn, *args) -> None:
     thread.join()
     if failure:
         raise failure[0]
-
-
-def _allocate(key: tuple[str, str], data_bytes: int, device: torch.device, ws: Workspace | None) -> None:
-    """Collective: a (larger) workspace for ``key``, and the group's graph lane on first use."""
-    group_name = key[0]
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
-    size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group_name, 0),
-               0 if ws is None else 2 * ws.data_bytes)
-    # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest
-    # size, and on the smallest SM count so every rank launches the same grids.
-    # The graph lane's size too (``COMMFUSE_GRAPH_BYTES``, read per rank): its parity halves must
-    # start at the same offset on every rank, or a staged peer read lands in the wrong bytes.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    lane_bytes = _lanes[key].data_bytes if key in _lanes else graph_data_bytes()
-    agreed = torch.tensor([size, -sms, lane_bytes, -lane_bytes], dtype=torch.int64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    size, sms = _round_up(int(agreed[0]), _ALIGN), -int(agreed[1])
-    if int(agreed[2]) != -int(agreed[3]):
-        raise ValueError(
-            f"commfuse: COMMFUSE_GRAPH_BYTES differs between the ranks of group {group_name!r} "
-            f"({-int(agreed[3])} to {int(agreed[2])} bytes after rounding; this rank: {lane_bytes}); "
-            "set it alike on every rank")
-    if ws is not None:  # every rank must be done with the old buffer before anyone frees it
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
-    alloc = _allocate_iris if key[1] == "iris" else _allocate_torch
-    log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
-             (HEADER_BYTES + 2 * size) >> 20, group_name, key[1])
-    buf, ptrs, handle = alloc(group_name, HEADER_BYTES + 2 * size, device)
-    bases = _header(buf, HEADER_BYTES, ptrs, FLAG_BYTES)
-    buf[HEADER_BYTES:].zero_()  # no stale bytes can pass for a split-K LL word (fused_split_k.py)
-    if key not in _lanes:  # with the first workspace, so it exists before any capture
-        lbuf, lptrs, lhandle = alloc(group_name, GRAPH_FLAG_BYTES + 2 * lane_bytes, device)
-        _lanes[key] = GraphLane(group_name, group.rank(), group.size(), lbuf,
-                                _header(lbuf, GRAPH_FLAG_BYTES, lptrs, GRAPH_FLAG_BYTES), lane_bytes,
-                                min(sms, GRAPH_SLOTS), _keepalive=lhandle)
-    torch.cuda.synchronize(device)
-    dist.barrier(group=group)  # no peer may signal before every rank zeroed its flags
-    ws = Workspace(group_name, group.rank(), group.size(), buf, bases, size, max_programs=sms,
-                   _keepalive=handle)
-    _workspaces[key] = ws
-
-
-def graph_lane(group_name: str) -> GraphLane | None:
-    """The group's graph lane, or None before the group's first symmetric call allocated it.
-    Raises once a graph-lane call timed out (``fail_lanes``)."""
-    if _lane_failure:
-        raise RuntimeError(
-            f"commfuse: the graph lanes are out of step after an earlier failure ({_lane_failure}). "
-            "Call commfuse.kernels.symm.release_all() on every rank and capture the graphs again.")
-    return _lanes.get((group_name, provider_name()))
-
-
-_replayed: set[tuple[str, str]] = set()
-_lane_failure: str | None = None
-
-
-def mark_replayed(group_name: str) -> None:
-    """A CUDA-graph capture launched the group's lane: its replays will keep using it."""
-    _replayed.add((group_name, provider_name()))
-
-
-def replayed_lane_bytes(group_name: str) -> int:
-    """The lane's per-parity bytes once captured graphs use it, else 0. Eager calls that fit then
-    take the lane too: a rank whose graph tree re-warms (eager) must meet a peer that replays."""
-    key = (group_name, provider_name())
-    lane = _lanes.get(key)
-    return lane.data_bytes if lane is not None and key in _replayed else 0
-
-
-def mark_all_broken(reason: str) -> None:
-    """A wait timed out: every workspace of this process refuses further calls with ``reason``,
-    and so does any made later (a regrown one, another group's first) until ``release_all``."""
-    global _broken
-    with _lock:
-        _broken = reason
-        for ws in _workspaces.values():
-            ws.broken = reason
-
-
-_broken: str | None = None
-
-
-#: Calls (op, group, shapes) that a CUDA-graph capture of this process sent to NCCL.
-_captured_nccl: set[tuple] = set()
-
-
-def captured_to_nccl(op: str, group_name: str, key: tuple, capturing: bool) -> bool:
-    """Inside a capture, calls the graph lane cannot take run NCCL. A rank whose graph tree
-    re-warms (eager) while its peer replays must meet those NCCL collectives, so once this process
-    captured a call to NCCL, eager calls of the same op, group and shapes (``key``) run NCCL too,
-    with nothing before them (no size agreement: the replay has none). Ranks capture alike, so
-    every rank decides alike."""
-    return not capturing and (op, group_name, key) in _captured_nccl
-
-
-def record_capture(op: str, group_name: str, key: tuple, algo: str, capturing: bool) -> None:
-    """A call inside a capture that runs NCCL (``algo``): its eager twins will too."""
-    if capturing and algo == "nccl":
-        _captured_nccl.add((op, group_name, key))
-
-
-def fail_lanes(reason: str) -> None:
-    """A graph-lane wait timed out: the ranks' device-side epochs now differ, for good."""
-    global _lane_failure
-    _lane_failure = reason
-
-
-def release_all() -> None:
-    """Drop every workspace and graph lane (tests, teardown). Not collective; call on every rank
-    together, and never replay a CUDA graph captured before (it holds the lanes' addresses)."""
-    global _lane_failure, _broken
-    with _lock:
-        _workspaces.clear()
-        _lanes.clear()
-        _replayed.clear()
-        _captured_nccl.clear()
-        _lane_failure = None
-        _broken = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import symm
+from ..runtime import workspace as symm
 
 
 class _Views:
@@ -26,13 +26,16 @@ class _Views:
         return self.bufs[peer][start:start + nbytes].view(dtype).view(sizes)
 
 
-def group(world: int, data_bytes: int, device: torch.device | str = "cuda") -> list[symm.Workspace]:
-    """``world`` workspaces of ``data_bytes`` per parity on one device, zeroed, one per rank."""
+def group(world: int, data_bytes: int, device: torch.device | str = "cuda",
+          timeout_s: float = 600.0) -> list[symm.Workspace]:
+    """``world`` workspaces of ``data_bytes`` per parity on one device, zeroed, one per rank (one
+    error word for all of them: the group's)."""
     device = torch.device(device)
     programs = torch.cuda.get_device_properties(device).multi_processor_count // world
     bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8, device=device)
             for _ in range(world)]
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
     views = _Views(bufs)
+    err = symm.error_word()
     return [symm.Workspace(f"one-device-{world}", r, world, bufs[r], bases, data_bytes, max_programs=programs,
-                           _keepalive=views) for r in range(world)]
+                           err=err, timeout_ns=int(timeout_s * 1e9), _keepalive=views) for r in range(world)]

@@ -1,10 +1,9 @@
 """The copy-engine all-reduce replayed as a CUDA graph: two host operations per call instead of ~40.
 
-Inside a model a copy-engine call costs its host more than its GPU time: a GEMM, an event, a
-barrier, a peer copy and an add per chunk, ~40 launches that held a slow host 1.3 ms for 0.7 ms
-of GPU work, and the model steps whose hosts were slow hid the least communication (``NOTES.md``
-§30-33). A model's steps allocate alike, so a call usually finds its operands, output and scratch
-at the addresses an earlier call of the same shape had. Such a call replays that call's graph:
+Inside a model a copy-engine call can cost its host more than its GPU time: a GEMM, an event, a
+barrier, a peer copy and an add per chunk, about 40 launches, and model steps whose hosts fall
+behind hide the least communication. A model's steps allocate alike, so a call usually finds its
+operands, output and scratch at the addresses an earlier call of the same shape had. Such a call replays that call's graph:
 the host fills the call's epoch into the workspace's epoch cell (one fill) and launches the graph
 (one launch). The barriers and the one-shot tail read the epoch from the cell (``DEVICE_EPOCH``),
 so one graph serves every later call at those addresses; one graph per parity, whose data half it
@@ -26,10 +25,13 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
 from .. import env
-from ..report import log
-from . import symm
-from .sync import timeout_ns
+from . import groups
+from .workspace import outside_graph_pools
+
+log = logging.getLogger("commfuse")
 
 #: Graphs a workspace keeps, and keys it remembers seeing once (each least recently used dropped
 #: first): a model has a few copy-engine call sites, each with a graph per parity, and dynamic
@@ -46,7 +48,7 @@ _streams: dict[int, tuple] = {}
 
 
 def enabled() -> bool:
-    return not _disabled and env.flag("COMMFUSE_CE_GRAPHS", True)
+    return not _disabled and env.current().ce_graphs
 
 
 def _signature(t: torch.Tensor | None):
@@ -61,10 +63,10 @@ def gemm_settings() -> tuple:
             matmul.allow_fp16_reduced_precision_reduction, str(torch.backends.cuda.preferred_blas_library()))
 
 
-def key(parity: int, tensors: tuple, setting: tuple) -> tuple:
+def key(ws, parity: int, tensors: tuple, setting: tuple) -> tuple:
     """A call's key: its parity (the data half), every tensor it reads or writes outside the
     workspace, the settings its launches bake in (with the wait bound) and cuBLAS's."""
-    return (parity, setting, timeout_ns(), gemm_settings(), tuple(_signature(t) for t in tensors))
+    return (parity, setting, ws.timeout_ns, gemm_settings(), tuple(_signature(t) for t in tensors))
 
 
 def _capture_streams(device: int) -> tuple:
@@ -114,7 +116,7 @@ def _capture(body, device: int):
         if failure is not None:
             raise failure
 
-    symm.outside_graph_pools(torch.device("cuda", device), capture)
+    outside_graph_pools(torch.device("cuda", device), capture)
     return graph
 
 
@@ -129,7 +131,7 @@ def _still_capturing(device: int) -> bool:
 def _give_up(exc: BaseException, device: int, ws) -> None:
     """Graphs off for the process after a failed capture, every workspace's dropped."""
     _disabled.append(f"{type(exc).__name__}: {exc}")
-    for each in [ws, *symm._workspaces.values()]:
+    for each in [ws, *(g.workspace for g in groups.all_groups() if g.workspace is not None)]:
         each.graphs.clear()
         each.graphs_seen.clear()
     if _still_capturing(device):

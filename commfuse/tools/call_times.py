@@ -33,10 +33,24 @@ _pending: list = []  # (key, start event, end event, stream idle at entry, host 
 _dropped = 0  # calls past LIMIT, not timed
 
 
+_originals: dict[str, Callable] = {}
+
+
 def record(on: bool) -> None:
-    """Start (``True``) or stop timing the calls; recorded times stay until ``collect()``."""
+    """Start (``True``) or stop timing the calls; recorded times stay until ``collect()``. The
+    run-time's entry points (``runtime/entry.py``) are wrapped while on, and restored after: the
+    run-time itself knows nothing of this timing."""
     global _on
+    from ..runtime import entry  # (a tool: brings the run-time only when timing starts)
+    from ..runtime.paths.common import PATHS
+
     _on = on
+    for op in ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"):
+        if on and op not in _originals:
+            _originals[op] = getattr(entry, op)
+            setattr(entry, op, timed(op, PATHS)(_originals[op]))
+        elif not on and op in _originals:
+            setattr(entry, op, _originals.pop(op))
 
 
 def _event():
@@ -66,7 +80,7 @@ def _timeable(a: torch.Tensor) -> bool:
 def timed(op: str, paths: collections.Counter) -> Callable:
     """Decorator for an op's CUDA entry ``fn(a, b, ...)`` (further arguments pass through): while
     recording, time each call on the caller's stream. ``paths`` is the per-path call counter the
-    entry increments (``cuda_paths.PATHS``): the path whose count went up names the call's path."""
+    entry increments (``runtime.paths.common.PATHS``): the path whose count went up names the call's path."""
     def wrap(fn):
         @functools.wraps(fn)
         def call(a, b, *args, **kwargs):

@@ -1,11 +1,19 @@
-"""The ``torch.ops.commfuse`` operator library.
+"""The ``torch.ops.commfuse`` operator library: schemas, fake implementations, argument checks.
 
 Compiled graphs call these ops by name, so importing this module (which any import of ``commfuse``
 does) must happen before cached compiled code runs. Each op takes its process group as a ``str
 group_name`` resolved at run time, never a hard-coded WORLD. The fake implementations state exact
 shapes, dtypes and (contiguous) strides. The real ones validate their arguments, then run the
-unfused reference (``reference.py``) on any device, or on CUDA the symmetric-memory paths of
-``cuda_paths.py`` where ``dispatch.py`` chooses them.
+unfused computation (``runtime/reference.py``) on any device, or on CUDA the run-time's entry
+(``runtime/entry.py``), which picks a path.
+
+Each op's unfused equivalent::
+
+    mm_all_reduce(a, b, bias, g)          == all_reduce(a @ b + bias, "sum", g)
+    all_gather_mm(x, b, bias, d, W, g, r) == (cat(all_gather(x, g), dim=d).flatten(0, -2) @ b + bias,
+                                              the gathered x if r else empty)
+    mm_reduce_scatter(a, b, bias, shape, d, W, g)
+                                          == reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)
 """
 
 from __future__ import annotations
@@ -16,12 +24,32 @@ import math
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import reference, verify
+from ..runtime import reference
 
 #: Real (non-fake) invocations per op since import; tests use it to prove compiled code calls us.
 CALL_COUNTS: collections.Counter[str] = collections.Counter()
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Signatures whose arguments were checked already (a call's checks depend on nothing else): a
+#: repeated call skips them. Cleared when full.
+_checked: set[tuple] = set()
+CHECKED_LIMIT = 4096
+
+
+def _signature(op: str, *args) -> tuple:
+    """What a call's checks read: shapes, dtypes, and the other arguments."""
+    return (op, *(None if x is None else (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else
+                  tuple(x) if isinstance(x, list) else x for x in args))
+
+
+def _once(key: tuple, check) -> None:
+    if key in _checked:
+        return
+    check()
+    if len(_checked) >= CHECKED_LIMIT:
+        _checked.clear()
+    _checked.add(key)
 
 
 def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -57,22 +85,27 @@ def mm_all_reduce(
     replaces (DTensor pre-divides a row-parallel bias by the world size for this reason).
     """
     _validate_mm_all_reduce(a, b, bias, group_name)
-    return reference.mm_all_reduce(a, b, bias, group_name)
+    return _entry().reference_call("mm_all_reduce", group_name, (a, b, bias),
+                                   lambda: reference.mm_all_reduce(a, b, bias, group_name))
 
 
 @mm_all_reduce.register_kernel("cuda")
 def _(a, b, bias, group_name):
-    from . import cuda_paths
-
     _validate_mm_all_reduce(a, b, bias, group_name)
-    return cuda_paths.mm_all_reduce(a, b, bias, group_name)
+    return _entry().mm_all_reduce(a, b, bias, group_name)
+
+
+def _entry():
+    """The run-time's entry, imported on the first CUDA call: it brings Triton and Iris, which
+    ``import commfuse`` (and every CPU-only use) does without."""
+    from ..runtime import entry
+
+    return entry
 
 
 def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
-    _check_matmul_args("mm_all_reduce", a, b, bias)
-    _group_size("mm_all_reduce", group_name)
-    # what every rank shares (K may differ: an unevenly sharded dimension, ``shards.py``)
-    verify.same_call("mm_all_reduce", group_name, rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias)
+    _once(_signature("mm_all_reduce", a, b, bias, group_name), lambda: (
+        _check_matmul_args("mm_all_reduce", a, b, bias), _group_size("mm_all_reduce", group_name)))
     CALL_COUNTS["mm_all_reduce"] += 1
 
 
@@ -113,17 +146,17 @@ def all_gather_mm(
     otherwise an empty tensor.
     """
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
-    out, gathered = reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
+    out, gathered = _entry().reference_call(
+        "all_gather_mm", group_name, (shard, b, bias, gather_dim),
+        lambda: reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name), world_size)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
 @all_gather_mm.register_kernel("cuda")
 def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
-    from . import cuda_paths
-
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
-    out, gathered = cuda_paths.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name,
-                                             return_gathered=return_gathered)
+    out, gathered = _entry().all_gather_mm(shard, b, bias, gather_dim, world_size, group_name,
+                                           return_gathered=return_gathered)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
@@ -137,13 +170,13 @@ def _check_world(op: str, group_name: str, world_size: int) -> None:
 
 
 def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) -> None:
-    _check_gather_args(shard, b, gather_dim, world_size)
-    _check_world("all_gather_mm", group_name, world_size)
-    _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias,
-                       math.prod(_gathered_shape(shard, gather_dim, world_size)[:-1]))
-    # N may differ between ranks (``shards.py``): the bias's rank and dtype only
-    verify.same_call("all_gather_mm", group_name, shard=shard, k=b.shape[0], dtype=b.dtype,
-                     bias=None if bias is None else f"{bias.dtype} {bias.dim()}-D", gather_dim=gather_dim)
+    def check():
+        _check_gather_args(shard, b, gather_dim, world_size)
+        _check_world("all_gather_mm", group_name, world_size)
+        _check_matmul_args("all_gather_mm", shard.reshape(-1, shard.shape[-1]), b, bias,
+                           math.prod(_gathered_shape(shard, gather_dim, world_size)[:-1]))
+
+    _once(_signature("all_gather_mm", shard, b, bias, gather_dim, world_size, group_name), check)
     CALL_COUNTS["all_gather_mm"] += 1
 
 
@@ -195,23 +228,24 @@ def mm_reduce_scatter(
     ``group_name`` and split along ``scatter_dim``: rank r returns share r of the sum (``shape``
     with that dim divided by the world size), as the ``mm -> reduce_scatter`` it replaces did."""
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    return reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return _entry().reference_call(
+        "mm_reduce_scatter", group_name, (a, b, bias, shape, scatter_dim),
+        lambda: reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name), world_size)
 
 
 @mm_reduce_scatter.register_kernel("cuda")
 def _(a, b, bias, shape, scatter_dim, world_size, group_name):
-    from . import cuda_paths
-
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    return cuda_paths.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return _entry().mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
 
 
 def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name) -> None:
-    _check_matmul_args("mm_reduce_scatter", a, b, bias)
-    _check_scatter_args(a, b, shape, scatter_dim, world_size)
-    _check_world("mm_reduce_scatter", group_name, world_size)
-    verify.same_call("mm_reduce_scatter", group_name, rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias,
-                     shape=list(shape), scatter_dim=scatter_dim)
+    def check():
+        _check_matmul_args("mm_reduce_scatter", a, b, bias)
+        _check_scatter_args(a, b, shape, scatter_dim, world_size)
+        _check_world("mm_reduce_scatter", group_name, world_size)
+
+    _once(_signature("mm_reduce_scatter", a, b, bias, shape, scatter_dim, world_size, group_name), check)
     CALL_COUNTS["mm_reduce_scatter"] += 1
 
 

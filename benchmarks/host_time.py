@@ -1,0 +1,159 @@
+"""Host time of one commfuse call per op and path, beside the unfused calls as Inductor's generated
+code makes them, on one GPU (a group of one rank, each path forced past the policy).
+
+    python benchmarks/host_time.py --out host.json [--batches 30]
+
+Every case runs in turn in each batch behind a GPU sleep, so the host's work is what is timed
+(the GPU never waits for the host) and each call meets caches the other cases used, as inside a
+model step. The unfused baselines call ``aten.mm``, then ``_c10d_functional.all_reduce_`` (or
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``) and ``wait_tensor`` directly, as Inductor's
+generated code does. Each fused case is checked against fp32 first.
+
+The script runs against whichever commfuse is importable (``PYTHONPATH``): the tree before the
+path objects (``commfuse.kernels.dispatch``) or after (``commfuse.runtime``), so one device call
+can time both in alternating processes (``--label``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+#: (op, path, M, K, N, weight layout): the DTensor model's row-parallel calls at 8B-class sizes and
+#: the other ops' standard shapes; "T": the weight a transposed view (nn.Linear's), "N": dense.
+CASES = [
+    ("mm_all_reduce", "fused", 8192, 2048, 4096, "T"), ("mm_all_reduce", "ce_overlap", 8192, 7168, 4096, "T"),
+    ("mm_all_reduce", "one_shot", 2048, 2048, 4096, "T"), ("mm_all_reduce", "two_shot", 2048, 2048, 4096, "T"),
+    ("mm_all_reduce", "split_k", 32, 2048, 4096, "T"), ("mm_all_reduce", "nccl", 8192, 2048, 4096, "T"),
+    ("all_gather_mm", "symm", 2048, 2048, 2048, "T"), ("all_gather_mm", "overlap", 4096, 4096, 4096, "T"),
+    ("all_gather_mm", "fused", 2048, 2048, 2048, "T"), ("all_gather_mm", "nccl", 2048, 2048, 2048, "T"),
+    ("mm_reduce_scatter", "symm", 2048, 2048, 2048, "T"), ("mm_reduce_scatter", "ce_overlap", 4096, 4096, 4096, "T"),
+    ("mm_reduce_scatter", "fused", 2048, 2048, 2048, "T"), ("mm_reduce_scatter", "nccl", 2048, 2048, 2048, "T"),
+]
+UNFUSED = [("mm_all_reduce", 8192, 2048, 4096), ("mm_all_reduce", 32, 2048, 4096),
+           ("all_gather_mm", 2048, 2048, 2048), ("mm_reduce_scatter", 2048, 2048, 2048)]
+
+
+def _force_old(forced: dict) -> str:
+    """Before the path objects: replace the dispatch functions (this process only)."""
+    from commfuse.kernels import dispatch
+
+    for op in ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"):
+        real = getattr(dispatch, op)
+        setattr(dispatch, op, lambda *a, _op=op, _real=real, **k: forced.get(_op) or _real(*a, **k))
+    return "old"
+
+
+def _force_new(forced: dict) -> str:
+    """After: replace the policy's choice (a group of one rank runs NCCL otherwise)."""
+    from commfuse.runtime import entry, policy
+    from commfuse.runtime.paths import REGISTRY
+
+    real = policy.choose
+
+    def choose(call, facts, **kw):
+        name = forced.get(call.op)
+        if not name:
+            return real(call, facts, **kw)
+        path = REGISTRY[(call.op, name)]
+        variant = {"split_k": True} if name == "graph" and call.m <= 128 else None
+        return policy.Decision(path, variant, "forced")
+
+    policy.choose = choose
+    entry.forget()
+    return "new"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--sleep-ms", type=float, default=60.0)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("host_time: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    import commfuse  # noqa: F401
+
+    forced: dict = {}
+    tree = _force_new(forced) if hasattr(commfuse, "release_all") else _force_old(forced)
+    group = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+    ops = torch.ops.commfuse
+    torch.manual_seed(0)
+
+    def operands(op, m, k, n, layout):
+        dt = torch.bfloat16
+        a = torch.randn(m, k, device="cuda", dtype=dt)
+        w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+        b = w.t() if layout == "T" else w.t().contiguous()
+        return a, b
+
+    def fused(op, path, a, b):
+        forced.clear()
+        forced[op] = path
+        if op == "mm_all_reduce":
+            return ops.mm_all_reduce.default(a, b, None, group)
+        if op == "all_gather_mm":
+            return ops.all_gather_mm.default(a, b, None, 0, 1, group, False)[0]
+        return ops.mm_reduce_scatter.default(a, b, None, [a.shape[0], b.shape[1]], 0, 1, group)
+
+    def unfused(op, a, b):
+        if op == "mm_all_reduce":
+            return c10d.wait_tensor(c10d.all_reduce_(torch.ops.aten.mm(a, b), "sum", group))
+        if op == "all_gather_mm":
+            return torch.ops.aten.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(a, 1, group)), b)
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.ops.aten.mm(a, b), "sum", 1, group))
+
+    cases = []
+    for op, path, m, k, n, layout in CASES:
+        a, b = operands(op, m, k, n, layout)
+        cases.append((f"{op} {path} {m}x{k}x{n}", lambda op=op, path=path, a=a, b=b: fused(op, path, a, b), a, b))
+    for op, m, k, n in UNFUSED:
+        a, b = operands(op, m, k, n, "T")
+        cases.append((f"{op} unfused (aten + c10d) {m}x{k}x{n}", lambda op=op, a=a, b=b: unfused(op, a, b), a, b))
+    for name, fn, a, b in cases:  # compile, allocate, first launches; then a check against fp32
+        for _ in range(3):
+            fn()
+        out = fn().float()
+        ref = a.float() @ b.float()
+        err = ((out - ref).norm() / ref.norm()).item()
+        if not err < 2e-2:
+            raise RuntimeError(f"host_time: {name} is wrong (relative error {err})")
+    torch.cuda.synchronize()
+    cycles = int(args.sleep_ms * (getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000))
+    host = {name: [] for name, *_ in cases}
+    for _ in range(args.batches):
+        torch.cuda._sleep(cycles)
+        for name, fn, _, _ in cases:
+            start = time.perf_counter()
+            fn()
+            host[name].append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    medians = {name: statistics.median(t) for name, t in host.items()}
+    print(f"host us per call, {tree} tree {args.label} (median of {args.batches} batches, one rank, GPU kept busy):")
+    for name, us in medians.items():
+        print(f"  {name:52s} {us:8.1f}  (min {min(host[name]):.1f})", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"tree": tree, "label": args.label, "batches": args.batches, "median_us": medians,
+                       "min_us": {k: min(v) for k, v in host.items()}, "device": torch.cuda.get_device_name(0),
+                       "torch": torch.__version__}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

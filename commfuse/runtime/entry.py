@@ -1,0 +1,238 @@
+"""Where a ``torch.ops.commfuse`` call enters the run-time: its group, its checks, its path.
+
+For every call, in order:
+
+1. the group's state (``groups.get``: a re-created group under an old name starts afresh) and
+   any timeout its kernels reported since the last call (``errors.check``);
+2. the eager twin of a call a CUDA-graph capture sent to NCCL runs NCCL, with nothing before it
+   (a rank re-warming its graphs meets its peer's replays, which hold no agreement);
+3. with ``COMMFUSE_VERIFY``, every rank checks it makes the same call (``verify.py``);
+4. the call's plan, decided once per signature and kept (``Plan``): the group's agreed facts
+   (a collective on its first call), whether every rank has the same rank-local size
+   (``shards.py``), the path (``policy.py``) and its configuration;
+5. the path runs.
+
+A plan is kept per (op, shapes, dtype, group, device, capture state) and dropped whenever what it
+was decided from changes (``groups.generation``: facts agreed, a capture recorded, a group
+re-created, settings changed), so a call whose signature repeats pays a dictionary lookup for
+its decisions, not their work.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+
+from .. import env
+from ..kernels import launch
+from . import errors, groups, policy, reference, shards, tuning, verify
+from .facts import GroupFacts
+from .paths import REGISTRY
+from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, row_slabs,
+                         rows_dim)
+from .paths.common import PATHS, ran
+
+#: Plans kept (one per call signature); all dropped when full, as dynamic shapes make new ones.
+PLAN_LIMIT = 1024
+#: The latest decision per (op, call signature, group), newest last, for the report.
+DECISION_LIMIT = 1024
+
+
+@dataclasses.dataclass
+class Plan:
+    call: Call
+    decision: policy.Decision
+    context: Context
+    generation: int
+
+
+_plans: dict[tuple, Plan] = {}
+decisions: collections.OrderedDict = collections.OrderedDict()
+
+
+def forget() -> None:
+    """Drop every kept plan and tuner (the settings changed, or tests)."""
+    _plans.clear()
+    tuning.forget()
+    groups.bump()
+    launch.configure(env.current().fast_launch)
+
+
+env.on_change(forget)
+launch.configure(env.current().fast_launch)
+
+
+_CUDA = torch.cuda.is_available()
+
+
+def _capturing() -> bool:
+    return _CUDA and torch.cuda.is_current_stream_capturing()
+
+
+def _plan(group, op: str, call: Call, own_size: int, device: torch.device, capturing: bool) -> Plan:
+    facts = groups.group_facts(group, device, capturing)
+    if facts is None:  # a group's first call inside a capture: nothing can be agreed there
+        facts = GroupFacts(group.world, "unknown", "unknown", 0)
+        decision = policy.Decision(REGISTRY[(op, "nccl")], None, "capture",
+                                   "the group's first call is inside a CUDA-graph capture")
+    elif group.world > 1 and facts.unsupported() is None and not shards.alike(
+            group, op, own_size, device, capturing, verify.enabled()):
+        decision = policy.Decision(REGISTRY[(op, "nccl")], None, "unsupported",
+                                   "the ranks' own sizes differ (an unevenly sharded dimension)")
+    else:
+        settings = env.current()
+        decision = policy.choose(call, facts, capturing=capturing, lane_bytes=groups.replayed_lane_bytes(group),
+                                 forced=settings.algo,
+                                 tuned=lambda: tuning.answer(group, call, facts, device, capturing))
+    path = decision.path
+    config = path.config(call, facts, decision.variant) if path.symmetric else None
+    return Plan(call, decision, Context(call, facts, group, config), groups.generation)
+
+
+def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, device: torch.device,
+            capturing: bool) -> Plan:
+    """The kept plan for this signature, or a new one (collectives where it must agree)."""
+    plan = _plans.get(key)
+    if plan is not None and plan.generation == groups.generation:
+        return plan
+    call = call_of()
+    plan = _plan(group, op, call, own_size, device, capturing)
+    groups.record_capture(group, op, shapes, plan.decision.name, capturing)
+    if op not in group.uneven_ops:  # an op whose sizes differ agrees on every call
+        if len(_plans) >= PLAN_LIMIT:
+            _plans.clear()
+        _plans[key] = plan
+    _remember(op, call, group, plan.decision)
+    return plan
+
+
+def _remember(op: str, call: Call, group, decision: policy.Decision) -> None:
+    sig = (call.short(), group.name)
+    decisions.pop(sig, None)
+    if len(decisions) >= DECISION_LIMIT:
+        decisions.popitem(last=False)
+    decisions[sig] = (decision.name, decision.source, decision.reason)
+
+
+def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_size: int = 0
+           ) -> tuple[Any, bool, bool]:
+    """Steps 1-3: (group, capturing, twin: run NCCL with nothing before it). ``shared()``: what of
+    the call every rank shares (not the rank-local size of an unevenly sharded dimension), for
+    ``verify``."""
+    group = groups.get(group_name)
+    if world_size and world_size != group.world:  # a group re-created under its name with other ranks
+        raise RuntimeError(f"commfuse.{op}: the graph's collective spans {world_size} ranks but group "
+                           f"{group_name!r} has {group.world}")
+    if group.err_host[0]:
+        errors.check(group, op)
+    if group.broken:
+        raise RuntimeError(group.broken)
+    capturing = _capturing()
+    if groups.captured_to_nccl(group, op, key, capturing):
+        return group, capturing, True
+    lane = op == "mm_all_reduce" and 0 < lane_bytes <= groups.replayed_lane_bytes(group)
+    if not capturing and not lane:
+        if verify.enabled():
+            verify.same_call(group, op, group.calls, **shared())
+        group.calls += 1
+    return group, capturing, False
+
+
+def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
+    """``all_reduce_sum(a @ b + bias)`` on CUDA (``ops/library.py`` validated the arguments)."""
+    op = "mm_all_reduce"
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    shapes = (tuple(a.shape), tuple(b.shape), a.dtype)
+    group, capturing, twin = _enter(op, group_name, shapes, m * n * a.dtype.itemsize,
+                                    lambda: shared_mm_all_reduce(a, b, bias))
+    args = MmAllReduceArgs(a, b, bias, group_name)
+    if twin:
+        ran(op, "nccl")
+        return reference.mm_all_reduce(a, b, bias, group_name)
+    key = (op, *shapes, bias is not None, group_name, a.device.index, capturing)
+    plan = _decide(group, op, key, shapes, lambda: Call(op, m, k, n, a.dtype, group.world, bias is not None), k,
+                   a.device, capturing)
+    ran(op, plan.decision.name)
+    return plan.decision.path.run(plan.context, args)
+
+
+def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
+                  world_size: int, group_name: str, return_gathered: bool = True):
+    """``(all_gather(shard) @ b + bias, gathered or None)`` on CUDA."""
+    op = "all_gather_mm"
+    k, n = shard.shape[-1], b.shape[1]
+    shapes = (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim)
+    group, capturing, twin = _enter(op, group_name, shapes, 0, lambda: shared_all_gather_mm(shard, b, bias, gather_dim),
+                                    world_size)
+    args = AllGatherMmArgs(shard, b, bias, gather_dim, world_size, group_name, return_gathered)
+    if twin:
+        ran(op, "nccl")
+        return REGISTRY[(op, "nccl")].run(None, args)
+    key = (op, *shapes, bias is not None, group_name, shard.device.index, capturing)
+
+    def call() -> Call:
+        rows = shard.numel() // k * world_size if k else 0
+        dim = rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
+        return Call(op, rows, k, n, shard.dtype, world_size, bias is not None, dim, row_slabs(shard.shape, dim))
+
+    plan = _decide(group, op, key, shapes, call, n, shard.device, capturing)  # N is the rank's own size here
+    ran(op, plan.decision.name)
+    return plan.decision.path.run(plan.context, args)
+
+
+def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list,
+                      scatter_dim: int, world_size: int, group_name: str) -> torch.Tensor:
+    """This rank's share of ``sum(a @ b + bias)`` viewed as ``shape``, on CUDA."""
+    op = "mm_reduce_scatter"
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    shape = reference.resolve_shape(shape, m * n)
+    shapes = (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim)
+    group, capturing, twin = _enter(op, group_name, shapes, 0,
+                                    lambda: shared_mm_reduce_scatter(a, b, bias, shape, scatter_dim), world_size)
+    args = MmReduceScatterArgs(a, b, bias, shape, scatter_dim, world_size, group_name)
+    if twin:
+        ran(op, "nccl")
+        return REGISTRY[(op, "nccl")].run(None, args)
+    key = (op, *shapes, bias is not None, group_name, a.device.index, capturing)
+
+    def call() -> Call:
+        dim = rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
+        return Call(op, m, k, n, a.dtype, world_size, bias is not None, dim, row_slabs(shape, dim))
+
+    plan = _decide(group, op, key, shapes, call, k, a.device, capturing)
+    ran(op, plan.decision.name)
+    return plan.decision.path.run(plan.context, args)
+
+
+def shared_mm_all_reduce(a, b, bias) -> dict:
+    """What every rank shares of the call (K may differ: an unevenly sharded dimension)."""
+    return dict(rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias)
+
+
+def shared_all_gather_mm(shard, b, bias, gather_dim) -> dict:
+    """N may differ between ranks: of the bias, its rank and dtype only."""
+    return dict(shard=shard, k=b.shape[0], dtype=b.dtype, gather_dim=gather_dim,
+                bias=None if bias is None else f"{bias.dtype} {bias.dim()}-D")
+
+
+def shared_mm_reduce_scatter(a, b, bias, shape, scatter_dim) -> dict:
+    return dict(rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias, shape=list(shape), scatter_dim=scatter_dim)
+
+
+_SHARED = {"mm_all_reduce": shared_mm_all_reduce, "all_gather_mm": shared_all_gather_mm,
+           "mm_reduce_scatter": shared_mm_reduce_scatter}
+
+
+def reference_call(op: str, group_name: str, args: tuple, compute, world_size: int = 0):
+    """A call on a device without symmetric paths (the CPU, gloo, the fake backend): the group's
+    call count and ``COMMFUSE_VERIFY`` as on CUDA (``args``: what ``shared_<op>`` takes), then the
+    unfused computation ``compute()``."""
+    _enter(op, group_name, (), 0, lambda: _SHARED[op](*args), world_size)
+    return compute()
+
+
+__all__ = ["PATHS", "Plan", "all_gather_mm", "decisions", "forget", "mm_all_reduce", "mm_reduce_scatter",
+           "reference_call"]

@@ -1,0 +1,296 @@
+"""What the run-time keeps per process group: its agreed facts, workspace, graph lane, error word
+and capture records, tied to the process-group object itself, not only to its name.
+
+torch gives groups names that come back after ``destroy_process_group()`` and a new
+``init_process_group()`` ("0", then counters). State found under a name whose group is now another
+object belongs to the old group (its members, its epochs, its sizes): it is dropped and the new
+group starts afresh, collectively, as every rank re-creates its groups alike. A group that went
+away (its object collected, or its name no longer resolving) loses its state at the next call, and
+its buffers are freed, except graph lanes that captured CUDA graphs may still replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .. import env
+from . import facts as facts_mod
+from .facts import GroupFacts
+from .workspace import (FLAG_BYTES, GRAPH_FLAG_BYTES, HEADER_BYTES, MIN_DATA_BYTES, ALIGN, GraphLane, Workspace,
+                        allocate_iris, allocate_torch, error_word, header, outside_graph_pools, round_up)
+
+log = logging.getLogger("commfuse")
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """One process group's run-time state on this rank."""
+
+    name: str
+    ref: weakref.ref  # the process-group object
+    members: tuple[int, ...]  # the group's global ranks
+    rank: int
+    world: int
+    provider: str
+    err: torch.Tensor  # this group's error word: the kernels of its workspace and lane write it
+    facts: GroupFacts | None = None
+    workspace: Workspace | None = None
+    lane: GraphLane | None = None
+    replayed: bool = False  # a CUDA-graph capture launched the lane: replays will use it
+    lane_failure: str | None = None  # a lane wait timed out: its device epochs differ for good
+    broken: str | None = None  # a wait timed out: no call may pair up on this group again
+    calls: int = 0  # eager calls on this group so far, outside capture and replay (``verify.py``)
+    tuning_timeout_ns: int | None = None  # while tuning: the bound of buffers allocated meanwhile
+    #: (op, shapes) of calls a capture of this process sent to NCCL: their eager twins run NCCL
+    captured_nccl: set = dataclasses.field(default_factory=set)
+    #: (op, rank-local size) -> whether every rank had that size (``shards.py``), and the ops whose
+    #: sizes were found to differ (every later call of them agrees anew)
+    shard_sizes: dict = dataclasses.field(default_factory=dict)
+    uneven_ops: set = dataclasses.field(default_factory=set)
+    #: the side streams of this group's overlapped paths, per device: never shared between groups,
+    #: so two groups issued in different orders on different ranks cannot wait on each other
+    streams: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.err_host = self.err.numpy()  # read per call without a tensor op
+
+    def side_streams(self, device: torch.device, count: int = 3) -> tuple:
+        """This group's side streams on ``device`` (made once)."""
+        streams = self.streams.get(device.index)
+        if streams is None:
+            streams = self.streams[device.index] = tuple(torch.cuda.Stream(device) for _ in range(count))
+        return streams
+
+    def pg(self):
+        return self.ref()
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.members[group_rank] if 0 <= group_rank < len(self.members) else group_rank
+
+
+_groups: dict[tuple[str, str], Group] = {}
+#: Lanes of dropped groups that captured graphs may still replay: never freed while the process runs.
+_held_lanes: list[GraphLane] = []
+_planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
+_lock = threading.Lock()
+#: Bumped whenever state that call plans depend on changes (``entry.py`` drops stale plans).
+generation = 0
+
+
+def bump() -> None:
+    global generation
+    generation += 1
+
+
+def _members(pg) -> tuple[int, ...]:
+    try:
+        return tuple(dist.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - a backend that does not say (the fake test backend): group ranks
+        return tuple(range(pg.size()))
+
+
+def get(name: str, pg=None) -> Group:
+    """The state of the group now called ``name`` (made, and an old group's dropped, as needed)."""
+    pg = pg if pg is not None else _resolve_process_group(name)
+    provider = env.current().symm_provider
+    key = (name, provider)
+    group = _groups.get(key)
+    if group is not None and group.ref() is pg:
+        return group
+    with _lock:
+        group = _groups.get(key)
+        if group is not None and group.ref() is pg:
+            return group
+        if group is not None:
+            log.info("commfuse: group %r is a new process group under an old name; its state starts afresh", name)
+            _retire(group)
+        group = Group(name, weakref.ref(pg), _members(pg), pg.rank(), pg.size(), provider, error_word())
+        _groups[key] = group
+        _sweep()
+        bump()
+        return group
+
+
+def _retire(group: Group) -> None:
+    """Drop a group's state; its lane stays alive if captured graphs may replay it."""
+    _groups.pop((group.name, group.provider), None)
+    if group.lane is not None and group.replayed:
+        _held_lanes.append(group.lane)
+    group.workspace = group.lane = None
+    bump()
+
+
+def _sweep() -> None:
+    """Drop the state of groups whose object is gone (collected, or no longer resolving by name)."""
+    for group in list(_groups.values()):
+        pg = group.ref()
+        alive = pg is not None
+        if alive:
+            try:
+                alive = _resolve_process_group(group.name) is pg
+            except Exception:  # noqa: BLE001 - the name no longer resolves: destroyed
+                alive = False
+        if not alive:
+            _retire(group)
+
+
+def plan(group_name: str, data_bytes: int) -> None:
+    """Record that a compiled graph will need ``data_bytes`` per parity on ``group_name``, so the
+    first allocation serves every fused op of the graph (the graph pass calls this)."""
+    with _lock:
+        _planned[group_name] = max(_planned.get(group_name, 0), int(data_bytes))
+
+
+def planned(group_name: str) -> int:
+    return _planned.get(group_name, 0)
+
+
+def group_facts(group: Group, device: torch.device, capturing: bool) -> GroupFacts | None:
+    """The group's agreed facts; agreed now (collective) on its first call, unless that call is
+    inside a CUDA-graph capture, where nothing can be agreed (None: the call runs NCCL, and every
+    rank captures alike)."""
+    if group.facts is None and not capturing:
+        settings = env.current()
+        lane = round_up(settings.graph_bytes, ALIGN)
+        group.facts = facts_mod.agree(group.pg(), device, group.provider, lane)
+        bump()
+        why = group.facts.unsupported()
+        if why:
+            log.warning("commfuse: group %r runs the unfused NCCL ops: %s", group.name, why)
+    return group.facts
+
+
+def workspace(group: Group, data_bytes: int, device: torch.device) -> Workspace:
+    """The group's workspace with at least ``data_bytes`` per parity. Collective when it allocates."""
+    ws = group.workspace
+    if ws is not None and ws.data_bytes >= data_bytes:
+        return ws
+    with _lock:
+        ws = group.workspace
+        if ws is not None and ws.data_bytes >= data_bytes:
+            return ws
+        broken = group.broken or (ws.broken if ws is not None else None)
+        if broken:  # no collective allocation (nor a fresh workspace) from a rank that may be out of step
+            raise RuntimeError(broken)
+        outside_graph_pools(device, _allocate, group, data_bytes, device)
+        bump()
+        return group.workspace
+
+
+def _allocate(group: Group, data_bytes: int, device: torch.device) -> None:
+    """Collective: a (larger) workspace for ``group``, and its graph lane on first use."""
+    pg = group.pg()
+    ws, facts = group.workspace, group.facts
+    size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group.name, 0), 0 if ws is None else 2 * ws.data_bytes)
+    # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest.
+    agreed = torch.tensor([size], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
+    size = round_up(int(agreed.item()), ALIGN)
+    if ws is not None:  # every rank must be done with the old buffer before anyone frees it
+        torch.cuda.synchronize(device)
+        dist.barrier(group=pg)
+    settings = env.current()
+    timeout = group.tuning_timeout_ns or int(settings.timeout_s * 1e9)
+
+    def alloc(nbytes):
+        if group.provider == "iris":
+            return allocate_iris(pg, nbytes, device, settings.iris_heap_bytes)
+        return allocate_torch(pg, nbytes, device)
+
+    log.info("allocating a %d MiB symmetric workspace for group %s (%s provider)",
+             (HEADER_BYTES + 2 * size) >> 20, group.name, group.provider)
+    buf, ptrs, handle = alloc(HEADER_BYTES + 2 * size)
+    bases = header(buf, HEADER_BYTES, ptrs, FLAG_BYTES)
+    buf[HEADER_BYTES:].zero_()  # no stale bytes can pass for a split-K LL word (fused_split_k.py)
+    if group.lane is None:  # with the first workspace, so it exists before any capture
+        lbuf, lptrs, lhandle = alloc(GRAPH_FLAG_BYTES + 2 * facts.lane_bytes)
+        group.lane = GraphLane(group.name, group.rank, group.world, lbuf,
+                               header(lbuf, GRAPH_FLAG_BYTES, lptrs, GRAPH_FLAG_BYTES), facts.lane_bytes,
+                               min(facts.sms, 256), err=group.err, timeout_ns=timeout, _keepalive=lhandle)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=pg)  # no peer may signal before every rank zeroed its flags
+    group.workspace = Workspace(group.name, group.rank, group.world, buf, bases, size, max_programs=facts.sms,
+                                err=group.err, timeout_ns=timeout, _keepalive=handle)
+
+
+def lane(group: Group) -> GraphLane | None:
+    """The group's graph lane, or None before its first symmetric call allocated it. Raises once
+    a graph-lane call timed out."""
+    if group.lane_failure:
+        raise RuntimeError(
+            f"commfuse: the graph lanes of group {group.name!r} are out of step after an earlier failure "
+            f"({group.lane_failure}). Call commfuse.release_all() on every rank and capture the graphs again.")
+    return group.lane
+
+
+def mark_replayed(group: Group) -> None:
+    """A CUDA-graph capture launched the group's lane: its replays will keep using it."""
+    if not group.replayed:
+        group.replayed = True
+        bump()
+
+
+def replayed_lane_bytes(group: Group) -> int:
+    """The lane's per-parity bytes once captured graphs use it, else 0. Eager calls that fit then
+    take the lane too: a rank whose graph tree re-warms (eager) must meet a peer that replays."""
+    return group.lane.data_bytes if group.lane is not None and group.replayed else 0
+
+
+def captured_to_nccl(group: Group, op: str, key: tuple, capturing: bool) -> bool:
+    """Inside a capture, calls the graph lane cannot take run NCCL. A rank whose graph tree
+    re-warms (eager) while its peer replays must meet those NCCL collectives, so once this process
+    captured a call to NCCL, eager calls of the same op, group and shapes (``key``) run NCCL too,
+    with nothing before them (no size agreement: the replay has none). Ranks capture alike, so
+    every rank decides alike."""
+    return not capturing and (op, key) in group.captured_nccl
+
+
+def record_capture(group: Group, op: str, key: tuple, algo: str, capturing: bool) -> None:
+    """A call inside a capture that runs NCCL (``algo``): its eager twins will too."""
+    if capturing and algo == "nccl" and (op, key) not in group.captured_nccl:
+        group.captured_nccl.add((op, key))
+        bump()
+
+
+def all_groups() -> list[Group]:
+    return list(_groups.values())
+
+
+def release(group_name: str | None = None) -> None:
+    """Free the symmetric memory of one group (``group_name``) or of every group, and forget their
+    state (tests, teardown, recovery after a timeout; the next call allocates anew, collectively).
+    Call it on every rank together. Graph lanes that captured CUDA graphs may still replay are kept
+    (never freed while the process runs): a replay after this touches no freed memory, though it
+    pairs with its peers only if they replay too."""
+    with _lock:
+        for group in list(_groups.values()):
+            if group_name is None or group.name == group_name:
+                _retire(group)
+        bump()
+
+
+def release_all() -> None:
+    """``release()`` of every group: what to call on every rank after a timeout error."""
+    release()
+
+
+def memory() -> list[dict]:
+    """Per group: the symmetric bytes this rank holds for it (workspace, graph lane), the CUDA
+    graphs its copy-engine calls keep, and its members. Two meshes over the same ranks are two
+    groups and pay twice."""
+    rows = []
+    for group in all_groups():
+        ws, lane = group.workspace, group.lane
+        rows.append(dict(group=group.name, ranks=list(group.members), workspace_bytes=ws.nbytes if ws else 0,
+                         lane_bytes=lane.nbytes if lane else 0, ce_graphs=len(ws.graphs) if ws else 0,
+                         data_bytes_per_parity=ws.data_bytes if ws else 0))
+    rows.append(dict(group="(lanes of dropped groups, kept for their CUDA graphs)", ranks=[], workspace_bytes=0,
+                     lane_bytes=sum(lane.nbytes for lane in _held_lanes), ce_graphs=0, data_bytes_per_parity=0))
+    return rows

@@ -1,0 +1,93 @@
+"""Pieces several paths share: the call's epoch, the matmul into a buffer, bias rows, rank-order sums."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+
+import torch
+
+from .. import reference
+from .. import groups
+
+log = logging.getLogger("commfuse")
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(op: str, why: str) -> None:
+    """Log, once per op and reason, that a call runs the unfused NCCL path."""
+    if (op, why) not in _warned:
+        _warned.add((op, why))
+        log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, why)
+
+
+#: Calls per path that ran (``mm_all_reduce:fused``, ...) since import: tests check which path ran.
+PATHS: collections.Counter[str] = collections.Counter()
+
+
+def ran(op: str, name: str) -> None:
+    PATHS[f"{op}:{name}"] += 1
+
+
+def ran_instead(op: str, algo: str, instead: str) -> None:
+    """``PATHS`` counts the path a call took: ``algo`` was chosen but ``instead`` ran."""
+    PATHS[f"{op}:{algo}"] -= 1
+    PATHS[f"{op}:{instead}"] += 1
+
+
+def workspace(ctx, nbytes: int, device: torch.device):
+    """The call's group workspace with at least ``nbytes`` per parity (collective when it grows)."""
+    return groups.workspace(ctx.group, nbytes, device)
+
+
+@contextlib.contextmanager
+def exchange(ctx, ws, op: str):
+    """Start a call's epoch, after the workspace's previous call on the device (``Workspace.order``:
+    two streams calling one group are serialised, as NCCL's collectives are); if anything fails
+    once the epoch has begun, the ranks' call counters may differ, so the workspace refuses further
+    calls instead of pairing up mismatched epochs."""
+    stream = torch.cuda.current_stream(ws.buffer.device) if ws.buffer.is_cuda else None
+    record = ws.order(stream) if stream is not None else False
+    epoch, parity = ws.next_epoch(lambda: ws.restart_epochs(ctx.group.pg()))
+    try:
+        yield epoch, parity
+    except BaseException as exc:
+        ws.broken = (
+            f"commfuse.{op}: an earlier call on group {ws.group_name!r} failed after its exchange "
+            f"began ({type(exc).__name__}: {exc}); the ranks' call counters may differ. Call "
+            "commfuse.release_all() on every rank to start over."
+        )
+        raise
+    if record:  # after the call's work: side streams rejoined the caller's stream before this
+        ws.last_event.record(stream)
+
+
+def matmul_into(a, b, bias, out) -> None:
+    reference.matmul(a, b, bias, out=out)
+
+
+def per_row(bias) -> bool:
+    """A 2-D bias with a row per output row (sliced with the rows); else broadcast, or none."""
+    return bias is not None and bias.dim() >= 2 and bias.shape[0] != 1
+
+
+def bias_rows(bias, lo: int, hi: int):
+    """The bias for output rows lo:hi (a per-row 2-D bias is sliced; a broadcast one is not)."""
+    return bias[lo:hi] if per_row(bias) else bias
+
+
+def row_chunks(bias, rows: list) -> list:
+    """``bias_rows`` of each chunk of the output, the chunks of ``rows`` rows each (one ``split``)."""
+    return list(bias.split(rows)) if per_row(bias) else [bias] * len(rows)
+
+
+def sum_rank_order(parts: list, out) -> None:
+    """``out = parts[0] + parts[1] + ...`` in rank order, on every rank alike (at 2 ranks rounded
+    once, as the Triton kernels round; beyond, after each add)."""
+    if len(parts) == 1:  # one rank (the host-cost benchmark forces the paths there)
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)

@@ -1,0 +1,88 @@
+"""``graph``: ``mm_all_reduce`` through the group's graph lane, whose epochs live on the device, so
+a CUDA graph can capture the call once and replay it any number of times (``mode="reduce-overhead"``).
+
+    capture:  [ cuBLAS -> local buffer ][ staged one-shot: copy into the lane, signal, sum ]
+    or, for few rows (a rule's ``{"split_k": true}``): the split-K kernel, in the lane's buffers.
+
+Calls inside a capture take it when their output fits the lane (``COMMFUSE_GRAPH_BYTES``, agreed by
+every rank); once a process replays graphs on a group, its eager calls that fit take it too (a rank
+re-warming its graphs must meet its peer's replays on the same flags). The lane is allocated with
+the group's first workspace, never inside a capture (allocation is collective); a call that finds
+none runs NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import exchange, fused_split_k
+from ...kernels.sync import GRAPH_LANE_OP
+from .. import reference
+from .. import groups
+from ..workspace import GRAPH_SLOTS, graph_lane_capacity
+from .base import Call, Context, Path, symmetric_support
+from .common import ran_instead, warn_once
+from .split_k import support as split_k_support
+
+
+def _split_k_config(call: Call, facts) -> fused_split_k.SplitConfig:
+    return fused_split_k.config(call.m, call.k, call.n, min(facts.sms, GRAPH_SLOTS))
+
+
+class GraphLane(Path):
+    op = "mm_all_reduce"
+    name = "graph"
+    capture = True
+
+    def supports(self, call: Call, facts) -> str | None:
+        why = symmetric_support(call, facts)
+        if why is None and call.exchanged_bytes > facts.lane_bytes:
+            why = f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES ({facts.lane_bytes})"
+        return why
+
+    def supports_variant(self, call: Call, facts, variant: dict | None) -> str | None:
+        why = self.supports(call, facts)
+        if why is None and variant and variant.get("split_k"):
+            why = split_k_support(call, facts)
+            if why is None:
+                slots, counters = graph_lane_capacity()
+                why = fused_split_k.misfit_sizes(call.m, call.n, call.world, _split_k_config(call, facts),
+                                                 call.dtype, True, slots, counters, facts.lane_bytes)
+        return why
+
+    def workspace_bytes(self, call: Call) -> int:
+        return call.m * call.n * call.itemsize  # the lane is its own buffer; eager calls size the workspace alike
+
+    def config(self, call: Call, facts, variant=None) -> fused_split_k.SplitConfig | None:
+        """The split-K kernel's tiling where the rule asks for it, else None (the staged one-shot)."""
+        return _split_k_config(call, facts) if variant and variant.get("split_k") else None
+
+    def run(self, ctx: Context, args) -> torch.Tensor:
+        a, b, bias = args.a, args.b, args.bias
+        group = ctx.group
+        capturing = torch.cuda.is_current_stream_capturing()
+        nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
+        lane = groups.lane(group)
+        if lane is None and not capturing:  # allocation is collective: never in a capture
+            groups.workspace(group, nbytes, a.device)
+            lane = groups.lane(group)
+        if lane is None or nbytes > lane.data_bytes:
+            warn_once(self.op, "no graph lane yet: the group's first call was captured" if lane is None
+                      else "larger than the graph lane")
+            ran_instead(self.op, self.name, "nccl")
+            groups.record_capture(group, self.op, (tuple(a.shape), tuple(b.shape), a.dtype), "nccl", capturing)
+            return reference.mm_all_reduce(a, b, bias, args.group_name)
+        if capturing:
+            groups.mark_replayed(group)
+        m, n = a.shape[0], b.shape[1]
+        if ctx.config is not None:  # few rows: the split-K kernel, in the lane
+            out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+            fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)()
+            return out
+        partial = reference.matmul(a, b, bias)
+        out = torch.empty_like(partial)
+        exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP)
+        return out
+
+
+GRAPH = GraphLane()

@@ -1,0 +1,37 @@
+"""The unfused computation: the matmul, then the functional collective (NCCL on GPUs).
+
+What every op falls back to, and what every other path must reproduce: a path that cannot take a
+call, a group that cannot run symmetric paths, calls inside a CUDA-graph capture that the graph
+lane does not take. Needs no workspace and supports every call."""
+
+from __future__ import annotations
+
+from .. import reference
+from .base import Context, Path
+
+
+class Nccl(Path):
+    name = "nccl"
+    symmetric = False
+    capture = True
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def supports(self, call, facts):
+        return None
+
+    def run(self, ctx: Context, args):
+        if self.op == "mm_all_reduce":
+            return reference.mm_all_reduce(args.a, args.b, args.bias, args.group_name)
+        if self.op == "all_gather_mm":
+            out, gathered = reference.all_gather_mm(args.shard, args.b, args.bias, args.gather_dim, args.world_size,
+                                                     args.group_name)
+            return out, gathered
+        return reference.mm_reduce_scatter(args.a, args.b, args.bias, args.shape, args.scatter_dim, args.world_size,
+                                           args.group_name)
+
+
+MM_ALL_REDUCE = Nccl("mm_all_reduce")
+ALL_GATHER_MM = Nccl("all_gather_mm")
+MM_REDUCE_SCATTER = Nccl("mm_reduce_scatter")

@@ -1,0 +1,99 @@
+"""``fused``: ``all_gather_mm`` in one persistent Triton kernel (``kernels/fused_all_gather.py``):
+the tiles of this rank's own rows multiply at once while the shard is pushed into every peer's
+workspace, chunk by chunk, each chunk flagged; a tile of a peer's rows waits only for its chunks.
+
+    unfused:   [ all_gather ---- ][ mm ------------------------------ ]
+    this path: [ own rows' tiles | peers' rows' tiles, each as its chunks land ]
+               [ push the shard: copy engines (side stream) or a few programs ]
+
+Who pushes: from ``CE_MIN_SHARD_BYTES`` shards the copy engines (no SMs taken from the GEMM, each
+chunk's flag a stream write), below it ``PUSHERS`` programs of the kernel (a copy's start-up
+latency costs more than they do there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...kernels import fused_all_gather
+from ...kernels.tiles import TileConfig
+from ..workspace import TILE_FLAG_SLOTS
+from .ag_pull import gather_shape
+from .base import SYMM_MAX_BYTES, Call, Context, Path, symmetric_support, tile_support
+from .common import exchange, workspace
+
+#: Shards from this size are pushed by the copy engines, smaller ones by programs of the kernel.
+CE_MIN_SHARD_BYTES = 2 << 20
+#: Outputs up to this many elements take 64 x 128 tiles, up to 2048 x 2048 128 x 128 ones (128 x 256
+#: tiles would not fill the GPU there), larger ones the default 128 x 256.
+SMALL_ELEMS, MID_ELEMS = 1 << 20, 2048 * 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class AgFusedConfig:
+    tile: TileConfig
+    push: str  # "ce" (copy engines) or "sm" (programs of the kernel)
+    pushers: int = fused_all_gather.PUSHERS
+    ce_chunks: int = 1
+
+
+def tile_config(call: Call) -> TileConfig:
+    if call.m * call.n <= SMALL_ELEMS:
+        return TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
+    if call.m * call.n <= MID_ELEMS:
+        return TileConfig(bm=128, bn=128, stages=4, reducers=0)
+    return TileConfig(reducers=0)
+
+
+def fused_bytes(call: Call) -> int:
+    return fused_all_gather.data_elems(call.m // max(call.world, 1), call.k, call.world) * call.itemsize
+
+
+class TileAllGather(Path):
+    op = "all_gather_mm"
+    name = "fused"
+
+    def supports(self, call: Call, facts) -> str | None:
+        why = symmetric_support(call, facts) or tile_support(call, facts)
+        if why:
+            return why
+        if call.rows_dim != 0:
+            return "a gather along a dimension other than the rows"
+        if call.m % call.world:
+            return "rows that do not split into world shares"
+        cfg = tile_config(call)
+        if cfg.bm % fused_all_gather.CHUNK_ROWS:
+            return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
+        if fused_all_gather.chunk_flag_slots(call.m // call.world, call.world) > TILE_FLAG_SLOTS:
+            return "more row chunks than the workspace has tile flags"
+        if fused_bytes(call) > 2 * SYMM_MAX_BYTES:
+            return "the workspace would be too large"
+        return None
+
+    def workspace_bytes(self, call: Call) -> int:
+        return fused_bytes(call)
+
+    def config(self, call: Call, facts, variant=None) -> AgFusedConfig:
+        shard = call.m // call.world * call.k * call.itemsize
+        return AgFusedConfig(tile_config(call), "ce" if shard >= CE_MIN_SHARD_BYTES else "sm")
+
+    def run(self, ctx: Context, args):
+        shard, b, bias, world = args.shard, args.b, args.bias, args.world_size
+        cfg = ctx.config or self.config(ctx.call, ctx.facts)
+        k = shard.shape[-1]
+        out = torch.empty((ctx.call.m, b.shape[1]), dtype=shard.dtype, device=shard.device)
+        gathered = (torch.empty(gather_shape(shard, args.gather_dim, world), dtype=shard.dtype, device=shard.device)
+                    if args.return_gathered else None)
+        ws = workspace(ctx, fused_bytes(ctx.call), shard.device)
+        side = ctx.group.side_streams(shard.device)[0] if cfg.push == "ce" else None
+        launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
+                                          None if gathered is None else gathered.view(-1, k), out, cfg.tile,
+                                          side=side, pushers=cfg.pushers, ce_chunk_count=cfg.ce_chunks)
+        with exchange(ctx, ws, self.op) as (epoch, parity):  # (everything above before the epoch)
+            launch(epoch, parity)
+        return out, gathered
+
+
+FUSED = TileAllGather()

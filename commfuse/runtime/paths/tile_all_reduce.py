@@ -1,0 +1,101 @@
+"""``fused``: ``mm_all_reduce`` in one persistent Triton kernel (``kernels/fused_all_reduce.py``)
+that reduces each finished tile while later tiles still multiply.
+
+    unfused:   [ GEMM ------------------------- ][ all_reduce ----- ]
+    this path: [ GEMM tiles: peers' tiles first, pushed to their owners; own tiles last, the pushed
+                 partials added in their epilogue and the sum pushed back ][ last copies ]
+
+Every rank multiplies the peers' tiles first and its own last, so by the time it multiplies a tile
+it owns, the peers pushed their partials of that tile long ago; every byte crossing the links is a
+store. The programs start their first tiles spread over ``stagger_us`` so their pushes do not
+leave at once (a one-wave call spreads less: the spread delays its end as much as its start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...kernels import fused_all_reduce
+from ...kernels.tiles import TileConfig
+from ..workspace import TILE_FLAG_SLOTS
+from .base import SYMM_MAX_BYTES, Call, Context, Path, symmetric_support, tile_support
+from .common import exchange, workspace
+
+#: The default tiling: 128 x 256 tiles, no reducer programs (the multiplying programs copy the
+#: pushed sums inline, in the ticket order).
+TILE = TileConfig(reducers=0)
+#: Start spread of the programs' first tiles, µs: calls of more than one wave of tiles, one wave.
+STAGGER_US = (25, 15)
+#: Reduce-scatter outputs up to this many elements take 64 x 128 tiles: 128 x 256 ones would be
+#: too few to overlap anything.
+SMALL_ELEMS = 1 << 20
+SMALL_TILE = TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    tile: TileConfig
+    options: fused_all_reduce.Options
+
+
+def tile_config(call: Call, scatter: bool) -> TileConfig:
+    """The tiling: 128 x 256, or ``SMALL_TILE`` for a small reduce-scatter."""
+    return SMALL_TILE if scatter and call.m * call.n <= SMALL_ELEMS else TILE
+
+
+def fused_support(call: Call, facts, scatter: bool) -> str | None:
+    """Why the tile kernel (or its reduce-scatter form) cannot take ``call``, or None."""
+    why = symmetric_support(call, facts) or tile_support(call, facts)
+    if why:
+        return why
+    if scatter:
+        if call.rows_dim != 0:
+            return "a scatter along a dimension other than the rows"
+        if call.m % call.world:
+            return "rows that do not split into world shares"
+    cfg = tile_config(call, scatter)
+    if fused_all_reduce.tile_flag_slots(call.m, call.n, call.world, cfg, scatter) > TILE_FLAG_SLOTS:
+        return "more tiles than the workspace has tile flags"
+    if fused_all_reduce.data_elems(call.m, call.n, call.world, cfg, scatter) * call.itemsize > 2 * SYMM_MAX_BYTES:
+        return "the workspace would be too large"
+    return None
+
+
+def fused_bytes(call: Call, scatter: bool) -> int:
+    cfg = tile_config(call, scatter)
+    return fused_all_reduce.data_elems(call.m, call.n, call.world, cfg, scatter) * call.itemsize
+
+
+def run_fused(ctx: Context, a, b, bias, out, op: str, scatter: bool, cfg: FusedConfig) -> torch.Tensor:
+    """One kernel: GEMM tiles, their exchange and sum overlapped; ``scatter``: along the rows."""
+    ws = workspace(ctx, fused_bytes(ctx.call, scatter), a.device)
+    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
+                                      cfg.options)  # before the epoch
+    with exchange(ctx, ws, op) as (epoch, parity):
+        launch(epoch, parity)
+    return out
+
+
+class TileAllReduce(Path):
+    op = "mm_all_reduce"
+    name = "fused"
+
+    def supports(self, call: Call, facts) -> str | None:
+        return fused_support(call, facts, scatter=False)
+
+    def workspace_bytes(self, call: Call) -> int:
+        return fused_bytes(call, scatter=False)
+
+    def config(self, call: Call, facts, variant=None) -> FusedConfig:
+        stagger = tuple(us * 1000 for us in STAGGER_US)
+        return FusedConfig(tile_config(call, False), fused_all_reduce.Options(stagger_ns=stagger))
+
+    def run(self, ctx: Context, args) -> torch.Tensor:
+        a, b = args.a, args.b
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        return run_fused(ctx, a, b, args.bias, out, self.op, False, ctx.config or self.config(ctx.call, ctx.facts))
+
+
+FUSED = TileAllReduce()

@@ -1,0 +1,149 @@
+"""Which path a call takes: from the call's shapes, the group's agreed facts and the settings.
+
+In order, the first that applies decides:
+
+1. the group cannot run symmetric paths (one rank, ROCm, ranks on two hosts, no peer access,
+   mixed GPUs): NCCL, with the reason logged once;
+2. inside a CUDA-graph capture: the rules for captured calls (``mm_all_reduce@capture``: the graph
+   lane, whose epochs live on the device), else NCCL;
+3. ``COMMFUSE_ALGO`` names a path of the op that supports the call: that path;
+4. an ``mm_all_reduce`` that fits the group's graph lane once this process replays graphs on it:
+   the lane (a rank re-warming its graphs eagerly must meet its peer's replays on the same flags);
+5. a tuned answer for the call's signature (``tuning.py``), kept unless it no longer supports it;
+6. the first rule of the group's table (``rules.py``) that matches and whose path supports it;
+7. NCCL.
+
+Every input is the same on every rank (shapes, agreed facts, settings that must be set alike, the
+capture state that ranks share by capturing alike), so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from . import rules
+from .facts import GroupFacts
+from .paths import REGISTRY, by_op
+from .paths.base import Call, Path
+
+log = logging.getLogger("commfuse")
+
+#: Where a decision came from (the report and ``explain`` show it).
+SOURCES = ("unsupported", "capture", "forced", "lane", "tuned", "rules", "fallback")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    path: Path
+    variant: dict | None
+    source: str  # one of SOURCES
+    reason: str = ""  # why NCCL, or the rule that matched
+    table: str = ""  # the rules table consulted
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+_warned: set[tuple] = set()
+
+
+def _once(op: str, reason: str) -> None:
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, reason)
+
+
+def _from_table(table, key: str, call: Call, facts: GroupFacts) -> tuple[rules.Rule | None, Path | None]:
+    for rule in (table.rules(key) if table is not None else ()):
+        if not rule.matches(call):
+            continue
+        path = REGISTRY.get((call.op, rule.path))
+        if path is None:
+            raise ValueError(f"commfuse rules: {table.label()} names a path {rule.path!r} that {call.op} does not have")
+        if path.supports_variant(call, facts, rule.variant_dict) is None:
+            return rule, path
+    return None, None
+
+
+def rules_choice(call: Call, facts: GroupFacts, capture: bool = False) -> Decision:
+    """What the group's rules table picks for ``call`` (no forcing, no lane, no tuning)."""
+    table = rules.table(facts.arch, facts.world, facts.name, facts.sms)
+    key = f"{call.op}@capture" if capture else call.op
+    rule, path = _from_table(table, key, call, facts)
+    label = table.label() if table is not None else "no table"
+    if path is None:
+        return Decision(REGISTRY[(call.op, "nccl")], None, "fallback", f"no rule of {label} applies", label)
+    return Decision(path, rule.variant_dict, "rules", rule.describe(), label)
+
+
+def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes: int = 0,
+           forced: str | None = None, tuned=None, quiet: bool = False) -> Decision:
+    """The path ``call`` takes on a group with ``facts`` (module docstring). ``lane_bytes``: the
+    group's graph-lane size once this process replays graphs on it, else 0. ``forced``:
+    ``COMMFUSE_ALGO``. ``tuned()``: the tuner's answer for the call's signature, or None; asked
+    only where steps 1-4 did not decide (it may tune, collectively). ``quiet``: log nothing (the
+    graph pass sizing workspaces)."""
+    op = call.op
+    once = (lambda *_: None) if quiet else _once
+    nccl = REGISTRY[(op, "nccl")]
+    why = facts.unsupported()
+    if why:
+        once(op, why)
+        return Decision(nccl, None, "unsupported", why)
+    if capturing:
+        decision = rules_choice(call, facts, capture=True)
+        answer = tuned() if tuned is not None else None
+        if answer is not None and answer != decision.name:
+            path = REGISTRY.get((op, answer))
+            if path is not None and path.capture:
+                variant = decision.variant if path.name == "graph" else None
+                if path.supports_variant(call, facts, variant) is None:
+                    return Decision(path, variant, "tuned", "tuned on this machine")
+        if decision.path is nccl:
+            reason = ("no graph-lane path for this op yet" if op != "mm_all_reduce" else
+                      f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES")
+            once(op, f"in a CUDA-graph capture: {reason}")
+            return Decision(nccl, None, "capture", reason, decision.table)
+        return dataclasses.replace(decision, source="capture")
+    if forced:
+        path = REGISTRY.get((op, forced))
+        if path is not None:
+            if path.name == "graph":  # the lane's own variant for the shape, as a capture takes it
+                variant = rules_choice(call, facts, capture=True).variant
+                why = path.supports_variant(call, facts, variant)
+            else:
+                variant, why = None, path.supports(call, facts)
+            if why is None:
+                return Decision(path, variant, "forced", f"COMMFUSE_ALGO={forced}")
+            if (op, forced, why) not in _warned and not quiet:
+                _warned.add((op, forced, why))
+                log.warning("commfuse.%s: COMMFUSE_ALGO=%s cannot take this call (%s); its default path runs",
+                            op, forced, why)
+    if op == "mm_all_reduce" and lane_bytes and call.exchanged_bytes <= lane_bytes:
+        lane = rules_choice(call, facts, capture=True)
+        if lane.path.name == "graph":
+            return dataclasses.replace(lane, source="lane")
+    answer = tuned() if tuned is not None else None
+    if answer:
+        path = REGISTRY.get((op, answer))
+        if path is not None and path.supports(call, facts) is None:
+            variant = rules_choice(call, facts, capture=True).variant if path.name == "graph" else None
+            return Decision(path, variant, "tuned", "tuned on this machine")
+    decision = rules_choice(call, facts)
+    if decision.path is nccl:
+        once(op, decision.reason)
+    return decision
+
+
+def candidates(call: Call, facts: GroupFacts, capturing: bool = False) -> list[Path]:
+    """The paths that may run ``call`` on this group, in registry order, NCCL first (the tuner's
+    candidates: under a capture only those a capture can run)."""
+    return [p for p in by_op(call.op)
+            if (not capturing or p.capture) and p.supports(call, facts) is None]
+
+
+def workspace_bytes(call: Call, facts: GroupFacts, forced: str | None = None) -> int:
+    """Per-parity symmetric bytes the path ``call`` takes needs (what the graph pass plans)."""
+    return choose(call, facts, forced=forced, quiet=True).path.workspace_bytes(call)

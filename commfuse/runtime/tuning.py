@@ -1,0 +1,461 @@
+"""Measured dispatch: time the candidate paths of a call on this machine, agree across ranks, keep
+the answer in a cache file.
+
+The rules (``rules.py``) are measured on a few machines; a user's machine may differ (another GPU,
+another link, another world size). With tuning on, a call signature (op, M bucket, K, N, dtype,
+bias, world size, how the collective cuts the rows) with no kept answer is tuned once, by every
+rank of its group together:
+
+1. the ranks check that they tune the same signature (its hash, reduced over the group: a
+   mismatch is an error on every rank, never divergent choices);
+2. every rank runs the same candidates (the paths whose ``supports`` accepts the call; NCCL
+   always), in the same order, each for a fixed number of warm-up and timed iterations (no time
+   budget, which would differ by rank), on synthetic inputs of the call's shapes (never the user's
+   tensors), each output checked against the unfused result of the same inputs, NaN-poisoned
+   memory under it;
+3. one collective reduces the timings (max over ranks) and the failures (any rank's failure or
+   timeout excludes the candidate everywhere), and every rank takes the same argmin;
+4. the rules' choice is kept unless another candidate beats it by ``COMMFUSE_TUNE_MARGIN``.
+
+Dynamic token counts are bucketed to powers of two and the bucket's largest M is timed, so one
+answer serves a bucket; an answer is re-checked against its path's ``supports`` at the actual M.
+Inside a CUDA-graph capture nothing is tuned (the cache or the rules answer), and an eager call
+that meets a peer's replays (the graph lane, the eager twins of captured calls) never starts a
+tuning collective. For ``mm_all_reduce`` calls that fit the graph lane, the candidates a capture
+can run (the lane, NCCL) are tuned too, eagerly, so a later capture finds its answer.
+
+The cache is one JSON file per machine key (``machine_key``: GPU, SM count, world size, peer
+topology, driver, CUDA, NCCL, torch, Triton and commfuse versions, the provider and the settings
+that change paths) under ``COMMFUSE_CACHE_DIR``; the group's rank 0 writes it atomically, merging
+under a file lock; every rank reads it and the group agrees on its content hash before using it;
+a corrupt or foreign file is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from . import groups
+from .facts import GroupFacts
+from .paths import REGISTRY
+from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path)
+
+log = logging.getLogger("commfuse")
+
+FORMAT = 1
+#: Iterations per candidate: warm-up (compiles, allocates) and timed.
+WARMUP, ITERS = 3, 10
+#: Every wait of a tuning run is bounded by this many seconds (not the real calls' bound): a
+#: candidate that times out is excluded on every rank, and the group recovers collectively.
+TUNING_TIMEOUT_S = 10.0
+#: The checked output's largest relative error against the unfused result (fp32 sums of bf16
+#: products differ by rounding).
+TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def bucket(m: int) -> int:
+    """The power of two at or above ``m``: every M of a bucket shares its answer."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    op: str
+    m: int  # the bucket
+    k: int
+    n: int
+    dtype: str
+    bias: bool
+    world: int
+    rows_dim: int
+    slabs: int
+    capture: bool = False
+
+    @classmethod
+    def of(cls, call: Call, capture: bool = False) -> "Signature":
+        return cls(call.op, bucket(call.m), call.k, call.n, str(call.dtype).replace("torch.", ""), call.bias,
+                   call.world, call.rows_dim, call.slabs, capture)
+
+    def text(self) -> str:
+        where = f" dim{self.rows_dim}x{self.slabs}" if self.rows_dim else ""
+        return (f"{self.op}{'@capture' if self.capture else ''} m<={self.m} k={self.k} n={self.n} {self.dtype}"
+                f"{' bias' if self.bias else ''} w{self.world}{where}")
+
+    def call(self) -> Call:
+        """The call a tuning run times: the bucket's largest M."""
+        return Call(self.op, self.m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
+                    self.rows_dim, self.slabs)
+
+    def digest(self) -> int:
+        return int.from_bytes(hashlib.sha256(self.text().encode()).digest()[:7], "little")
+
+
+@dataclasses.dataclass
+class Entry:
+    choice: str
+    rules: str  # what the rules would pick
+    times_us: dict  # candidate -> max-over-ranks median µs (inf: failed somewhere)
+    failed: list
+    margin: float
+
+    def as_json(self) -> dict:
+        return {"choice": self.choice, "rules": self.rules, "margin": self.margin, "failed": self.failed,
+                "times_us": {k: (None if math.isinf(v) else round(v, 2)) for k, v in self.times_us.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Entry":
+        times = {k: (math.inf if v is None else float(v)) for k, v in data["times_us"].items()}
+        return cls(data["choice"], data["rules"], times, list(data.get("failed", [])), float(data["margin"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine key and the cache file
+
+
+def _driver() -> str:
+    try:
+        return str(torch._C._cuda_getDriverVersion())
+    except Exception:  # noqa: BLE001 - a build without the call
+        return "unknown"
+
+
+def _nccl() -> str:
+    try:
+        return ".".join(str(x) for x in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - no NCCL (the CPU)
+        return "none"
+
+
+def machine_key(facts: GroupFacts) -> dict:
+    """What a kept answer is valid for: the GPUs, their links, the software, the settings that
+    change which paths run. Never the group's name (a topology's answers serve every group of it)."""
+    import triton  # noqa: PLC0415  (the run-time already has it; kept out of ``import commfuse``)
+
+    from .. import __version__
+
+    return {
+        "gpu": facts.name, "arch": facts.arch, "sms": facts.sms, "world": facts.world,
+        "topology": "peer" if facts.peer_access and facts.one_host else "none",
+        "driver": _driver(), "cuda": str(torch.version.cuda), "nccl": _nccl(), "torch": torch.__version__,
+        "triton": triton.__version__, "commfuse": __version__, "provider": facts.provider,
+        "lane_bytes": facts.lane_bytes, "settings": [list(x) for x in env.current().paths_key()],
+        "python": platform.python_version(),
+    }
+
+
+def _key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir() -> pathlib.Path:
+    given = env.current().cache_dir
+    if given:
+        return pathlib.Path(given).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "commfuse"
+
+
+def cache_path(key: dict) -> pathlib.Path:
+    return cache_dir() / f"tuned-{_key_digest(key)}.json"
+
+
+def read(path: pathlib.Path, key: dict) -> dict[str, Entry]:
+    """The entries of a cache file; {} with a warning if it is corrupt or made for another key."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or data.get("key") != key:
+            log.warning("commfuse: ignoring the tuning cache %s: made for another machine or version", path)
+            return {}
+        return {sig: Entry.from_json(e) for sig, e in data["entries"].items()}
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is ignored, never fatal
+        log.warning("commfuse: ignoring the corrupt tuning cache %s (%s: %s)", path, type(exc).__name__, exc)
+        return {}
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    import fcntl  # noqa: PLC0415  (POSIX only: the cache is written where it is)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write(path: pathlib.Path, key: dict, entries: dict[str, Entry]) -> None:
+    """Merge ``entries`` into the file under a lock and replace it atomically."""
+    with _locked(path):
+        merged = read(path, key)
+        merged.update(entries)
+        body = {"format": FORMAT, "key": key,
+                "entries": {sig: e.as_json() for sig, e in sorted(merged.items())}}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=1)
+        os.replace(tmp, path)
+
+
+def content_hash(entries: dict[str, Entry]) -> int:
+    text = json.dumps({k: e.as_json() for k, e in sorted(entries.items())}, sort_keys=True)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement
+
+
+def _agree_same(group, value: int, device) -> bool:
+    """Whether every rank of ``group`` holds ``value`` (one all-reduce of [value, -value])."""
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg())
+    return int(t[0]) == -int(t[1])
+
+
+def _any(group, flag: bool, device) -> bool:
+    """Whether any rank of ``group`` raised ``flag``."""
+    if group.world <= 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg())
+    return bool(t.item())
+
+
+def _reduce_results(group, times: list[float], failed: list[bool], device) -> tuple[list[float], list[bool]]:
+    """One collective: the slowest rank's time and any rank's failure, per candidate."""
+    big = 1e30
+    t = torch.tensor([min(x, big) for x in times] + [float(f) for f in failed], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg())
+    n = len(times)
+    worst = [math.inf if x >= big else float(x) for x in t[:n].tolist()]
+    return worst, [bool(x) for x in t[n:].tolist()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing a candidate on synthetic inputs (replaced in tests by an injected timer)
+
+
+def _inputs(sig: Signature, group, device, seed: int):
+    call = sig.call()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    dtype = call.dtype
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) / 4).to(dtype)
+
+    world = sig.world
+    if sig.op == "mm_all_reduce":
+        args = MmAllReduceArgs(rand(call.m, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
+                               group.name)
+    elif sig.op == "all_gather_mm":
+        args = AllGatherMmArgs(rand(call.m // world, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
+                               0, world, group.name, False)
+    else:
+        args = MmReduceScatterArgs(rand(call.m, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
+                                   [call.m, call.n], 0, world, group.name)
+    return call, args
+
+
+def _output(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def time_candidate(path: Path, sig: Signature, group, facts: GroupFacts, device, reference,
+                   variant: dict | None = None) -> float:
+    """Median µs of ``ITERS`` calls of ``path`` (with a rule's ``variant``) after ``WARMUP``;
+    raises if its output is wrong."""
+    call, args = _inputs(sig, group, device, seed=1000 + group.rank)
+    ctx = Context(call, facts, group, path.config(call, facts, variant) if path.symmetric else None)
+    for _ in range(WARMUP):
+        path.run(ctx, args)
+    want = _output(reference.run(Context(call, facts, group), args)).float()
+    poison = torch.full((want.numel() * 2,), float("nan"), device=device, dtype=call.dtype)
+    del poison  # the caching allocator hands the candidate's output this NaN-filled block
+    got = _output(path.run(ctx, args)).float()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if not err <= TOLERANCE.get(call.dtype, 2e-2):
+        raise RuntimeError(f"{path.name} is wrong on this rank (relative error {err:.2e})")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
+    torch.cuda.synchronize(device)
+    for start, end in events:
+        start.record()
+        path.run(ctx, args)
+        end.record()
+    torch.cuda.synchronize(device)
+    times = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
+    return times[len(times) // 2]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _short_waits(group, seconds: float):
+    """Bound every wait of the group's buffers by ``seconds`` while tuning."""
+    bound = int(seconds * 1e9)
+    saved = [(b, b.timeout_ns) for b in (group.workspace, group.lane) if b is not None]
+    group.tuning_timeout_ns = bound
+    for buf, _ in saved:
+        buf.timeout_ns = bound
+    try:
+        yield
+    finally:
+        group.tuning_timeout_ns = None
+        real = int(env.current().timeout_s * 1e9)
+        for buf in (group.workspace, group.lane):
+            if buf is not None:
+                buf.timeout_ns = real
+
+
+def _recover(group, device) -> None:
+    """After a candidate failed on some rank: wait for every kernel, drop any error the tuning
+    waits wrote, and restart the epochs together, so the real calls pair up as before."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+    dist.barrier(group=group.pg())
+    group.err.zero_()
+    for buf in (group.workspace,):
+        if buf is not None:
+            buf.broken = None
+            buf.restart_epochs(group.pg())
+
+
+class Tuner:
+    """One group's tuned answers: the cache's (agreed) and those tuned since."""
+
+    def __init__(self, group, facts: GroupFacts, device, timer: Callable | None = None):
+        self.group, self.facts, self.device = group, facts, device
+        self.timer = timer or time_candidate
+        self.key = machine_key(facts)
+        self.path = cache_path(self.key)
+        self.entries: dict[str, Entry] = {}
+        self.tuned = 0
+        self.seconds = 0.0
+        self._load()
+
+    def _load(self) -> None:
+        entries = read(self.path, self.key)
+        if self.group.world > 1 and not _agree_same(self.group, content_hash(entries), self.device):
+            log.warning("commfuse: the ranks of group %r read different tuning caches (%s); none is used, and "
+                        "signatures are tuned anew", self.group.name, self.path)
+            entries = {}
+        self.entries = entries
+
+    def answer(self, call: Call, capturing: bool, may_tune: bool) -> str | None:
+        """The kept answer for ``call``, tuned now (collective) if ``may_tune`` and none is kept."""
+        sig = Signature.of(call, capture=capturing)
+        entry = self.entries.get(sig.text())
+        if entry is None and may_tune:
+            entry = self.tune(sig)
+            if call.op == "mm_all_reduce" and call.exchanged_bytes <= self.facts.lane_bytes:
+                self.tune(Signature.of(call, capture=True))  # what a later capture will ask for
+        if entry is None:
+            return None
+        path = REGISTRY.get((call.op, entry.choice))
+        if path is None or path.supports(call, self.facts) is not None:
+            return None  # the bucket's answer does not take this M: the rules decide
+        return entry.choice
+
+    def tune(self, sig: Signature) -> Entry:
+        """Every rank together: time the candidates of ``sig`` and keep the agreed answer."""
+        from . import policy  # noqa: PLC0415  (policy asks this module for answers: a lazy edge)
+
+        group, device = self.group, self.device
+        if not _agree_same(group, sig.digest(), device):
+            raise RuntimeError(
+                f"commfuse: the ranks of group {group.name!r} are tuning different call signatures (this rank: "
+                f"{sig.text()}); every rank must make the same fused calls in the same order")
+        began = time.perf_counter()
+        call = sig.call()
+        candidates = policy.candidates(call, self.facts, capturing=sig.capture)
+        rules = policy.rules_choice(call, self.facts, capture=sig.capture).name
+        lane_variant = policy.rules_choice(call, self.facts, capture=True).variant
+        reference = REGISTRY[(sig.op, "nccl")]
+        times, failed = [], []
+        with _short_waits(group, TUNING_TIMEOUT_S):
+            for path in candidates:
+                local_fail = False
+                try:
+                    variant = lane_variant if path.name == "graph" else None
+                    times.append(float(self.timer(path, sig, group, self.facts, device, reference, variant)))
+                except Exception as exc:  # noqa: BLE001 - a failed candidate is excluded, never fatal
+                    log.info("commfuse: tuning %s: %s failed on this rank (%s: %s)", sig.text(), path.name,
+                             type(exc).__name__, exc)
+                    times.append(math.inf)
+                    local_fail = True
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    if group.err_host[0]:  # a wait timed out: this candidate failed here
+                        local_fail = True
+                failed.append(local_fail)
+                if _any(group, local_fail, device):  # epochs may be out of step: start them over together
+                    _recover(group, device)
+        worst, bad = _reduce_results(group, times, failed, device) if group.world > 1 else (times, failed)
+        margin = env.current().tune_margin
+        ok = {p.name: t for p, t, f in zip(candidates, worst, bad) if not f and math.isfinite(t)}
+        best = min(ok, key=ok.get) if ok else "nccl"
+        choice = rules if rules in ok and ok[best] >= ok[rules] * (1 - margin) else best
+        entry = Entry(choice, rules, {p.name: t for p, t in zip(candidates, worst)},
+                      [p.name for p, f in zip(candidates, bad) if f], margin)
+        self.entries[sig.text()] = entry
+        self.tuned += 1
+        spent = time.perf_counter() - began
+        self.seconds += spent
+        if group.rank == 0:
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in ok.items())
+            print(f"[commfuse] tuned {self.tuned}: {sig.text()} -> {choice} (rules: {rules}; µs: {shown}) "
+                  f"in {spent:.1f} s, {self.seconds:.1f} s so far", flush=True)
+            write(self.path, self.key, {sig.text(): entry})
+        groups.bump()
+        return entry
+
+
+_tuners: dict[int, Tuner] = {}
+
+
+def mode() -> str:
+    return env.current().tune
+
+
+def for_group(group, facts: GroupFacts, device) -> Tuner:
+    """The group's tuner (made, and its cache agreed on, at the group's first tuned call)."""
+    tuner = _tuners.get(id(group))
+    if tuner is None or tuner.group is not group:
+        tuner = _tuners[id(group)] = Tuner(group, facts, device)
+    return tuner
+
+
+def answer(group, call: Call, facts: GroupFacts, device, capturing: bool) -> str | None:
+    """The tuned path for ``call``, per the tuning mode (``COMMFUSE_TUNE``): None when off."""
+    how = mode()
+    if how == "off":
+        return None
+    if capturing and id(group) not in _tuners:
+        return None  # a cache is agreed on collectively: never inside a capture
+    tuner = for_group(group, facts, device)
+    return tuner.answer(call, capturing, may_tune=how == "first-use" and not capturing)
+
+
+def forget() -> None:
+    """Drop every group's tuner (tests; the settings changed)."""
+    _tuners.clear()
