@@ -87,25 +87,38 @@ SHAPES = [("mm_all_reduce", 16, 4096, 8192), ("mm_all_reduce", 4096, 4096, 8192)
           ("mm_reduce_scatter", 1024, 1024, 1024), ("mm_reduce_scatter", 16384, 4096, 7168)]
 
 
+#: What the conservative default table gives at 2 ranks (the paths that won on every shape they were
+#: timed on): the split-K kernel for few rows where the GPU has TMA, else cuBLAS + one-shot; the
+#: symmetric pull for the other two ops.
+DEFAULT_AT_2 = {("mm_all_reduce", 16): "split_k", ("mm_all_reduce", 4096): "one_shot",
+                ("mm_all_reduce", 8192): "one_shot", ("all_gather_mm", 2048): "symm",
+                ("all_gather_mm", 16384): "symm", ("mm_reduce_scatter", 1024): "symm",
+                ("mm_reduce_scatter", 16384): "symm"}
+
+
 @pytest.mark.parametrize("op,m,k,n", SHAPES)
 def test_sm80_steps_aside_from_tile_kernels(op, m, k, n):
-    """An A100 has no TMA: the tile kernels (fused, split-K) are never chosen; and with no sm_80
-    table the conservative default runs NCCL."""
+    """An A100 has no TMA: the tile kernels (fused, split-K) are never chosen, not even forced; with
+    no sm_80 table the conservative default applies, the next rule where a path cannot run."""
     facts = GroupFacts.simulated(2, arch="sm_80", name="NVIDIA A100-SXM4-80GB", sms=108)
     call = _call(op, m, k, n)
     for name in ("fused", "split_k"):
         if (op, name) in REGISTRY:
             assert "TMA" in REGISTRY[(op, name)].supports(call, facts)
-    assert policy.choose(call, facts).name == "nccl"
-    # forcing a tile kernel there falls back instead of failing
-    assert policy.choose(call, facts, forced="fused").name == "nccl"
+    want = DEFAULT_AT_2[(op, m)]
+    want = "one_shot" if want == "split_k" else want  # no TMA: the next rule
+    assert policy.choose(call, facts).name == want
+    assert policy.choose(call, facts, forced="fused").name == want  # forcing falls back, never fails
+    assert policy.choose(_call(op, m, k, n, world=4), GroupFacts.simulated(4, arch="sm_80", sms=108)).name == "nccl"
 
 
 @pytest.mark.parametrize("op,m,k,n", SHAPES)
 def test_sm100_without_a_table_runs_the_documented_default(op, m, k, n):
     facts = GroupFacts.simulated(2, arch="sm_100", name="NVIDIA B200", sms=148)
     assert rules.table("sm_100", 2).arch == "default"
-    assert policy.choose(_call(op, m, k, n), facts).name == "nccl"
+    assert policy.choose(_call(op, m, k, n), facts).name == DEFAULT_AT_2[(op, m)]
+    # nothing measured at more ranks there: NCCL
+    assert policy.choose(_call(op, m, k, n, world=8), GroupFacts.simulated(8, arch="sm_100", sms=148)).name == "nccl"
 
 
 @pytest.mark.parametrize("facts,why", [
