@@ -101,7 +101,8 @@ def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, d
     call = call_of()
     plan = _plan(group, op, call, own_size, device, capturing)
     groups.record_capture(group, op, shapes, plan.decision.name, capturing)
-    if op not in group.uneven_ops:  # an op whose sizes differ agrees on every call
+    # an op whose sizes differ agrees on every call, and so does every call with COMMFUSE_VERIFY
+    if op not in group.uneven_ops and not verify.enabled():
         if len(_plans) >= PLAN_LIMIT:
             _plans.clear()
         _plans[key] = plan
