@@ -1,15 +1,17 @@
-"""When a copy-engine all-reduce runs eagerly, is captured or replays (``kernels/ce_graphs.py``),
+"""When a copy-engine all-reduce runs eagerly, is captured or replays (``runtime/ce_graphs.py``),
 on the CPU: CUDA graphs are stood in for by a recording of the call's work that a replay runs
 again on the tensors it was captured with (what a graph's baked addresses amount to). The real
 capture and replay run in the GPU suites (``test_gpu_ops.py``, ``test_gpu_one_device.py``); the
-path's device-epoch kernels through ``cuda_paths`` in ``test_cuda_paths_sim.py``."""
+path's device-epoch kernels through ``runtime/paths/ce_all_reduce.py`` in ``test_cuda_paths_sim.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from commfuse.kernels import ce_graphs, symm
+from commfuse import env
+from commfuse.runtime import ce_graphs
+from commfuse.runtime.workspace import HEADER_BYTES, Workspace
 
 
 class _FakeGraph:
@@ -33,13 +35,13 @@ def fake_capture(monkeypatch):
 
     monkeypatch.setattr(ce_graphs, "_capture", capture)
     monkeypatch.setattr(ce_graphs, "_disabled", [])
-    monkeypatch.delenv("COMMFUSE_CE_GRAPHS", raising=False)
-    return made
+    with env.override(ce_graphs=None):  # the default: on
+        yield made
 
 
-def _workspace():
-    return symm.Workspace("0", 0, 2, torch.zeros(symm.HEADER_BYTES + 2 * 4096, dtype=torch.uint8),
-                          torch.zeros(2, dtype=torch.int64), 4096)
+def _workspace(timeout_ns: int = 600 * 10**9):
+    return Workspace("0", 0, 2, torch.zeros(HEADER_BYTES + 2 * 4096, dtype=torch.uint8),
+                     torch.zeros(2, dtype=torch.int64), 4096, timeout_ns=timeout_ns)
 
 
 def test_a_call_runs_eagerly_then_is_captured_then_replays(fake_capture):
@@ -51,25 +53,28 @@ def test_a_call_runs_eagerly_then_is_captured_then_replays(fake_capture):
         ran.append(side)
         epochs.append(int(ws.epoch_cell))
 
-    key = ce_graphs.key(1, (a, None), ("one_shot", 2))
+    key = ce_graphs.key(ws, 1, (a, None), (4, 4, 2))
     assert [ce_graphs.run(ws, e, key, body, 0) for e in (5, 7, 9, 11)] == ["eager", "captured", "replayed", "replayed"]
     # the first call ran its work itself, each later one through the graph captured at the second
     assert len(fake_capture) == 1 and fake_capture[0].replays == 3
     assert epochs == [5, 7, 9, 11]  # the epoch cell held each call's own epoch when its work ran
+    assert ran == [None] * 4  # the eager call on the path's own streams; replays as captured
 
 
-def test_the_key_holds_addresses_layouts_parity_settings_and_the_wait_bound(monkeypatch):
+def test_the_key_holds_addresses_layouts_parity_settings_and_the_wait_bound():
+    """The wait bound baked into the captured kernels is the workspace's (``Workspace.timeout_ns``,
+    set from ``COMMFUSE_TIMEOUT_S`` at allocation), not a setting read per call."""
     a = torch.randn(4, 6)
-    base = ce_graphs.key(0, (a, None), ("one_shot", 8))
-    assert ce_graphs.key(0, (a, None), ("one_shot", 8)) == base
-    others = [ce_graphs.key(1, (a, None), ("one_shot", 8)),  # the other data half
-              ce_graphs.key(0, (a.clone(), None), ("one_shot", 8)),  # another address
-              ce_graphs.key(0, (a.view(6, 4), None), ("one_shot", 8)),  # the same memory, another shape
-              ce_graphs.key(0, (a[:, :3], None), ("one_shot", 8)),  # another layout
-              ce_graphs.key(0, (a, None), ("copy", 8)),  # another tail
-              ce_graphs.key(0, (a, None), ("one_shot", 4))]  # other chunks
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "5")
-    others.append(ce_graphs.key(0, (a, None), ("one_shot", 8)))  # another bound baked into the waits
+    ws = _workspace()
+    base = ce_graphs.key(ws, 0, (a, None), (4, 4))
+    assert ce_graphs.key(ws, 0, (a, None), (4, 4)) == base
+    others = [ce_graphs.key(ws, 1, (a, None), (4, 4)),  # the other data half
+              ce_graphs.key(ws, 0, (a.clone(), None), (4, 4)),  # another address
+              ce_graphs.key(ws, 0, (a.view(6, 4), None), (4, 4)),  # the same memory, another shape
+              ce_graphs.key(ws, 0, (a[:, :3], None), (4, 4)),  # another layout
+              ce_graphs.key(ws, 0, (a, a), (4, 4)),  # a bias where there was none
+              ce_graphs.key(ws, 0, (a, None), (2, 2, 2, 2)),  # other chunks
+              ce_graphs.key(_workspace(timeout_ns=5 * 10**9), 0, (a, None), (4, 4))]  # another bound
     assert all(k != base for k in others) and len(set(others)) == len(others)
 
 
@@ -103,13 +108,14 @@ def test_a_failed_capture_runs_the_call_eagerly_and_turns_graphs_off(monkeypatch
     monkeypatch.setattr(ce_graphs, "_still_capturing", lambda device: False)
     ws = _workspace()
     ran = []
-    assert ce_graphs.run(ws, 1, "k", ran.append, 0) == "eager"
-    with caplog.at_level("WARNING"):
-        assert ce_graphs.run(ws, 2, "k", ran.append, 0) == "eager"
-    assert ran == [None, None]  # both calls' work ran, once each
-    assert "capturing a copy-engine all-reduce" in caplog.text and "not permitted" in caplog.text
-    assert not ce_graphs.enabled() and not ws.graphs and not ws.graphs_seen
-    assert ce_graphs.run(ws, 3, "k", ran.append, 0) == "eager"  # graphs stay off: the work runs
+    with env.override(ce_graphs=True):
+        assert ce_graphs.run(ws, 1, "k", ran.append, 0) == "eager"
+        with caplog.at_level("WARNING"):
+            assert ce_graphs.run(ws, 2, "k", ran.append, 0) == "eager"
+        assert ran == [None, None]  # both calls' work ran, once each
+        assert "capturing a copy-engine all-reduce" in caplog.text and "not permitted" in caplog.text
+        assert not ce_graphs.enabled() and not ws.graphs and not ws.graphs_seen
+        assert ce_graphs.run(ws, 3, "k", ran.append, 0) == "eager"  # graphs stay off: the work runs
 
 
 def test_a_capture_that_leaves_a_stream_capturing_raises(monkeypatch):
@@ -132,7 +138,14 @@ def test_a_capture_that_leaves_a_stream_capturing_raises(monkeypatch):
 
 def test_graphs_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(ce_graphs, "_disabled", [])
-    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "0")
-    assert not ce_graphs.enabled()
-    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "1")
+    with env.override(ce_graphs="0"):
+        assert not ce_graphs.enabled()
+    with env.override(ce_graphs="1"):
+        assert ce_graphs.enabled()
+    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "0")  # the environment, read again
+    try:
+        assert not env.reload().ce_graphs and not ce_graphs.enabled()
+    finally:
+        monkeypatch.delenv("COMMFUSE_CE_GRAPHS")
+        env.reload()
     assert ce_graphs.enabled()

@@ -1,21 +1,38 @@
 """The CUDA paths' data movement, simulated on the CPU for 2, 4 and 8 ranks.
 
-The Triton exchange kernels and the CUDA streams are replaced by stand-ins that read the peer's
-workspace directly (the peer's data is put there beforehand, as its GEMM or copy would have), so
-the index arithmetic of every path (chunking, shares, rank order, per-row bias slicing, gather
-layouts) is checked against the unfused computation without a GPU. Synchronisation itself is
-covered by the GPU suite (tests/gpu).
+The Triton exchange kernels (``kernels/exchange.py``, which the path modules import as a module)
+and the CUDA streams are replaced by stand-ins that read the peer's workspace directly (the peer's
+data is put there beforehand, as its GEMM or copy would have), so the index arithmetic of every
+path's ``run()`` (``runtime/paths/*.py``: chunking, shares, rank order, per-row bias slicing,
+gather layouts) is checked against the unfused computation without a GPU. Calls come in through
+the run-time's entry (``runtime/entry.py``: the group's state, its facts as an H200 group agreed
+them, the shard-size agreement, the policy with ``COMMFUSE_ALGO``) or, for a path configuration of
+a tool's choosing, straight into the path with a ``Context``. Synchronisation itself is covered by
+the GPU suite (tests/gpu); the order of calls on streams by ``Workspace.order`` here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from commfuse.kernels import ce_graphs, cuda_paths, exchange, shards, symm
+from commfuse import env
+from commfuse.kernels import exchange
+from commfuse.runtime import ce_graphs, entry, groups, shards, verify
+from commfuse.runtime import facts as facts_mod
+from commfuse.runtime import workspace as wsmod
+from commfuse.runtime.facts import GroupFacts
+from commfuse.runtime.paths import REGISTRY, ag_overlap, ce_all_reduce, common, rs_overlap
+from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
+                                         MAX_ROW_SLABS, row_slabs, rows_dim)
+from commfuse.runtime.paths.common import PATHS
 from helpers import init_fake_pg
+
+AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
 
 
 class _Buffers:
@@ -23,15 +40,15 @@ class _Buffers:
 
     def __init__(self, rank: int, world: int, data_bytes: int = 1 << 16):
         self.world = world
-        self.bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8) for _ in range(world)]
-        self.mine = symm.Workspace("0", rank, world, self.bufs[rank], torch.zeros(world, dtype=torch.int64),
-                                   data_bytes, _keepalive=self)
+        self.bufs = list(torch.zeros(world, wsmod.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8))
+        self.mine = wsmod.Workspace("0", rank, world, self.bufs[rank], torch.zeros(world, dtype=torch.int64),
+                                    data_bytes, _keepalive=self)
 
     def peer_data(self, peer: int, shape) -> torch.Tensor:
         """``peer``'s data half of the next call's parity (where its GEMM or copy writes)."""
         parity = (self.mine.epoch + 1) % 2
         return self.get_buffer(peer, shape, torch.float32,
-                               (symm.HEADER_BYTES + parity * self.mine.data_bytes) // 4)
+                               (wsmod.HEADER_BYTES + parity * self.mine.data_bytes) // 4)
 
     def peers(self):
         return [p for p in range(self.world) if p != self.mine.rank]
@@ -47,10 +64,46 @@ class _Buffers:
         return raw.view(like.dtype).view(like.shape)
 
 
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return None
+
+    def wait_event(self, event):
+        pass
+
+
+class _Group:
+    """What a path reads of its group (``groups.Group``) when a test runs it with a ``Context``:
+    the group's side streams (stand-ins) and its process group."""
+
+    def __init__(self, sim):
+        self.sim, self.name = sim, "0"
+
+    def side_streams(self, device, count: int = 3) -> tuple:
+        return self.sim.sides
+
+    def pg(self):
+        return dist.group.WORLD
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The products here are tiny: a second intra-op thread only adds its hand-off (ms per
+    matmul on a busy machine), so they run on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=[(2, 0), (2, 1), (4, 2), (8, 5)], ids=lambda p: f"world{p[0]}-rank{p[1]}")
 def sim(request, monkeypatch):
     world, rank = request.param
     init_fake_pg(world)
+    groups.release_all()
     bufs = _Buffers(rank, world)
     ws = bufs.mine
     WORLD = world
@@ -70,26 +123,56 @@ def sim(request, monkeypatch):
         total = sum(bufs.at(p, partial).float() for p in range(WORLD)).view(outer, WORLD, inner)
         out.copy_(total[:, ws.rank].reshape(out.shape))
 
-    class _Stream:
-        def wait_stream(self, other):
-            pass
-
-        def record_event(self):
-            return None
-
-        def wait_event(self, event):
-            pass
-
     monkeypatch.setattr(exchange, "all_reduce", all_reduce)
     monkeypatch.setattr(exchange, "gather", gather)
     monkeypatch.setattr(exchange, "reduce_scatter", reduce_scatter)
     monkeypatch.setattr(exchange, "barrier", lambda *a, **k: None)
-    monkeypatch.setattr(symm, "workspace", lambda *a, **k: ws)
-    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: _Stream())
-    monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: (_Stream(), _Stream(), _Stream()))
+    monkeypatch.setattr(groups, "workspace", lambda group, nbytes, device: ws)
+    # the facts every rank of an H200 group agrees on its first call (the agreement is collective)
+    monkeypatch.setattr(facts_mod, "agree", lambda pg, device, provider, lane_bytes: GroupFacts.simulated(
+        WORLD, provider=provider, lane_bytes=lane_bytes))
+    bufs.sides = (_Stream(), _Stream(), _Stream())  # (pulls, adds, barriers)
+    monkeypatch.setattr(groups.Group, "side_streams", lambda self, device, count=3: bufs.sides)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    return bufs
+    bufs.facts = GroupFacts.simulated(world)
+    bufs.group = _Group(bufs)
+    with env.override(algo=None, ce_graphs=False, verify=False):  # graphs: test_ce_graphs.py, and below
+        yield bufs
+    groups.release_all()
+
+
+def _args(op, *args, **kw):
+    if op == AR:
+        return MmAllReduceArgs(*args)
+    if op == AG:
+        kw.setdefault("return_gathered", True)
+        return AllGatherMmArgs(*args, **kw)
+    return MmReduceScatterArgs(*args)
+
+
+def _call_of(op, args, world) -> Call:
+    """The ``Call`` the entry makes of these arguments."""
+    if op == AR:
+        return Call(op, args.a.shape[0], args.a.shape[1], args.b.shape[1], args.a.dtype, world, args.bias is not None)
+    if op == AG:
+        shard, k = args.shard, args.shard.shape[-1]
+        dim = rows_dim(shard.shape, args.gather_dim)
+        return Call(op, shard.numel() // k * world, k, args.b.shape[1], shard.dtype, world, args.bias is not None,
+                    dim, row_slabs(shard.shape, dim))
+    dim = rows_dim(args.shape, args.scatter_dim)
+    return Call(op, args.a.shape[0], args.a.shape[1], args.b.shape[1], args.a.dtype, world, args.bias is not None,
+                dim, row_slabs(args.shape, dim))
+
+
+def run_path(sim, op, name, *args, config=None, **kw):
+    """Path ``name`` of ``op`` run as a tool runs it: with a ``Context`` holding ``config`` (the
+    path's own for the call where None) and the group stand-in."""
+    args = _args(op, *args, **kw)
+    call = _call_of(op, args, sim.world)
+    path = REGISTRY[(op, name)]
+    config = config if config is not None else path.config(call, sim.facts)
+    return path.run(Context(call, sim.facts, sim.group, config), args)
 
 
 def _inputs(world, m, k, n, bias_kind):
@@ -105,37 +188,40 @@ def _partial(a, b, bias):
     return a @ b if bias is None else torch.addmm(bias, a, b)
 
 
-@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap", "ce_overlap:copy", "overlap"])
+def _ran(op):
+    """The counts of ``PATHS`` for ``op`` now, to compare with after a call."""
+    return {k.split(":")[1]: v for k, v in PATHS.items() if k.startswith(op + ":")}
+
+
+def _changed(op, before):
+    after = _ran(op)
+    return [k for k in after if after[k] != before.get(k, 0)]
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap"])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-def test_mm_all_reduce_paths(sim, monkeypatch, algo, bias_kind):
-    """Every path, the copy-engine overlap with its default tail and with every chunk copied."""
-    algo, _, tail = algo.partition(":")
-    monkeypatch.setenv("COMMFUSE_ALGO", algo)
-    if tail:
-        monkeypatch.setenv("COMMFUSE_CE_TAIL", tail)
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")  # uneven chunks
+def test_mm_all_reduce_paths(sim, algo, bias_kind):
+    """Every forced path's result; the copy-engine overlap's last chunk is the one-shot's."""
     a, b, bias = _inputs(sim.world, 10, 6, 7, bias_kind)
     r = sim.mine.rank
     for p in sim.peers():
         sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))  # what the peer's GEMM wrote
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    before = _ran(AR)
+    with env.override(algo=algo):
+        out = entry.mm_all_reduce(a[r], b[r], bias[r], "0")
     want = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world))
     torch.testing.assert_close(out, want)
-    if algo in ("one_shot", "two_shot"):  # the stand-in sums alike: the forced exchange must be the one asked
-        assert sim.algos == [algo], sim.algos
+    assert _changed(AR, before) == [algo]
+    # the stand-in sums alike: the forced exchange must be the one asked (the overlap's tail: one-shot)
+    assert sim.algos == ["one_shot" if algo == "ce_overlap" else algo], sim.algos
 
 
 @pytest.mark.parametrize("bias_kind", [None, "2d"])
-@pytest.mark.parametrize("rows, last, tail_rows", [(10, None, 2), (200, "8", 8)])
+@pytest.mark.parametrize("rows, last, tail_rows", [(10, 0, 2), (200, 8, 8)])
 def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind, rows, last, tail_rows):
-    """``COMMFUSE_CE_TAIL=one_shot``: the last chunk's rows go to the one-shot exchange, in flag
-    slots after the chunks' barriers; the others are pulled and summed as before. 3 chunks: of 4,
-    4 and 2 rows; with ``COMMFUSE_CE_LAST_ROWS=8`` of 200 rows, of 128, 64 and 8."""
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
-    monkeypatch.setenv("COMMFUSE_CE_TAIL", "one_shot")
-    if last:
-        monkeypatch.setenv("COMMFUSE_CE_LAST_ROWS", last)
+    """The last chunk's rows go to the one-shot exchange, in flag slots after the chunks' barriers;
+    the others are pulled and summed. 3 chunks: of 4, 4 and 2 rows; with the last chunk asked to
+    be 8 of 200 rows, of 128, 64 and 8."""
     calls = []
     real = exchange.all_reduce
     monkeypatch.setattr(exchange, "all_reduce", lambda ws_, partial, out, epoch, algo, op_code, **kw: (
@@ -144,25 +230,21 @@ def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind, r
     r = sim.mine.rank
     for p in sim.peers():
         sim.peer_data(p, (rows, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    config = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(rows, 3, last), graphs=False)
+    assert len(config.rows) == 3 and config.rows[-1] == tail_rows
+    out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
     assert calls == [(torch.Size([tail_rows, 7]), "one_shot", 3)]
-    monkeypatch.setenv("COMMFUSE_CE_TAIL", "last")
-    with pytest.raises(ValueError, match="COMMFUSE_CE_TAIL"):
-        cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
-    assert sim.mine.broken is None  # refused before the call's epoch began
+    assert sim.mine.broken is None and sim.mine.epoch == 1
 
 
-@pytest.mark.parametrize("tail", ["copy", "one_shot"])
-@pytest.mark.parametrize("streams", ["1", "2", "3"])
-def test_copy_engine_side_work_spreads_over_the_streams_asked_for(sim, monkeypatch, streams, tail):
-    """``COMMFUSE_CE_STREAMS``: 1, each chunk's barrier, pulls and add in turn on one side stream;
-    2, each add on a second stream behind the event the pulls' stream recorded after that chunk's
-    pulls; 3, the barriers on a third too, each chunk's pulls behind the event recorded after its
-    own barrier, so the pulls' stream holds event waits and pulls only. Events are told apart
-    (stream, count), so a pull or an add that waited on another chunk's event fails; the caller's
-    stream waits for every stream used, the pulls' last. With the one-shot tail the last chunk
-    takes none of this."""
+def test_copy_engine_side_work_spreads_over_its_three_streams(sim, monkeypatch):
+    """Each chunk's barrier on the barriers' stream behind its GEMM's event; its pulls on the
+    pulls' stream behind the event recorded after its own barrier (so that stream holds event waits
+    and pulls only); its add on the adds' stream behind the event recorded after its pulls. Events
+    are told apart (stream, count), so a pull or an add that waited on another chunk's event
+    fails; the caller's stream waits for every stream, the pulls' last. The last chunk is the
+    one-shot's, on the caller's stream, and takes none of this."""
     log, current = [], ["main"]
 
     class Recorded:
@@ -201,61 +283,42 @@ def test_copy_engine_side_work_spreads_over_the_streams_asked_for(sim, monkeypat
         return real_copy(self, src, non_blocking)
 
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: (rec["pulls"], rec["adds"], rec["barriers"]))
+    sim.sides = (rec["pulls"], rec["adds"], rec["barriers"])
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec[current[0]])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op_code, slot=0: log.append((current[0], "barrier", slot)))
-    real_sum, real_all_reduce = cuda_paths._sum_rank_order, exchange.all_reduce
-    monkeypatch.setattr(cuda_paths, "_sum_rank_order", lambda parts, out: (
+    real_sum, real_all_reduce = ce_all_reduce.sum_rank_order, exchange.all_reduce
+    monkeypatch.setattr(ce_all_reduce, "sum_rank_order", lambda parts, out: (
         log.append((current[0], "add", out.storage_offset() // (rows * n))), real_sum(parts, out)))
     monkeypatch.setattr(exchange, "all_reduce", lambda *args, **kw: (
         log.append((current[0], "one_shot", kw.get("slot_base"))), real_all_reduce(*args, **kw)))
-    for name, value in (("ALGO", "ce_overlap"), ("CE_CHUNKS", "3"), ("CE_TAIL", tail), ("CE_STREAMS", streams),
-                        ("CE_GRAPHS", "0")):
-        monkeypatch.setenv(f"COMMFUSE_{name}", value)
     a, b, bias = _inputs(sim.world, m, 6, n, "2d")
     r = sim.mine.rank
     for p in sim.peers():
         sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
     log.clear()
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    config = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m, 3), graphs=False)
+    out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    on = {name: [e[1:] for e in log if e[0] == name] for name in names}
-    chunks = 3 if tail == "copy" else 2  # the one-shot takes the last chunk on the caller's stream
-    peers = sim.world - 1
-    gemms = [("record", ("main", i)) for i in range(3)]
-    assert on["main"][:3] == gemms  # every chunk's GEMM event, first
-    rest = on["main"][3:]
-    if tail == "one_shot":
-        assert rest[0] == ("one_shot", 3)  # after the chunks' barrier slots
-        rest = rest[1:]
-
-    def pulls(i):
-        return [("pull", i)] * peers
-
-    if streams == "1":
-        assert on["pulls"] == [("wait_stream", "main")] + [
-            x for i in range(chunks) for x in [("wait_event", ("main", i)), ("barrier", i), *pulls(i), ("add", i)]]
-        assert on["adds"] == on["barriers"] == [] and rest == [("wait_stream", "pulls")]
-    elif streams == "2":
-        assert on["pulls"] == [("wait_stream", "main")] + [
-            x for i in range(chunks)
-            for x in [("wait_event", ("main", i)), ("barrier", i), *pulls(i), ("record", ("pulls", i))]]
-        assert on["adds"] == [x for i in range(chunks) for x in [("wait_event", ("pulls", i)), ("add", i)]]
-        assert on["barriers"] == [] and rest == [("wait_stream", "adds"), ("wait_stream", "pulls")]
-    else:
-        assert on["barriers"] == [x for i in range(chunks) for x in [
-            ("wait_event", ("main", i)), ("barrier", i), ("record", ("barriers", i))]]
-        assert on["pulls"] == [("wait_stream", "main")] + [
-            x for i in range(chunks) for x in [("wait_event", ("barriers", i)), *pulls(i), ("record", ("pulls", i))]]
-        assert on["adds"] == [x for i in range(chunks) for x in [("wait_event", ("pulls", i)), ("add", i)]]
-        assert sorted(rest[:2]) == [("wait_stream", "adds"), ("wait_stream", "barriers")]
-        assert rest[2:] == [("wait_stream", "pulls")]
+    on_ = {name: [e[1:] for e in log if e[0] == name] for name in names}
+    chunks, peers = 2, sim.world - 1  # the one-shot takes the last chunk on the caller's stream
+    assert on_["main"][:3] == [("record", ("main", i)) for i in range(3)]  # every chunk's GEMM event, first
+    rest = on_["main"][3:]
+    assert rest[0] == ("one_shot", 3)  # after the chunks' barrier slots
+    rest = rest[1:]
+    assert on_["barriers"] == [x for i in range(chunks) for x in [
+        ("wait_event", ("main", i)), ("barrier", i), ("record", ("barriers", i))]]
+    assert on_["pulls"] == [("wait_stream", "main")] + [
+        x for i in range(chunks) for x in [("wait_event", ("barriers", i)), *[("pull", i)] * peers,
+                                           ("record", ("pulls", i))]]
+    assert on_["adds"] == [x for i in range(chunks) for x in [("wait_event", ("pulls", i)), ("add", i)]]
+    assert sorted(rest[:2]) == [("wait_stream", "adds"), ("wait_stream", "barriers")]
+    assert rest[2:] == [("wait_stream", "pulls")]
 
 
 def test_a_workspace_keeps_a_bounded_number_of_launches(sim, monkeypatch):
     """A plan per row count (dynamic shapes): ``kept`` drops them all once full."""
-    monkeypatch.setattr(symm, "KEPT_LIMIT", 3)
+    monkeypatch.setattr(wsmod, "KEPT_LIMIT", 3)
     ws = sim.mine
     made = [ws.kept(("plan", m), lambda m=m: object()) for m in range(3)]
     assert ws.kept(("plan", 1), lambda: None) is made[1] and len(ws.launches) == 3
@@ -267,19 +330,19 @@ def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
     """The copy-engine paths read the peers' halves through views the workspace keeps: the
     provider makes each (peer, parity) view once, and later calls, of other shapes too, slice
     it."""
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
     made = []
     real = sim.get_buffer
     monkeypatch.setattr(sim, "get_buffer", lambda *a: made.append(a[0]) or real(*a))
     r = sim.mine.rank
-    for call, (m, n) in enumerate([(10, 7), (6, 5), (10, 7)]):
-        a, b, bias = _inputs(sim.world, m, 6, n, "1d")
-        for p in sim.peers():
-            sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
-        made_before = len(made)
-        out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
-        assert len(made) - made_before == (sim.world if call < 2 else 0)  # every rank's view, per parity
-        torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
+    with env.override(algo="ce_overlap"):
+        for call, (m, n) in enumerate([(10, 7), (6, 5), (10, 7)]):
+            a, b, bias = _inputs(sim.world, m, 6, n, "1d")
+            for p in sim.peers():
+                sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
+            made_before = len(made)
+            out = entry.mm_all_reduce(a[r], b[r], bias[r], "0")
+            assert len(made) - made_before == (sim.world if call < 2 else 0)  # every rank's view, per parity
+            torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
 
 
 @pytest.mark.parametrize("algo, gather_dim, shape", [
@@ -287,73 +350,63 @@ def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
     ("overlap", 1, (1, 4, 6)), ("overlap", 2, (1, 1, 3, 6)),  # leading 1s: blocks of rows, like dim 0
     ("overlap", 1, (2, 3, 6)), ("overlap", 1, (3, 2, 2, 6))])  # a batch: a block in each slab
 @pytest.mark.parametrize("bias_kind", [None, "1d"])
-@pytest.mark.parametrize("local", ["workspace", "copy"])
-def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind, local):
-    monkeypatch.setenv("COMMFUSE_ALGO", algo)
-    monkeypatch.setenv("COMMFUSE_AG_LOCAL", local)  # what the overlap's local GEMM reads
+def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind):
     overlapped = []
-    real = cuda_paths._gather_overlapped
-    monkeypatch.setattr(cuda_paths, "_gather_overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
+    real = ag_overlap.overlapped
+    monkeypatch.setattr(ag_overlap, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
     torch.manual_seed(4)
-    shards = [torch.randn(*shape) for _ in range(sim.world)]
+    shards_ = [torch.randn(*shape) for _ in range(sim.world)]
     b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
     r = sim.mine.rank
     for p in sim.peers():
-        sim.peer_data(p, shape).copy_(shards[p])  # the peer's shard, copied into its workspace
+        sim.peer_data(p, shape).copy_(shards_[p])  # the peer's shard, copied into its workspace
     mine = sim.peer_data(r, shape)  # where this call must leave its shard for the peers
-    out, gathered = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, sim.world, "0")
-    want_gathered = torch.cat(shards, dim=gather_dim)
-    torch.testing.assert_close(mine, shards[r])
+    before = _ran(AG)
+    with env.override(algo=algo):
+        out, gathered = entry.all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0")
+    assert _changed(AG, before) == [algo]
+    want_gathered = torch.cat(shards_, dim=gather_dim)
+    torch.testing.assert_close(mine, shards_[r])
     torch.testing.assert_close(gathered, want_gathered)
     torch.testing.assert_close(out, _partial(want_gathered.reshape(-1, 6), b, bias))
     # a graph that does not use the gathered tensor: the same product, no gathered tensor promised
     for p in sim.peers():
-        sim.peer_data(p, shape).copy_(shards[p])  # the next call's parity
+        sim.peer_data(p, shape).copy_(shards_[p])  # the next call's parity
     mine = sim.peer_data(r, shape)
-    out2, gathered2 = cuda_paths.all_gather_mm(shards[r], b, bias, gather_dim, sim.world, "0",
-                                               return_gathered=False)
-    torch.testing.assert_close(mine, shards[r])
+    with env.override(algo=algo):
+        out2, gathered2 = entry.all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0",
+                                              return_gathered=False)
+    torch.testing.assert_close(mine, shards_[r])
     torch.testing.assert_close(out2, out)
     assert len(overlapped) == (2 if algo == "overlap" else 0)  # any leading dims (as slabs) take it
-    if gathered2 is not None:
+    if gathered2 is not None:  # what the entry returns is the gathered tensor or nothing
         torch.testing.assert_close(gathered2, want_gathered)
 
 
-def test_paths_count_the_path_that_ran(sim, monkeypatch):
-    """A forced overlap that cannot take the call (more row slabs than it handles) runs the
-    symmetric pull, and PATHS (what tests read to know which path ran) says so."""
-    from commfuse.kernels import dispatch
-
-    slabs = dispatch.MAX_ROW_SLABS + 1
-    monkeypatch.setenv("COMMFUSE_ALGO", "overlap")
-    before = dict(cuda_paths.PATHS)
-    shards = [torch.randn(slabs, 2, 6) for _ in range(sim.world)]
+def test_paths_count_the_path_that_ran(sim):
+    """A forced overlap that cannot take the call (more row slabs than it handles) runs what the
+    rules pick instead, the symmetric pull here, and PATHS (what tests read to know which path
+    ran) says so."""
+    slabs = MAX_ROW_SLABS + 1
+    before = dict(PATHS)
+    shards_ = [torch.randn(slabs, 2, 6) for _ in range(sim.world)]
     for p in sim.peers():
-        sim.peer_data(p, (slabs, 2, 6)).copy_(shards[p])
-    out, gathered = cuda_paths.all_gather_mm(shards[sim.mine.rank], torch.randn(6, 5), None, 1, sim.world, "0")
-    torch.testing.assert_close(gathered, torch.cat(shards, dim=1))
-    assert cuda_paths.PATHS["all_gather_mm:symm"] == before.get("all_gather_mm:symm", 0) + 1
-    assert cuda_paths.PATHS["all_gather_mm:overlap"] == before.get("all_gather_mm:overlap", 0)
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+        sim.peer_data(p, (slabs, 2, 6)).copy_(shards_[p])
+    with env.override(algo="overlap"):
+        out, gathered = entry.all_gather_mm(shards_[sim.mine.rank], torch.randn(6, 5), None, 1, sim.world, "0")
+    torch.testing.assert_close(gathered, torch.cat(shards_, dim=1))
+    assert PATHS["all_gather_mm:symm"] == before.get("all_gather_mm:symm", 0) + 1
+    assert PATHS["all_gather_mm:overlap"] == before.get("all_gather_mm:overlap", 0)
     m, shape = 2 * sim.world * slabs, [slabs, 2 * sim.world, 7]
     a, b, _ = _inputs(sim.world, m, 6, 7, None)
     for p in sim.peers():
         sim.peer_data(p, (m, 7)).copy_(a[p] @ b[p])
-    out = cuda_paths.mm_reduce_scatter(a[sim.mine.rank], b[sim.mine.rank], None, shape, 1, sim.world, "0")
+    with env.override(algo="ce_overlap"):
+        out = entry.mm_reduce_scatter(a[sim.mine.rank], b[sim.mine.rank], None, shape, 1, sim.world, "0")
     want = sum(a[p] @ b[p] for p in range(sim.world)).view(shape).chunk(sim.world, dim=1)[sim.mine.rank]
     torch.testing.assert_close(out, want)
-    assert cuda_paths.PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
-
-
-def test_a_bad_all_gather_setting_fails_before_the_exchange(sim, monkeypatch):
-    """A setting the overlap cannot read raises before the call's epoch: the workspace stays
-    usable (an error after the epoch began would mark it broken on this rank only)."""
-    monkeypatch.setenv("COMMFUSE_ALGO", "overlap")
-    monkeypatch.setenv("COMMFUSE_AG_LOCAL", "1")
-    epoch = sim.mine.epoch
-    with pytest.raises(ValueError, match="COMMFUSE_AG_LOCAL"):
-        cuda_paths.all_gather_mm(torch.randn(4, 6), torch.randn(6, 5), None, 0, sim.world, "0")
-    assert sim.mine.broken is None and sim.mine.epoch == epoch
+    assert PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
+    assert PATHS["mm_reduce_scatter:ce_overlap"] == before.get("mm_reduce_scatter:ce_overlap", 0)
 
 
 @pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
@@ -362,21 +415,30 @@ def test_a_bad_all_gather_setting_fails_before_the_exchange(sim, monkeypatch):
     ("ce_overlap", 5, lambda w: [5 * w, 7], 0), ("ce_overlap", 4, lambda w: [1, 4 * w, 7], 1),
     ("ce_overlap", 4, lambda w: [2, 2 * w, 7], 1), ("ce_overlap", 6, lambda w: [3, w, 2, 7], 1)])
 @pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-@pytest.mark.parametrize("chunks", ["1", "3"])
+@pytest.mark.parametrize("chunks", [None, 1, 3])
 def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind, chunks):
-    monkeypatch.setenv("COMMFUSE_ALGO", algo)
-    monkeypatch.setenv("COMMFUSE_RS_CHUNKS", chunks)  # the overlap's row chunks per share (3 of 5 rows: 2, 2, 1)
+    """Through the entry (the path's own chunks), or with 1 or 3 row chunks per share asked of the
+    copy-engine overlap (3 of 5 rows: 2, 2, 1)."""
     slots, overlapped = [], []
     monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: slots.append(slot))
-    real = cuda_paths._scatter_overlapped
-    monkeypatch.setattr(cuda_paths, "_scatter_overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
+    real = rs_overlap.overlapped
+    monkeypatch.setattr(rs_overlap, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
     m = rows_per_rank * sim.world
     shape = shape_of(sim.world)
     a, b, bias = _inputs(sim.world, m, 6, 7, bias_kind)
     r = sim.mine.rank
     for p in sim.peers():
         sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
+    if chunks is None:
+        before = _ran(RS)
+        with env.override(algo=algo):
+            out = entry.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
+        assert _changed(RS, before) == [algo]
+    else:
+        slabs = max(row_slabs(shape, rows_dim(shape, scatter_dim)), 1)
+        config = (rs_overlap.RsOverlapConfig(rs_overlap.chunks(m // sim.world // slabs, sim.world, slabs, chunks))
+                  if algo == "ce_overlap" else None)
+        out = run_path(sim, RS, algo, a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0", config=config)
     total = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)).view(shape)
     torch.testing.assert_close(out, total.chunk(sim.world, dim=scatter_dim)[r])
     assert len(slots) == len(set(slots)), "every barrier of a call has its own flag slot"
@@ -384,26 +446,28 @@ def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of
     assert len(overlapped) == (algo == "ce_overlap")
 
 
-def test_forced_copy_engine_paths_with_no_rows_fall_back(sim, monkeypatch):
-    """Zero rows: nothing to chunk, so a forced copy-engine path takes the plain symmetric one
-    (counted as such) instead of failing inside the exchange, which would break the workspace."""
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
+def test_forced_copy_engine_paths_with_no_rows_run_the_rules_choice(sim):
+    """Zero rows: no symmetric path takes an empty exchange, so a forced copy-engine path runs
+    what the rules pick, the unfused computation (counted as such), instead of failing inside the
+    exchange, which would break the workspace."""
     r = sim.mine.rank
     a, b, bias = _inputs(sim.world, 0, 6, 7, "1d")
-    before = dict(cuda_paths.PATHS)
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    before = dict(PATHS)
+    with env.override(algo="ce_overlap"):
+        out = entry.mm_all_reduce(a[r], b[r], bias[r], "0")
+        assert out.shape == (0, 7) and sim.mine.broken is None and sim.mine.epoch == 0
+        assert PATHS["mm_all_reduce:nccl"] == before.get("mm_all_reduce:nccl", 0) + 1
+        out = entry.mm_reduce_scatter(a[r], b[r], bias[r], [0, 7], 0, sim.world, "0")
     assert out.shape == (0, 7) and sim.mine.broken is None
-    assert cuda_paths.PATHS["mm_all_reduce:one_shot"] == before.get("mm_all_reduce:one_shot", 0) + 1
-    out = cuda_paths.mm_reduce_scatter(a[r], b[r], bias[r], [0, 7], 0, sim.world, "0")
-    assert out.shape == (0, 7) and sim.mine.broken is None
-    assert cuda_paths.PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
+    assert PATHS["mm_reduce_scatter:nccl"] == before.get("mm_reduce_scatter:nccl", 0) + 1
+    assert PATHS["mm_all_reduce:ce_overlap"] == before.get("mm_all_reduce:ce_overlap", 0)
 
 
 def test_kept_views_made_in_inference_mode_take_writes_outside_it(sim):
     """A workspace first used under ``torch.inference_mode`` (a prefill) keeps its flag and peer
     views for later calls outside it (training), which write the flags in place."""
-    fresh = symm.Workspace("0", sim.mine.rank, sim.world, sim.bufs[sim.mine.rank].clone(),
-                           torch.zeros(sim.world, dtype=torch.int64), 1 << 16, _keepalive=sim)
+    fresh = wsmod.Workspace("0", sim.mine.rank, sim.world, sim.bufs[sim.mine.rank].clone(),
+                            torch.zeros(sim.world, dtype=torch.int64), 1 << 16, _keepalive=sim)
     with torch.inference_mode():
         fresh.flags, fresh.tile_flags, fresh.peer_data(0, 0, (4, 4), torch.float32)
     fresh.flags.zero_()
@@ -425,9 +489,9 @@ class _FakeEvent:
 
 def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch):
     """``call_times.record(True)``: each call of an op's entry is timed on the caller's stream,
-    keyed by the op, its operands' shapes and layout and the path it took (a forced path that fell back
-    counts as the path that ran); nothing is kept while recording is off; ``collect`` empties."""
-    from commfuse.kernels import call_times
+    keyed by the op, its operands' shapes and layout and the path it took (a forced path that fell
+    back counts as the path that ran); nothing is kept while recording is off; ``collect`` empties."""
+    from commfuse.tools import call_times
 
     monkeypatch.setattr(call_times, "_event", _FakeEvent)
     monkeypatch.setattr(call_times, "_timeable", lambda a: True)
@@ -437,11 +501,11 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
     r = sim.mine.rank
 
     def call(algo, m):
-        monkeypatch.setenv("COMMFUSE_ALGO", algo)
         a, b, bias = _inputs(sim.world, m, 6, 7, None)
         for p in sim.peers():
             sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
-        cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+        with env.override(algo=algo):
+            entry.mm_all_reduce(a[r], b[r], bias[r], "0")
 
     def calls():
         call_times.record(True)
@@ -449,14 +513,14 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
             call("one_shot", 10)
             call("two_shot", 10)
             call("one_shot", 10)
-            call("ce_overlap", 0)  # no rows to chunk: runs one-shot instead
-            monkeypatch.setenv("COMMFUSE_ALGO", "symm")  # an entry with a keyword argument
-            shards = [torch.randn(4, 6) for _ in range(sim.world)]
+            call("ce_overlap", 0)  # no rows: no symmetric path takes it, the rules' NCCL runs
+            shards_ = [torch.randn(4, 6) for _ in range(sim.world)]
             for p in sim.peers():
-                sim.peer_data(p, (4, 6)).copy_(shards[p])
+                sim.peer_data(p, (4, 6)).copy_(shards_[p])
             b = torch.randn(6, 5)
-            out, _ = cuda_paths.all_gather_mm(shards[r], b, None, 0, sim.world, "0", return_gathered=False)
-            torch.testing.assert_close(out, torch.cat(shards) @ b)
+            with env.override(algo="symm"):  # an entry with a keyword argument
+                out, _ = entry.all_gather_mm(shards_[r], b, None, 0, sim.world, "0", return_gathered=False)
+            torch.testing.assert_close(out, torch.cat(shards_) @ b)
         finally:
             call_times.record(False)
         call("one_shot", 10)
@@ -467,7 +531,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
     assert {k: [(c.gpu_us, c.idle) for c in v] for k, v in detail.items()} == {
         ("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [(1e3, True), (1e3, False)],
         ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [(1e3, False)],
-        ("mm_all_reduce", (0, 6), (6, 7), False, "one_shot"): [(1e3, True)],
+        ("mm_all_reduce", (0, 6), (6, 7), False, "nccl"): [(1e3, True)],
         ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [(1e3, False)]}
     assert all(c.host_us > 0 and 0 <= c.cpu_us <= c.host_us + 1e3 for v in detail.values() for c in v)
     assert next(idle, None) is None  # asked once per recorded call, never while not recording
@@ -476,14 +540,14 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
     times = call_times.collect()
     assert times == {("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [1e3, 1e3],
                      ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [1e3],
-                     ("mm_all_reduce", (0, 6), (6, 7), False, "one_shot"): [1e3],
+                     ("mm_all_reduce", (0, 6), (6, 7), False, "nccl"): [1e3],
                      ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [1e3]}
     assert call_times.collect() == {}
 
 
 def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
-    """A chunk of a larger partial (the copy-engine tail, the SM overlap) may start off a 16-byte
-    boundary: the one-shot kernel's loads must then not be vectorised (a misaligned load faults)."""
+    """A chunk of a larger partial (the copy-engine tail) may start off a 16-byte boundary: the
+    one-shot kernel's loads must then not be vectorised (a misaligned load faults)."""
     seen = []
     monkeypatch.setattr(exchange, "run_kernel", lambda kernel, grid, *a, **kw: seen.append(kw["VEC"]))
     monkeypatch.setattr(exchange, "_common", lambda ws, epoch: {})
@@ -495,14 +559,11 @@ def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
     assert seen == [1, 0]
 
 
-@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize("graphs", [True, False])
 def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, monkeypatch, graphs):
-    """``COMMFUSE_CE_GRAPHS`` (``ce_graphs.py``): with graphs the chunks' barriers and the one-shot
+    """``CeConfig.graphs`` (``ce_graphs.py``): with graphs the chunks' barriers and the one-shot
     tail get no epoch (they read the workspace's epoch cell, which holds the call's), without them
     the call's epoch; the result is the sum either way, and only graphed calls are remembered."""
-    monkeypatch.setenv("COMMFUSE_CE_GRAPHS", graphs)
-    monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-    monkeypatch.setenv("COMMFUSE_CE_CHUNKS", "3")
     monkeypatch.setattr(ce_graphs, "_disabled", [])
     ws, seen = sim.mine, []
     real = exchange.all_reduce
@@ -514,67 +575,245 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
     r = ws.rank
     for p in sim.peers():
         sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    out = cuda_paths.mm_all_reduce(a[r], b[r], bias[r], "0")
+    config = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(10, 3), graphs=graphs)
+    with env.override(ce_graphs=True):
+        out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    want = None if graphs == "1" else ws.epoch
+    want = None if graphs else ws.epoch
     # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
     assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
-    if graphs == "1":
+    if graphs:
         assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
     else:
         assert not ws.graphs and not ws.graphs_seen
+
+
+def _capturing(monkeypatch, state: list) -> None:
+    """A CUDA-graph capture, as the entry and the graph lane ask for it, while ``state[0]``."""
+    monkeypatch.setattr(entry, "_CUDA", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state[0])
 
 
 def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
     """A CUDA-graph capture sends these calls to NCCL. A rank whose graph tree re-warms runs the
     same calls eagerly while its peer replays the NCCL collectives, so once a capture took NCCL for
     an op, group and shapes, eager calls with those run NCCL too; other shapes keep their path."""
-    from commfuse.kernels import dispatch
-
-    monkeypatch.setattr(symm, "_captured_nccl", set())
-    world, rank = sim.world, sim.mine.rank
+    world = sim.world
     shard, b = torch.randn(4, 6), torch.randn(6, 5)
     a, w = torch.randn(2 * world, 6), torch.randn(6, 7)
+    capturing = [False]
+    _capturing(monkeypatch, capturing)
+    checked = []
+    monkeypatch.setattr(verify, "same_call", lambda group, op, count, **shared: checked.append((op, count)))
 
-    def paths(op):
-        return {k.split(":")[1]: v for k, v in cuda_paths.PATHS.items() if k.startswith(op + ":")}
-
-    def run(capturing, rows=4):
-        monkeypatch.setattr(dispatch, "capturing", lambda: capturing)
-        before = (paths("all_gather_mm"), paths("mm_reduce_scatter"))
-        cuda_paths.all_gather_mm(shard[:rows], b, None, 0, world, "0")
-        cuda_paths.mm_reduce_scatter(a[:rows * world // 2], w, None, [rows * world // 2, 7], 0, world, "0")
-        after = (paths("all_gather_mm"), paths("mm_reduce_scatter"))
-        return [next(k for k in aft if aft[k] != bef.get(k, 0)) for bef, aft in zip(before, after)]
+    def run(capture, rows=4):
+        capturing[0] = capture
+        before = (_ran(AG), _ran(RS))
+        entry.all_gather_mm(shard[:rows], b, None, 0, world, "0")
+        entry.mm_reduce_scatter(a[:rows * world // 2], w, None, [rows * world // 2, 7], 0, world, "0")
+        return [_changed(AG, before[0])[0], _changed(RS, before[1])[0]]
 
     assert run(False) == ["symm", "symm"]  # before any capture
-    assert run(True) == ["nccl", "nccl"]  # inside the capture
+    assert run(True) == ["nccl", "nccl"]  # inside the capture (the sizes were agreed eagerly before)
+    group = groups.get("0")
+    assert len(group.captured_nccl) == 2
+    calls = group.calls
     assert run(False) == ["nccl", "nccl"]  # the re-warming rank meets its peer's replays
-    # ... with nothing before them, not even the size agreement of an op whose sizes once differed
-    monkeypatch.setattr(shards, "_uneven", {("0", "all_gather_mm"), ("0", "mm_reduce_scatter")})
+    # ... with nothing before them: no size agreement, even of an op whose sizes once differed,
+    # no COMMFUSE_VERIFY check, and they are not counted as the group's calls
+    group.uneven_ops.update({AG, RS})
     learned = shards.LEARNED
-    assert run(False) == ["nccl", "nccl"] and shards.LEARNED == learned
-    monkeypatch.setattr(shards, "_uneven", set())
+    with env.override(verify=True):
+        assert run(False) == ["nccl", "nccl"] and shards.LEARNED == learned
+    assert checked == [] and group.calls == calls
+    group.uneven_ops.clear()
     assert run(False, rows=2) == ["symm", "symm"]  # shapes no capture took keep their path
-    symm.release_all()
+    groups.release_all()
+    assert groups.get("0") is not group
     assert run(False) == ["symm", "symm"]
 
 
 def test_a_captured_all_reduce_past_the_lane_makes_its_eager_twins_run_nccl(sim, monkeypatch):
     """A capture whose all-reduce the graph lane cannot take (no lane yet) runs NCCL inside the
     lane path; its eager twin must run NCCL too, not a symmetric path."""
-    from commfuse.kernels import dispatch
-
-    monkeypatch.setattr(symm, "_captured_nccl", set())
-    monkeypatch.setattr(symm, "graph_lane", lambda name: None)
     a, b = torch.randn(8, 6), torch.randn(6, 5)
+    capturing = [False]
+    _capturing(monkeypatch, capturing)
 
-    def path(capturing):
-        monkeypatch.setattr(dispatch, "capturing", lambda: capturing)
-        before = dict(cuda_paths.PATHS)
-        cuda_paths.mm_all_reduce(a, b, None, "0")
-        return next(k for k, v in cuda_paths.PATHS.items() if v != before.get(k, 0))
+    def path(capture):
+        capturing[0] = capture
+        before = _ran(AR)
+        entry.mm_all_reduce(a, b, None, "0")
+        return _changed(AR, before)
 
-    assert path(True) == "mm_all_reduce:graph"  # the lane path, which found no lane: NCCL
-    assert path(False) == "mm_all_reduce:nccl"
-    symm.release_all()
+    assert path(False) == ["one_shot"]  # eagerly (every rank learns the call's sizes)
+    assert groups.get("0").lane is None
+    assert path(True) == ["nccl"]  # the lane path, which found no lane: NCCL
+    assert next(reversed(entry.decisions.values()))[:2] == ("graph", "capture")
+    assert path(False) == ["nccl"]
+    groups.release_all()
+    assert path(False) == ["one_shot"]  # a new group: nothing captured there
+
+
+def test_eager_calls_that_fit_a_replayed_lane_take_it_unchecked(sim, monkeypatch):
+    """Once captured graphs replay a group's lane, an eager call that fits it (a rank re-warming
+    its graphs) takes the lane too, meeting the peer's replays on the same flags, with nothing the
+    replaying peer would never join: no ``COMMFUSE_VERIFY`` check, no size agreement (its size was
+    agreed by the eager calls before the capture) and no count of the group's calls. A call past
+    the lane keeps its path and is checked."""
+    staged, checked = [], []
+    monkeypatch.setattr(exchange, "staged_all_reduce", lambda lane, src, out, op: (
+        staged.append(lane), out.copy_(src * sim.world)))
+    monkeypatch.setattr(verify, "same_call", lambda group, op, count, **shared: checked.append((op, count)))
+    _capturing(monkeypatch, [False])  # (the lane path asks CUDA)
+    a, b = torch.randn(8, 6), torch.randn(6, 5)  # 160 bytes: fits; fp32: the staged one-shot, no split-K
+    before = _ran(AR)
+    entry.mm_all_reduce(a, b, None, "0")  # the warm-up before a capture: the size agreed
+    assert _changed(AR, before) == ["one_shot"]
+    group = groups.get("0")
+    buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
+    group.lane = wsmod.GraphLane("0", sim.mine.rank, sim.world, buf, torch.zeros(sim.world, dtype=torch.int64),
+                                 4096, 132, err=group.err)
+    groups.mark_replayed(group)  # (what a capture that launched the lane does)
+    assert groups.replayed_lane_bytes(group) == 4096
+    calls, learned = group.calls, shards.LEARNED
+    with env.override(verify=True):
+        for _ in range(2):
+            before = _ran(AR)
+            out = entry.mm_all_reduce(a, b, None, "0")
+            assert _changed(AR, before) == ["graph"] and staged[-1] is group.lane
+            torch.testing.assert_close(out, (a @ b) * sim.world)
+        assert checked == [] and group.calls == calls and shards.LEARNED == learned
+        big_a, big_b = torch.randn(40, 6), torch.randn(6, 40)  # 6400 bytes: past the lane
+        before = _ran(AR)
+        entry.mm_all_reduce(big_a, big_b, None, "0")
+        assert _changed(AR, before) == ["one_shot"] and checked == [(AR, calls)] and group.calls == calls + 1
+        assert shards.LEARNED == learned + 1
+
+
+def test_verify_checks_each_call_with_the_groups_call_count(sim, monkeypatch):
+    """With ``COMMFUSE_VERIFY`` every eager call first all-gathers its signature and the group's
+    count of calls before it: ranks that disagree (here rank 1, a call behind) raise on every rank,
+    naming the group, the call, the global ranks and what differs."""
+    skip = [0]  # peers' counts are this many calls behind
+
+    def all_gather_object(every, mine, group=None):
+        for p in range(len(every)):
+            every[p] = dict(mine, call=str(int(mine["call"]) - skip[0])) if p == 1 and p != sim.mine.rank else mine
+
+    monkeypatch.setattr(verify.dist, "all_gather_object", all_gather_object)
+    group = groups.get("0")
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    with env.override(verify=True, algo="one_shot"):
+        for count in range(3):
+            entry.mm_all_reduce(a, b, None, "0")
+            assert group.calls == count + 1
+        skip[0] = 1
+        if sim.mine.rank == 1:
+            return  # (this rank is the one a call behind: every answer it gets is its own)
+        with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: ranks of group '0' disagree about call 3 "
+                                               r"of the group: rank \d and rank 1 differ \(call: 3 here, 2 there\)"):
+            entry.mm_all_reduce(a, b, None, "0")
+
+
+def test_ranks_whose_own_sizes_differ_run_nccl_and_agree_on_every_later_call(sim, monkeypatch):
+    """K of an all-reduced product is a rank's own size (uneven sharding): the group's first call
+    of a size agrees on it (one small all-reduce), a call whose ranks' sizes differ runs NCCL on
+    every rank, and from then on every call of that op agrees anew; other ops keep their answers."""
+    sizes = {}  # own size on this rank -> the largest any rank has
+
+    def all_reduce(tensor, op=None, group=None):
+        size = int(tensor[0])
+        tensor.copy_(torch.tensor([sizes.get(size, size), -size]))
+
+    monkeypatch.setattr(shards.dist, "all_reduce", all_reduce)
+    group = groups.get("0")
+    r = sim.mine.rank
+
+    def call(k):
+        a, b, _ = _inputs(sim.world, 4, k, 5, None)
+        before, learned = _ran(AR), shards.LEARNED
+        with env.override(algo="one_shot"):
+            entry.mm_all_reduce(a[r], b[r], None, "0")
+        return _changed(AR, before), shards.LEARNED - learned
+
+    assert call(6) == (["one_shot"], 1)
+    assert call(6) == (["one_shot"], 0)  # kept: the plan of this signature
+    sizes[7] = 8  # a peer has 8 where this rank has 7
+    assert call(7) == (["nccl"], 1) and group.uneven_ops == {AR}
+    assert call(7) == (["nccl"], 1)  # every later call of the op agrees
+    assert call(6) == (["one_shot"], 1)
+    assert group.shard_sizes[(AR, 7)] is False and group.shard_sizes[(AR, 6)] is True
+
+
+def test_verify_agrees_on_the_own_sizes_of_every_call(sim, monkeypatch):
+    """An even layer first: only agreeing on every call (``COMMFUSE_VERIFY``) can tell an uneven
+    one whose size this rank met before (in-features 33 and 32 on 2 ranks: rank 1 has 16 for
+    both), so with it every call agrees, kept plan or not."""
+    monkeypatch.setattr(verify.dist, "all_gather_object", lambda every, mine, group=None: every.__setitem__(
+        slice(None), [mine] * len(every)))
+    r = sim.mine.rank
+    a, b, _ = _inputs(sim.world, 4, 6, 5, None)
+    with env.override(verify=True, algo="one_shot"):
+        learned = shards.LEARNED
+        for _ in range(3):
+            entry.mm_all_reduce(a[r], b[r], None, "0")
+        assert shards.LEARNED == learned + 3
+
+
+class _Event:
+    def __init__(self, log):
+        self.log = log
+
+    def record(self, stream):
+        self.log.append((stream.name, "record"))
+
+
+class _NamedStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "wait_event"))
+
+
+def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch):
+    """Calls pair across ranks by their epochs, taken in host order, so on the device each call of
+    a group must start after the one before (``Workspace.order``, in ``paths.common.exchange``). A
+    call on the stream of the group's last call is ordered already: it waits on nothing and records
+    nothing. A call on another stream waits for the last one (for that stream's queue the first
+    time, then for the event recorded after the previous call), and from then on every call records
+    that event after its work."""
+    log = []
+    s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
+    current = [s1]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(log))
+    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # the buffer, as CUDA sees it
+    ws = wsmod.Workspace("0", 0, 2, on_gpu, None, 1024, err=torch.zeros(8, dtype=torch.int32))
+    ctx = Context(Call(AR, 8, 8, 8, torch.bfloat16, 2), GroupFacts.simulated(2))
+
+    def call(stream, n):
+        current[0] = stream
+        log.append(("call", n, "begins"))
+        with common.exchange(ctx, ws, AR) as (epoch, _):
+            assert epoch == n
+            log.append((stream.name, "work", n))
+        return log[log.index(("call", n, "begins")) + 1:]
+
+    assert call(s1, 1) == [("s1", "work", 1)]
+    assert call(s1, 2) == [("s1", "work", 2)]  # the same stream: nothing to wait for, nothing recorded
+    assert call(s2, 3) == [("s2", "wait_stream", "s1"), ("s2", "work", 3), ("s2", "record")]
+    assert call(s2, 4) == [("s2", "work", 4), ("s2", "record")]
+    assert call(s1, 5) == [("s1", "wait_event"), ("s1", "work", 5), ("s1", "record")]
+    assert call(s2, 6) == [("s2", "wait_event"), ("s2", "work", 6), ("s2", "record")]
+    # a call that fails records nothing: the workspace refuses the next one (its epochs may differ)
+    current[0] = s1
+    with pytest.raises(ValueError):
+        with common.exchange(ctx, ws, AR):
+            log.append(("failed",))
+            raise ValueError("a launch failed")
+    assert log[-2:] == [("s1", "wait_event"), ("failed",)] and ws.broken

@@ -72,6 +72,12 @@ def _capturing() -> bool:
     return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
+def _meets_replays(group, op: str, call: Call) -> bool:
+    """An eager call that takes the group's replayed graph lane: it may meet a peer's replays,
+    which join no check (``_enter``), so ``COMMFUSE_VERIFY`` does not make it agree on sizes."""
+    return op == "mm_all_reduce" and 0 < call.exchanged_bytes <= groups.replayed_lane_bytes(group)
+
+
 def _plan(group, op: str, call: Call, own_size: int, device: torch.device, capturing: bool) -> Plan:
     facts = groups.group_facts(group, device, capturing)
     if facts is None:  # a group's first call inside a capture: nothing can be agreed there
@@ -79,7 +85,7 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
         decision = policy.Decision(REGISTRY[(op, "nccl")], None, "capture",
                                    "the group's first call is inside a CUDA-graph capture")
     elif group.world > 1 and facts.unsupported() is None and not shards.alike(
-            group, op, own_size, device, capturing, verify.enabled()):
+            group, op, own_size, device, capturing, verify.enabled() and not _meets_replays(group, op, call)):
         decision = policy.Decision(REGISTRY[(op, "nccl")], None, "unsupported",
                                    "the ranks' own sizes differ (an unevenly sharded dimension)")
     else:
@@ -101,7 +107,8 @@ def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, d
     call = call_of()
     plan = _plan(group, op, call, own_size, device, capturing)
     groups.record_capture(group, op, shapes, plan.decision.name, capturing)
-    if op not in group.uneven_ops:  # an op whose sizes differ agrees on every call
+    # an op whose sizes differ agrees on every call, and so does every call with COMMFUSE_VERIFY
+    if op not in group.uneven_ops and not verify.enabled():
         if len(_plans) >= PLAN_LIMIT:
             _plans.clear()
         _plans[key] = plan

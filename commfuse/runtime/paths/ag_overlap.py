@@ -44,7 +44,7 @@ class AllGatherOverlap(Path):
             if all(p is not None for p in peers):
                 side = ctx.group.side_streams(shard.device)[0]
                 overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, args.return_gathered, side, slabs)
-                return out, gathered
+                return out, gathered if args.return_gathered else None  # (its own rows were not copied)
             ran_instead(self.op, self.name, "symm")  # (``supports`` keeps such providers away)
             pull(ws, shard, gathered, gather_dim, epoch, parity)
             matmul_into(gathered.view(-1, shard.shape[-1]), b, bias, out)
