@@ -144,15 +144,20 @@ def _nccl() -> str:
 def machine_key(facts: GroupFacts) -> dict:
     """What a kept answer is valid for: the GPUs, their links, the software, the settings that
     change which paths run. Never the group's name (a topology's answers serve every group of it)."""
+    import importlib.metadata
+
     import triton  # noqa: PLC0415  (the run-time already has it; kept out of ``import commfuse``)
 
-    from .. import __version__
+    try:
+        version = importlib.metadata.version("commfuse")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was not installed
+        version = "source"
 
     return {
         "gpu": facts.name, "arch": facts.arch, "sms": facts.sms, "world": facts.world,
         "topology": "peer" if facts.peer_access and facts.one_host else "none",
         "driver": _driver(), "cuda": str(torch.version.cuda), "nccl": _nccl(), "torch": torch.__version__,
-        "triton": triton.__version__, "commfuse": __version__, "provider": facts.provider,
+        "triton": triton.__version__, "commfuse": version, "provider": facts.provider,
         "lane_bytes": facts.lane_bytes, "settings": [list(x) for x in env.current().paths_key()],
         "python": platform.python_version(),
     }
