@@ -9,7 +9,7 @@ import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
 
 import commfuse
-from commfuse.kernels.ops import CALL_COUNTS
+from commfuse.ops import CALL_COUNTS
 
 
 def _fresh_cache():

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._inductor.utils import run_and_get_code
 
-from commfuse.inductor_plugin.floor import floor_backend
+from commfuse.tools.floor import floor_backend
 
 
 def test_floor_has_no_collectives_and_same_shapes(world):

@@ -110,6 +110,7 @@ def _worker(rank: int, init_file: str) -> None:
     assert [r.reason for r in commfuse.report().merged] == ["merged 2 partials of one reduction (K=32+8)"]
     _uneven_shards(rank, group)
     _review_forms(rank, group)
+    _verify_counts_calls(rank, group)
     dist.destroy_process_group()
 
 
@@ -119,7 +120,8 @@ def _uneven_shards(rank: int, group) -> None:
     all-reduce met the other rank's first, a wrong sum there and a hang on the other. Both ranks
     decide alike now, and the values hold. The run-time check learns the sizes differ."""
     import commfuse
-    from commfuse.kernels import shards
+    from commfuse import env
+    from commfuse.runtime import groups, shards, verify
 
     k = 17 if rank == 0 else 16
     x1, x2 = torch.randn(64, k), torch.randn(64, k)
@@ -138,29 +140,36 @@ def _uneven_shards(rank: int, group) -> None:
         dist.all_gather_object(every, decisions)
         assert every[0] == every[1], every
     cpu, name = torch.device("cpu"), group.group_name
-    shards.forget()
+
+    def fresh():  # every rank together: the group's state (its kept answers) dropped
+        groups.release(name)
+        return groups.get(name)
+
+    g = fresh()
+
+    def alike(op, size, every_call=False):
+        return shards.alike(g, op, size, cpu, False, every_call)
+
     before = shards.LEARNED
-    assert shards.alike(name, "all_gather_mm", 16 * 1024, cpu)
-    assert shards.alike(name, "all_gather_mm", 16 * 1024, cpu)  # kept
+    assert alike("all_gather_mm", 16 * 1024)
+    assert alike("all_gather_mm", 16 * 1024)  # kept
     assert shards.LEARNED == before + 1
-    assert not shards.alike(name, "mm_all_reduce", k, cpu)
+    assert not alike("mm_all_reduce", k)
     # an even layer whose size rank 1 already met at the uneven one: rank 1 must not answer from
     # what it kept while rank 0 agrees (they would pair the agreement with another collective)
-    assert shards.alike(name, "mm_all_reduce", 16, cpu)
-    assert shards.alike(name, "mm_all_reduce", 16 * 1024, cpu)
-    assert not shards.alike(name, "mm_all_reduce", k, cpu)
+    assert alike("mm_all_reduce", 16)
+    assert alike("mm_all_reduce", 16 * 1024)
+    assert not alike("mm_all_reduce", k)
     assert shards.LEARNED == before + 5  # once uneven, every call of the op agrees
-    assert shards.alike(name, "all_gather_mm", 16 * 1024, cpu)  # other ops keep their answers
+    assert g.uneven_ops == {"mm_all_reduce"}
+    assert alike("all_gather_mm", 16 * 1024)  # other ops keep their answers
     assert shards.LEARNED == before + 5
     # an even layer first: only agreeing on every call (COMMFUSE_VERIFY) can tell the uneven one
-    shards.forget()
-    os.environ["COMMFUSE_VERIFY"] = "1"
-    try:
-        assert shards.alike(name, "mm_reduce_scatter", 16, cpu)
-        assert not shards.alike(name, "mm_reduce_scatter", k, cpu)
-    finally:
-        del os.environ["COMMFUSE_VERIFY"]
-        shards.forget()
+    g = fresh()
+    with env.override(verify=True):
+        assert alike("mm_reduce_scatter", 16, every_call=verify.enabled())
+        assert not alike("mm_reduce_scatter", k, every_call=verify.enabled())
+    fresh()
 
 
 def _review_forms(rank: int, group) -> None:
@@ -186,6 +195,40 @@ def _review_forms(rank: int, group) -> None:
     compiled = torch.compile(subset, backend=commfuse.backend(min_mnk=0), fullgraph=True)(y_in, w2)
     assert compiled.shape == eager.shape, (compiled.shape, eager.shape)
     _check("reduce_scatter of a cat of some split pieces", compiled, eager)
+
+
+def _verify_counts_calls(rank: int, group) -> None:
+    """COMMFUSE_VERIFY names a call that one rank skipped even where the next call has the same
+    shapes: rank 1 runs one all-reduced matmul unfused (its graph did not fuse it), so the two
+    all-reduces still pair up and the values hold, but rank 1 made one commfuse call fewer, and on
+    GPUs the symmetric paths would pair its next call with rank 0's previous one. The checked call
+    differs between the ranks only in the group's call count (``runtime/verify.py``); every rank
+    raises, none waits for the other."""
+    from commfuse import env
+    from commfuse.runtime import groups
+
+    name = group.group_name
+    groups.release(name)  # every rank together: the group's call count starts at 0
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    reference = sum(_gather_all(a.double() @ b.double()))
+    if rank == 0:
+        out = torch.ops.commfuse.mm_all_reduce(a, b, None, name)
+    else:  # the call rank 1 skips: its all-reduce, unfused
+        out = funcol.all_reduce(a @ b, "sum", group)
+    _check("the skipped call's sum", out, reference)
+    count = groups.get(name).calls
+    assert count == (1 if rank == 0 else 0), count
+    with env.override(verify=True):
+        try:
+            torch.ops.commfuse.mm_all_reduce(a, b, None, name)  # the same shapes on both ranks
+        except RuntimeError as exc:
+            message = str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: COMMFUSE_VERIFY let a call that rank 1 skipped pass")
+    peer = 1 - count
+    assert message.startswith(f"commfuse.mm_all_reduce: ranks of group {name!r} disagree about call {count} "), message
+    assert f"(call: {count} here, {peer} there)" in message, message  # the count is all that differs
+    groups.release(name)
 
 
 @pytest.mark.slow

@@ -354,68 +354,138 @@ def test_all_gather_skip_fp64(world2):
     assert "float64" in _only("all_gather_mm").reason
 
 
-def test_workspace_plan(world2, monkeypatch):
-    """The pass sizes the group's symmetric workspace for the graph's largest fused op."""
-    from commfuse.kernels import symm
+@pytest.fixture
+def h200(world2, monkeypatch):
+    """The graph pass sizes workspaces from this rank's GPU (``runtime.facts.local_facts``): here
+    an H200 as the pass would see it, and no plan kept from an earlier test."""
+    from commfuse.inductor_plugin import graph_pass
+    from commfuse.runtime import groups
+    from commfuse.runtime.facts import GroupFacts
 
-    monkeypatch.setattr(symm, "_planned", {})
+    monkeypatch.setattr(groups, "_planned", {})
+    monkeypatch.setattr(graph_pass, "local_facts", lambda world, *args, **kwargs: GroupFacts.simulated(world))
+    return GroupFacts.simulated(2)
+
+
+def _path(facts, op, m, k, n, dtype, **extra) -> str:
+    from commfuse.runtime import policy
+    from commfuse.runtime.paths.base import Call
+
+    return policy.choose(Call(op, m, k, n, dtype, 2, **extra), facts, quiet=True).name
+
+
+def _planned() -> dict:
+    from commfuse.runtime import groups
+
+    return groups._planned
+
+
+def test_workspace_plan(h200):
+    """The pass sizes the group's symmetric workspace for the graph's largest fused op."""
     x, w1, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48, 40)
+    assert _path(h200, "all_gather_mm", 128, 32, 48, torch.float32) == "symm"
+    assert _path(h200, "mm_all_reduce", 128, 48, 40, torch.float32) == "one_shot"
     compile_code(lambda x, w1, w2: _ar(torch.relu(_ag(x) @ w1) @ w2), x, w1, w2)
     assert len(commfuse.report().fused) == 2
     # all_gather_mm's shard: 64x32 fp32 = 8 KiB; mm_all_reduce's output: 128x40 fp32 = 20 KiB
-    assert symm._planned == {dist.group.WORLD.group_name: 128 * 40 * 4}
+    assert _planned() == {dist.group.WORLD.group_name: 128 * 40 * 4}
 
 
-def test_workspace_plan_sizes_for_the_fused_kernel(world2, monkeypatch):
-    """A call the dispatch will send to the fused tile kernel needs its slabs and result area
-    (about twice the output), planned at compile time rather than grown at the first call."""
-    from commfuse.kernels import dispatch, fused_all_reduce, symm
+def test_workspace_plan_without_a_cuda_gpu(world2, monkeypatch):
+    """On this CPU every call runs NCCL (no CUDA GPU): the fused graph plans no symmetric bytes."""
+    from commfuse.runtime import groups
 
-    monkeypatch.setattr(symm, "_planned", {})
+    monkeypatch.setattr(groups, "_planned", {})
     x, w = torch.randn(4096, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
-    assert dispatch.fused_by_default(4096, 16, 64, torch.bfloat16, 2)
     compile_code(lambda x, w: _ar(x @ w), x, w)
-    slabs = fused_all_reduce.data_elems(4096, 64, 2, dispatch.tile_config(4096, 16, 64)) * 2
+    assert len(commfuse.report().fused) == 1
+    assert groups.planned(dist.group.WORLD.group_name) == 0
+
+
+def test_workspace_plan_sizes_for_the_fused_kernel(h200):
+    """A call the policy will send to the fused tile kernel needs its slabs and result area
+    (about twice the output), planned at compile time rather than grown at the first call."""
+    from commfuse.kernels import fused_all_reduce
+    from commfuse.runtime.paths import tile_all_reduce
+
+    x, w = torch.randn(4096, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    assert _path(h200, "mm_all_reduce", 4096, 16, 64, torch.bfloat16) == "fused"
+    compile_code(lambda x, w: _ar(x @ w), x, w)
+    slabs = fused_all_reduce.data_elems(4096, 64, 2, tile_all_reduce.TILE) * 2
     assert slabs > 4096 * 64 * 2
-    assert symm._planned == {dist.group.WORLD.group_name: slabs}
+    assert _planned() == {dist.group.WORLD.group_name: slabs}
 
 
-def test_workspace_plan_follows_a_forced_fused_path(world2, monkeypatch):
-    """``COMMFUSE_ALGO=fused`` sends a small call to the fused kernel too: planned for its slabs."""
-    from commfuse.kernels import dispatch, fused_all_reduce, symm
+def test_workspace_plan_follows_a_forced_fused_path(h200):
+    """``COMMFUSE_ALGO=fused`` sends a small call to the fused kernel too: planned for its slabs
+    (unforced, the one-shot exchange of the output)."""
+    from commfuse import env
+    from commfuse.kernels import fused_all_reduce
+    from commfuse.runtime.paths import tile_all_reduce
 
-    monkeypatch.setattr(symm, "_planned", {})
-    monkeypatch.setenv("COMMFUSE_ALGO", "fused")
     x, w = torch.randn(256, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
-    assert not dispatch.fused_by_default(256, 16, 64, torch.bfloat16, 2)
+    assert _path(h200, "mm_all_reduce", 256, 16, 64, torch.bfloat16) == "one_shot"
     compile_code(lambda x, w: _ar(x @ w), x, w)
-    slabs = fused_all_reduce.data_elems(256, 64, 2, dispatch.tile_config(256, 16, 64)) * 2
-    assert symm._planned == {dist.group.WORLD.group_name: slabs}
+    assert _planned() == {dist.group.WORLD.group_name: 256 * 64 * 2}
+    _planned().clear()
+    torch._dynamo.reset()
+    with env.override(algo="fused"):
+        compile_code(lambda x, w: _ar(x @ w), x, w)
+    slabs = fused_all_reduce.data_elems(256, 64, 2, tile_all_reduce.TILE) * 2
+    assert _planned() == {dist.group.WORLD.group_name: slabs}
 
 
-def test_workspace_plan_sizes_for_the_fused_all_gather(world2, monkeypatch):
+def test_workspace_plan_sizes_for_split_k(h200):
+    """Few rows take the split-K kernel: planned for its sums and fp32 K slices with the most
+    slices any GPU would run, so the H200's own tiling fits."""
+    from commfuse.kernels import fused_split_k
+
+    x, w = torch.randn(32, 1024, dtype=torch.bfloat16), torch.randn(1024, 64, dtype=torch.bfloat16)
+    assert _path(h200, "mm_all_reduce", 32, 1024, 64, torch.bfloat16) == "split_k"
+    compile_code(lambda x, w: _ar(x @ w), x, w)
+    planned = _planned()[dist.group.WORLD.group_name]
+    on_h200 = fused_split_k.config(32, 1024, 64, h200.sms)
+    assert planned >= fused_split_k.data_bytes(32, 64, 2, on_h200, torch.bfloat16) > 32 * 64 * 2
+
+
+def test_workspace_plan_sizes_for_the_fused_all_gather(h200):
     """The fused all-gather keeps every rank's rows in the workspace, not only this rank's."""
-    from commfuse.kernels import dispatch, symm
-
-    monkeypatch.setattr(symm, "_planned", {})
     x, w = torch.randn(1024, 512, dtype=torch.bfloat16), torch.randn(512, 64, dtype=torch.bfloat16)
-    assert dispatch.all_gather_mm(2048, 512, 64, torch.bfloat16, 2) == "fused"
+    assert _path(h200, "all_gather_mm", 2048, 512, 64, torch.bfloat16) == "fused"
     compile_code(lambda x, w: _ag(x) @ w, x, w)
-    assert symm._planned == {dist.group.WORLD.group_name: 2048 * 512 * 2}
+    assert _planned() == {dist.group.WORLD.group_name: 2048 * 512 * 2}
 
 
-def test_workspace_plan_sizes_for_the_fused_reduce_scatter(world2, monkeypatch):
+def test_workspace_plan_sizes_for_the_fused_reduce_scatter(h200):
     """From 16384 rows (at 2 ranks where the copy-engine overlap does not apply) the reduce-scatter
     takes the fused kernel, whose slabs the pass plans."""
-    from commfuse.kernels import dispatch, fused_all_reduce, symm
+    from commfuse.kernels import fused_all_reduce
+    from commfuse.runtime.paths import tile_all_reduce
 
-    monkeypatch.setattr(symm, "_planned", {})
     a, w = torch.randn(16384, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
-    assert dispatch.mm_reduce_scatter(16384, 64, 64, torch.bfloat16, 2) == "fused"
+    assert _path(h200, "mm_reduce_scatter", 16384, 64, 64, torch.bfloat16) == "fused"
     compile_code(lambda a, w: _rs(a @ w), a, w)
-    slabs = fused_all_reduce.data_elems(16384, 64, 2, dispatch.tile_config(16384, 64, 64, scatter=True),
-                                        scatter=True)
-    assert symm._planned == {dist.group.WORLD.group_name: slabs * 2}
+    slabs = fused_all_reduce.data_elems(16384, 64, 2, tile_all_reduce.SMALL_TILE, scatter=True)
+    assert _planned() == {dist.group.WORLD.group_name: slabs * 2}
+
+
+def test_workspace_plan_of_a_scatter_along_the_sequence(h200):
+    """The same rows as a batch of 2 sequences scattered along the sequence (2 slabs of rows per
+    rank's share): not the fused kernel's (it scatters whole rows), the pull's partial."""
+    a, w = torch.randn(2, 8192, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
+    assert _path(h200, "mm_reduce_scatter", 16384, 64, 64, torch.bfloat16, rows_dim=1, slabs=2) == "symm"
+    compile_code(lambda a, w: _rs(a @ w, dim=1), a, w)
+    assert len(commfuse.report().fused) == 1
+    assert _planned() == {dist.group.WORLD.group_name: 16384 * 64 * 2}
+
+
+def test_workspace_plan_of_a_call_that_runs_nccl(h200):
+    """A gather in front of a wide GEMM (N = 16384) runs NCCL on an H200: no symmetric bytes."""
+    x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 16384, dtype=torch.bfloat16)
+    assert _path(h200, "all_gather_mm", 128, 32, 16384, torch.bfloat16) == "nccl"
+    compile_code(lambda x, w: _ag(x) @ w, x, w)
+    assert len(commfuse.report().fused) == 1
+    assert _planned() == {dist.group.WORLD.group_name: 0}
 
 
 # ---- matmul -> reduce_scatter --------------------------------------------------------------------
