@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
+# Subprocesses (python -c, python -m commfuse, torchrun) import this checkout's package, not the one
+# an editable install elsewhere points at: a test of this tree must not pass or fail on another's.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and p != _ROOT])
 # The tests' shapes are small: fuse them even without CUDA graphs (the launch-bound rule has its own
 # tests, which set the bound explicitly). Subprocesses inherit this.
 os.environ.setdefault("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
