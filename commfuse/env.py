@@ -4,14 +4,18 @@ A switch set to ``true`` where only ``1`` was understood, or a size written ``1M
 read as the default without a word: a safety check left off (``COMMFUSE_VERIFY``) or a rewrite
 left on (``COMMFUSE_MERGE_SUMS``) changes what a user believes runs. So every reader here raises a
 ``ValueError`` naming the variable for a value it does not understand; unset or empty means the
-default. ``validate()`` checks every setting at once, at compile time, so a bad value fails
-there and not in the middle of a collective call.
+default. ``validate()`` checks every setting at once, when a backend is built and at compile
+time, so a bad value fails there and not in the middle of a collective call; it also warns,
+once per name, about a ``COMMFUSE_*`` variable that no setting reads (a misspelling would
+otherwise leave the default in force without a word).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import warnings
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -84,6 +88,15 @@ NUMBERS = {"COMMFUSE_TIMEOUT_S": dict(positive=True, maximum=1e9), "COMMFUSE_FUS
            "COMMFUSE_AR_COPY_LAG": dict(minimum=0)}
 
 
+#: The settings that name a value or a form, each checked by its own reader (``_choices``).
+CHOICES = ("COMMFUSE_LOG", "COMMFUSE_ALGO", "COMMFUSE_SYMM_PROVIDER", "COMMFUSE_TILE_CONFIG", "COMMFUSE_AG_PUSH",
+           "COMMFUSE_AG_LOCAL", "COMMFUSE_CE_STREAMS", "COMMFUSE_CE_TAIL", "COMMFUSE_OVERLAP")
+#: Free text: the commit the benchmarks record when git is unavailable.
+TEXTS = ("COMMFUSE_COMMIT",)
+#: Every ``COMMFUSE_*`` name the package reads; any other set in the environment is reported as
+#: unknown (``validate``).
+KNOWN = (*SWITCHES, *INTEGERS, *NUMBERS, *CHOICES, *TEXTS)
+
 #: What ``COMMFUSE_LOG`` takes (``report.configure_logging``): a switch, or a level by name.
 LOG_LEVELS = _TRUE + ("info", "debug") + _FALSE
 
@@ -106,9 +119,26 @@ def _choices() -> None:
     dispatch._forced(())
 
 
+_warned: set[str] = set()
+
+
+def warn_unknown() -> None:
+    """Warn once per name about a ``COMMFUSE_*`` variable no setting reads, naming close known ones."""
+    for name in sorted(os.environ):
+        if not name.startswith("COMMFUSE_") or name in KNOWN or name in _warned:
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, KNOWN, n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        warnings.warn(f"commfuse: {name} is not a commfuse setting and is ignored{hint}", UserWarning,
+                      stacklevel=3)
+
+
 def validate() -> None:
     """Raise on the first setting of ``SWITCHES``, ``INTEGERS``, ``NUMBERS`` or the named choices
-    that does not parse or is out of range (what ``commfuse.backend`` and the graph pass call)."""
+    that does not parse or is out of range (what ``commfuse.backend`` and the graph pass call);
+    warn about unknown names."""
+    warn_unknown()
     for name in SWITCHES:
         flag(name, False)
     for name, minimum in INTEGERS.items():

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from ..config import DEFAULT_MIN_MNK, Settings
 from .graph_pass import CommfusePass
 
@@ -80,7 +81,9 @@ class CommfuseBackend:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        # Checked before any compile work, so a misspelt option costs no compile time.
+        # Checked before any compile work, so a misspelt option or setting costs no compile time
+        # (``backend="commfuse"`` reaches here without ``commfuse.backend()``'s checks).
+        env.validate()
         patches = mode_options(mode, "torch.compile(mode=...)")
         patches.update(self.inductor_config)
         patches.update(inductor_options(options, "torch.compile(options=...)"))
@@ -123,7 +126,11 @@ def backend(
             graph lane (device-side epochs).
         inductor_config: extra ``torch._inductor.config`` settings for this compile (they win over
             ``mode``'s), by dotted name (``"triton.cudagraphs"``); an unknown name raises here.
+
+    The ``COMMFUSE_*`` environment settings are checked here too, so a malformed one fails when
+    the backend is built, naming the variable, not inside the first compile.
     """
+    env.validate()
     settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk,
                               launch_bound_bytes=launch_bound_bytes)
     config = mode_options(mode, "commfuse.backend(mode=...)")
