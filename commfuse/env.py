@@ -98,7 +98,8 @@ TEXTS = ("COMMFUSE_COMMIT",)
 KNOWN = (*SWITCHES, *INTEGERS, *NUMBERS, *CHOICES, *TEXTS)
 
 #: What ``COMMFUSE_LOG`` takes (``report.configure_logging``): a switch, or a level by name.
-LOG_LEVELS = _TRUE + ("info", "debug") + _FALSE
+LOG_ON = _TRUE + ("info", "debug")
+LOG_LEVELS = LOG_ON + _FALSE
 
 
 def _choices() -> None:

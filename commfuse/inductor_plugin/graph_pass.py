@@ -83,6 +83,7 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     label = graph_label(graph, next(_graph_numbers))
     env.validate()  # a malformed setting fails here, named, not inside a rewrite or a collective call
     configure_logging()  # COMMFUSE_LOG set after the import
+    log.debug("pass on %s: %d nodes", label, len(graph.nodes))
     fused = 0
     if merge_sums.enabled(settings):
         try:
