@@ -23,6 +23,9 @@ log = logging.getLogger("commfuse")
 
 _MAX_RECORDS = 10_000
 _records: collections.deque["MatchRecord"] = collections.deque(maxlen=_MAX_RECORDS)
+#: What a graph's records cannot say: why a graph had no candidate, an exclude pattern that
+#: matched no module of a graph.
+_notes: collections.deque[str] = collections.deque(maxlen=1_000)
 
 
 def _register_with_torch_logs() -> None:
@@ -116,7 +119,13 @@ class MatchRecord:
 
 
 class Report(list):
-    """A list of :class:`MatchRecord`; ``print(report)`` gives one line per candidate."""
+    """A list of :class:`MatchRecord`; ``print(report)`` gives one line per candidate, the counts,
+    then ``notes``: what the records cannot say (a graph without candidates and why, an exclude
+    pattern that matched no module of a graph)."""
+
+    def __init__(self, records=(), notes=()):
+        super().__init__(records)
+        self.notes: list[str] = list(notes)
 
     @property
     def fused(self) -> list[MatchRecord]:
@@ -131,11 +140,14 @@ class Report(list):
         return [r for r in self if not r.fused]
 
     def summary(self) -> str:
-        reasons = collections.Counter(r.reason for r in self.skipped)
-        merged = f", {len(self.merged)} sums merged" if self.merged else ""
-        lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}"]
-        lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
-        return "\n".join(lines)
+        if not self and self.notes:  # "0 fused, 0 skipped" would not say why
+            lines = ["commfuse: no candidates"]
+        else:
+            reasons = collections.Counter(r.reason for r in self.skipped)
+            merged = f", {len(self.merged)} sums merged" if self.merged else ""
+            lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}"]
+            lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
+        return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
     def __str__(self) -> str:
         return "\n".join([r.line() for r in self] + [self.summary()])
@@ -146,14 +158,21 @@ def record(rec: MatchRecord) -> None:
     log.info("%s", rec.line())
 
 
+def note(text: str, level: int = logging.INFO) -> None:
+    """Keep ``text`` for ``Report.notes`` and log it."""
+    _notes.append(text)
+    log.log(level, "%s", text)
+
+
 def report() -> Report:
     """Decisions from every graph the pass has rewritten in this process (newest last).
 
     Graphs served from Inductor's FX graph cache skip the pass and add nothing here; ``python -m
     commfuse explain`` and ``torch._inductor.config.fx_graph_cache = False`` show every decision.
     """
-    return Report(_records)
+    return Report(_records, _notes)
 
 
 def clear_report() -> None:
     _records.clear()
+    _notes.clear()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import logging
 import math
 import pathlib
 from typing import Any
@@ -30,11 +31,11 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from .. import kernels  # noqa: F401  (registers torch.ops.commfuse before any rewrite)
 from .. import env, patterns
 from ..config import Settings
-from ..exclusion import any_instance_excluded, module_stack
+from ..exclusion import any_instance_excluded, module_stack, unmatched_names
 from ..kernels import symm
 from ..patterns import merge_sums
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
-from ..report import MatchRecord, configure_logging, log, record
+from ..report import MatchRecord, configure_logging, log, note, record
 
 _graph_numbers = itertools.count()
 
@@ -84,7 +85,10 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     env.validate()  # a malformed setting fails here, named, not inside a rewrite or a collective call
     configure_logging()  # COMMFUSE_LOG set after the import
     log.debug("pass on %s: %d nodes", label, len(graph.nodes))
-    fused = 0
+    for pattern, close in unmatched_names(graph.nodes, settings):
+        hint = f"close module names: {', '.join(close)}" if close else "names are relative to the compiled module"
+        note(f"{label}: exclude pattern {pattern!r} matched no module of this graph ({hint})", logging.WARNING)
+    fused = candidates = 0
     if merge_sums.enabled(settings):
         try:
             merges = merge_sums.merge(graph, settings)
@@ -95,8 +99,10 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         for merged in merges:
             record(_describe_merge(label, merged))
             fused += 1
+            candidates += 1
     for pattern in patterns.ALL:
         anchors = [n for n in graph.nodes if n.op == "call_function" and n.target in pattern.ANCHORS]
+        candidates += len(anchors)
         for anchor in anchors:
             if pattern.NAME not in settings.patterns:
                 reason = f"pattern {pattern.NAME} is disabled in this backend's settings"
@@ -117,12 +123,26 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             match.replace(graph)
             record(rec)
             fused += 1
+    if not candidates:
+        note(f"{label}: {_why_no_candidates()}")
     if fused:
         stable_topological_sort(graph)
         graph.lint()
         for group, nbytes in workspace_plan(graph).items():
             symm.plan(group, nbytes)
     return fused
+
+
+def _why_no_candidates() -> str:
+    """What a graph without any matched collective says instead of "0 fused, 0 skipped"."""
+    import torch.distributed as dist
+
+    why = "no collectives in this graph"
+    if not dist.is_available() or not dist.is_initialized():
+        return why + " (torch.distributed is not initialized)"
+    if dist.get_world_size() == 1:
+        return why + "; one rank: nothing to exchange"
+    return why
 
 
 def _mm_all_reduce_bytes(node: fx.Node):
