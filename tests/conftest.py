@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import commfuse
+from commfuse import exclusion
 from helpers import init_fake_pg
 
 
@@ -51,9 +52,13 @@ def world2() -> int:
 
 
 @pytest.fixture(autouse=True)
-def clean_state():
+def clean_state(monkeypatch):
     torch._dynamo.reset()
     commfuse.clear_report()
+    # Once any instance was excluded, the pass opts every later graph out of the FX graph cache for
+    # the rest of the process (exclusion.any_instance_excluded): each test starts as a process in
+    # which none was, or a cache test after an exclusion test sees a bypass instead of a miss.
+    monkeypatch.setattr(exclusion, "_markers", {})
     with torch._inductor.config.patch(fx_graph_cache=False):
         yield
     torch._dynamo.reset()
