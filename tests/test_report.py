@@ -31,3 +31,14 @@ def test_a_graph_without_candidates_says_why(world_size, why):
     assert str(rep) == f"commfuse: no candidates\n  note: {rep.notes[0]}"  # not "0 fused, 0 skipped"
     commfuse.clear_report()
     assert not commfuse.report().notes
+
+
+def test_a_graph_with_other_collectives_only_says_so(world2):
+    import torch.distributed._functional_collectives as funcol
+
+    def broadcast(a):
+        return funcol.broadcast(a, 0, dist.group.WORLD) + 1
+
+    torch.compile(broadcast, backend=commfuse.backend())(torch.randn(8, 8))
+    assert commfuse.report().notes[0].endswith(": no all-reduce, all-gather or reduce-scatter in this graph "
+                                               "(only other collectives)")

@@ -124,7 +124,7 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             record(rec)
             fused += 1
     if not candidates:
-        note(f"{label}: {_why_no_candidates()}")
+        note(f"{label}: {_why_no_candidates(graph)}")
     if fused:
         stable_topological_sort(graph)
         graph.lint()
@@ -133,10 +133,16 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     return fused
 
 
-def _why_no_candidates() -> str:
-    """What a graph without any matched collective says instead of "0 fused, 0 skipped"."""
+#: Namespaces of the collectives a traced graph may hold.
+_COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
+
+
+def _why_no_candidates(graph: fx.Graph) -> str:
+    """What a graph without any candidate says instead of "0 fused, 0 skipped"."""
     import torch.distributed as dist
 
+    if any(getattr(n.target, "namespace", None) in _COLLECTIVES for n in graph.nodes if n.op == "call_function"):
+        return "no all-reduce, all-gather or reduce-scatter in this graph (only other collectives)"
     why = "no collectives in this graph"
     if not dist.is_available() or not dist.is_initialized():
         return why + " (torch.distributed is not initialized)"
