@@ -6,15 +6,30 @@
     print(commfuse.report())                                     # what fused, what did not, why
 """
 
+from __future__ import annotations
+
+import importlib
+
 from . import ops  # noqa: F401  (registers torch.ops.commfuse.*)
 from .config import PATTERNS, Settings
 from .exclusion import exclude, include
-from .inductor_plugin import CommfuseBackend, backend
 from .report import MatchRecord, Report, clear_report, report
 from .runtime.errors import check_errors
 from .runtime.groups import release_all
 
 __version__ = "0.1.0"
+
+#: Loaded on first use: the backend imports Dynamo and Inductor (seconds), which importing
+#: commfuse for its ops, its report or ``python -m commfuse --help`` does not need.
+_LAZY = {"CommfuseBackend": "inductor_plugin", "backend": "inductor_plugin", "inductor_plugin": None}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    return module if _LAZY[name] is None else getattr(module, name)
+
 
 __all__ = [
     "PATTERNS",

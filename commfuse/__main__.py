@@ -1,21 +1,40 @@
-"""``python -m commfuse explain ...`` (the only command for now)."""
+"""``python -m commfuse COMMAND ...``: the package's commands, each parsing its own options.
+
+Only the chosen command imports what it needs (the backend imports Dynamo and Inductor), so
+``--help`` answers at once.
+"""
 
 import sys
 
-USAGE = "usage: python -m commfuse explain [--help] [options]"
+#: command: (module, one line for the help)
+COMMANDS = {
+    "explain": ("commfuse.explain", "show which matmul/collective pairs of a TP model fuse, and why the others "
+                "do not (CPU, one process)"),
+    "bench": ("commfuse.bench", "time the ops against unfused cuBLAS + NCCL (bench ops: CUDA GPUs, under "
+              "torchrun) or a TP model per backend (bench model: under torchrun, GPUs or CPU ranks)"),
+}
+
+USAGE = "usage: python -m commfuse {" + ",".join(COMMANDS) + "} [--help] [options]"
+
+
+def _help() -> str:
+    lines = [USAGE, "", "commands:"]
+    lines += [f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items()]
+    lines += ["", "python -m commfuse COMMAND --help shows a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        print("  explain   show which matmul/collective pairs of a TP model fuse, and why the others do not")
+        print(_help(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    if argv[0] != "explain":
+    if argv[0] not in COMMANDS:
         print(f"unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
-    from .explain import main as explain
+    import importlib
 
-    return explain(argv[1:])
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:], prog=f"python -m commfuse {argv[0]}")
 
 
 if __name__ == "__main__":

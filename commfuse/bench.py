@@ -523,8 +523,8 @@ def table(json_path: str) -> str:
         return _table(json.load(f))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m commfuse.bench", description=__doc__,
+def main(argv=None, prog: str = "python -m commfuse.bench") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["ops", "model", "tune", "plot", "table", "model-table", "model-plot"])
     p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG; table: OPS_JSON; model-table: "
@@ -556,6 +556,10 @@ def main(argv=None) -> int:
                    "timed by CUDA events, each call's median against the same call alone (GPUs; prefill "
                    "and train)")
     args = p.parse_args(argv)
+    if args.what in ("ops", "tune", "model"):  # GPU and torchrun problems as one line, not a traceback
+        from commfuse.demo import exit_unless_launched
+
+        exit_unless_launched(f"{prog} {args.what}", f"-m commfuse.bench {args.what}", gpus=args.what != "model")
     if args.what == "model":
         from commfuse import bench_model
 

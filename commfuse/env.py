@@ -88,7 +88,8 @@ class Setting:
 #: The names ``COMMFUSE_ALGO`` takes: every path of every op (an op whose paths do not include the
 #: forced name keeps its own choice).
 ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused", "split_k", "symm")
-LOG_LEVELS = _TRUE + _FALSE + ("info", "debug")
+LOG_ON = _TRUE + ("info", "debug")
+LOG_LEVELS = LOG_ON + _FALSE
 TUNE_MODES = ("off", "cache", "first-use")
 
 SETTINGS: tuple[Setting, ...] = (
@@ -124,8 +125,25 @@ SETTINGS: tuple[Setting, ...] = (
             "this fraction faster", minimum=0.0, maximum=0.5),
 )
 
+_SWEEP = ("a path configuration now: the benchmarks pass it (benchmarks/path_sweep.py), no setting "
+          "changes it")
+_LOST = "deleted: the mode lost on every shape it was measured on (docs/decisions.md)"
+
 #: Settings that no longer exist, and what became of them (a still-set one warns once).
-REMOVED: dict[str, str] = {}
+REMOVED: dict[str, str] = {
+    "COMMFUSE_TILE_CONFIG": _SWEEP, "COMMFUSE_SPLIT_K": _SWEEP, "COMMFUSE_SPLIT_K_LL": _SWEEP,
+    "COMMFUSE_CE_CHUNKS": _SWEEP, "COMMFUSE_CE_LAST_ROWS": _SWEEP, "COMMFUSE_RS_CHUNKS": _SWEEP,
+    "COMMFUSE_AG_PUSH": _SWEEP, "COMMFUSE_AG_PUSHERS": _SWEEP, "COMMFUSE_AG_CE_CHUNKS": _SWEEP,
+    "COMMFUSE_FUSED_STAGGER_US": _SWEEP, "COMMFUSE_AR_COPY_LAG": _SWEEP, "COMMFUSE_CE_MIN_K": _SWEEP,
+    "COMMFUSE_FUSED_TICKETS": _SWEEP, "COMMFUSE_FUSED_TMA_PUSH": _LOST, "COMMFUSE_RS_PULL": _LOST,
+    "COMMFUSE_CE_TAIL": _LOST, "COMMFUSE_CE_STREAMS": _LOST, "COMMFUSE_AG_LOCAL": _LOST,
+    "COMMFUSE_OVERLAP": _LOST + " (the SM-overlapped all-reduce)",
+    "COMMFUSE_SLAB_OVERLAP": "deleted: slab overlaps run only when forced (COMMFUSE_ALGO) or tuned",
+    "COMMFUSE_GRAPH_SPLIT_K": "deleted: the graph lane runs the split-K kernel where the rules say so; "
+                              "COMMFUSE_ALGO=graph forces the lane",
+    "COMMFUSE_BENCH_OVERLAP": "deleted with the SM-overlapped all-reduce",
+    "COMMFUSE_BENCH_IRIS": "a flag of the ops benchmark now (--iris)",
+}
 
 _BY_NAME = {s.name: s for s in SETTINGS}
 _BY_FIELD = {s.field: s for s in SETTINGS}

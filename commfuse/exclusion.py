@@ -20,6 +20,7 @@ a subclass (FSDP2's ``fully_shard``, a parametrization): the marker is inherited
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 
@@ -133,3 +134,15 @@ def excluded_by(node, settings) -> str | None:
             if name and fnmatch.fnmatchcase(name, pattern):
                 return f"module {name} matches excluded name pattern {pattern!r}"
     return None
+
+
+def unmatched_names(nodes, settings) -> list[tuple[str, list[str]]]:
+    """The ``exclude`` name patterns of ``settings`` that match no module of any of ``nodes`` (a
+    misspelt pattern, or one relative to another root, excludes nothing without a word), each
+    with the module names closest to it."""
+    if not settings.exclude_names:
+        return []
+    names = sorted({name for node in nodes for name, _ in module_stack(node) if name})
+    return [(pattern, difflib.get_close_matches(pattern, names, n=3, cutoff=0.5))
+            for pattern in settings.exclude_names
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]

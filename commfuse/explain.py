@@ -20,8 +20,8 @@ MODELS = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m commfuse explain", description=__doc__,
+def parser(prog: str = "python -m commfuse explain") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks of the fake process group (default 2)")
     p.add_argument("--model", choices=sorted(MODELS), default="dtensor",
@@ -100,8 +100,8 @@ def run(args: argparse.Namespace):
     return commfuse.report()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain") -> int:
+    args = parser(prog).parse_args(argv)
     mode = "inference" if args.inference else "training step (forward + backward)"
     print(f"commfuse explain: {MODELS[args.model]}; {args.layers} layers, dim {args.dim}, "
           f"{args.dtype}, fake process group of {args.world_size} ranks on the CPU; {mode}",
@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = run(args)
     print(f"compiled and ran in {time.time() - start:.1f} s; one line per matmul/collective candidate:\n")
     print(rep)
-    print("\nSet COMMFUSE_LOG=1 to see these decisions as your own model compiles, or read "
-          "commfuse.report() after the first call.")
+    print("\nSet TORCH_LOGS=commfuse (or COMMFUSE_LOG=1) to see these decisions as your own model compiles, "
+          "or read commfuse.report() after the first call.")
     return 0
 
 

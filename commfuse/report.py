@@ -2,8 +2,10 @@
 
 Users' first complaint about fusion passes is that they silently do not fire, so each decision is
 logged under the ``commfuse`` logger and kept as data: ``commfuse.report()`` after a compile.
-Set ``COMMFUSE_LOG=1`` (or ``debug``) in the environment to print decisions to stderr; it is read
-when commfuse is imported and again whenever the graph pass runs (0, off, false or no: quiet).
+``TORCH_LOGS=commfuse`` prints the decisions to stderr through torch's logging (``+commfuse``:
+also the debug lines); ``COMMFUSE_LOG=1`` (or ``info``, or ``debug``) does the same through a
+handler of commfuse's own, read when commfuse is imported and again whenever the graph pass runs
+(0, off, false or no: quiet).
 """
 
 from __future__ import annotations
@@ -13,25 +15,77 @@ import dataclasses
 import logging
 import os
 
+import torch
+
+from . import env
+
 log = logging.getLogger("commfuse")
 
 _MAX_RECORDS = 10_000
 _records: collections.deque["MatchRecord"] = collections.deque(maxlen=_MAX_RECORDS)
+#: What a graph's records cannot say: why a graph had no candidate, an exclude pattern that
+#: matched no module of a graph.
+_notes: collections.deque[str] = collections.deque(maxlen=1_000)
+
+
+def _register_with_torch_logs() -> None:
+    """Make ``commfuse`` a named log of torch's logging, as torch's own components are, so
+    ``torch._logging`` resets and re-reads keep it and list it.
+
+    torch reads ``TORCH_LOGS`` when it is imported, before commfuse can register: a name it
+    does not know it takes for a module and, where one imports by that name, enables that
+    logger, so ``TORCH_LOGS=commfuse`` works whichever is imported first. ``register_log`` is
+    internal API (the same signature from torch 2.1 to 2.13), hence the guard: without it only
+    the registration is lost, not ``TORCH_LOGS``.
+    """
+    internal = getattr(torch._logging, "_internal", None)
+    register = getattr(internal, "register_log", None)
+    registry = getattr(internal, "log_registry", None)
+    if register is None or registry is None or not hasattr(registry, "is_log"):
+        return
+    if not registry.is_log("commfuse"):
+        register("commfuse", "commfuse")
+
+
+def _named_in_torch_logs() -> bool:
+    """``TORCH_LOGS`` names commfuse (``commfuse``, ``+commfuse``, ``-commfuse``)."""
+    names = os.environ.get("TORCH_LOGS", "").replace(" ", "").split(",")
+    return any(name.lstrip("+-") == "commfuse" for name in names)
 
 
 def configure_logging() -> None:
-    """``COMMFUSE_LOG``: a stderr handler on the ``commfuse`` logger at INFO (DEBUG for ``debug``),
-    added once; unset, 0, off, false or no leave the logger as it is."""
+    """``COMMFUSE_LOG``, an alias of ``TORCH_LOGS=commfuse`` (``debug``: ``+commfuse``): a stderr
+    handler on the ``commfuse`` logger at INFO (DEBUG for ``debug``), added once.
+
+    Unset or a false word leave the logger as it is; so does a value it does not know: it must not
+    switch logging on at import, and ``env.validate`` (``commfuse.backend()``, the graph pass)
+    raises naming it. Where ``TORCH_LOGS`` names commfuse, torch's level and handler win (one
+    line per record, not two).
+    """
     level = os.environ.get("COMMFUSE_LOG", "").strip().lower()
-    if not level or level in ("0", "off", "false", "no"):
+    if level not in env.LOG_ON or _named_in_torch_logs():
         return
     log.setLevel(logging.DEBUG if level == "debug" else logging.INFO)
-    if not log.handlers:
+    own = [h for h in log.handlers if h.get_name() == _HANDLER]
+    if _torch_handler(log):  # torch._logging set the logger up since (set_logs): it writes the records
+        for handler in own:
+            log.removeHandler(handler)
+    elif not log.handlers:
         handler = logging.StreamHandler()
+        handler.set_name(_HANDLER)
         handler.setFormatter(logging.Formatter("[commfuse] %(message)s"))
         log.addHandler(handler)
 
 
+_HANDLER = "commfuse: COMMFUSE_LOG"
+
+
+def _torch_handler(logger: logging.Logger) -> bool:
+    is_torch = getattr(getattr(torch._logging, "_internal", None), "_is_torch_handler", None)
+    return is_torch is not None and any(is_torch(h) for h in logger.handlers)
+
+
+_register_with_torch_logs()
 configure_logging()
 
 
@@ -65,7 +119,13 @@ class MatchRecord:
 
 
 class Report(list):
-    """A list of :class:`MatchRecord`; ``print(report)`` gives one line per candidate."""
+    """A list of :class:`MatchRecord`; ``print(report)`` gives one line per candidate, the counts,
+    then ``notes``: what the records cannot say (a graph without candidates and why, an exclude
+    pattern that matched no module of a graph)."""
+
+    def __init__(self, records=(), notes=()):
+        super().__init__(records)
+        self.notes: list[str] = list(notes)
 
     @property
     def fused(self) -> list[MatchRecord]:
@@ -80,11 +140,14 @@ class Report(list):
         return [r for r in self if not r.fused]
 
     def summary(self) -> str:
-        reasons = collections.Counter(r.reason for r in self.skipped)
-        merged = f", {len(self.merged)} sums merged" if self.merged else ""
-        lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}"]
-        lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
-        return "\n".join(lines)
+        if not self and self.notes:  # "0 fused, 0 skipped" would not say why
+            lines = ["commfuse: no candidates"]
+        else:
+            reasons = collections.Counter(r.reason for r in self.skipped)
+            merged = f", {len(self.merged)} sums merged" if self.merged else ""
+            lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}"]
+            lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
+        return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
     def __str__(self) -> str:
         return "\n".join([r.line() for r in self] + [self.summary()])
@@ -95,14 +158,21 @@ def record(rec: MatchRecord) -> None:
     log.info("%s", rec.line())
 
 
+def note(text: str, level: int = logging.INFO) -> None:
+    """Keep ``text`` for ``Report.notes`` and log it."""
+    _notes.append(text)
+    log.log(level, "%s", text)
+
+
 def report() -> Report:
     """Decisions from every graph the pass has rewritten in this process (newest last).
 
     Graphs served from Inductor's FX graph cache skip the pass and add nothing here; ``python -m
     commfuse explain`` and ``torch._inductor.config.fx_graph_cache = False`` show every decision.
     """
-    return Report(_records)
+    return Report(_records, _notes)
 
 
 def clear_report() -> None:
     _records.clear()
+    _notes.clear()

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
+# Subprocesses (python -c, python -m commfuse, torchrun) import this checkout's package, not the one
+# an editable install elsewhere points at: a test of this tree must not pass or fail on another's.
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                      if p and p != _ROOT])
 # The tests' shapes are small: fuse them even without CUDA graphs (the launch-bound rule has its own
 # tests, which set the bound explicitly). Subprocesses inherit this.
 os.environ.setdefault("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
@@ -16,6 +22,7 @@ import pytest
 import torch
 
 import commfuse
+from commfuse import exclusion
 from helpers import init_fake_pg
 
 
@@ -45,9 +52,13 @@ def world2() -> int:
 
 
 @pytest.fixture(autouse=True)
-def clean_state():
+def clean_state(monkeypatch):
     torch._dynamo.reset()
     commfuse.clear_report()
+    # Once any instance was excluded, the pass opts every later graph out of the FX graph cache for
+    # the rest of the process (exclusion.any_instance_excluded): each test starts as a process in
+    # which none was, or a cache test after an exclusion test sees a bypass instead of a miss.
+    monkeypatch.setattr(exclusion, "_markers", {})
     with torch._inductor.config.patch(fx_graph_cache=False):
         yield
     torch._dynamo.reset()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,9 +35,7 @@ def test_backend_by_name_without_import():
         import commfuse
         print("fused", len(commfuse.report().fused), "calls", commfuse.ops.CALL_COUNTS["mm_all_reduce"])
     """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          cwd="/", timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd="/", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fused 1 calls 1" in proc.stdout
 
@@ -64,10 +62,7 @@ def test_user_post_grad_pass_is_chained(world2):
     assert calls(code, "commfuse.mm_all_reduce") == 1
 
 
-def test_uuid_tracks_settings_and_chain(monkeypatch):
-    from commfuse import exclusion
-
-    monkeypatch.setattr(exclusion, "_markers", {})  # as if no test before excluded an instance
+def test_uuid_tracks_settings_and_chain():
     base = CommfusePass(Settings())
     assert base.uuid() == CommfusePass(Settings()).uuid() is not None
     assert base.uuid() != CommfusePass(Settings(min_mnk=1)).uuid()
@@ -94,3 +89,82 @@ def test_backend_sizes_must_be_whole_numbers(kwargs):
     """A negative launch bound fused every size, a string minimum failed inside ``int()``."""
     with pytest.raises(ValueError, match=f"commfuse.backend: {next(iter(kwargs))} must be a whole number"):
         commfuse.backend(**kwargs)
+
+
+class ConfigProbe(CustomGraphPass):
+    """Records the Inductor settings in force while the post-grad passes run."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, graph):
+        cfg = torch._inductor.config
+        self.seen.append((cfg.triton.cudagraphs, cfg.epilogue_fusion))
+
+    def uuid(self):
+        return "config-probe-v1"
+
+
+def _all_reduced_mm(a, w):
+    return funcol.all_reduce(a @ w, "sum", dist.group.WORLD)
+
+
+@pytest.mark.parametrize("compile_kwargs, want", [
+    (dict(), (False, True)),
+    (dict(mode="reduce-overhead"), (True, True)),
+    (dict(options={"triton.cudagraphs": True, "epilogue-fusion": False}), (True, False)),
+])
+def test_torch_compile_mode_and_options_reach_inductor(world2, monkeypatch, compile_kwargs, want):
+    """``torch.compile`` passes ``mode`` and ``options`` to a custom backend as keywords: they
+    failed with a TypeError at the first call. The launch-bound 128 KiB output fuses only where
+    the CUDA-graph setting reached the pass."""
+    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTES", str(1 << 20))
+    probe = ConfigProbe()
+    a, w = torch.randn(256, 64), torch.randn(64, 128)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=probe):
+        out = torch.compile(_all_reduced_mm, backend="commfuse", fullgraph=True, **compile_kwargs)(a, w)
+    torch.testing.assert_close(out, a @ w)
+    assert probe.seen == [want]
+    cudagraphs = want[0]
+    assert len(commfuse.report().fused) == (1 if cudagraphs else 0)
+    assert cudagraphs or "launch-bound" in commfuse.report()[0].reason
+
+
+def test_torch_compile_options_win_over_the_backends_mode(world2):
+    probe = ConfigProbe()
+    backend = commfuse.backend(min_mnk=0, mode="reduce-overhead")
+    with torch._inductor.config.patch(post_grad_custom_post_pass=probe):
+        torch.compile(_all_reduced_mm, backend=backend, options={"triton.cudagraphs": False})(
+            torch.randn(64, 32), torch.randn(32, 48))
+    assert probe.seen == [(False, True)]
+    assert len(commfuse.report().fused) == 1
+
+
+@pytest.mark.parametrize("compile_kwargs, message", [
+    (dict(options={"no_such_key": 1}), "unknown Inductor option 'no_such_key' in torch.compile(options=...)"),
+    (dict(options={"triton.cudagraph": True}),
+     "unknown Inductor option 'triton.cudagraph' in torch.compile(options=...); did you mean 'triton.cudagraphs'"),
+    (dict(mode="reduce-overheads"), "unknown mode 'reduce-overheads' in torch.compile(mode=...); Inductor's modes:"),
+])
+def test_torch_compile_unknown_option_or_mode_is_named_before_compiling(world2, monkeypatch, compile_kwargs,
+                                                                         message):
+    from torch._inductor import compile_fx
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("compile_fx ran")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", not_reached)
+    with pytest.raises(Exception, match=re.escape(message)) as info:
+        torch.compile(_all_reduced_mm, backend="commfuse", **compile_kwargs)(torch.randn(64, 32), torch.randn(32, 48))
+    inner = getattr(info.value, "inner_exception", info.value)  # Dynamo wraps backend errors
+    assert isinstance(inner, ValueError) and "\n" not in str(inner)
+
+
+def test_backend_names_an_unknown_inductor_config_key_when_built():
+    with pytest.raises(ValueError, match=r"^commfuse: unknown Inductor option 'no_such_key' in "
+                                         r"commfuse.backend\(inductor_config=...\)$"):
+        commfuse.backend(inductor_config={"no_such_key": 1})
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        commfuse.backend(mode="fast")
+    assert commfuse.backend(mode="max-autotune", inductor_config={"max-autotune": False}).inductor_config == {
+        "max_autotune": False, "triton.cudagraphs": True, "coordinate_descent_tuning": True}

@@ -294,3 +294,24 @@ def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     with pytest.warns(UserWarning, match="1 calls past the first 2 were not timed"):
         times = call_times.collect()
     assert times == {("mm_all_reduce", (2, 3), (3, 4), False, "one_shot"): [1e3, 1e3]}
+
+
+def test_a_cpu_run_says_it_times_the_unfused_computation():
+    """On the CPU the ops run the unfused computation: a CPU run printed "commfuse/inductor 1.052x,
+    hides 17%" as if fusion had hidden communication."""
+    from commfuse import bench_model
+
+    rec = {"model": "dtensor", "mode": "prefill", "device": "cpu", "fused": 4,
+           "ms": {"inductor": 24.0, "commfuse": 22.0, "floor": 20.0}, "compile_s": {"inductor": 1.0, "commfuse": 1.0},
+           "round_ms": {"inductor": [24.0], "commfuse": [22.0], "floor": [20.0]}}
+    bench_model._compare(rec)
+    assert "hidden_share" not in rec and rec["speedup_vs_inductor"] == 24.0 / 22.0
+    line = bench_model._line(rec)
+    assert "commfuse/inductor 1.091x (unfused computation: no fusion runs on the CPU)" in line
+    assert "hides" not in line
+    header = bench_model.header(torch.device("cpu"), 2)
+    assert "On the CPU the commfuse ops run the unfused computation (no fusion runs on the CPU)" in header
+    gpu = dict(rec, device="cuda")
+    bench_model._compare(gpu)
+    assert gpu["hidden_share"] == 0.5 and "hides 50%" in bench_model._line(gpu)
+    assert "CPU" not in bench_model._line(gpu) and "CPU" not in bench_model.header(torch.device("cuda"), 2)

@@ -121,3 +121,43 @@ def test_the_split_k_ll_setting_is_a_switch(monkeypatch):
     monkeypatch.delenv("COMMFUSE_SPLIT_K_LL")
     assert dispatch.split_k_ll() is None
     env.validate()
+
+
+def test_the_backend_names_a_bad_setting_when_built(monkeypatch):
+    """It failed only at the first compile, inside a long traceback."""
+    import commfuse
+
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "10m")
+    with pytest.raises(ValueError, match=r"^commfuse: COMMFUSE_TIMEOUT_S='10m' is not a number$"):
+        commfuse.backend()
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "30")
+    monkeypatch.setenv("COMMFUSE_CE_TAIL", "nccl")
+    with pytest.raises(ValueError, match="COMMFUSE_CE_TAIL"):
+        commfuse.backend()
+
+
+def test_an_unknown_setting_name_warns_once_with_the_close_names(monkeypatch):
+    import warnings
+
+    import commfuse
+
+    monkeypatch.setattr(env, "_warned", set())
+    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTE", "0")  # the trailing S left off
+    with pytest.warns(UserWarning, match=r"COMMFUSE_LAUNCH_BOUND_BYTE is not a commfuse setting and is "
+                                         r"ignored; did you mean COMMFUSE_LAUNCH_BOUND_BYTES\?"):
+        commfuse.backend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        commfuse.backend()  # once per name
+        env.validate()
+
+
+def test_the_known_names_are_every_name_the_package_reads():
+    """``env.KNOWN`` is what the unknown-name warning trusts: every quoted ``COMMFUSE_*`` name in
+    the package's code, and no other."""
+    read = set()
+    for path in (ROOT / "commfuse").rglob("*.py"):
+        read |= set(re.findall(r'["\'](COMMFUSE_[A-Z0-9_]+)["\']', path.read_text()))
+    assert read == set(env.KNOWN), (sorted(read - set(env.KNOWN)), sorted(set(env.KNOWN) - read))
+    readme = (ROOT / "README.md").read_text()
+    assert not [name for name in env.KNOWN if name not in readme]

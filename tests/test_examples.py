@@ -42,3 +42,38 @@ def test_model_benchmark_runs_the_transformers_model(tmp_path):
     # training: q/k/v and gate/up input gradients merged (2 sums), then fused with the forward's 2
     assert records[0]["fused"] == 2 and records[1]["fused"] == 4 and records[1]["merged"] == 2
     assert records[0]["commfuse_rel_err"] < 1e-4
+
+
+def _without_torchrun() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                            "LOCAL_RANK")}
+
+
+@pytest.mark.parametrize("script", ["tp_transformer.py", "hf_llama.py"])
+def test_an_example_outside_torchrun_says_how_to_launch_it(script):
+    """It raised a bare ``ValueError ... RANK expected`` from the rendezvous."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=_without_torchrun())
+    assert proc.returncode == 2
+    assert proc.stderr == (f"examples/{script} runs one process per rank: launch it with torchrun "
+                           f"--nproc_per_node=2 examples/{script} (RANK is not set)\n")
+
+
+@pytest.mark.slow
+def test_tp_transformer_on_one_rank_says_there_is_nothing_to_fuse():
+    """One rank: no collective to fuse; the run checks the values and says why nothing fused
+    instead of failing "nothing fused"."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _without_torchrun() | dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                     OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tp_transformer.py"), "--layers", "1",
+                           "--seq", "32", "--batch", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: forward#0: no collectives in this graph; one rank: nothing to exchange" in proc.stdout
+    assert "one rank: nothing to exchange, so nothing to fuse; launch two or more" in proc.stdout
+    assert "(torch.float32, 1 ranks, cpu)" in proc.stdout

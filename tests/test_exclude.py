@@ -221,3 +221,17 @@ def test_a_module_list_entry_excludes_its_members(world2):
     assert fused_modules() == ["layers.0.proj"]
     for layer in net.layers:
         commfuse.include(layer)
+
+
+def test_a_name_pattern_that_matches_no_module_is_reported(world2, caplog):
+    """``layer.1.*`` (for ``layers.1.*``) excluded nothing, without a word."""
+    with caplog.at_level("WARNING", logger="commfuse"):
+        run(Net(), commfuse.backend(exclude=["layer.1.*", "layers.2.*"], min_mnk=0))
+    rep = commfuse.report()
+    assert len(rep.fused) == 2 and len(rep.skipped) == 1  # layers.2 excluded
+    label = rep[0].graph
+    assert rep.notes == [f"{label}: exclude pattern 'layer.1.*' matched no module of this graph (close module "
+                         "names: layers.1, layers.1.proj, layers.2)"]
+    assert "'layer.1.*' matched no module" in caplog.text and "'layers.2.*' matched" not in caplog.text
+    assert str(rep).splitlines()[-1] == "  note: " + rep.notes[0]
+    assert rep.summary().startswith("commfuse: 2 fused, 1 skipped")

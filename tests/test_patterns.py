@@ -234,7 +234,7 @@ def test_backend_mode_sets_inductor_options():
     assert commfuse.backend(mode="reduce-overhead").inductor_config == {"triton.cudagraphs": True}
     assert commfuse.backend(mode="reduce-overhead", inductor_config={"triton.cudagraphs": False}) \
         .inductor_config == {"triton.cudagraphs": False}  # explicit settings win
-    with pytest.raises(RuntimeError, match="Unrecognized mode"):
+    with pytest.raises(ValueError, match="unknown mode 'fastest'"):
         commfuse.backend(mode="fastest")
 
 

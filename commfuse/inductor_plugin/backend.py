@@ -7,32 +7,86 @@ the ``torch.ops.commfuse`` ops that compiled (and cached) code calls.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+import functools
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from .. import env
 from ..config import DEFAULT_MIN_MNK, Settings
 from .graph_pass import CommfusePass
 
 
+@functools.lru_cache(1)
+def _inductor_option_names() -> frozenset[str]:
+    """Every ``torch._inductor.config`` setting by its dotted name (``triton.cudagraphs``): the
+    names ``torch.compile(options=...)`` checks Inductor's own options against."""
+    from torch._inductor import config
+
+    return frozenset(config.get_config_copy())
+
+
+def inductor_options(options: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """``options`` as Inductor config patches, each name checked, with ``-`` read as ``_`` (as
+    ``torch.compile`` does for Inductor). An unknown name raises here, in one line, rather than
+    inside Inductor's compile, where it surfaced as an ``AttributeError`` deep in a traceback."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"commfuse: {where} must be a dict of Inductor settings, got {type(options).__name__}")
+    known = _inductor_option_names()
+    patches = {}
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name == "post_grad_custom_post_pass":
+            raise ValueError("commfuse: set your own post_grad_custom_post_pass in torch._inductor.config; "
+                             "commfuse chains it before its own pass")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"commfuse: unknown Inductor option {key!r} in {where}{hint}")
+        patches[name] = value
+    return patches
+
+
+def mode_options(mode: str | None, where: str) -> dict[str, Any]:
+    """The Inductor config patches of a ``torch.compile`` mode (``list_mode_options``); an unknown
+    mode raises in one line naming it."""
+    if not mode or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode not in modes:
+        raise ValueError(f"commfuse: unknown mode {mode!r} in {where}; Inductor's modes: {', '.join(modes)}")
+    return dict(list_mode_options(mode))
+
+
 class CommfuseBackend:
-    """A configured backend: ``torch.compile(model, backend=commfuse.backend(...))``."""
+    """A configured backend: ``torch.compile(model, backend=commfuse.backend(...))``.
+
+    ``torch.compile`` hands a custom backend its ``mode`` and ``options`` as keywords of each
+    call; they are read as for Inductor: the mode's config patches first, then this backend's own
+    settings, then ``options``, the most specific, over both.
+    """
 
     def __init__(self, settings: Settings, inductor_config: dict[str, Any] | None = None):
         self.settings = settings
-        self.inductor_config = dict(inductor_config or {})
-        if "post_grad_custom_post_pass" in self.inductor_config:
-            raise ValueError(
-                "commfuse: set your own post_grad_custom_post_pass in torch._inductor.config; "
-                "commfuse chains it before its own pass"
-            )
+        self.inductor_config = inductor_options(inductor_config, "inductor_config")
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None,
+                 options: Mapping[str, Any] | None = None) -> Any:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        patches = dict(self.inductor_config)
+        # Checked before any compile work, so a misspelt option or setting costs no compile time
+        # (``backend="commfuse"`` reaches here without ``commfuse.backend()``'s checks).
+        env.validate()
+        patches = mode_options(mode, "torch.compile(mode=...)")
+        patches.update(self.inductor_config)
+        patches.update(inductor_options(options, "torch.compile(options=...)"))
         user_pass = inductor_config.post_grad_custom_post_pass
         if isinstance(user_pass, CommfusePass):  # nested commfuse backends: keep the outer chain
             user_pass = user_pass.chained
@@ -67,18 +121,20 @@ def backend(
             stay unfused (launch-bound: the fused op's host cost outweighs its GPU saving); 0 fuses
             them too. Default: ``COMMFUSE_LAUNCH_BOUND_BYTES`` or 1 MiB. With
             ``mode="reduce-overhead"`` they fuse.
-        mode: an Inductor mode, as ``torch.compile(mode=...)`` takes for Inductor (which it
-            refuses for other backends): ``"reduce-overhead"`` runs the graphs as CUDA graphs, where
-            ``mm_all_reduce`` uses the graph lane (device-side epochs).
+        mode: an Inductor mode (what ``torch.compile(mode=...)`` also passes to this backend):
+            ``"reduce-overhead"`` runs the graphs as CUDA graphs, where ``mm_all_reduce`` uses the
+            graph lane (device-side epochs).
         inductor_config: extra ``torch._inductor.config`` settings for this compile (they win over
-            ``mode``'s).
-    """
-    from torch._inductor import list_mode_options
+            ``mode``'s), by dotted name (``"triton.cudagraphs"``); an unknown name raises here.
 
+    The ``COMMFUSE_*`` environment settings are checked here too, so a malformed one fails when
+    the backend is built, naming the variable, not inside the first compile.
+    """
+    env.validate()
     settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk,
                               launch_bound_bytes=launch_bound_bytes)
-    config = dict(list_mode_options(mode)) if mode else {}
-    config.update(inductor_config or {})
+    config = mode_options(mode, "commfuse.backend(mode=...)")
+    config.update(inductor_options(inductor_config, "commfuse.backend(inductor_config=...)"))
     return CommfuseBackend(settings, config)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import logging
 import math
 import pathlib
 from typing import Any
@@ -29,13 +30,13 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import env, ops, patterns  # noqa: F401  (ops: registers torch.ops.commfuse before any rewrite)
 from ..config import Settings
-from ..exclusion import any_instance_excluded, module_stack
+from ..exclusion import any_instance_excluded, module_stack, unmatched_names
 from ..patterns import merge_sums
 from ..runtime import groups, policy, rules
 from ..runtime.facts import local_facts
 from ..runtime.paths.base import Call, row_slabs, rows_dim
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
-from ..report import MatchRecord, configure_logging, log, record
+from ..report import MatchRecord, configure_logging, log, note, record
 
 _graph_numbers = itertools.count()
 _FUSED_OPS = (torch.ops.commfuse.mm_all_reduce.default, torch.ops.commfuse.all_gather_mm.default,
@@ -90,7 +91,11 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     label = graph_label(graph, next(_graph_numbers))
     env.validate()  # a malformed setting fails here, named, not inside a rewrite or a collective call
     configure_logging()  # COMMFUSE_LOG set after the import
-    fused = 0
+    log.debug("pass on %s: %d nodes", label, len(graph.nodes))
+    for pattern, close in unmatched_names(graph.nodes, settings):
+        hint = f"close module names: {', '.join(close)}" if close else "names are relative to the compiled module"
+        note(f"{label}: exclude pattern {pattern!r} matched no module of this graph ({hint})", logging.WARNING)
+    fused = candidates = 0
     if merge_sums.enabled(settings):
         try:
             merges = merge_sums.merge(graph, settings)
@@ -101,8 +106,10 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         for merged in merges:
             record(_describe_merge(label, merged))
             fused += 1
+            candidates += 1
     for pattern in patterns.ALL:
         anchors = [n for n in graph.nodes if n.op == "call_function" and n.target in pattern.ANCHORS]
+        candidates += len(anchors)
         for anchor in anchors:
             if pattern.NAME not in settings.patterns:
                 reason = f"pattern {pattern.NAME} is disabled in this backend's settings"
@@ -123,6 +130,8 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             match.replace(graph)
             record(rec)
             fused += 1
+    if not candidates:
+        note(f"{label}: {_why_no_candidates(graph)}")
     if fused:
         stable_topological_sort(graph)
         graph.lint()
@@ -156,6 +165,55 @@ def _call(node: fx.Node) -> Call | None:
         return None
     dtype = val(node.args[0]).dtype
     return Call(node.target.__name__.split(".")[0], *dims, dtype, world, node.args[2] is not None, **extra)
+
+
+#: Namespaces of the collectives a traced graph may hold.
+_COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
+
+
+def _why_no_candidates(graph: fx.Graph) -> str:
+    """What a graph without any candidate says instead of "0 fused, 0 skipped"."""
+    import torch.distributed as dist
+
+    if any(getattr(n.target, "namespace", None) in _COLLECTIVES for n in graph.nodes if n.op == "call_function"):
+        return "no all-reduce, all-gather or reduce-scatter in this graph (only other collectives)"
+    why = "no collectives in this graph"
+    if not dist.is_available() or not dist.is_initialized():
+        return why + " (torch.distributed is not initialized)"
+    if dist.get_world_size() == 1:
+        return why + "; one rank: nothing to exchange"
+    return why
+
+
+def _mm_all_reduce_bytes(node: fx.Node):
+    a, b = val(node.args[0]), val(node.args[1])
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if not all(isinstance(x, int) for x in (m, k, n)):
+        return None  # symbolic: the workspace grows on first use
+    from ..kernels import dispatch
+
+    return dispatch.all_reduce_workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
+
+
+def _all_gather_mm_bytes(node: fx.Node):
+    shard, b = val(node.args[0]), val(node.args[1])
+    k, n, world = shard.shape[-1], b.shape[1], node.args[4]
+    rows = math.prod(shard.shape[:-1]) * world
+    if not all(isinstance(x, int) for x in (rows, k, n)):
+        return None  # symbolic: the workspace grows on first use
+    from ..kernels import dispatch
+
+    return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, dispatch.rows_dim(shard.shape, node.args[3]))
+
+
+def _mm_reduce_scatter_bytes(node: fx.Node):
+    a, b = val(node.args[0]), val(node.args[1])
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    if not all(isinstance(x, int) for x in (m, k, n)):
+        return None  # symbolic: the workspace grows on first use
+    from ..kernels import dispatch
+
+    return dispatch.scatter_workspace_bytes(m, k, n, a.dtype, node.args[5], dispatch.rows_dim(node.args[3], node.args[4]))
 
 
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
