@@ -271,4 +271,5 @@ def describe() -> list[tuple[str, str, str, str]]:
             return "on" if s.default else "off"
         return str(s.default)
 
-    return [(s.name, s.kind if s.kind != "choice" else "|".join(s.choices), shown(s), s.doc) for s in SETTINGS]
+    return [(s.name, s.kind if s.kind != "choice" else "one of " + ", ".join(s.choices), shown(s), s.doc)
+            for s in SETTINGS]

@@ -62,7 +62,10 @@ def configure_logging() -> None:
     raises naming it. Where ``TORCH_LOGS`` names commfuse, torch's level and handler win (one
     line per record, not two).
     """
-    level = os.environ.get("COMMFUSE_LOG", "").strip().lower()
+    try:
+        level = env.current().log or ""
+    except ValueError:  # a bad setting: logging stays off here, and env.validate names it
+        return
     if level not in env.LOG_ON or _named_in_torch_logs():
         return
     log.setLevel(logging.DEBUG if level == "debug" else logging.INFO)

@@ -1,58 +1,69 @@
-"""The environment settings' parsers (``commfuse/env.py``): a value they do not understand raises
-naming the variable, instead of being read as the default."""
+"""The settings registry (``commfuse/env.py``): every ``COMMFUSE_*`` variable parsed once into typed
+values; a value it does not understand raises naming the variable (never read as the default); an
+unknown or removed name warns once; ``docs/settings.md`` lists exactly the registry."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import warnings
 
 import pytest
 import torch.fx as fx
 
 from commfuse import config, env
-from commfuse.kernels import dispatch, fused_all_reduce, sync, verify
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    """Each test reads the environment it sets, and leaves no value kept for the next one."""
+    monkeypatch.setattr(env, "_warned", set())
+    env.reload()
+    yield
+    monkeypatch.undo()
+    env.reload()
 
 
 @pytest.mark.parametrize("value, want", [("1", True), ("true", True), (" On ", True), ("YES", True),
                                          ("0", False), ("false", False), ("off", False), ("no", False)])
 def test_switch_words(monkeypatch, value, want):
     monkeypatch.setenv("COMMFUSE_VERIFY", value)
-    assert env.flag("COMMFUSE_VERIFY", not want) is want
-    assert verify.enabled() is want
+    assert env.reload().verify is want
 
 
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_setting_is_the_default(monkeypatch, value):
     monkeypatch.setenv("COMMFUSE_MERGE_SUMS", value)
-    monkeypatch.setenv("COMMFUSE_AR_COPY_LAG", value)
-    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", value)
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", value)
+    values = env.reload()
+    assert values.merge_sums is True and values.timeout_s == 600.0
     assert config.merge_sums_allowed()
-    assert fused_all_reduce.copy_lag(10) == 40
-    assert fused_all_reduce.stagger_ns(False, 2, 1) == fused_all_reduce.STAGGER_US * 1000
 
 
-def test_switches_that_were_read_as_the_default(monkeypatch):
-    """``false`` turned merging off only as ``0`` did, ``true`` left the check off: no more."""
-    monkeypatch.setenv("COMMFUSE_MERGE_SUMS", "false")
-    assert not config.merge_sums_allowed()
-    monkeypatch.setenv("COMMFUSE_VERIFY", "true")
-    assert verify.enabled()
-    monkeypatch.setenv("COMMFUSE_RS_PULL", "2")  # any word turned the pull on
-    with pytest.raises(ValueError, match="COMMFUSE_RS_PULL='2' is not a switch"):
-        dispatch.scatter_pull()
+def test_the_settings_are_read_once(monkeypatch):
+    """A call reads typed values, not the environment: a change counts from ``reload``."""
+    first = env.current()
+    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "5")
+    assert env.current() is first and first.timeout_s == 600.0
+    assert env.reload().timeout_s == 5.0
 
 
 @pytest.mark.parametrize("name, value, message", [
     ("COMMFUSE_LAUNCH_BOUND_BYTES", "1MiB", "is not a whole number"),
     ("COMMFUSE_LAUNCH_BOUND_BYTES", "-1", "must be at least 0"),
-    ("COMMFUSE_CE_CHUNKS", "0", "must be at least 1"),
-    ("COMMFUSE_TIMEOUT_S", "0", "must be above 0"),
+    ("COMMFUSE_GRAPH_BYTES", "0", "must be at least 1"),
+    ("COMMFUSE_TIMEOUT_S", "0", "must be at least"),
     ("COMMFUSE_TIMEOUT_S", "inf", "must be a finite number"),
     ("COMMFUSE_TIMEOUT_S", "10m", "is not a number"),
-    ("COMMFUSE_AR_COPY_LAG", "-1", "must be at least 0"),
+    ("COMMFUSE_TIMEOUT_S", "2e9", "must be at most"),
     ("COMMFUSE_FAST_LAUNCH", "off-ish", "is not a switch"),
+    ("COMMFUSE_LOG", "verbose", "is not one of"),
+    ("COMMFUSE_SYMM_PROVIDER", "nvshmem", "is not one of"),
+    ("COMMFUSE_ALGO", "fastest", "is not one of"),
+    ("COMMFUSE_TUNE", "always", "is not one of"),
+    ("COMMFUSE_TUNE_MARGIN", "0.9", "must be at most"),
 ])
 def test_bad_values_raise_naming_the_variable(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
@@ -60,19 +71,26 @@ def test_bad_values_raise_naming_the_variable(monkeypatch, name, value, message)
         env.validate()
 
 
-def test_readers_check_their_own_values(monkeypatch):
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "-5")
-    with pytest.raises(ValueError, match="COMMFUSE_TIMEOUT_S"):
-        sync.timeout_ns()
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "2.5")
-    assert sync.timeout_ns() == 2_500_000_000
-    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTES", "4096")
-    assert config.default_launch_bound_bytes() == 4096
-    monkeypatch.setenv("COMMFUSE_OVERLAP", "4x0")
-    with pytest.raises(ValueError, match="COMMFUSE_OVERLAP='4x0' is not CxP"):
-        dispatch.overlap_config(1024)
-    monkeypatch.setenv("COMMFUSE_OVERLAP", "2X16")
-    assert dispatch.overlap_config(1024) == (2, 16)
+def test_override_parses_as_the_environment_does_and_restores():
+    before = env.current()
+    with env.override(timeout_s="2.5", algo="fused", verify=True) as values:
+        assert values.timeout_s == 2.5 and values.algo == "fused" and values.verify is True
+        assert env.current() is values
+        with pytest.raises(ValueError, match="COMMFUSE_ALGO"):
+            with env.override(algo="nope"):
+                pass
+    assert env.current() == before
+    with pytest.raises(TypeError, match="no setting 'timeout'"):
+        with env.override(timeout=1):
+            pass
+
+
+def test_override_drops_what_was_decided_under_the_old_settings():
+    seen = []
+    env.on_change(lambda: seen.append(1))
+    with env.override(algo="nccl"):
+        pass
+    assert len(seen) >= 2  # entering and leaving
 
 
 def test_the_graph_pass_names_a_bad_setting_before_any_rewrite(monkeypatch):
@@ -86,43 +104,6 @@ def test_the_graph_pass_names_a_bad_setting_before_any_rewrite(monkeypatch):
         graph_pass.rewrite(graph, config.Settings())
 
 
-def test_every_setting_read_through_the_parsers_is_validated_and_documented():
-    """The names the code passes to ``env.flag`` / ``integer`` / ``number`` are the ones
-    ``validate`` checks, and README.md names each."""
-    read = set()
-    for path in (ROOT / "commfuse").rglob("*.py"):
-        read |= set(re.findall(r'env\.(?:flag|integer|number)\(\s*"(COMMFUSE_\w+)"', path.read_text()))
-    checked = set(env.SWITCHES) | set(env.INTEGERS) | set(env.NUMBERS)
-    assert read == checked, (sorted(read - checked), sorted(checked - read))
-    readme = (ROOT / "README.md").read_text()
-    assert not [name for name in checked if name not in readme]
-
-
-@pytest.mark.parametrize("name, value", [
-    ("COMMFUSE_LOG", "verbose"), ("COMMFUSE_SYMM_PROVIDER", "nvshmem"), ("COMMFUSE_TILE_CONFIG", "128by256"),
-    ("COMMFUSE_SPLIT_K_LL", "maybe"), ("COMMFUSE_AG_PUSH", "gpu"), ("COMMFUSE_AG_LOCAL", "cpy"),
-    ("COMMFUSE_CE_STREAMS", "4"), ("COMMFUSE_CE_TAIL", "nccl"), ("COMMFUSE_OVERLAP", "4by32"),
-    ("COMMFUSE_ALGO", "fastest"),
-])
-def test_named_choices_are_validated_at_compile_time(monkeypatch, name, value):
-    """Settings that name a value fail in ``validate`` (the graph pass), naming the variable,
-    not first inside a call on GPUs (``COMMFUSE_OVERLAP`` was read inside the call's exchange,
-    where an error marks the workspace broken) or never on the CPU."""
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=name):
-        env.validate()
-
-
-def test_the_split_k_ll_setting_is_a_switch(monkeypatch):
-    monkeypatch.setenv("COMMFUSE_SPLIT_K_LL", "true")
-    assert dispatch.split_k_ll() is True
-    monkeypatch.setenv("COMMFUSE_SPLIT_K_LL", "0")
-    assert dispatch.split_k_ll() is False
-    monkeypatch.delenv("COMMFUSE_SPLIT_K_LL")
-    assert dispatch.split_k_ll() is None
-    env.validate()
-
-
 def test_the_backend_names_a_bad_setting_when_built(monkeypatch):
     """It failed only at the first compile, inside a long traceback."""
     import commfuse
@@ -131,20 +112,17 @@ def test_the_backend_names_a_bad_setting_when_built(monkeypatch):
     with pytest.raises(ValueError, match=r"^commfuse: COMMFUSE_TIMEOUT_S='10m' is not a number$"):
         commfuse.backend()
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "30")
-    monkeypatch.setenv("COMMFUSE_CE_TAIL", "nccl")
-    with pytest.raises(ValueError, match="COMMFUSE_CE_TAIL"):
+    monkeypatch.setenv("COMMFUSE_ALGO", "nccl-ish")
+    with pytest.raises(ValueError, match="COMMFUSE_ALGO"):
         commfuse.backend()
 
 
 def test_an_unknown_setting_name_warns_once_with_the_close_names(monkeypatch):
-    import warnings
-
     import commfuse
 
-    monkeypatch.setattr(env, "_warned", set())
     monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTE", "0")  # the trailing S left off
     with pytest.warns(UserWarning, match=r"COMMFUSE_LAUNCH_BOUND_BYTE is not a commfuse setting and is "
-                                         r"ignored; did you mean COMMFUSE_LAUNCH_BOUND_BYTES\?"):
+                                         r"ignored; did you mean COMMFUSE_LAUNCH_BOUND_BYTES"):
         commfuse.backend()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -152,12 +130,42 @@ def test_an_unknown_setting_name_warns_once_with_the_close_names(monkeypatch):
         env.validate()
 
 
-def test_the_known_names_are_every_name_the_package_reads():
-    """``env.KNOWN`` is what the unknown-name warning trusts: every quoted ``COMMFUSE_*`` name in
-    the package's code, and no other."""
-    read = set()
+def test_a_removed_setting_still_set_warns_once_with_its_fate(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_RS_PULL", "1")
+    with pytest.warns(UserWarning, match="COMMFUSE_RS_PULL no longer exists.*lost on every shape"):
+        env.validate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env.validate()
+
+
+def test_every_name_the_package_reads_is_a_setting():
+    """Every quoted ``COMMFUSE_*`` name in the package (but its tools, which may read their own) is in
+    the registry or in ``REMOVED``; the code reads settings only through ``env.current()``, never
+    ``os.environ`` (but for ``env.py``)."""
+    names = {s.name for s in env.SETTINGS}
     for path in (ROOT / "commfuse").rglob("*.py"):
-        read |= set(re.findall(r'["\'](COMMFUSE_[A-Z0-9_]+)["\']', path.read_text()))
-    assert read == set(env.KNOWN), (sorted(read - set(env.KNOWN)), sorted(set(env.KNOWN) - read))
-    readme = (ROOT / "README.md").read_text()
-    assert not [name for name in env.KNOWN if name not in readme]
+        if "tools" in path.parts or path.name in ("bench.py", "bench_model.py"):
+            continue
+        text = path.read_text()
+        quoted = set(re.findall(r'["\'`](COMMFUSE_[A-Z0-9_]+)["\'`]', text))
+        assert quoted <= names | set(env.REMOVED), (path, sorted(quoted - names - set(env.REMOVED)))
+        if path.name != "env.py":
+            assert not re.search(r'environ(?:\.get)?\(?\[?\s*["\']COMMFUSE_', text), path
+
+
+def _documented() -> dict[str, tuple[str, str]]:
+    """The rows of docs/settings.md's table: name -> (kind, default)."""
+    rows = {}
+    for line in (ROOT / "docs" / "settings.md").read_text().splitlines():
+        m = re.match(r"\|\s*`(COMMFUSE_\w+)`\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|", line)
+        if m:
+            rows[m.group(1)] = (m.group(2).strip("`"), m.group(3).strip("`"))
+    return rows
+
+
+def test_the_settings_page_lists_exactly_the_registry():
+    documented = _documented()
+    want = {name: (kind, default) for name, kind, default, _ in env.describe()}
+    assert documented == want, (sorted(set(documented) ^ set(want)),
+                                [n for n in want if documented.get(n) != want[n]])
