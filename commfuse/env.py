@@ -188,6 +188,7 @@ def current() -> Values:
     global _current
     if _current is None:
         values = _parse_environment(os.environ)
+        values.update(_program)
         for layer in _overrides:
             values.update(layer)
         _current = Values(tuple(values.items()))
@@ -213,10 +214,7 @@ def reload() -> Values:
     return current()
 
 
-@contextlib.contextmanager
-def override(**values: Any) -> Iterator[Values]:
-    """Set settings by field name (``override(algo="fused", timeout_s=5.0)``) inside a block. Each
-    value is checked as the environment's would be (a string is parsed; ``None`` is the default)."""
+def _layer(values: dict[str, Any]) -> dict[str, Any]:
     layer = {}
     for field, value in values.items():
         setting = _BY_FIELD.get(field)
@@ -228,6 +226,25 @@ def override(**values: Any) -> Iterator[Values]:
             layer[field] = setting.parse(str(value))
         else:
             layer[field] = setting.parse(str(value)) if setting.kind in ("int", "float") else value
+    return layer
+
+
+_program: dict[str, Any] = {}
+
+
+def set(**values: Any) -> Values:  # noqa: A001 - the verb the API reads best with (env.set)
+    """Set settings for the rest of the process, over the environment's values (what
+    ``commfuse.backend(tune=...)`` does); checked as ``override`` checks them."""
+    _program.update(_layer(values))
+    _changed()
+    return current()
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[Values]:
+    """Set settings by field name (``override(algo="fused", timeout_s=5.0)``) inside a block. Each
+    value is checked as the environment's would be (a string is parsed; ``None`` is the default)."""
+    layer = _layer(values)
     _overrides.append(layer)
     _changed()
     try:
@@ -257,6 +274,7 @@ def validate() -> Values:
         if name in os.environ and name not in _warned:
             _warned.add(name)
             warnings.warn(f"commfuse: {name} no longer exists and is ignored: {fate}", stacklevel=2)
+    values.update(_program)
     if _current is not None and not _overrides and dict(_current.values) != values:
         _changed()  # the environment changed since it was read: take the new values
     return current()

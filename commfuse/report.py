@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import logging
 import os
+import sys
 
 import torch
 
@@ -126,9 +127,13 @@ class Report(list):
     then ``notes``: what the records cannot say (a graph without candidates and why, an exclude
     pattern that matched no module of a graph)."""
 
-    def __init__(self, records=(), notes=()):
+    def __init__(self, records=(), notes=(), calls=()):
         super().__init__(records)
         self.notes: list[str] = list(notes)
+        #: What the run-time chose per call site of this process: (call, group, path, source,
+        #: reason); source is where the choice came from: the rules, the tuner, a forced setting,
+        #: a capture, the graph lane, or a group that cannot run symmetric paths.
+        self.calls: list[tuple] = list(calls)
 
     @property
     def fused(self) -> list[MatchRecord]:
@@ -153,7 +158,12 @@ class Report(list):
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
     def __str__(self) -> str:
-        return "\n".join([r.line() for r in self] + [self.summary()])
+        lines = [r.line() for r in self] + [self.summary()]
+        if self.calls:
+            lines.append("run time, per call site (path, and where the choice came from):")
+            lines += [f"  {call} on group {group}: {path} ({source}: {reason})"
+                      for call, group, path, source, reason in self.calls]
+        return "\n".join(lines)
 
 
 def record(rec: MatchRecord) -> None:
@@ -167,13 +177,23 @@ def note(text: str, level: int = logging.INFO) -> None:
     log.log(level, "%s", text)
 
 
+def _calls() -> list[tuple]:
+    """The run-time's decisions so far, if any call ran on a GPU (the run-time is not imported
+    otherwise: it brings Triton)."""
+    entry = sys.modules.get("commfuse.runtime.entry")
+    if entry is None:
+        return []
+    return [(call, group, *decision) for (call, group), decision in entry.decisions.items()]
+
+
 def report() -> Report:
-    """Decisions from every graph the pass has rewritten in this process (newest last).
+    """Decisions from every graph the pass has rewritten in this process (newest last), and the
+    run-time's path per call site so far (``Report.calls``).
 
     Graphs served from Inductor's FX graph cache skip the pass and add nothing here; ``python -m
     commfuse explain`` and ``torch._inductor.config.fx_graph_cache = False`` show every decision.
     """
-    return Report(_records, _notes)
+    return Report(_records, _notes, _calls())
 
 
 def clear_report() -> None:

@@ -42,3 +42,19 @@ def test_a_graph_with_other_collectives_only_says_so(world2):
     torch.compile(broadcast, backend=commfuse.backend())(torch.randn(8, 8))
     assert commfuse.report().notes[0].endswith(": no all-reduce, all-gather or reduce-scatter in this graph "
                                                "(only other collectives)")
+
+
+def test_the_report_says_which_path_each_call_site_takes_and_why(monkeypatch):
+    """Once calls ran, the report lists the run-time's choice per call site and its source (rules,
+    tuner, forced, capture, lane, a group without symmetric paths)."""
+    import sys
+    import types
+
+    import commfuse
+
+    fake = types.SimpleNamespace(decisions={("mm_all_reduce 16x4096x8192 bfloat16 w2", "0"):
+                                            ("split_k", "rules", "split_k when m <= 128")})
+    monkeypatch.setitem(sys.modules, "commfuse.runtime.entry", fake)
+    rep = commfuse.report()
+    assert rep.calls == [("mm_all_reduce 16x4096x8192 bfloat16 w2", "0", "split_k", "rules", "split_k when m <= 128")]
+    assert "mm_all_reduce 16x4096x8192 bfloat16 w2 on group 0: split_k (rules: split_k when m <= 128)" in str(rep)

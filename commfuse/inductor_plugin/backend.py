@@ -106,6 +106,7 @@ def backend(
     launch_bound_bytes: int | None = None,
     mode: str | None = None,
     inductor_config: dict[str, Any] | None = None,
+    tune: str | None = None,
 ) -> CommfuseBackend:
     """A commfuse backend with settings, for ``torch.compile(model, backend=...)``.
 
@@ -126,11 +127,17 @@ def backend(
             graph lane (device-side epochs).
         inductor_config: extra ``torch._inductor.config`` settings for this compile (they win over
             ``mode``'s), by dotted name (``"triton.cudagraphs"``); an unknown name raises here.
+        tune: measured dispatch for every commfuse call of this process (as ``COMMFUSE_TUNE``,
+            which it overrides): ``"off"`` (the rules), ``"cache"`` (tuned answers kept on this
+            machine, never tune), ``"first-use"`` (a call signature without an answer is tuned by
+            every rank together at its first call).
 
     The ``COMMFUSE_*`` environment settings are checked here too, so a malformed one fails when
     the backend is built, naming the variable, not inside the first compile.
     """
     env.validate()
+    if tune is not None:
+        env.set(tune=tune)
     settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk,
                               launch_bound_bytes=launch_bound_bytes)
     config = mode_options(mode, "commfuse.backend(mode=...)")
