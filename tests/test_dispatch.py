@@ -287,20 +287,22 @@ def fresh_groups(world2):
 
 
 def test_timeout_error_names_group_op_and_global_ranks(fresh_groups):
-    """A kernel that timed out wrote ``[1, op, rank, peer]`` into its group's error word; the
-    group's next call raises, naming the group, the op, the global ranks and the bound, once; the
-    group then refuses calls until ``release_all``."""
+    """A kernel that timed out wrote ``[1, op, rank, peer, epoch]`` into its group's error word; the
+    group's next call raises, naming the group, the op, the global ranks, the call and the bound,
+    once; the word stays set (later waits of the group end at once) and the group refuses calls
+    until ``release_all``, which starts it afresh with a clear word."""
     name = group_name()
     group = groups.get(name)
     group.workspace = _workspace(name=name, err=group.err, timeout_ns=2 * 10**9)
     assert group.workspace.err is group.err  # the kernels write the group's word
-    group.err[:4] = torch.tensor([1, 1, 0, 1], dtype=torch.int32)  # what a timed-out kernel writes
+    group.err[:5] = torch.tensor([1, 1, 0, 1, 7], dtype=torch.int32)  # what a timed-out kernel writes
     shard, b = torch.randn(4, 6), torch.randn(6, 5)
     with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: on group '0', rank 0 timed out after 2 s "
-                                           r"waiting for rank 1 \(group ranks 0 and 1\) \(noticed when all_gather_mm"):
+                                           r"waiting for rank 1 \(group ranks 0 and 1\) in call 7 of the group "
+                                           r"\(noticed when all_gather_mm"):
         torch.ops.commfuse.all_gather_mm(shard, b, None, 0, 2, name, True)
-    assert group.err.eq(0).all()  # raised once
-    commfuse.check_errors()  # nothing new
+    assert int(group.err[0]) == 1  # sticky: the group's later waits see it and end at once
+    commfuse.check_errors()  # raised once: nothing new
     with pytest.raises(RuntimeError, match=r"mm_all_reduce: on group '0', rank 0 timed out.*refuses further calls"
                                            r".*release_all"):
         torch.ops.commfuse.all_gather_mm(shard, b, None, 0, 2, name, True)
@@ -308,7 +310,7 @@ def test_timeout_error_names_group_op_and_global_ranks(fresh_groups):
         group.workspace.next_epoch()
     commfuse.release_all()
     out, _ = torch.ops.commfuse.all_gather_mm(shard, b, None, 0, 2, name, True)  # a new start
-    assert out.shape == (8, 5) and groups.get(name) is not group
+    assert out.shape == (8, 5) and groups.get(name) is not group and int(groups.get(name).err[0]) == 0
 
 
 def test_the_error_names_global_ranks_of_a_subgroup(world2):

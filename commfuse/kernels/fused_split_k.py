@@ -60,7 +60,8 @@ import triton.language as tl
 
 from . import tiles
 from .launch import run as run_kernel
-from .sync import FUSED_SPLIT_K_OP, GRAPH_LANE_OP, iris, now, record_late, require_iris, wait_other_ranks
+from .sync import (FUSED_SPLIT_K_OP, GRAPH_LANE_OP, STICKY_CHECK_NS, failed, iris, now, record_late, require_iris,
+                   wait_other_ranks)
 from .tiles import claim, mma_range, tile_coords, tile_epilogue
 
 
@@ -111,12 +112,19 @@ def _ll_read(sums, tile, num_tiles, first, flag, late, start, timeout, err, OP: 
     words = tl.load(at, mask=real, other=flag, volatile=True)
     if late == 0:
         missing = _ll_missing(words, flag)
+        look = start + STICKY_CHECK_NS
         while (tl.sum(missing, 0) != 0) & (late == 0):
             words = tl.load(at, mask=real, other=flag, volatile=True)
             missing = _ll_missing(words, flag)
-            if (tl.sum(missing, 0) != 0) & (now() - start > timeout):
-                late += 1
-        if late != 0:
+            if tl.sum(missing, 0) != 0:
+                t = now()
+                if t - start > timeout:
+                    late = 1
+                elif t > look:  # an earlier wait of the group timed out: give up at once
+                    look = t + STICKY_CHECK_NS
+                    if failed(err):
+                        late = 2
+        if late == 1:
             record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, WORLD), 0))
     words = tl.where(real, words, 0)
     lo = (words & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)

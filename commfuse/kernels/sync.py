@@ -87,38 +87,63 @@ def _poll(ptr, rank, peer, heap_bases, REMOTE: tl.constexpr):
         return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
+#: A wait that has waited this long looks at its group's error word, and again as often after:
+#: once any wait of the group timed out, the later ones end at once instead of each waiting out its
+#: bound (a graphed model with a dead peer would otherwise wait the bound once per call).
+STICKY_CHECK_NS = tl.constexpr(100_000)
+
+
 @triton.jit
-def wait_flag(ptr, epoch, start, timeout, rank=0, peer=0, heap_bases=None, REMOTE: tl.constexpr = False):
+def failed(err):
+    """Whether a wait of this group already timed out (the error word is set), read alike by every
+    thread of the program (as ``now``: the maximum of one read per thread, through shared memory)."""
+    word = tl.load(err + tl.arange(0, 128) * 0, volatile=True)
+    return tl.max(word, axis=0) != 0
+
+
+@triton.jit
+def wait_flag(ptr, epoch, start, timeout, err, rank=0, peer=0, heap_bases=None, REMOTE: tl.constexpr = False):
     """Spin until ``*ptr >= epoch`` (acquire, system scope) or ``timeout`` ns after ``start`` (a
-    ``now()`` reading); returns 1 if the flag came late. Every thread of the program takes the
-    same decision: the flag comes from one scalar atomic and the time from ``now()``. With
-    ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is this rank's address of the slot)."""
+    ``now()`` reading); returns 0 if the flag came, 1 if it came late, 2 if an earlier wait of the
+    group timed out (``failed``: this one gave up without waiting out its bound). Every thread of
+    the program takes the same decision: the flag comes from one scalar atomic and the time from
+    ``now()``. With ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is this rank's
+    address of the slot)."""
     seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
     late = 0
+    look = start + STICKY_CHECK_NS
     while (seen < epoch) & (late == 0):
         seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
-        if now() - start > timeout:
+        t = now()
+        if t - start > timeout:
             late = 1
+        elif t > look:
+            look = t + STICKY_CHECK_NS
+            if failed(err):
+                late = 2
     return late
 
 
 @triton.jit
-def record_late(err, OP: tl.constexpr, rank, peer):
-    """Name the op, this rank and the late peer in the error word (the host raises on it)."""
+def record_late(err, OP: tl.constexpr, rank, peer, epoch=0):
+    """Name the op, this rank, the late peer and the call (its epoch) in the error word (the host
+    raises on it). The word stays set: later waits of the group end at once (``failed``)."""
     tl.store(err + 1, OP)
     tl.store(err + 2, rank)
     tl.store(err + 3, peer)
+    tl.store(err + 4, epoch)
     tl.store(err, 1)
 
 
 @triton.jit
 def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer, heap_bases=None,
                    REMOTE: tl.constexpr = False):
-    """``wait_flag`` for the flag ``peer`` raises (with ``REMOTE``, in ``peer``'s memory); a late
-    one is named in the error word."""
-    late = wait_flag(ptr, epoch, start, timeout, rank, peer, heap_bases, REMOTE)
-    if late != 0:
-        record_late(err, OP, rank, peer)
+    """``wait_flag`` for the flag ``peer`` raises (with ``REMOTE``, in ``peer``'s memory); a wait
+    that timed out names itself in the error word (one that gave up after an earlier timeout leaves
+    the first one's record). Returns nonzero if late."""
+    late = wait_flag(ptr, epoch, start, timeout, err, rank, peer, heap_bases, REMOTE)
+    if late == 1:
+        record_late(err, OP, rank, peer, epoch)
     return late
 
 

@@ -135,6 +135,8 @@ def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_
                            f"{group_name!r} has {group.world}")
     if group.err_host[0]:
         errors.check(group, op)
+    if groups._held:
+        errors.check_held(op)
     if group.broken:
         raise RuntimeError(group.broken)
     capturing = _capturing()

@@ -1,13 +1,17 @@
 """Turning a kernel's timed-out wait into a Python error, and keeping a group out of step from
 pairing calls again.
 
-A wait that passes its bound writes ``[1, op, rank, peer]`` into its group's error word (a pinned
-host int32[8], ``workspace.error_word``) and lets the kernel finish; the host reads the word, with
-no synchronisation, at the group's next call (``check``) or whenever ``check_errors()`` is called.
-The error names the group, the op, the global ranks of the waiter and of the late peer.
+A wait that passes its bound writes ``[1, op, rank, peer, epoch]`` into its group's error word (a
+pinned host int32[8], ``workspace.error_word``), leaves NaN where the late peer's data would go and
+lets the kernel finish; the host reads the word, with no synchronisation, at the group's next call
+(``check``) or whenever ``check_errors()`` is called. The error names the group, the op, the global
+ranks of the waiter and of the late peer, and the call.
 
-After a timeout the group refuses further calls until ``commfuse.release_all()``: a peer slower
-than the bound may since have paired its waits with this rank's later calls.
+The word stays set: every later wait of the group's kernels looks at it once it has waited a
+little (``kernels/sync.py``, ``failed``) and ends at once, its outputs NaN, so a CUDA graph of many
+calls with a dead peer raises after one bound, not one per call. The group refuses further calls
+until ``commfuse.release_all()`` (a new group state, a clear word): a peer slower than the bound may
+since have paired its waits with this rank's later calls.
 """
 
 from __future__ import annotations
@@ -18,26 +22,25 @@ from ..kernels.codes import GRAPH_LANE_OP, OPS
 from . import groups as groups_mod
 
 
-def _message(group, op: int, rank: int, peer: int, during: str | None, timeout_s: float) -> str:
+def _message(group, op: int, rank: int, peer: int, epoch: int, during: str | None, timeout_s: float) -> str:
     now = f" (noticed when {during} was called)" if during else ""
+    call = f" in call {epoch} of the group" if epoch > 0 else ""
     return (
         f"commfuse.{OPS.get(op, op)}: on group {group.name!r}, rank {group.global_rank(rank)} timed out after "
-        f"{timeout_s:g} s waiting for rank {group.global_rank(peer)} (group ranks {rank} and {peer}){now}. "
+        f"{timeout_s:g} s waiting for rank {group.global_rank(peer)} (group ranks {rank} and {peer}){call}{now}. "
         "The peer did not reach the same collective call: a rank that raised, skipped the call or diverged. "
         "Results of that call are invalid. COMMFUSE_TIMEOUT_S sets the bound.")
 
 
 def check(group, during: str | None = None) -> None:
-    """Raise if a kernel of ``group`` timed out (each failure is raised once; the group then
-    refuses calls until ``release_all``)."""
-    if group.err_host[0] == 0:
+    """Raise if a kernel of ``group`` timed out (once: the group then refuses calls, with this
+    message, until ``release_all``)."""
+    if group.err_host[0] == 0 or group.broken:
         return
-    word = group.err
-    op, rank, peer = (int(x) for x in word[1:4])
-    word.zero_()
-    ws = group.workspace
+    op, rank, peer, epoch = (int(x) for x in group.err_host[1:5])
+    ws = group.workspace if group.workspace is not None else group.lane
     timeout_s = (ws.timeout_ns if ws is not None else 0) / 1e9
-    msg = _message(group, op, rank, peer, during, timeout_s)
+    msg = _message(group, op, rank, peer, epoch, during, timeout_s)
     if op == GRAPH_LANE_OP:  # its epochs are on the device: this group's ranks stay out of step
         group.lane_failure = msg
     group.broken = (f"{msg} Group {group.name!r} refuses further calls: call commfuse.release_all() on every "
@@ -49,8 +52,16 @@ def check(group, during: str | None = None) -> None:
 
 
 def check_errors() -> None:
-    """Synchronise the current device and raise if a commfuse wait of any group timed out."""
+    """Synchronise the current device and raise if a commfuse wait of any group timed out, also in
+    a CUDA graph captured before ``release_all`` that still replays on a dropped group's lane."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    for group in groups_mod.all_groups():
+    for group in groups_mod.all_groups() + groups_mod.held():
         check(group)
+
+
+def check_held(during: str) -> None:
+    """``check`` of the dropped groups whose lanes graphs still replay (cheap: a word per group)."""
+    for group in groups_mod.held():
+        if group.err_host[0] and not group.broken:
+            check(group, f"{during}; the wait was in a CUDA graph captured before release_all()")

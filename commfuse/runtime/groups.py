@@ -23,7 +23,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from .. import env
 from . import facts as facts_mod
 from .facts import GroupFacts
-from .workspace import (FLAG_BYTES, GRAPH_FLAG_BYTES, HEADER_BYTES, MIN_DATA_BYTES, ALIGN, GraphLane, Workspace,
+from .workspace import (ALIGN, FLAG_BYTES, GRAPH_FLAG_BYTES, HEADER_BYTES, MIN_DATA_BYTES, GraphLane, Workspace,
                         allocate_iris, allocate_torch, error_word, header, outside_graph_pools, round_up)
 
 log = logging.getLogger("commfuse")
@@ -76,8 +76,9 @@ class Group:
 
 
 _groups: dict[tuple[str, str], Group] = {}
-#: Lanes of dropped groups that captured graphs may still replay: never freed while the process runs.
-_held_lanes: list[GraphLane] = []
+#: Dropped groups whose graph lane captured graphs may still replay: the lanes are never freed while
+#: the process runs, and their error words are still read (``errors.check_errors``, every call).
+_held: list[Group] = []
 _planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
 _lock = threading.Lock()
 #: Bumped whenever state that call plans depend on changes (``entry.py`` drops stale plans).
@@ -122,8 +123,10 @@ def _retire(group: Group) -> None:
     """Drop a group's state; its lane stays alive if captured graphs may replay it."""
     _groups.pop((group.name, group.provider), None)
     if group.lane is not None and group.replayed:
-        _held_lanes.append(group.lane)
-    group.workspace = group.lane = None
+        _held.append(group)  # keeps its lane (and the lane's buffer) alive
+    else:
+        group.lane = None
+    group.workspace = None
     bump()
 
 
@@ -292,5 +295,10 @@ def memory() -> list[dict]:
                          lane_bytes=lane.nbytes if lane else 0, ce_graphs=len(ws.graphs) if ws else 0,
                          data_bytes_per_parity=ws.data_bytes if ws else 0))
     rows.append(dict(group="(lanes of dropped groups, kept for their CUDA graphs)", ranks=[], workspace_bytes=0,
-                     lane_bytes=sum(lane.nbytes for lane in _held_lanes), ce_graphs=0, data_bytes_per_parity=0))
+                     lane_bytes=sum(g.lane.nbytes for g in _held), ce_graphs=0, data_bytes_per_parity=0))
     return rows
+
+
+def held() -> list[Group]:
+    """Dropped groups whose graph lanes captured graphs may still replay."""
+    return _held
