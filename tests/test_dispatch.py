@@ -865,3 +865,40 @@ def test_the_fused_kernels_stagger():
     assert ar.options.stagger_ns == (25_000, 15_000) and ar.options.tickets
     rs = REGISTRY[(RS, "fused")].config(_call(RS, 16384, 2048, 4096), facts)
     assert rs.options.stagger_ns == (0, 0)
+
+
+def test_release_keeps_lanes_that_captured_graphs_replay_and_reads_their_errors(fresh_groups):
+    """``release_all()`` after a timeout under CUDA graphs: the captured graphs still hold the
+    lane's addresses, so the lane is kept (never freed while the process runs) and its error word
+    still read: a replay after the release that times out raises at the next check instead of
+    touching freed memory or passing unseen; a group whose lane no graph captured frees it."""
+    name = group_name()
+    group = groups.get(name)
+    lane_buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
+    group.lane = wsmod.GraphLane(name, 0, 2, lane_buf, torch.zeros(2, dtype=torch.int64), 4096, 8, err=group.err)
+    group.workspace = _workspace(name=name, err=group.err)
+    groups.mark_replayed(group)
+    sub = dist.new_group([0, 1])
+    other = groups.get(sub.group_name)
+    other.lane = wsmod.GraphLane(sub.group_name, 0, 2, torch.zeros(wsmod.GRAPH_FLAG_BYTES + 64, dtype=torch.uint8),
+                                 torch.zeros(2, dtype=torch.int64), 32, 8, err=other.err)
+    commfuse.release_all()
+    assert groups.held() == [group] and group.lane is not None and group.workspace is None
+    assert other.lane is None  # no graph captured it: freed
+    held_row = [r for r in groups.memory() if r["ranks"] == []][0]
+    assert held_row["lane_bytes"] == lane_buf.numel()
+    group.err[:5] = torch.tensor([1, 4, 0, 1, 3], dtype=torch.int32)  # a replay of an old graph timed out
+    with pytest.raises(RuntimeError, match=r"graph lane.*on group '0'.*call 3.*captured before release_all"):
+        torch.ops.commfuse.mm_all_reduce(torch.randn(4, 6), torch.randn(6, 5), None, name)
+    groups._held.clear()
+
+
+def test_memory_lists_each_groups_symmetric_bytes(fresh_groups):
+    name = group_name()
+    group = groups.get(name)
+    group.workspace = _workspace(data_bytes=1 << 12, name=name, err=group.err)
+    row = [r for r in groups.memory() if r["group"] == name][0]
+    assert row["workspace_bytes"] == wsmod.HEADER_BYTES + 2 * (1 << 12)
+    assert row["data_bytes_per_parity"] == 1 << 12 and row["ranks"] == [0, 1]
+    groups.release(name)
+    assert not [r for r in groups.memory() if r["group"] == name]
