@@ -27,15 +27,16 @@ import torch
 import torch.distributed as dist
 
 #: (op, path, M, K, N, weight layout): the DTensor model's row-parallel calls at 8B-class sizes and
-#: the other ops' standard shapes; "T": the weight a transposed view (nn.Linear's), "N": dense.
+#: the other ops' standard shapes; "T": the weight a transposed view (nn.Linear's), "N": dense. (The
+#: reduce-scatter's copy-engine overlap needs a peer: one rank has no share to pull.)
 CASES = [
     ("mm_all_reduce", "fused", 8192, 2048, 4096, "T"), ("mm_all_reduce", "ce_overlap", 8192, 7168, 4096, "T"),
     ("mm_all_reduce", "one_shot", 2048, 2048, 4096, "T"), ("mm_all_reduce", "two_shot", 2048, 2048, 4096, "T"),
     ("mm_all_reduce", "split_k", 32, 2048, 4096, "T"), ("mm_all_reduce", "nccl", 8192, 2048, 4096, "T"),
     ("all_gather_mm", "symm", 2048, 2048, 2048, "T"), ("all_gather_mm", "overlap", 4096, 4096, 4096, "T"),
     ("all_gather_mm", "fused", 2048, 2048, 2048, "T"), ("all_gather_mm", "nccl", 2048, 2048, 2048, "T"),
-    ("mm_reduce_scatter", "symm", 2048, 2048, 2048, "T"), ("mm_reduce_scatter", "ce_overlap", 4096, 4096, 4096, "T"),
-    ("mm_reduce_scatter", "fused", 2048, 2048, 2048, "T"), ("mm_reduce_scatter", "nccl", 2048, 2048, 2048, "T"),
+    ("mm_reduce_scatter", "symm", 2048, 2048, 2048, "T"), ("mm_reduce_scatter", "fused", 2048, 2048, 2048, "T"),
+    ("mm_reduce_scatter", "nccl", 2048, 2048, 2048, "T"),
 ]
 UNFUSED = [("mm_all_reduce", 8192, 2048, 4096), ("mm_all_reduce", 32, 2048, 4096),
            ("all_gather_mm", 2048, 2048, 2048), ("mm_reduce_scatter", 2048, 2048, 2048)]
