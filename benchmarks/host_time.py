@@ -78,6 +78,8 @@ def main() -> int:
     p.add_argument("--sleep-ms", type=float, default=60.0)
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--profile", default="", help="comma-separated case names (substrings): a cProfile of 50 "
+                   "calls of each, behind a GPU sleep")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("host_time: needs a CUDA GPU", file=sys.stderr)
@@ -144,6 +146,24 @@ def main() -> int:
             host[name].append((time.perf_counter() - start) * 1e6)
         torch.cuda.synchronize()
     medians = {name: statistics.median(t) for name, t in host.items()}
+    for want in filter(None, args.profile.split(",")):
+        import cProfile
+        import io
+        import pstats
+
+        for name, fn, _, _ in cases:
+            if want in name:
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(50):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(28)
+                print(f"--- cProfile of 50 calls: {name}\n{text.getvalue()}", flush=True)
     print(f"host us per call, {tree} tree {args.label} (median of {args.batches} batches, one rank, GPU kept busy):")
     for name, us in medians.items():
         print(f"  {name:52s} {us:8.1f}  (min {min(host[name]):.1f})", flush=True)

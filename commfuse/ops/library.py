@@ -39,8 +39,8 @@ CHECKED_LIMIT = 4096
 
 def _signature(op: str, *args) -> tuple:
     """What a call's checks read: shapes, dtypes, and the other arguments."""
-    return (op, *(None if x is None else (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else
-                  tuple(x) if isinstance(x, list) else x for x in args))
+    return (op, *[(x.shape, x.dtype) if isinstance(x, torch.Tensor) else tuple(x) if isinstance(x, list) else x
+                  for x in args])
 
 
 def _once(key: tuple, check) -> None:
@@ -95,12 +95,18 @@ def _(a, b, bias, group_name):
     return _entry().mm_all_reduce(a, b, bias, group_name)
 
 
-def _entry():
-    """The run-time's entry, imported on the first CUDA call: it brings Triton and Iris, which
-    ``import commfuse`` (and every CPU-only use) does without."""
-    from ..runtime import entry
+_runtime_entry = None
 
-    return entry
+
+def _entry():
+    """The run-time's entry, imported on the first call: it brings Triton and Iris, which
+    ``import commfuse`` does without."""
+    global _runtime_entry
+    if _runtime_entry is None:
+        from ..runtime import entry  # (kept out of ``import commfuse``: Triton and Iris)
+
+        _runtime_entry = entry
+    return _runtime_entry
 
 
 def _validate_mm_all_reduce(a, b, bias, group_name) -> None:

@@ -23,8 +23,11 @@ import torch.distributed as dist
 from .. import env
 
 
+_DETAIL = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"  # torch reads it at start too
+
+
 def enabled() -> bool:
-    return env.current().verify or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    return _DETAIL or env.current().verify
 
 
 def describe(x) -> str:
