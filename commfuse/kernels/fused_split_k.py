@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import run as run_kernel
+from .launch import Bound
 from .sync import (FUSED_SPLIT_K_OP, GRAPH_LANE_OP, STICKY_CHECK_NS, failed, iris, now, record_late, require_iris,
                    wait_other_ranks)
 from .tiles import claim, mma_range, tile_coords, tile_epilogue
@@ -423,8 +423,49 @@ def misfit_sizes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtyp
     return None
 
 
-#: Specialisations compiled by ``prepare`` (see there).
-_compiled: set = set()
+#: The split-K kernel's arguments that change from call to call (``launch.Bound``): the operands'
+#: descriptors and addresses, the epoch, the ticket's base.
+_PER_CALL = ("a_desc", "b_desc", "bias", "out", "stride_bm", "stride_bn", "epoch", "ticket_base")
+
+
+def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int, sbn: int,
+          out: torch.Tensor, cfg: SplitConfig, lane: bool):
+    """What a call's launch depends on beyond its operands' addresses, worked out once per
+    workspace, shape, layout and tiling (``Workspace.kept``): the fit, the views, the constants,
+    the first compile (before the call's epoch: a compile that fails on one rank must not leave its
+    peers waiting), and a kept launch. Returns (the ``Bound`` launch, units, programs)."""
+    why = misfit(ws, m, n, cfg, dtype, lane)
+    if why:
+        raise RuntimeError(f"commfuse: {why}")
+    half = ws.data_bytes
+    count = num_tiles(m, n, cfg)
+    block = cfg.tile.bm * cfg.tile.bn
+    ll = uses_ll(cfg, m, n, ws.world, dtype, lane)
+    sums = sums_elems(m, n, ws.world, cfg, dtype, lane)
+    parts_at = tiles.cdiv(sums * dtype.itemsize, 256) * 256
+    units = count * cfg.split
+    programs = max(1, min(units, ws.max_programs))
+    if lane:
+        sums0, parts0 = ws.data(dtype), ws.data(torch.float32)[parts_at // 4:]
+        flags, ticket, epochs = ws.flags, ws.ticket, ws.counter
+    else:
+        sums0 = ws.data(0, (sums,), dtype)
+        parts0 = ws.data(0, (count * cfg.split * block,), torch.float32, parts_at)
+        flags, ticket, epochs = ws.tile_flags, ws.ticket, ws.ticket  # (epochs: unused)
+    consts = dict(OP=GRAPH_LANE_OP if lane else FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split,
+                  BM=cfg.tile.bm, BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t,
+                  HAS_BIAS=full_bias is not None, DEVICE_EPOCH=lane,
+                  EPOCH_SLOTS=epochs.numel() if lane else 1, LL=ll,
+                  LL_GROUP=ll_group(ws.world, cfg.tile.bm, cfg.tile.bn), GROUP_M=cfg.tile.group_m,
+                  num_warps=cfg.tile.warps, num_stages=cfg.tile.stages)
+    fixed = dict(parts0=parts0, sums0=sums0, half_parts=half // 4, half_sums=half // dtype.itemsize, M=m, N=n, K=k,
+                 flags=flags, counters=ws.tile_counters, heap_bases=ws.heap_bases, rank=ws.rank, err=ws.err,
+                 timeout=ws.timeout_ns, ticket=ticket, epochs=epochs)
+    if hasattr(split_k_all_reduce_kernel, "warmup"):  # (not interpreted)
+        split_k_all_reduce_kernel.warmup(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
+                                         out=out, stride_bm=sbm, stride_bn=sbn, epoch=0, ticket_base=0, grid=(1,),
+                                         **fixed, **consts)
+    return Bound(split_k_all_reduce_kernel, (programs,), _PER_CALL, **fixed, **consts), units, programs
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: SplitConfig,
@@ -432,57 +473,23 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     """What can fail on one rank alone (copies, descriptors, the first compile) before the call's
     epoch; returns ``launch(epoch, parity)``, which writes ``out = sum over the group of (a @ b +
     bias)`` through ``ws`` (``data_bytes`` per parity). ``lane``: ``ws`` is the group's graph lane
-    (``symm.GraphLane``) and the epoch lives on the device, so the launch may be captured in a
-    CUDA graph and replayed; ``launch`` then ignores its arguments."""
+    (``runtime.workspace.GraphLane``) and the epoch lives on the device, so the launch may be
+    captured in a CUDA graph and replayed; ``launch`` then ignores its arguments."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
-    count = num_tiles(m, n, cfg)
-    why = misfit(ws, m, n, cfg, a.dtype, lane)
-    if why:
-        raise RuntimeError(f"commfuse: {why}")
-    half = ws.data_bytes
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
-    block = cfg.tile.bm * cfg.tile.bn
-    ll = uses_ll(cfg, m, n, ws.world, a.dtype, lane)
-    sums = sums_elems(m, n, ws.world, cfg, a.dtype, lane)
-    parts_at = tiles.cdiv(sums * a.dtype.itemsize, 256) * 256
-    units = count * cfg.split
-    programs = max(1, min(units, ws.max_programs))
-    if lane:
-        sums0, parts0 = ws.data(a.dtype), ws.data(torch.float32)[parts_at // 4:]
-        flags, ticket, epochs = ws.flags, ws.ticket, ws.counter
-    else:
-        sums0 = ws.data(0, (sums,), a.dtype)
-        parts0 = ws.data(0, (count * cfg.split * block,), torch.float32, parts_at)
-        flags, ticket, epochs = ws.tile_flags, ws.ticket, ws.ticket  # (epochs: unused)
-    consts = dict(OP=GRAPH_LANE_OP if lane else FUSED_SPLIT_K_OP, WORLD=ws.world, SPLIT=cfg.split,
-                  BM=cfg.tile.bm, BN=cfg.tile.bn, BK=cfg.tile.bk, B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, DEVICE_EPOCH=lane,
-                  EPOCH_SLOTS=epochs.numel() if lane else 1, LL=ll,
-                  LL_GROUP=ll_group(ws.world, cfg.tile.bm, cfg.tile.bn), GROUP_M=cfg.tile.group_m,
-                  num_warps=cfg.tile.warps,
-                  num_stages=cfg.tile.stages)
-
-    def args(epoch: int, base: int) -> tuple:
-        return (a_desc, b_desc, full_bias if full_bias is not None else out, parts0, sums0,
-                half // 4, half // a.dtype.itemsize, out, m, n, k, sbm, sbn, flags, ws.tile_counters,
-                ws.heap_bases, epoch, ws.rank, ws.err, ws.timeout_ns, ticket, base, epochs)
-
-    # compile before the call's epoch begins: a compile that fails on one rank must not leave its
-    # peers waiting. Keyed like Triton's specialisation (integers equal to 1 or multiples of 16).
-    ints = (m, n, k, sbm, sbn, half // 4, half // a.dtype.itemsize)
-    key = (cfg, ll, consts["LL_GROUP"], a.dtype, ws.world, b_t, bias is not None, lane, a.device,
-           tuple((v == 1, v % 16 == 0) for v in ints),
-           tuple(t.data_ptr() % 16 == 0 for t in (out, full_bias) if t is not None))
-    if key not in _compiled and hasattr(split_k_all_reduce_kernel, "warmup"):  # (not interpreted)
-        split_k_all_reduce_kernel.warmup(*args(0, 0), grid=(1,), **consts)
-        _compiled.add(key)
+    # every input of the plan is in its key (and the operands' alignment, which Triton specialises on)
+    key = ("split_k", m, k, n, a.dtype, b_t, full_bias is not None, sbm, sbn, cfg, lane, ws.err.data_ptr(),
+           ws.timeout_ns, out.data_ptr() % 16 == 0, full_bias is None or full_bias.data_ptr() % 16 == 0)
+    bound, units, programs = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm,
+                                                          sbn, out, cfg, lane))
 
     def launch(epoch: int = 0, parity: int = 0) -> None:
         base = 0 if lane else ws.ticket_base
-        run_kernel(split_k_all_reduce_kernel, (programs,), *args(epoch, base), **consts)
+        bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out, out=out,
+              stride_bm=sbm, stride_bn=sbn, epoch=epoch, ticket_base=base)
         if not lane:
             # one wave: no claims; else every unit claimed once, one failed claim each
             ws.ticket_base = base + (0 if units <= programs else units + programs)
