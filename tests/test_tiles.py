@@ -39,9 +39,13 @@ def test_kernels_in_the_interpreter(script):
     pytest.importorskip("triton.tools.tensor_descriptor")
     if script != "interpreted_tiles.py":
         pytest.importorskip("iris")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(HERE)
+    # the script's own directory leads its sys.path, not the working directory: without the
+    # checkout's root first, ``import commfuse`` finds whatever copy is installed
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, os.path.join(HERE, script)], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+                         capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
 
