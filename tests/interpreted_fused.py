@@ -307,7 +307,7 @@ def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
     place = lambda u: (u % world, u // world, (u // num_n) * BM, u % num_n)  # noqa: E731
     saved, fused_all_reduce.wait_or_record = fused_all_reduce.wait_or_record, _spy_wait
     try:
-        for lag in (0.0, 0.5, 40.0):
+        for lag in (0.0, 0.25, 40.0):  # right behind, spread, after the own tiles (see ``main``)
             a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
             w = [torch.randn(n, k, dtype=DT) / k ** 0.5 for _ in range(world)]
             c = [torch.randn(n, dtype=DT) for _ in range(world)]
@@ -350,30 +350,59 @@ def _never_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
     return rank * 0
 
 
+#: (world, rank) of the cases: both ranks of 2, a middle rank of 4, a late rank of 8.
+EVERY = ((2, 0), (2, 1), (4, 2), (8, 5))
+
+
 def main() -> None:
-    for world, rank in ((2, 0), (2, 1), (4, 2), (8, 5)):
-        case(40, 48, 40, world, rank, scatter=False, bias=True)
-        for lag in (0.0, 0.5, 2.0, 40.0):  # copies right behind, spread, all after the last tile
-            case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True, lag=lag)
-        waiting_copies_case(40, 32, 40, world, rank)
-        # pushes through device-made TMA descriptors
-        case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True, tma=True)
-        case(40, 48, 40, world, rank, scatter=False, bias=False, tma=True)
-        case(3 * world, 32, 40, world, rank, scatter=True, bias=True, tma=True)
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True, tma=True)  # the pull ignores it
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
-        case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)
-        case(3 * world, 32, 40, world, rank, scatter=True, bias=True, pull=True)
-        fused_all_reduce._peers_ready = _never_ready  # the pull after the K loop
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=True, pull=True)
-        fused_all_reduce._peers_ready = _peers_ready
-        gather_case(40, 48, 24, world, rank, bias=True, gathered=True)  # 2 chunks, the last short
-        gather_case(7, 32, 16, world, rank, bias=False, gathered=False)
+    """The main forms run at every (world, rank) of ``EVERY``; their variants at 2 ranks and at
+    4 or 8 (the interpreter runs every program of every position one by one: each case costs
+    about a second at 8 ranks). The calls of 9 tiles run on 4 programs, so a lag of w waves is
+    round(4 w) tiles: 0.25 waves (1 tile) spreads the copies among the own tiles where a rank
+    owns more than one (2 ranks, and rank 2 of 4; rank 5 of 8 owns one), and a lag of at least
+    the rank's own tiles (5 or 4 at 2 ranks, 2 at rank 2 of 4) puts them all after those."""
+    at = {"every": EVERY, "2+4": ((2, 1), (4, 2)), "2+8": ((2, 1), (8, 5)), "0+4": ((2, 0), (4, 2)),
+          "0+8": ((2, 0), (8, 5)), "not 0": EVERY[1:]}
+    runs = [
+        ("every", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True)),  # reducers copy the sums
+        # the inline copies right behind this rank's own tiles, spread among them, all after them
+        ("every", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, lag=0.0)),
+        ("2+4", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, lag=0.25)),
+        ("every", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, lag=40.0)),
+        ("not 0", lambda w, r: waiting_copies_case(40, 32, 40, w, r)),
+        # pushes through device-made TMA descriptors (the pull ignores them)
+        ("2+8", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, tma=True)),
+        ("0+4", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=False, tma=True)),
+        ("2+8", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True, tma=True)),
+        ("0+4", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False, pull=True, tma=True)),
+        # the reduce-scatter: pushed, 3-row shares (ragged tiles), pulled
+        ("every", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False)),
+        ("every", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True)),
+        ("every", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False, pull=True)),
+        ("0+8", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True, pull=True)),
+        ("not 0", never_ready_case),  # the pull after the K loop
+        # the all-gather: 2 chunks, the last short; a shard of one short chunk
+        ("every", lambda w, r: gather_case(40, 48, 24, w, r, bias=True, gathered=True)),
+        ("every", lambda w, r: gather_case(7, 32, 16, w, r, bias=False, gathered=False)),
+    ]
+    for world, rank in EVERY:
+        for where, run in runs:
+            if (world, rank) in at[where]:
+                run(world, rank)
+    # the copy-engine push; at 8 ranks a tile of 64 rows over a 40-row shard of two chunks
     for rows, world, bm, gathered, chunks in ((40, 2, 32, True, 1), (7, 3, 32, True, 1), (100, 4, 64, False, 3),
-                                              (70, 2, 32, True, 2), (64, 8, 32, False, 2)):
+                                              (70, 2, 32, True, 2), (40, 8, 64, False, 2)):
         ce_gather_case(rows, 32, 16, world, bm, gathered, chunks)
     print("ok")
+
+
+def never_ready_case(world: int, rank: int) -> None:
+    """The pull when no peer's partial is ready at the tile's start: pulled after the K loop."""
+    fused_all_reduce._peers_ready = _never_ready
+    try:
+        case(16 * world, 32, 24, world, rank, scatter=True, bias=True, pull=True)
+    finally:
+        fused_all_reduce._peers_ready = _peers_ready
 
 
 if __name__ == "__main__":
