@@ -32,7 +32,13 @@ INTERPRETED = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(INTERPRETED))
+#: Scripts that take more than ~20 s of CPU (the fused kernels' cases run every program of every
+#: position one after another): marked slow
+SLOW = {"interpreted_fused.py"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
+                                    for s in sorted(INTERPRETED)])
 def test_kernels_in_the_interpreter(script):
     """Each script checks its kernels on the CPU; all but the first as one rank of 2, 4 and 8
     with the other ranks' pushes and flags simulated (see each script's docstring)."""
