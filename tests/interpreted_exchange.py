@@ -11,7 +11,6 @@ import torch
 import triton
 
 from commfuse.kernels import exchange
-from commfuse.kernels.sync import ErrorWord
 from interpreter_peers import DT, group
 BLOCK = 64  # elements per program per step: several programs and steps on small tensors
 
@@ -54,7 +53,7 @@ def all_reduce_case(world: int, rank: int, algo: str, numel: int) -> None:
             assert my_signals(ws, me, epoch, exchange._programs(me, numel, BLOCK, me.max_programs))
         else:  # two phases, a slot per program each
             assert my_signals(ws, me, epoch, 2 * exchange._programs(me, share, BLOCK, me.max_programs))
-        assert int(ErrorWord._word[0]) == 0
+        assert int(me.err[0]) == 0
 
 
 def rowwise_case(world: int, rank: int, what: str, outer: int, inner: int) -> None:
@@ -82,7 +81,7 @@ def rowwise_case(world: int, rank: int, what: str, outer: int, inner: int) -> No
             want = sum(x.float() for x in parts)[:, rank]
             assert ((out.float() - want).norm() / want.norm()).item() < 2e-3, (world, rank, "reduce_scatter")
         assert my_signals(ws, me, epoch, 1), (what, "signals")
-        assert int(ErrorWord._word[0]) == 0
+        assert int(me.err[0]) == 0
 
 
 def lane_case(world: int, rank: int, numel: int) -> None:
@@ -107,7 +106,7 @@ def lane_case(world: int, rank: int, numel: int) -> None:
         grid = exchange._programs(me, numel, BLOCK, me.flags.numel() // world)
         assert all(bool(lanes[p].flags.view(-1, world)[:grid, rank].eq(epoch).all())
                    for p in range(world) if p != rank), "signals"
-        assert int(ErrorWord._word[0]) == 0
+        assert int(me.err[0]) == 0
 
 
 def device_epoch_case(world: int, rank: int, numel: int) -> None:
@@ -138,7 +137,7 @@ def device_epoch_case(world: int, rank: int, numel: int) -> None:
             if p != rank:
                 mine = ws[p].flags.view(-1, world)[:, rank]
                 assert int(mine[6]) == epoch and bool(mine[7:7 + grid].eq(epoch).all()), "signals"
-        assert int(ErrorWord._word[0]) == 0
+        assert int(me.err[0]) == 0
 
 
 def late_peer_case(world: int, rank: int) -> None:
@@ -147,45 +146,39 @@ def late_peer_case(world: int, rank: int) -> None:
     reduce-scatter: every output; the gather: the peers' rows, its own copied), never a sum with
     the stale bytes, and name the late peer in the error word."""
     late = (rank + 1) % world
-    saved = exchange.timeout_ns
-    exchange.timeout_ns = lambda: -1
-    try:
-        ws = group(world, 1 << 16, 3)
-        me = ws[rank]
-        epoch, parity = me.next_epoch()
+    ws = group(world, 1 << 16, 3, timeout_ns=-1)
+    me = ws[rank]
+    epoch, parity = me.next_epoch()
 
-        def arm(shape):
-            views = [x.data(parity, shape, DT) for x in ws]
-            for p, v in enumerate(views):
-                v.copy_(torch.randn(shape, dtype=DT) if p != late else torch.full(shape, 100.0, dtype=DT))
-            me.flags.zero_()
-            for p in range(world):
-                if p not in (rank, late):
-                    me.flags.view(-1, world)[:2 * me.max_programs, p] = epoch
-            ErrorWord._word.zero_()
-            return views
+    def arm(shape):
+        views = [x.data(parity, shape, DT) for x in ws]
+        for p, v in enumerate(views):
+            v.copy_(torch.randn(shape, dtype=DT) if p != late else torch.full(shape, 100.0, dtype=DT))
+        me.flags.zero_()
+        for p in range(world):
+            if p not in (rank, late):
+                me.flags.view(-1, world)[:2 * me.max_programs, p] = epoch
+        me.err.zero_()
+        return views
 
-        for algo in ("one_shot", "two_shot"):
-            views = arm((1000,))
-            out = torch.zeros(1000, dtype=DT)
-            exchange.all_reduce(me, views[rank], out, epoch, algo, 1, block=BLOCK,
-                                max_programs=me.max_programs, num_warps=4)
-            assert bool(out.isnan().all()), (world, rank, algo, "a late peer's call left values")
-            assert ErrorWord._word.tolist()[:3] == [1, 1, rank], (algo, ErrorWord._word.tolist())
-        views = arm((5, 48))
-        out = torch.zeros(5, world, 48, dtype=DT)
-        exchange.gather(me, views[rank], out, 5, 48, epoch, 2, block=BLOCK, num_warps=4)
-        assert torch.equal(out[:, rank], views[rank]), (world, rank, "own rows")
-        others = [p for p in range(world) if p != rank]
-        assert bool(out[:, others].isnan().all()), (world, rank, "gather: a late peer's rows")
-        views = arm((3, world, 40))
-        out = torch.zeros(3, 40, dtype=DT)
-        exchange.reduce_scatter(me, views[rank], out, 3, 40, epoch, 3, block=BLOCK, num_warps=4)
-        assert bool(out.isnan().all()), (world, rank, "reduce_scatter")
-        assert int(ErrorWord._word[3]) in range(world) and int(ErrorWord._word[3]) != rank
-    finally:
-        exchange.timeout_ns = saved
-        ErrorWord._word.zero_()
+    for algo in ("one_shot", "two_shot"):
+        views = arm((1000,))
+        out = torch.zeros(1000, dtype=DT)
+        exchange.all_reduce(me, views[rank], out, epoch, algo, 1, block=BLOCK,
+                            max_programs=me.max_programs, num_warps=4)
+        assert bool(out.isnan().all()), (world, rank, algo, "a late peer's call left values")
+        assert me.err.tolist()[:3] == [1, 1, rank], (algo, me.err.tolist())
+    views = arm((5, 48))
+    out = torch.zeros(5, world, 48, dtype=DT)
+    exchange.gather(me, views[rank], out, 5, 48, epoch, 2, block=BLOCK, num_warps=4)
+    assert torch.equal(out[:, rank], views[rank]), (world, rank, "own rows")
+    others = [p for p in range(world) if p != rank]
+    assert bool(out[:, others].isnan().all()), (world, rank, "gather: a late peer's rows")
+    views = arm((3, world, 40))
+    out = torch.zeros(3, 40, dtype=DT)
+    exchange.reduce_scatter(me, views[rank], out, 3, 40, epoch, 3, block=BLOCK, num_warps=4)
+    assert bool(out.isnan().all()), (world, rank, "reduce_scatter")
+    assert int(me.err[3]) in range(world) and int(me.err[3]) != rank
 
 
 def main() -> None:

@@ -9,19 +9,14 @@ programs one after another (no concurrent claims; no wait ever spins): those run
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from commfuse.kernels import fused_all_gather, fused_all_reduce, sync, tiles
-from commfuse.kernels.sync import ErrorWord
 from interpreter_peers import DT, group
 BM = BN = 16
-# the seeded ``_resident`` keys start programs together (the interpreter has no GPU timer to hold them)
-os.environ["COMMFUSE_FUSED_STAGGER_US"] = "0"
 
 
 def block(full: torch.Tensor, off_m: int, pid_n: int) -> torch.Tensor:
@@ -33,14 +28,17 @@ def block(full: torch.Tensor, off_m: int, pid_n: int) -> torch.Tensor:
 
 
 def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: bool, calls: int = 2,
-         pull: bool = False, inline: bool = False) -> None:
+         pull: bool = False, inline: bool = False, tma: bool = False, lag: float = 4.0) -> None:
     """``pull`` (reduce-scatter): the peers' partials of this rank's tiles wait in their own slabs,
     flagged in their own memory; this rank's partials of theirs must land in its own slabs.
-    ``inline`` (all-reduce): no reducers, the copies of the pushed sums in the ticket order."""
+    ``inline`` (all-reduce): no reducers, the copies of the pushed sums in the ticket order, ``lag``
+    waves behind this rank's own tiles. ``tma``: pushes through device-made TMA descriptors (the
+    pull ignores it). Programs start together (no stagger: the interpreter's clock stands still)."""
     torch.manual_seed(m + k + n + world + rank + scatter)
     cfg = tiles.TileConfig(bm=BM, bn=BN, bk=16, stages=2, warps=4, group_m=1, reducers=0 if inline else 1,
                            per_sm=1)
-    inline_before = fused_all_reduce.INLINE_CALLS
+    before = (fused_all_reduce.INLINE_CALLS, fused_all_reduce.TMA_CALLS, fused_all_reduce.PULL_CALLS)
+    opts = fused_all_reduce.Options(copy_lag_waves=lag, tma_push=tma, pull=pull)
     count = fused_all_reduce.num_tiles(m, n, world, cfg, scatter)
     slab_tiles = -(-count // world)
     result_at = world * slab_tiles
@@ -52,8 +50,8 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
     me = ws[rank]
     # programs per SM: the launcher asks the compiled kernel, which the interpreter does not make
     for traced in (False, True):
-        fused_all_reduce._resident[(cfg, DT, world, True, bias, None, fused_all_reduce.tickets(), scatter, 0,
-                                    pull, traced, fused_all_reduce.tma_push() and not pull, False)] = 1
+        fused_all_reduce._resident[(cfg, DT, world, True, bias, None, True, scatter, 0, pull and scatter, traced,
+                                    tma and not (pull and scatter), False)] = 1
 
     def place(t):
         """(owner, slot, first row, column block) of tile t."""
@@ -86,7 +84,7 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
                 me.tile_flags[count * world + t] = epoch
         out = torch.full((share if scatter else m, n), float("nan"), dtype=DT)
         trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
-        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter, pull=pull,
+        launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter, opts=opts,
                                           trace=trace)
         launch(*me.next_epoch())
         if trace is not None:  # the second call is traced: positions once each, with start and end
@@ -116,8 +114,11 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
                         assert torch.allclose(got, block(total, off_m, pid_n), atol=2e-2, rtol=2e-2), (t, p)
                         assert int(ws[p].tile_flags[count * world + t]) == epoch, ("done", t, p)
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
-        assert int(ErrorWord._word[0]) == 0
-    assert fused_all_reduce.INLINE_CALLS - inline_before == (calls if inline else 0), "inline copies ran"
+        assert int(me.err[0]) == 0
+    ran = (fused_all_reduce.INLINE_CALLS, fused_all_reduce.TMA_CALLS, fused_all_reduce.PULL_CALLS)
+    assert ran[0] - before[0] == (calls if inline else 0), "inline copies ran"
+    assert ran[1] - before[1] == (calls if tma and not (pull and scatter) else 0), "TMA pushes ran"
+    assert ran[2] - before[2] == (calls if pull and scatter else 0), "the owners pulled"
 
 
 def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, gathered: bool,
@@ -169,7 +170,7 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
                 assert torch.equal(area[p][rank * rows:(rank + 1) * rows], shards[rank]), p
                 assert all(int(ws[p].tile_flags[ch * world + rank]) == epoch for ch in range(chunks)), p
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
-        assert int(ErrorWord._word[0]) == 0
+        assert int(me.err[0]) == 0
 
 
 class _PeerViews:
@@ -194,9 +195,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
     peers' rows and stream writes of their flags, here plain writes) runs first, then each
     rank's kernel, which waits on the copy engines' flags only. Rows not pushed are NaN."""
     import contextlib
-    import os
 
-    os.environ["COMMFUSE_AG_CE_CHUNKS"] = str(chunks)
     saved = (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags,
              fused_all_gather.all_gather_gemm_kernel)
     torch.cuda.current_stream = lambda *a, **kw: _NoStream()
@@ -224,7 +223,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
             got = [torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
                    for _ in range(world)]
             launches = [fused_all_gather.prepare(ws[r], shards[r], w.t(), None, got[r], outs[r], cfg,
-                                                 side=_NoStream()) for r in range(world)]
+                                                 side=_NoStream(), ce_chunk_count=chunks) for r in range(world)]
             kernels = []  # the kernels wait until every rank has pushed (one process)
 
             class Deferred:
@@ -249,13 +248,13 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
                 base = fused_all_gather.ce_flag_base(rows, world)
                 flags = ws[r].tile_flags
                 assert int((flags[:base] != 0).sum()) == 0, "a copy-engine flag below its base"
-                written = {(c, p) for c in range(fused_all_gather.ce_chunks(rows)) for p in range(world) if p != r}
+                written = {(c, p) for c in range(fused_all_gather.ce_chunks(rows, chunks))
+                           for p in range(world) if p != r}
                 assert all(int(flags[base + c * world + p]) == epochs[r][0] for c, p in written), (r, call)
-            assert int(ErrorWord._word[0]) == 0
+            assert int(ws[0].err[0]) == 0
     finally:
         (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags,
          fused_all_gather.all_gather_gemm_kernel) = saved
-        os.environ.pop("COMMFUSE_AG_CE_CHUNKS", None)
 
 
 _peers_ready = fused_all_reduce._peers_ready
@@ -308,8 +307,7 @@ def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
     place = lambda u: (u % world, u // world, (u // num_n) * BM, u % num_n)  # noqa: E731
     saved, fused_all_reduce.wait_or_record = fused_all_reduce.wait_or_record, _spy_wait
     try:
-        for lag in ("0", "0.5", "40"):
-            os.environ["COMMFUSE_AR_COPY_LAG"] = lag
+        for lag in (0.0, 0.25, 40.0):  # right behind, spread, after the own tiles (see ``main``)
             a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
             w = [torch.randn(n, k, dtype=DT) / k ** 0.5 for _ in range(world)]
             c = [torch.randn(n, dtype=DT) for _ in range(world)]
@@ -335,15 +333,16 @@ def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
             out = torch.full((m, n), float("nan"), dtype=DT)
             _SPY.update(ws=ws, flags=me.tile_flags, world=world, rank=rank, count=count, place=place,
                         out=out, slab=slab, result=result, sums=sums, waits=0)
-            launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, False)
+            launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, False,
+                                              opts=fused_all_reduce.Options(copy_lag_waves=lag))
             launch(*me.next_epoch())
             err = ((out.float() - total).norm() / total.norm()).item()
             assert err < 2e-3, ("wrong result", world, rank, lag, err)
             assert _SPY["waits"] == len(sums), ("copies that did not wait", _SPY["waits"], len(sums))
             assert int(me.ticket.item()) == me.ticket_base
+            assert int(me.err[0]) == 0
     finally:
         fused_all_reduce.wait_or_record = saved
-        os.environ.pop("COMMFUSE_AR_COPY_LAG", None)
 
 
 @triton.jit
@@ -351,33 +350,59 @@ def _never_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
     return rank * 0
 
 
+#: (world, rank) of the cases: both ranks of 2, a middle rank of 4, a late rank of 8.
+EVERY = ((2, 0), (2, 1), (4, 2), (8, 5))
+
+
 def main() -> None:
-    for world, rank in ((2, 0), (2, 1), (4, 2), (8, 5)):
-        case(40, 48, 40, world, rank, scatter=False, bias=True)
-        for lag in ("0", "0.5", "2", "40"):  # copies right behind, spread, all after the last tile
-            os.environ["COMMFUSE_AR_COPY_LAG"] = lag
-            case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
-        os.environ.pop("COMMFUSE_AR_COPY_LAG")
-        waiting_copies_case(40, 32, 40, world, rank)
-        os.environ["COMMFUSE_FUSED_TMA_PUSH"] = "1"  # pushes through device-made TMA descriptors
-        case(40, 48, 40, world, rank, scatter=False, bias=True, inline=True)
-        case(40, 48, 40, world, rank, scatter=False, bias=False)
-        case(3 * world, 32, 40, world, rank, scatter=True, bias=True)
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)  # the pull ignores it
-        os.environ.pop("COMMFUSE_FUSED_TMA_PUSH")
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=False)
-        case(3 * world, 32, 40, world, rank, scatter=True, bias=True)  # 3-row shares: ragged tiles
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=False, pull=True)
-        case(3 * world, 32, 40, world, rank, scatter=True, bias=True, pull=True)
-        fused_all_reduce._peers_ready = _never_ready  # the pull after the K loop
-        case(16 * world, 32, 24, world, rank, scatter=True, bias=True, pull=True)
-        fused_all_reduce._peers_ready = _peers_ready
-        gather_case(40, 48, 24, world, rank, bias=True, gathered=True)  # 2 chunks, the last short
-        gather_case(7, 32, 16, world, rank, bias=False, gathered=False)
+    """The main forms run at every (world, rank) of ``EVERY``; their variants at 2 ranks and at
+    4 or 8 (the interpreter runs every program of every position one by one: each case costs
+    about a second at 8 ranks). The calls of 9 tiles run on 4 programs, so a lag of w waves is
+    round(4 w) tiles: 0.25 waves (1 tile) spreads the copies among the own tiles where a rank
+    owns more than one (2 ranks, and rank 2 of 4; rank 5 of 8 owns one), and a lag of at least
+    the rank's own tiles (5 or 4 at 2 ranks, 2 at rank 2 of 4) puts them all after those."""
+    at = {"every": EVERY, "2+4": ((2, 1), (4, 2)), "2+8": ((2, 1), (8, 5)), "0+4": ((2, 0), (4, 2)),
+          "0+8": ((2, 0), (8, 5)), "not 0": EVERY[1:]}
+    runs = [
+        ("every", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True)),  # reducers copy the sums
+        # the inline copies right behind this rank's own tiles, spread among them, all after them
+        ("every", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, lag=0.0)),
+        ("2+4", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, lag=0.25)),
+        ("every", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, lag=40.0)),
+        ("not 0", lambda w, r: waiting_copies_case(40, 32, 40, w, r)),
+        # pushes through device-made TMA descriptors (the pull ignores them)
+        ("2+8", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=True, inline=True, tma=True)),
+        ("0+4", lambda w, r: case(40, 48, 40, w, r, scatter=False, bias=False, tma=True)),
+        ("2+8", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True, tma=True)),
+        ("0+4", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False, pull=True, tma=True)),
+        # the reduce-scatter: pushed, 3-row shares (ragged tiles), pulled
+        ("every", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False)),
+        ("every", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True)),
+        ("every", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False, pull=True)),
+        ("0+8", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True, pull=True)),
+        ("not 0", never_ready_case),  # the pull after the K loop
+        # the all-gather: 2 chunks, the last short; a shard of one short chunk
+        ("every", lambda w, r: gather_case(40, 48, 24, w, r, bias=True, gathered=True)),
+        ("every", lambda w, r: gather_case(7, 32, 16, w, r, bias=False, gathered=False)),
+    ]
+    for world, rank in EVERY:
+        for where, run in runs:
+            if (world, rank) in at[where]:
+                run(world, rank)
+    # the copy-engine push; at 8 ranks a tile of 64 rows over a 40-row shard of two chunks
     for rows, world, bm, gathered, chunks in ((40, 2, 32, True, 1), (7, 3, 32, True, 1), (100, 4, 64, False, 3),
-                                              (70, 2, 32, True, 2), (64, 8, 32, False, 2)):
+                                              (70, 2, 32, True, 2), (40, 8, 64, False, 2)):
         ce_gather_case(rows, 32, 16, world, bm, gathered, chunks)
     print("ok")
+
+
+def never_ready_case(world: int, rank: int) -> None:
+    """The pull when no peer's partial is ready at the tile's start: pulled after the K loop."""
+    fused_all_reduce._peers_ready = _never_ready
+    try:
+        case(16 * world, 32, 24, world, rank, scatter=True, bias=True, pull=True)
+    finally:
+        fused_all_reduce._peers_ready = _peers_ready
 
 
 if __name__ == "__main__":

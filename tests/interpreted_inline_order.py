@@ -12,10 +12,14 @@ division) and a model of the protocol the kernel runs on it.
    and waits; a program releases its last tile when the order is exhausted. No reachable state is
    stuck, every tile is multiplied and copied once, and each ticket ends at positions + programs.
    With the copy's release before its wait removed, the search must find a stuck state (the
-   model can tell). Exits non-zero on a failure."""
+   model can tell). Exits non-zero on a failure.
+
+``_interleaved`` is element-wise: the probe evaluates it for every (tile count, rank, lag) of a
+world size in one launch (a row each), with the same int32 arithmetic as one call at a time."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -29,11 +33,36 @@ NQ = 512
 
 
 @triton.jit
-def _probe(kind_ptr, where_ptr, rank, num_tiles, lag, NQ: tl.constexpr, WORLD: tl.constexpr):
-    q = tl.arange(0, NQ)
+def _probe(kind_ptr, where_ptr, rank_ptr, tiles_ptr, lag_ptr, rows, NQ: tl.constexpr, ROWS: tl.constexpr,
+           WORLD: tl.constexpr):
+    """Row c: ``_interleaved`` at positions 0..NQ-1 for rank_ptr[c], tiles_ptr[c], lag_ptr[c]."""
+    c = tl.arange(0, ROWS)
+    ok = c < rows
+    rank = tl.load(rank_ptr + c, mask=ok, other=0)[:, None]
+    num_tiles = tl.load(tiles_ptr + c, mask=ok, other=1)[:, None]
+    lag = tl.load(lag_ptr + c, mask=ok, other=0)[:, None]
+    q = tl.arange(0, NQ)[None, :]
     kind, where = far._interleaved(q, rank, num_tiles, tl.cdiv(num_tiles, WORLD), lag, WORLD)
-    tl.store(kind_ptr + q, kind)
-    tl.store(where_ptr + q, where)
+    at = c[:, None] * NQ + q
+    tl.store(kind_ptr + at, kind, mask=ok[:, None])
+    tl.store(where_ptr + at, where, mask=ok[:, None])
+
+
+_probed: dict[tuple, tuple[list, list]] = {}
+
+
+def probe(world: int, cases: list[tuple[int, int, int]]) -> None:
+    """``_interleaved``'s (kinds, wheres) for each (tile count, rank, lag) of ``world``, one launch."""
+    cases = [c for c in dict.fromkeys(cases) if (world, *c) not in _probed]
+    if not cases:
+        return
+    rows = triton.next_power_of_2(len(cases))
+    kind = torch.full((rows, NQ), -9, dtype=torch.int32)
+    where = torch.full((rows, NQ), -9, dtype=torch.int32)
+    n, rank, lag = (torch.tensor([c[i] for c in cases], dtype=torch.int32) for i in range(3))
+    _probe[(1,)](kind, where, rank, n, lag, len(cases), NQ=NQ, ROWS=rows, WORLD=world)
+    for c, kinds, wheres in zip(cases, kind.tolist(), where.tolist()):
+        _probed[(world, *c)] = (kinds, wheres)
 
 
 def schedule(i: int, rank: int, n: int, world: int) -> int:
@@ -48,11 +77,11 @@ def schedule(i: int, rank: int, n: int, world: int) -> int:
     raise AssertionError(i)
 
 
+@functools.lru_cache(maxsize=None)
 def order(n: int, world: int, rank: int, lag: int) -> list[tuple[int, int]]:
     """The kernel's order as (kind, tile): 0 multiply, 1 copy, 2 nothing; checked (part 1)."""
-    kind = torch.full((NQ,), -9, dtype=torch.int32)
-    where = torch.full((NQ,), -9, dtype=torch.int32)
-    _probe[(1,)](kind, where, rank, n, lag, NQ=NQ, WORLD=world)
+    probe(world, [(n, rank, lag)])
+    kind, where = _probed[(world, n, rank, lag)]
     positions = far.inline_positions(n, world, rank, lag)
     assert positions <= NQ
     own = (n - rank + world - 1) // world
@@ -160,11 +189,15 @@ class Protocol:
 
 def main() -> None:
     for world in (2, 3, 4, 8):
+        cases = []
         for n in list(range(1, 26)) + [63, 64, 65, 129]:
             for rank in range(world):
                 own = (n - rank + world - 1) // world
                 for lag in sorted({0, 1, 2, own - 1, own, own + 1, 10 ** 6} - {-1}):
-                    order(n, world, rank, lag)
+                    cases.append((n, rank, lag))
+        probe(world, cases)
+        for n, rank, lag in cases:
+            order(n, world, rank, lag)
     cases = [(2, 3, 1), (2, 4, 1), (2, 4, 2), (2, 5, 2), (2, 6, 2), (3, 5, 1), (3, 6, 1), (4, 5, 1)]
     for world, n, programs in cases:
         for lags in itertools.product(range(3), repeat=world):

@@ -1,5 +1,10 @@
 """Run by test_tiles.py under TRITON_INTERPRET=1 (Triton's CPU interpreter): the tile kernels'
-GEMM and the fused kernel's tile order, checked on the CPU. Exits non-zero on a mismatch."""
+GEMM and the fused kernel's tile order, checked on the CPU. Exits non-zero on a mismatch.
+
+The order and place functions take a program's position ``i`` as a scalar in the kernel; they are
+element-wise, so the probes here evaluate them at every position of a call at once (one program,
+``i`` a block of positions): the same arithmetic, at a launch per rank instead of a program per
+position (which the interpreter runs one after another)."""
 
 from __future__ import annotations
 
@@ -10,24 +15,30 @@ import triton.language as tl
 from commfuse.kernels import fused_all_reduce, tiles
 
 
+#: Positions a probe evaluates at once (at least the most tiles of a case below)
+NT = 256
+
+
 @triton.jit
-def _orders(out, num_tiles, rank, num_m, num_n, WORLD: tl.constexpr, GROUP_M: tl.constexpr):
-    i = tl.program_id(0)
+def _orders(out, num_tiles, rank, num_m, num_n, WORLD: tl.constexpr, GROUP_M: tl.constexpr, NT: tl.constexpr):
+    i = tl.arange(0, NT)
     tile = fused_all_reduce._schedule(i, rank, num_tiles, WORLD)
     pid_m, pid_n = tiles.tile_coords(tile, num_m, num_n, GROUP_M)
-    tl.store(out + 3 * i, tile)
-    tl.store(out + 3 * i + 1, pid_m)
-    tl.store(out + 3 * i + 2, pid_n)
+    mask = i < num_tiles
+    tl.store(out + 3 * i, tile, mask=mask)
+    tl.store(out + 3 * i + 1, pid_m, mask=mask)
+    tl.store(out + 3 * i + 2, pid_n, mask=mask)
 
 
 def check_orders() -> None:
     for world in (2, 3, 4, 8):
         for num_m, num_n in ((1, 1), (3, 5), (8, 4), (9, 7)):
             num_tiles = num_m * num_n
+            assert num_tiles <= NT
             coords = set()
             for rank in range(world):
                 got = torch.full((num_tiles, 3), -1, dtype=torch.int32)
-                _orders[(num_tiles,)](got, num_tiles, rank, num_m, num_n, WORLD=world, GROUP_M=2)
+                _orders[(1,)](got, num_tiles, rank, num_m, num_n, WORLD=world, GROUP_M=2, NT=NT)
                 order = got[:, 0].tolist()
                 assert sorted(order) == list(range(num_tiles)), (world, rank, order)
                 owners = [t % world for t in order]
@@ -40,17 +51,18 @@ def check_orders() -> None:
 
 @triton.jit
 def _places(out, rank, M, num_m, num_n, num_tiles, WORLD: tl.constexpr, GROUP_M: tl.constexpr,
-            BM: tl.constexpr):
-    i = tl.program_id(0)
+            BM: tl.constexpr, NT: tl.constexpr):
+    i = tl.arange(0, NT)
     tile, off_m, pid_n, row_end = fused_all_reduce._place(i, rank, M, num_m, num_n, num_tiles,
                                                           GROUP_M, WORLD, BM, True)
     slab_tiles = num_tiles // WORLD
-    tl.store(out + 6 * i, tile)
-    tl.store(out + 6 * i + 1, fused_all_reduce._owner(tile, slab_tiles, WORLD, True))
-    tl.store(out + 6 * i + 2, fused_all_reduce._slot(tile, slab_tiles, WORLD, True))
-    tl.store(out + 6 * i + 3, off_m)
-    tl.store(out + 6 * i + 4, pid_n)
-    tl.store(out + 6 * i + 5, row_end)
+    mask = i < num_tiles
+    tl.store(out + 6 * i, tile, mask=mask)
+    tl.store(out + 6 * i + 1, fused_all_reduce._owner(tile, slab_tiles, WORLD, True), mask=mask)
+    tl.store(out + 6 * i + 2, fused_all_reduce._slot(tile, slab_tiles, WORLD, True), mask=mask)
+    tl.store(out + 6 * i + 3, off_m, mask=mask)
+    tl.store(out + 6 * i + 4, pid_n, mask=mask)
+    tl.store(out + 6 * i + 5, row_end, mask=mask)
 
 
 def check_scatter_places() -> None:
@@ -63,10 +75,10 @@ def check_scatter_places() -> None:
             share_m = -(-share // bm)
             per = share_m * num_n
             count = fused_all_reduce.num_tiles(m, num_n * 8, world, tiles.TileConfig(bm=bm, bn=8), True)
-            assert count == world * per
+            assert count == world * per <= NT
             for rank in range(world):
                 got = torch.full((count, 6), -1, dtype=torch.int32)
-                _places[(count,)](got, rank, m, -(-m // bm), num_n, count, WORLD=world, GROUP_M=2, BM=bm)
+                _places[(1,)](got, rank, m, -(-m // bm), num_n, count, WORLD=world, GROUP_M=2, BM=bm, NT=NT)
                 rows = got.tolist()
                 assert sorted(r[0] for r in rows) == list(range(count))
                 owners = [r[1] for r in rows]

@@ -59,11 +59,12 @@ class _Kernel:
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     launch.clear()
+    launch.configure(True)
     monkeypatch.setattr(launch, "_device", lambda: 0)
     monkeypatch.setattr(launch, "_raw_stream", lambda device: 1234)
-    monkeypatch.delenv("COMMFUSE_FAST_LAUNCH", raising=False)
     yield
     launch.clear()
+    launch.configure(True)
 
 
 def test_second_launch_goes_direct_with_all_arguments_in_order():
@@ -97,16 +98,31 @@ def test_constexprs_options_and_alignment_are_part_of_the_key():
     assert k.log[-1][0] == "direct" and k.log[-1][2][2] == 8
 
 
-def test_turned_off_or_uncompiled_always_goes_through_triton(monkeypatch):
+def test_turned_off_or_uncompiled_always_goes_through_triton():
     k = _Kernel(returns=False)  # the interpreter returns no compiled kernel
     for _ in range(3):
         launch.run(k, (1,), torch.zeros(4), 32)
     assert [e[0] for e in k.log] == ["triton"] * 3
-    monkeypatch.setenv("COMMFUSE_FAST_LAUNCH", "0")
+    launch.configure(False)
     k = _Kernel()
     for _ in range(2):
         launch.run(k, (1,), torch.zeros(4), 32)
     assert [e[0] for e in k.log] == ["triton"] * 2
+
+
+def test_the_fast_launch_setting_reaches_the_launcher():
+    """``COMMFUSE_FAST_LAUNCH=0`` (read by the run-time, passed to ``launch.configure``) turns the
+    direct path off, and back on when the setting goes."""
+    from commfuse import env
+    from commfuse.runtime import entry  # noqa: F401  (passes the setting on every change)
+
+    with env.override(fast_launch="0"):
+        assert not launch.enabled()
+        k = _Kernel()
+        for _ in range(2):
+            launch.run(k, (1,), torch.zeros(4), 32)
+        assert [e[0] for e in k.log] == ["triton"] * 2
+    assert launch.enabled()
 
 
 def test_a_launcher_that_rejects_the_arguments_turns_the_direct_path_off(caplog):
@@ -238,9 +254,9 @@ def test_a_bound_launch_off_or_hooked_goes_through_triton(monkeypatch):
     k, x = _Kernel(), torch.zeros(4)
     bound = launch.Bound(k, (1,), ("n",), x=x)
     bound(n=32)
-    monkeypatch.setenv("COMMFUSE_FAST_LAUNCH", "0")
+    launch.configure(False)
     bound(n=32)
-    monkeypatch.delenv("COMMFUSE_FAST_LAUNCH")
+    launch.configure(True)
     monkeypatch.setattr(launch, "_device", lambda: 1)  # another device: through run
     bound(n=32)
     assert [e[0] for e in k.log] == ["triton"] * 3

@@ -144,14 +144,16 @@ def test_one_row_input(world2):
 def _verify_worker(rank: int, init_file: str) -> None:
     import torch.distributed as dist
 
-    from commfuse.kernels import verify
+    from commfuse import env
+    from commfuse.runtime import verify
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     group = dist.group.WORLD.group_name
     os.environ["COMMFUSE_VERIFY"] = "1"
+    env.reload()  # settings are read once
     b = torch.randn(8, 6)
     a = torch.randn(4 + rank, 8)  # rank 1 has one row more: a bug in the caller
-    with pytest.raises(RuntimeError, match=r"mm_all_reduce: ranks of group .* disagree about the call: "
+    with pytest.raises(RuntimeError, match=r"mm_all_reduce: ranks of group .* disagree about call 0 of the group: "
                        rf"rank {rank} and rank {1 - rank} differ \(rows: {4 + rank} here, {5 - rank} there\)"):
         torch.ops.commfuse.mm_all_reduce(a, b, None, group)
     out = torch.ops.commfuse.mm_all_reduce(a[:4], b, None, group)  # agreeing calls go through
@@ -163,6 +165,7 @@ def _verify_worker(rank: int, init_file: str) -> None:
     real = verify.dist.all_gather_object
     verify.dist.all_gather_object = lambda *args, **kw: calls.append(1) or real(*args, **kw)
     os.environ["COMMFUSE_VERIFY"] = "0"
+    env.reload()
     torch.ops.commfuse.mm_all_reduce(a[:4], b, None, group)
     assert not calls  # off by default: no extra collective per call
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """The fused all-reduce kernel compiled ahead of time for sm_90 (H200) on the CPU, through
-Triton's bundled ptxas: the TMA-push form (``COMMFUSE_FUSED_TMA_PUSH``) has inline assembly and
-device-made descriptors that the interpreter does not see, so only a real compile checks them."""
+Triton's bundled ptxas: the TMA-push form (``fused_all_reduce.Options(tma_push=True)``) has inline
+assembly and device-made descriptors that the interpreter does not see, so only a real compile
+checks them."""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def test_tma_push_compiles_for_sm90(scatter):
 
 
 def test_staggered_start_compiles_for_sm90():
-    """``COMMFUSE_FUSED_STAGGER_US``: the programs' held start (a loop on the GPU timer) compiles
-    for sm_90 and adds only that loop: the same shared memory, the timer read in the stagger."""
+    """``Options.stagger_ns`` (set by the fused all-reduce path): the programs' held start (a
+    loop on the GPU timer) compiles for sm_90 and adds only that loop: the same shared memory, the timer read in the stagger."""
     pytest.importorskip("iris")
     plain, staggered = _compile(False, False), _compile(False, False, stagger=True)
     assert staggered.metadata.shared == plain.metadata.shared
