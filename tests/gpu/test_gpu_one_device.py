@@ -23,9 +23,10 @@ import torch
 
 from commfuse.kernels import exchange, fused_all_gather, fused_all_reduce, fused_split_k, launch, tiles
 from commfuse.kernels.codes import OP_MM_ALL_REDUCE
-from commfuse.runtime import ce_graphs, errors
-from commfuse.runtime.paths import ag_overlap, ce_all_reduce, rs_overlap, tile_all_gather
-from commfuse.runtime.paths.base import Call
+from commfuse.runtime import ce_graphs, errors, rules
+from commfuse.runtime.facts import local_facts
+from commfuse.runtime.paths import after_gemm, ag_overlap, ce_all_reduce, rs_overlap, tile_all_gather
+from commfuse.runtime.paths.base import Call, Context, MmAllReduceArgs
 from commfuse.tools import emulated
 
 # Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
@@ -480,3 +481,113 @@ def test_fused_all_gather_kernel(world):
             assert torch.equal(gathered[r], full), (call, r)
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
 
+
+#: About 25 ms of ``torch.cuda._sleep`` at an H200's clock: far longer than the host takes to queue
+#: every rank's calls and the device to run the undelayed ones.
+SLEEP_CYCLES = 50_000_000
+
+
+def _poison_next(stream, shape) -> int:
+    """NaN into the block the next allocation of ``shape`` on ``stream`` gets (the caching
+    allocator hands a freed block back to the next request of its size on its stream); returns
+    the block's address."""
+    with torch.cuda.stream(stream):
+        block = torch.full(shape, float("nan"), device="cuda", dtype=DT)
+    ptr = block.data_ptr()
+    del block
+    return ptr
+
+
+@pytest.mark.parametrize("order", ["kept", "left_out"])
+def test_calls_on_two_streams_per_rank_pair_in_order(order, monkeypatch):
+    """Each of two emulated ranks issues two consecutive all-reduces through a path object
+    (``after_gemm.ONE_SHOT.run``, as the entry runs it) on two different CUDA streams, the first
+    delayed on one rank by a ``torch.cuda._sleep`` queued ahead of it on its stream. Calls pair
+    across ranks by their epochs, taken in host order, and ``Workspace.order`` (entered by
+    ``paths.common.exchange``) starts a call on the device only after its workspace's previous
+    call, as NCCL's one internal stream per group does: every result equals the fp32 reference,
+    in two rounds (the delay on rank 0, then on rank 1), each call on another stream than its
+    workspace's previous one (after a warm-up round, whose first switch of streams waits for the
+    other stream's queue, every switch waits for the event recorded after the previous call).
+
+    ``left_out`` is the control showing the test would fail without it: the delayed rank's
+    ``order`` does nothing, so its second call runs at once. Its GEMM fills the other parity's
+    half and its one-shot signals epoch e + 1 into the flag slots the first call uses; a wait is
+    ``flag >= epoch``, so the peer's first call (epoch e), waiting on those slots, is released and
+    sums the delayed rank's half of parity e % 2, which that rank's first call, still behind the
+    sleep, has not written: a stale half (an earlier call's partial), a wrong sum that is finite
+    and unflagged. The control asserts exactly that wrong sum (two streams of one rank sharing a
+    hardware queue would serialise them and hide it: ``_need_queues``)."""
+    world, m, k, n = 2, 1024, 512, 1024
+    _need_queues(2 * world + 1)
+    ws = _group(world, m * n * DT.itemsize)
+    ranks = [_Rank(w) for w in ws]
+    streams = [(torch.cuda.Stream(), torch.cuda.Stream()) for _ in range(world)]
+    call = Call("mm_all_reduce", m, k, n, DT, world)
+    facts = local_facts(world)
+    kept = []  # every output stays alive: a freed one would be the next call's block
+
+    def issue(r, stream, a, b, delay: int = 0):
+        with torch.cuda.stream(stream):
+            if delay:
+                torch.cuda._sleep(delay)
+            out = after_gemm.ONE_SHOT.run(Context(call, facts, ranks[r]), MmAllReduceArgs(a, b, None, ws[r].group_name))
+        kept.append(out)
+        return out
+
+    def round_of(seed: int, late: int, cycles: int):
+        """Both ranks' two calls (rank 0's queued first, as one host thread issues them), the first
+        on each rank's first stream, ``late``'s delayed by ``cycles``; returns the outputs by
+        (rank, call) and the two references."""
+        first, second = (_operands(world, m, k, n, bias=False, call=seed + i) for i in range(2))
+        poisoned = {(r, i): _poison_next(streams[r][i], (m, n)) for r in range(world) for i in range(2)}
+        for pair in streams:
+            for s in pair:
+                s.wait_stream(torch.cuda.current_stream())  # operands and poison on the main stream
+        outs = {}
+        for r in range(world):
+            outs[r, 0] = issue(r, streams[r][0], first[0][r], first[1][r], cycles if r == late else 0)
+            outs[r, 1] = issue(r, streams[r][1], second[0][r], second[1][r])
+        torch.cuda.synchronize()
+        _check(ws)
+        assert {key: out.data_ptr() for key, out in outs.items()} == poisoned, "an output missed its poisoned block"
+        return outs, (first[3], second[3])
+
+    # each stream's cuBLAS workspace, then every kernel (the sleep, cuBLAS's GEMM, the one-shot) made
+    # or loaded in a warm-up round, rank 0's first, before anything spins (``_run``)
+    a, b, _, _ = _operands(world, m, k, n, bias=False)
+    for pair in streams:
+        for s in pair:
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                kept.append(a[0] @ b[0])
+    torch.cuda.synchronize()
+    warm, refs = round_of(0, 0, 1000)
+    for r in range(world):
+        for i in range(2):
+            assert _relerr(warm[r, i], refs[i]) < 1e-2, ("warm-up", r, i)
+    if order == "left_out":
+        monkeypatch.setattr(ws[0], "order", lambda stream: False)
+        outs, refs = round_of(2, 0, SLEEP_CYCLES)
+        assert torch.isfinite(outs[1, 0]).all() and _relerr(outs[1, 0], refs[0]) > 0.1, \
+            "rank 1's first call summed rank 0's first partial although rank 0's second call ran first"
+        return
+    for late in range(world):
+        outs, refs = round_of(2 + 2 * late, late, SLEEP_CYCLES)
+        for r in range(world):
+            for i in range(2):
+                assert _relerr(outs[r, i], refs[i]) < 1e-2, (late, r, i)
+
+
+def test_local_facts_of_an_h200():
+    """``facts.local_facts``, what the graph pass sizes workspaces with, from an H200 alone: its
+    architecture, SM count and TMA, so the sm_90 rules apply and every symmetric path may run."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if "H200" not in props.name:
+        pytest.skip(f"the facts of an H200 (this GPU: {props.name})")
+    facts = local_facts(2)
+    assert (facts.world, facts.arch, facts.capability, facts.name) == (2, "sm_90", (9, 0), props.name)
+    assert facts.sms == props.multi_processor_count > 0
+    assert facts.tma and not facts.rocm
+    assert facts.unsupported() is None and facts.copy_engines
+    assert rules.table(facts.arch, facts.world, facts.name, facts.sms).label().startswith("sm_90")
