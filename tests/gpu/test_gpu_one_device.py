@@ -43,25 +43,26 @@ WORLDS = [2, 4, 8]
 DT = torch.bfloat16
 
 
-#: The emulated groups of the running test (``_bounded`` checks their error word after it).
-_made: list[list] = []
+#: The emulated groups of the running test, by their error word, each as ``runtime.errors.check``
+#: reads a group (``_Rank`` of its rank 0).
+_made: dict[int, "_Rank"] = {}
 
 
 @pytest.fixture(autouse=True)
 def _bounded():
     """A lost flag becomes an error in seconds, not a hang (``_group``'s bound); after the test, no
-    wait of its emulated groups timed out."""
+    wait of its emulated groups timed out (other than one the test raised already)."""
     _made.clear()
     yield
     torch.cuda.synchronize()
-    for ws in _made:
-        _check(ws)
+    for group in _made.values():
+        errors.check(group)
 
 
 def _group(world: int, data_bytes: int, timeout_s: float = 20.0) -> list:
     """``world`` emulated ranks' workspaces, whose waits give up after ``timeout_s``."""
     ws = emulated.group(world, data_bytes, timeout_s=timeout_s)
-    _made.append(ws)
+    _made[id(ws[0].err)] = _Rank(ws[0])
     return ws
 
 
@@ -69,13 +70,13 @@ class _Rank:
     """One emulated rank as the run-time's state of its group (``groups.Group``) shows it to a path
     and to ``runtime.errors.check``: its workspace (``paths.common.workspace`` hands it out as long
     as it is large enough, so nothing is allocated, and ``pg()``, which ``paths.common.exchange``
-    calls only to restart epochs near ``EPOCH_LIMIT``, is never called), the group's error word
-    and side streams of its own."""
+    calls only to restart epochs near ``EPOCH_LIMIT``, is never called), no graph lane, the
+    group's error word (and, once a timeout was raised, ``broken``) and side streams of its own."""
 
     def __init__(self, ws):
         self.workspace, self.name, self.err = ws, ws.group_name, ws.err
         self.err_host = ws.err.numpy()
-        self.broken = self.lane_failure = self.streams = None
+        self.lane = self.broken = self.lane_failure = self.streams = None
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank
@@ -90,9 +91,10 @@ class _Rank:
 
 
 def _check(ws) -> None:
-    """Raise the run-time's error if a wait of this emulated group timed out (the word its ranks
-    share holds ``[1, op, rank, peer]``: ``runtime.errors.check``, which clears it)."""
-    errors.check(_Rank(ws[0]))
+    """Raise the run-time's error if a wait of this emulated group timed out (``runtime.errors.check``:
+    the word its ranks share holds ``[1, op, rank, peer, call]`` and stays set, so later waits of
+    the group give up at once; raised once, as for a real group)."""
+    errors.check(_made[id(ws[0].err)])
 
 
 def _operands(world, m, k, n, bias, call=0):
