@@ -1,12 +1,16 @@
-"""The session's NCCL process group for the GPU tests (run under torchrun, one GPU per rank)."""
+"""The session's NCCL process group for the GPU tests (run under torchrun, one GPU per rank), and
+settings for the rest of a test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+
+from commfuse import env
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +25,13 @@ def nccl():
     if not dist.is_initialized():
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     yield dist.group.WORLD
+
+
+@pytest.fixture
+def settings():
+    """``settings(algo="fused", timeout_s=1)``: ``env.override`` for the rest of the test (settings
+    are read once, so ``monkeypatch.setenv`` would not reach them); a later call's values win, and
+    every one is undone when the test ends. What the run-time decided per call signature under
+    other settings is dropped at each change (``env.on_change``)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(env.override(**values))

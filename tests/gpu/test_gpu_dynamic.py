@@ -11,9 +11,10 @@ import torch.distributed._functional_collectives as funcol
 from torch._dynamo.utils import counters
 
 import commfuse
-from commfuse.kernels import cuda_paths, symm
-from commfuse.kernels.sync import check_errors
-from gpu_util import gather_all, relerr
+from commfuse import check_errors
+from commfuse.runtime import groups
+from commfuse.runtime.paths.common import PATHS
+from gpu_util import gather_all, relerr, start_over, workspaces
 
 pytestmark = pytest.mark.gpu
 
@@ -34,15 +35,13 @@ def test_one_graph_for_m_from_1_to_16384(nccl, monkeypatch):
         return (funcol.all_reduce(torch.relu(h) @ w2, "sum", g),
                 funcol.reduce_scatter_tensor(h @ w3, "sum", 0, g))
 
-    torch.cuda.synchronize()
-    dist.barrier()  # no peer still writes into this rank's workspaces
-    symm.release_all()  # start from the first allocation: the test shows the growth
-    monkeypatch.setattr(symm, "_planned", {})  # (no size planned by earlier tests' graphs)
+    start_over()  # start from the first allocation: the test shows the growth
+    monkeypatch.setattr(groups, "_planned", {})  # (no size planned by earlier tests' graphs)
     torch._dynamo.reset()
     commfuse.clear_report()
     compiled = torch.compile(f, backend=commfuse.backend())
     counters.clear()
-    before = cuda_paths.PATHS.copy()
+    before = PATHS.copy()
     torch.manual_seed(10 + dist.get_rank())
     size = {}
     for m in (1, 3, 64, 1000, 4096, 16384, 2, 8192):
@@ -57,10 +56,10 @@ def test_one_graph_for_m_from_1_to_16384(nccl, monkeypatch):
         assert ar.shape == (2 * m, 1024) and rs.shape == (m, 1024)
         assert relerr(ar, want_ar) < 2e-2, f"M={m}: all_reduce"
         assert relerr(rs, want_rs) < 2e-2, f"M={m}: reduce_scatter"
-        size[m] = max(ws.data_bytes for ws in symm._workspaces.values())
+        size[m] = max(ws.data_bytes for ws in workspaces())
     assert counters["stats"]["unique_graphs"] == 1
     assert len(commfuse.report().fused) == 3
-    used = cuda_paths.PATHS - before
+    used = PATHS - before
     assert used["mm_all_reduce:fused"] > 0, used  # the large calls took the fused kernel
     assert len({k for k in used if k.startswith("mm_all_reduce:")}) >= 2, used  # and others not
     assert size[16384] > size[64]  # grew when the large calls came (the first allocation is 16 MiB)

@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.kernels import exchange, fused_split_k, symm
-from commfuse.kernels.sync import check_errors
-from gpu_util import gather_all, relerr
+from commfuse import check_errors, env
+from commfuse.kernels import exchange, fused_split_k
+from commfuse.runtime import groups
+from commfuse.runtime.paths import graph_lane
+from gpu_util import gather_all, relerr, run_path, start_over, timed_out
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +28,7 @@ def _lanes_released_after():
     yield
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    symm.release_all()
+    commfuse.release_all()
 
 
 def _reference(a, b):
@@ -36,7 +38,7 @@ def _reference(a, b):
 @pytest.mark.parametrize("k, n, kernel", [(1003, 771, "staged"), (1024, 768, "split_k")])
 def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch, k, n, kernel):
     """Rows TMA cannot describe take cuBLAS + the staged one-shot in the lane; TMA-ready ones the
-    split-K kernel in the lane (its epochs on the device too)."""
+    split-K kernel in the lane (its epochs on the device too), as the rules for captured calls say."""
     m = 16
     torch.manual_seed(7 + dist.get_rank())
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -63,16 +65,14 @@ def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch, k
     for i in range(1000):
         a.copy_(torch.randn_like(a))  # fresh data every replay
         graph.replay()
-        if i % 7 == 3:  # eager calls of the host-epoch lane in between
-            monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
-            got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
-            monkeypatch.delenv("COMMFUSE_ALGO")
+        if i % 7 == 3:  # eager calls of the host-epoch workspace in between
+            with env.override(algo="one_shot"):
+                got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
             if i % 100 == 3:
                 assert relerr(got, _reference(other, w)) < 1e-2
         if i % 11 == 5:  # and eager calls of the graph lane itself (its split-K kernel: 64 x 256)
-            monkeypatch.setenv("COMMFUSE_ALGO", "graph")
-            got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
-            monkeypatch.delenv("COMMFUSE_ALGO")
+            with env.override(algo="graph"):
+                got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
             if i % 55 == 5:
                 assert relerr(got, _reference(other, w)) < 1e-2, f"eager lane call at replay {i}"
         if i % 100 == 99:
@@ -104,35 +104,40 @@ def test_reduce_overhead_compile_matches_eager(nccl):
     assert len(commfuse.report().fused) == 1
 
 
-@pytest.mark.parametrize("split_k", ["1", "0"])
-def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch, split_k):
+@pytest.mark.parametrize("split_k", [True, False], ids=["split_k", "staged"])
+def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch, settings, split_k):
     """No host code runs between replays to raise: a graph-lane call whose peer never comes
-    leaves NaN in its output and the error word set (the lane's split-K kernel, and cuBLAS + the
-    staged one-shot)."""
-    monkeypatch.setenv("COMMFUSE_GRAPH_SPLIT_K", split_k)
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
-    monkeypatch.setenv("COMMFUSE_ALGO", "graph")
+    leaves NaN in its output and the error word set (the lane's split-K kernel, as a rule's
+    ``{"split_k": true}`` asks, and cuBLAS + the staged one-shot, the path without one). The
+    group then refuses calls, and its lane stays out of step until ``release_all``."""
+    settings(timeout_s=1)
+    start_over()  # a lane allocated now waits at most 1 s
     a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     kernels = []
     real_prepare = fused_split_k.prepare
     monkeypatch.setattr(fused_split_k, "prepare", lambda *x, **kw: kernels.append(kw.get("lane"))
                         or real_prepare(*x, **kw))
-    torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+
+    def call():
+        return run_path("mm_all_reduce", "graph", a, b, None, nccl.group_name, config=lambda c, facts: (
+            graph_lane.GRAPH.config(c, facts, {"split_k": True}) if split_k else None))
+
+    call()
     check_errors()
-    assert kernels == ([True] if split_k == "1" else []), "the lane's kernel for this shape"
+    assert kernels == ([True] if split_k else []), "the lane's kernel for this configuration"
     dist.barrier()
     if dist.get_rank() == 0:
-        out = torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
+        out = call()
         torch.cuda.synchronize()
         assert torch.isnan(out).all()
-        with pytest.raises(RuntimeError, match=r"mm_all_reduce \(graph lane\): rank 0 timed out after 1 s "
-                           r"waiting for rank 1"):
+        with pytest.raises(RuntimeError, match=timed_out("mm_all_reduce (graph lane)", nccl.group_name)):
             check_errors()
-        with pytest.raises(RuntimeError, match="graph lanes are out of step"):  # sticky
+        with pytest.raises(RuntimeError, match="refuses further calls: call commfuse.release_all"):  # sticky
             torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
-    dist.barrier()
-    symm.release_all()  # the lanes' epochs now differ between ranks: start over
+        with pytest.raises(RuntimeError, match=r"the graph lanes of group .* are out of step"):
+            call()
+    start_over()  # the lanes' epochs now differ between ranks: start over
 
 
 def test_first_call_inside_a_graph_warm_up_and_two_graphed_models(nccl):
@@ -142,10 +147,8 @@ def test_first_call_inside_a_graph_warm_up_and_two_graphed_models(nccl):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.cuda.synchronize()
-    dist.barrier()
-    symm.release_all()
-    assert symm.graph_lane(nccl.group_name) is None
+    start_over()
+    assert groups.get(nccl.group_name).lane is None
     mesh = init_device_mesh("cuda", (2,))
     models = []
     for width in (2048, 4096):
@@ -162,4 +165,4 @@ def test_first_call_inside_a_graph_warm_up_and_two_graphed_models(nccl):
             got = compiled(x).clone()
             assert relerr(got, mlp(x)) < 1e-2, f"step {step}"
     check_errors()
-    assert symm.graph_lane(nccl.group_name) is not None
+    assert groups.get(nccl.group_name).lane is not None

@@ -1,9 +1,11 @@
 """Every kernel's cross-rank protocol at 2, 4 and 8 ranks on one GPU, against fp32 references.
 
-Each rank is a workspace on the same GPU (``commfuse.kernels.emulated``: its own buffer; one
-heap-bases table, so Iris's pointer translation reaches any rank's buffer), its kernels launched
-on its own stream with 1/world of the SMs, so every rank's programs run at once and really wait
-on each other's flags. What one GPU cannot show is the link (remote stores here are local) and
+Each rank is a workspace on the same GPU (``commfuse.tools.emulated``: its own buffer; one
+heap-bases table, so Iris's pointer translation reaches any rank's buffer; one error word), its
+kernels launched on its own stream with 1/world of the SMs, so every rank's programs run at once
+and really wait on each other's flags. The kernels' launchers and the paths' own work
+(``runtime/paths/*.py``: ``overlapped``, a path object's ``run``) are called directly, every knob
+an argument. What one GPU cannot show is the link (remote stores here are local) and
 several processes; the ranks' tile ownership, flag counts, shares, epochs and parity reuse at 4
 and 8 ranks it does, where no 4- or 8-GPU machine was lent. Runs in one process (skipped under
 torchrun, where rank 0 alone running these would leave the other ranks waiting in their
@@ -19,9 +21,13 @@ import os
 import pytest
 import torch
 
-from commfuse.kernels import (cuda_paths, dispatch, emulated, exchange, fused_all_gather, fused_all_reduce,
-                              fused_split_k, launch, tiles)
-from commfuse.kernels.sync import OP_MM_ALL_REDUCE, check_errors
+from commfuse.kernels import exchange, fused_all_gather, fused_all_reduce, fused_split_k, launch, tiles
+from commfuse.kernels.codes import OP_MM_ALL_REDUCE
+from commfuse.runtime import ce_graphs, errors, rules
+from commfuse.runtime.facts import local_facts
+from commfuse.runtime.paths import after_gemm, ag_overlap, ce_all_reduce, rs_overlap, tile_all_gather
+from commfuse.runtime.paths.base import Call, Context, MmAllReduceArgs
+from commfuse.tools import emulated
 
 # Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
 # connections, the 8-rank tests' 16 streams (a main and a side stream per rank) share queues, and a
@@ -37,17 +43,58 @@ WORLDS = [2, 4, 8]
 DT = torch.bfloat16
 
 
+#: The emulated groups of the running test, by their error word, each as ``runtime.errors.check``
+#: reads a group (``_Rank`` of its rank 0).
+_made: dict[int, "_Rank"] = {}
+
+
 @pytest.fixture(autouse=True)
-def _bounded(monkeypatch):
-    """A lost flag becomes an error in seconds, not a hang."""
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "20")
+def _bounded():
+    """A lost flag becomes an error in seconds, not a hang (``_group``'s bound); after the test, no
+    wait of its emulated groups timed out (other than one the test raised already)."""
+    _made.clear()
     yield
     torch.cuda.synchronize()
-    check_errors()
+    for group in _made.values():
+        errors.check(group)
 
 
-def _group(world: int, data_bytes: int) -> list:
-    return emulated.group(world, data_bytes)
+def _group(world: int, data_bytes: int, timeout_s: float = 20.0) -> list:
+    """``world`` emulated ranks' workspaces, whose waits give up after ``timeout_s``."""
+    ws = emulated.group(world, data_bytes, timeout_s=timeout_s)
+    _made[id(ws[0].err)] = _Rank(ws[0])
+    return ws
+
+
+class _Rank:
+    """One emulated rank as the run-time's state of its group (``groups.Group``) shows it to a path
+    and to ``runtime.errors.check``: its workspace (``paths.common.workspace`` hands it out as long
+    as it is large enough, so nothing is allocated, and ``pg()``, which ``paths.common.exchange``
+    calls only to restart epochs near ``EPOCH_LIMIT``, is never called), no graph lane, the
+    group's error word (and, once a timeout was raised, ``broken``) and side streams of its own."""
+
+    def __init__(self, ws):
+        self.workspace, self.name, self.err = ws, ws.group_name, ws.err
+        self.err_host = ws.err.numpy()
+        self.lane = self.broken = self.lane_failure = self.streams = None
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
+
+    def side_streams(self, device, count: int = 3) -> tuple:
+        if self.streams is None:
+            self.streams = tuple(torch.cuda.Stream(device) for _ in range(count))
+        return self.streams
+
+    def pg(self):
+        raise AssertionError("an emulated rank has no process group")
+
+
+def _check(ws) -> None:
+    """Raise the run-time's error if a wait of this emulated group timed out (``runtime.errors.check``:
+    the word its ranks share holds ``[1, op, rank, peer, call]`` and stays set, so later waits of
+    the group give up at once; raised once, as for a real group)."""
+    errors.check(_made[id(ws[0].err)])
 
 
 def _operands(world, m, k, n, bias, call=0):
@@ -125,15 +172,14 @@ def test_fused_all_reduce_kernel(world, scatter, reducers):
 
 @pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("scatter", [False, True], ids=["all_reduce", "reduce_scatter"])
-def test_fused_all_reduce_kernel_with_a_staggered_start(world, scatter, monkeypatch):
-    """``COMMFUSE_FUSED_STAGGER_US``: the programs start their first tiles spread over 20 µs."""
-    monkeypatch.setenv("COMMFUSE_FUSED_STAGGER_US", "20")
-    ws = _fused_calls(world, scatter, 0)
+def test_fused_all_reduce_kernel_with_a_staggered_start(world, scatter):
+    """``Options.stagger_ns``: the programs start their first tiles spread over 20 µs."""
+    ws = _fused_calls(world, scatter, 0, fused_all_reduce.Options(stagger_ns=(20_000, 20_000)))
     plans = [v for v in ws[0].launches.values() if isinstance(v, fused_all_reduce._Plan)]
     assert plans and all(p.bound.fixed["STAGGER"] and p.bound.fixed["stagger"] == 20_000 for p in plans)
 
 
-def _fused_calls(world, scatter, reducers):
+def _fused_calls(world, scatter, reducers, opts=fused_all_reduce.Options()):
     """Three fused calls on every rank, each against fp32; returns the ranks' workspaces."""
     m, k, n = (1024 if scatter else 1000), 512, 776
     cfg = tiles.TileConfig.parse(f"128x256x64s3w8g8r{reducers}o1")
@@ -146,10 +192,11 @@ def _fused_calls(world, scatter, reducers):
         outs = _poisoned(world, share if scatter else m, n)
         for s in streams:
             s.wait_stream(torch.cuda.current_stream())
-        launches = [fused_all_reduce.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg, scatter) for r in range(world)]
+        launches = [fused_all_reduce.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg, scatter, opts)
+                    for r in range(world)]
         _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity))
         torch.cuda.synchronize()
-        check_errors()
+        _check(ws)
         for r in range(world):
             want = ref[r * share:(r + 1) * share] if scatter else ref
             assert _relerr(outs[r], want) < 1e-2, (call, r)
@@ -183,15 +230,12 @@ def test_exchange_all_reduce(world, algo):
 
 
 @pytest.mark.parametrize("algo", ["one_shot", "two_shot", "gather", "reduce_scatter"])
-def test_exchange_with_a_peer_that_never_comes_leaves_nan(algo, monkeypatch):
+def test_exchange_with_a_peer_that_never_comes_leaves_nan(algo):
     """Rank 0 of 2 alone calls (rank 1 never launches), its peer's half holding an earlier call's
-    bytes: the wait expires, the error names op, rank and peer, and where the peer's data would go
-    the output is NaN, never a sum with the stale bytes."""
-    from commfuse.kernels import symm
-
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "0.5")
+    bytes: the wait expires, the error names op, group, rank and peer, and where the peer's data
+    would go the output is NaN, never a sum with the stale bytes."""
     m, n = 64, 200
-    ws = _group(2, 2 * m * n * DT.itemsize)
+    ws = _group(2, 2 * m * n * DT.itemsize, timeout_s=0.5)
     epoch, parity = ws[0].next_epoch()
     for r, value in enumerate((1.0, 100.0)):  # rank 1's half: stale bytes
         ws[r].data(parity, (2 * m * n,), DT).fill_(value)
@@ -211,52 +255,58 @@ def test_exchange_with_a_peer_that_never_comes_leaves_nan(algo, monkeypatch):
         peers_part = out
     torch.cuda.synchronize()
     assert bool(peers_part.isnan().all()), f"{algo}: a late peer's call left values"
-    with pytest.raises(RuntimeError, match=r"mm_all_reduce: rank 0 timed out after 0.5 s waiting for rank 1"):
-        check_errors()
-    symm.release_all()  # (emulated workspaces are not the registry's: tests/test_dispatch.py checks it)
+    with pytest.raises(RuntimeError, match=r"mm_all_reduce: on group 'one-device-2', rank 0 timed out after 0.5 s "
+                       r"waiting for rank 1"):
+        _check(ws)
 
 
-def _run(ws, streams, run, monkeypatch, warm: bool = False) -> None:
-    """One call of a host-orchestrated path on every rank, synchronised. ``warm``: with its
-    barriers left out (what it reads from the peers is then garbage, and is not checked), to load
-    its kernels: CUDA loads a kernel at its first launch, after the running ones finish, and with
-    every rank's host in this one thread rank 0's first add or GEMM would wait for its own
-    barrier, which waits for rank 1's, not yet launched."""
+def _run(ws, streams, run, monkeypatch, stubbed: tuple[str, ...] = ()) -> None:
+    """One call of a host-orchestrated path on every rank, synchronised. ``stubbed``: exchange
+    kernels left out (``barrier``, ``all_reduce``: what the call reads from the peers is then
+    garbage, and is not checked), to load the path's other kernels: CUDA loads a kernel at its
+    first launch, after the running ones finish, and with every rank's host in this one thread
+    rank 0's first add or GEMM would wait for its own spinning kernel, which waits for rank 1's,
+    not yet launched. So each spinning kernel is first launched in a call where nothing spins
+    before it, and loaded there."""
     with monkeypatch.context() as m:
-        if warm:
-            m.setattr(exchange, "barrier", lambda *a, **k: None)
+        for name in stubbed:
+            m.setattr(exchange, name, lambda *a, **k: None)
         _each_rank(ws, streams, run)
     torch.cuda.synchronize()
 
 
-def _side_streams(world, monkeypatch, used: int = 1):
-    """Side streams per rank: ``cuda_paths._side_stream`` (the gather and scatter overlaps) and
-    ``_ce_streams`` (the copy-engine all-reduce's pulls, adds and barriers) answer the rank whose
-    call runs. ``used``: how many of them a call runs work on, each beside its rank's stream (and
+def _side_streams(world: int, distinct: int) -> list[tuple]:
+    """Per rank, the side streams of its copy-engine work (the all-reduce's (pulls, adds,
+    barriers); the gather's and scatter's overlaps take the first): ``distinct`` streams of its
+    own, the last of them standing in for the rest (each may run work beside its rank's stream and
     the process's default stream)."""
-    _need_queues(world * (1 + used) + 1)
-    sides = [tuple(torch.cuda.Stream() for _ in range(3)) for _ in range(world)]
-    current = {"rank": 0}
-    monkeypatch.setattr(cuda_paths, "_side_stream", lambda device: sides[current["rank"]][0])
-    monkeypatch.setattr(cuda_paths, "_ce_streams", lambda device: sides[current["rank"]])
-    return current
+    _need_queues(world * (1 + distinct) + 1)
+    sides = []
+    for _ in range(world):
+        own = [torch.cuda.Stream() for _ in range(distinct)]
+        sides.append(tuple(own[min(i, distinct - 1)] for i in range(3)))
+    return sides
 
 
-@pytest.mark.parametrize("tail", ["copy", "one_shot"])
-# 8 ranks with 3 side streams each would spin on 33 streams, past CUDA's 32 hardware queues: the
-# 3-stream schedule runs at 2 and 4 ranks (and at 2 GPUs), 8 ranks with 1 and 2
-@pytest.mark.parametrize("world, streams", [(w, s) for w in WORLDS for s in (1, 2, 3) if w * (1 + s) + 1 <= 32])
-def test_copy_engine_overlap(world, tail, streams, monkeypatch):
-    """The chunked cuBLAS + copy-engine all-reduce (``cuda_paths._copy_engine_overlapped``): a
-    barrier per chunk, the peers' rows pulled by the copy engines, summed in rank order, the side
-    work over ``streams`` side streams (``dispatch.ce_streams``); with the
-    ``one_shot`` tail the last chunk by the one-shot kernel. Calls 0 and 1 (without and with a
-    bias, barriers left out) and call 2 (its barriers) load the local kernels and the barrier's
-    with the copy tail, while no kernel spins; ``tail`` from call 3 on. Every rank returns the
-    same tensor."""
-    m, k, n = 4096, 256, 512  # four 1024-row chunks
+#: Loading calls of the copy-engine all-reduce (``_run``'s ``stubbed``): call 0 the GEMM, copies
+#: and adds, call 1 the barrier; the one-shot tail's first launch, in call 2, comes after the
+#: GEMMs and before any barrier of rank 0, while nothing spins.
+CE_LOADING = [("barrier", "all_reduce"), ("all_reduce",)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_copy_engine_overlap(world, monkeypatch):
+    """The chunked cuBLAS + copy-engine all-reduce (``ce_all_reduce.overlapped``): a barrier per
+    chunk, the peers' rows pulled by the copy engines and summed in rank order on the side
+    streams, the last chunk by the one-shot kernel. After the loading calls (``CE_LOADING``),
+    calls 2-4 (with and without a bias) are checked; every rank returns the same tensor. 8 ranks
+    with three side streams each would spin on 33 streams, past CUDA's 32 hardware queues: there
+    each rank's side work shares one stream, in the order ``overlapped`` queues it."""
+    m, k, n = 4096, 256, 512
+    cfg = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m))
+    assert cfg.rows == (1024,) * 4
     ws = _group(world, m * n * DT.itemsize)
-    current = _side_streams(world, monkeypatch, streams)
+    sides = _side_streams(world, 3 if world <= 4 else 1)
     rank_streams = _streams(world)
     direct = launch.BOUND_DIRECT
     one_shots = []
@@ -269,40 +319,36 @@ def test_copy_engine_overlap(world, tail, streams, monkeypatch):
             s.wait_stream(torch.cuda.current_stream())
 
         def run(r, epoch, parity):
-            current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
-            cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch,
-                                               tail if call >= 3 else "copy", streams=streams)
+            ce_all_reduce.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch, cfg, sides[r])
 
-        _run(ws, rank_streams, run, monkeypatch, warm=call < 2)
+        _run(ws, rank_streams, run, monkeypatch, CE_LOADING[call] if call < len(CE_LOADING) else ())
         for r in range(world if call >= 2 else 0):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
             assert torch.equal(outs[r], outs[0]), (call, r)
     assert launch.BOUND_DIRECT > direct  # the chunks' barriers after the first, through the kept launch
-    assert one_shots == (["one_shot"] * 2 * world if tail == "one_shot" else [])  # calls 3 and 4
+    assert one_shots == ["one_shot"] * 3 * world  # the last chunk of calls 2-4
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
     """The copy-engine all-reduce in its CUDA-graph form (``ce_graphs.py``): the epoch read from
-    each rank's epoch cell. Calls 0 and 1 load the local kernels (barriers left out), 2 and 3 the
-    device-epoch barrier and one-shot tail, run directly; from call 4 on through ``ce_graphs.run``:
-    eager, captured, then replayed (a graph per parity), each rank's graph on its own stream, the
-    ranks' graphs waiting on each other. Inputs are refilled in place and outputs poisoned in place
-    each call (a graph holds their addresses), so a replay that read stale inputs or left an
-    element unwritten shows."""
-    from commfuse.kernels import ce_graphs
-
+    each rank's epoch cell. Calls 0 and 1 load the kernels (``CE_LOADING``), 2 and 3 run directly;
+    from call 4 on through ``ce_graphs.run``: eager, captured, then replayed (a graph per parity),
+    each rank's graph on its own stream, the ranks' graphs waiting on each other. Inputs are
+    refilled in place and outputs poisoned in place each call (a graph holds their addresses), so
+    a replay that read stale inputs or left an element unwritten shows."""
     # Eight emulated ranks' graphs of three branches each (24 concurrent, two of them spinning per
     # rank) timed out at 8 ranks (rank 2 waiting 20 s for rank 7, one_device_adds_89be2c0.log),
     # most likely the queue sharing of NOTES.md §32: the graphs' branches share the device's
     # hardware queues, so one rank's spinning barrier can hold another rank's back, which a
     # process per GPU never does (nothing a rank waits for sits behind its own adds). 8 ranks keep
     # one side stream (two branches, which passed before); 2 and 4 ranks use three.
-    side_streams = 3 if world <= 4 else 1
+    side_count = 3 if world <= 4 else 1
     m, k, n = 4096, 256, 512  # four 1024-row chunks
+    cfg = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m))
     ws = _group(world, m * n * DT.itemsize)
-    current = _side_streams(world, monkeypatch, side_streams)
+    sides = _side_streams(world, side_count)
     streams = _streams(world)
     a = [torch.empty(m, k, device="cuda", dtype=DT) for _ in range(world)]
     b = [torch.empty(n, k, device="cuda", dtype=DT).t() for _ in range(world)]
@@ -322,21 +368,21 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
             s.wait_stream(torch.cuda.current_stream())
 
         def run(r, epoch, parity):
-            current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
 
-            def body(sides):  # the side work forked to ``side_streams`` streams in a capture
-                cuda_paths._copy_engine_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers,
-                                                   None, "copy" if call < 3 else "one_shot", sides, side_streams)
+            def body(capture_sides):  # in a capture, forked to as many of ce_graphs' streams
+                use = sides[r] if capture_sides is None else tuple(
+                    capture_sides[min(i, side_count - 1)] for i in range(3))
+                ce_all_reduce.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, None, cfg, use)
 
             if call < 4:
                 ws[r].epoch_cell.fill_(epoch)
                 body(None)
             else:
-                key = ce_graphs.key(parity, (a[r], b[r], c[r], outs[r], recvs[r]), ("one_shot", 4, side_streams))
+                key = ce_graphs.key(ws[r], parity, (a[r], b[r], c[r], outs[r], recvs[r]), (cfg.rows, side_count))
                 hows.append(ce_graphs.run(ws[r], epoch, key, body, torch.cuda.current_device()))
 
-        _run(ws, streams, run, monkeypatch, warm=call < 2)
+        _run(ws, streams, run, monkeypatch, CE_LOADING[call] if call < len(CE_LOADING) else ())
         for r in range(world if call >= 2 else 0):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
             assert torch.equal(outs[r], outs[0]), (call, r)
@@ -348,21 +394,21 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gather_overlap(world, monkeypatch):
-    """The copy-engine all-gather overlap (``cuda_paths._gather_overlapped``): the local rows
-    multiply while the copy engines pull the peers' shards behind a barrier, then the peers' rows."""
+    """The copy-engine all-gather overlap (``ag_overlap.overlapped``): the local rows multiply
+    while the copy engines pull the peers' shards behind a barrier, then the peers' rows."""
     rows, k, n = 512, 256, 512  # each rank's rows
     ws = _group(world, rows * k * DT.itemsize)
-    current = _side_streams(world, monkeypatch)
+    sides = _side_streams(world, 1)
     streams = _streams(world)
     for call in range(3):
         shards, b, full, ref, outs, gathered = _gather_case(world, rows, k, n, call, streams)
 
         def run(r, epoch, parity):
-            current["rank"] = r
             mine, peers = _halves(ws[r], parity, (rows, k))
-            cuda_paths._gather_overlapped(ws[r], shards[r], mine, b, None, gathered[r], outs[r], peers, epoch, True)
+            ag_overlap.overlapped(ws[r], shards[r], mine, b, None, gathered[r], outs[r], peers, epoch, True,
+                                  sides[r][0])
 
-        _run(ws, streams, run, monkeypatch, warm=call == 0)
+        _run(ws, streams, run, monkeypatch, ("barrier",) if call == 0 else ())
         for r in range(world if call else 0):
             assert torch.equal(gathered[r], full), (call, r)
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
@@ -371,13 +417,13 @@ def test_gather_overlap(world, monkeypatch):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_scatter_overlap(world, chunks, monkeypatch):
-    """The copy-engine reduce-scatter overlap (``cuda_paths._scatter_overlapped``): the peers'
-    shares multiply first, chunk by chunk, each pulled by its owner behind a barrier; the own
-    share's GEMMs add the pulled partials (one chunk: summed after, in rank order)."""
+    """The copy-engine reduce-scatter overlap (``rs_overlap.overlapped``): the peers' shares
+    multiply first, chunk by chunk, each pulled by its owner behind a barrier; the own share's
+    GEMMs add the pulled partials (one chunk: summed after, in rank order)."""
     m, k, n = 512 * world, 256, 512
     share = m // world
     ws = _group(world, m * n * DT.itemsize)
-    current = _side_streams(world, monkeypatch)
+    sides = _side_streams(world, 1)
     streams = _streams(world)
     for call in range(3):
         a, b, c, ref = _operands(world, m, k, n, bias=True, call=call)
@@ -387,12 +433,11 @@ def test_scatter_overlap(world, chunks, monkeypatch):
             s.wait_stream(torch.cuda.current_stream())
 
         def run(r, epoch, parity):
-            current["rank"] = r
             partial, peers = _halves(ws[r], parity, (m, n))
-            cuda_paths._scatter_overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], owns[r], chunks,
-                                           peers, epoch)
+            rs_overlap.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], owns[r], chunks, peers, epoch,
+                                  sides[r][0])
 
-        _run(ws, streams, run, monkeypatch, warm=call == 0)
+        _run(ws, streams, run, monkeypatch, ("barrier",) if call == 0 else ())
         for r in range(world if call else 0):
             assert _relerr(outs[r], ref[r * share:(r + 1) * share]) < 1e-2, (call, r)
 
@@ -416,6 +461,7 @@ def test_split_k_kernel(world, m, n, ll):
         launches = [fused_split_k.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg) for r in range(world)]
         _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity))
         torch.cuda.synchronize()
+        _check(ws)
         for r in range(world):
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
 
@@ -423,7 +469,7 @@ def test_split_k_kernel(world, m, n, ll):
 @pytest.mark.parametrize("world", WORLDS)
 def test_fused_all_gather_kernel(world):
     rows, k, n = 256, 512, 776  # each rank's rows
-    cfg = dispatch.gather_tile_config(world * rows, k, n)
+    cfg = tile_all_gather.tile_config(Call("all_gather_mm", world * rows, k, n, DT, world))
     ws = _group(world, fused_all_gather.data_elems(rows, k, world) * DT.itemsize)
     streams = _streams(world)
     for call in range(3):
@@ -432,6 +478,118 @@ def test_fused_all_gather_kernel(world):
                     for r in range(world)]
         _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity))
         torch.cuda.synchronize()
+        _check(ws)
         for r in range(world):
             assert torch.equal(gathered[r], full), (call, r)
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
+
+
+#: About 25 ms of ``torch.cuda._sleep`` at an H200's clock: far longer than the host takes to queue
+#: every rank's calls and the device to run the undelayed ones.
+SLEEP_CYCLES = 50_000_000
+
+
+def _poison_next(stream, shape) -> int:
+    """NaN into the block the next allocation of ``shape`` on ``stream`` gets (the caching
+    allocator hands a freed block back to the next request of its size on its stream); returns
+    the block's address."""
+    with torch.cuda.stream(stream):
+        block = torch.full(shape, float("nan"), device="cuda", dtype=DT)
+    ptr = block.data_ptr()
+    del block
+    return ptr
+
+
+@pytest.mark.parametrize("order", ["kept", "left_out"])
+def test_calls_on_two_streams_per_rank_pair_in_order(order, monkeypatch):
+    """Each of two emulated ranks issues two consecutive all-reduces through a path object
+    (``after_gemm.ONE_SHOT.run``, as the entry runs it) on two different CUDA streams, the first
+    delayed on one rank by a ``torch.cuda._sleep`` queued ahead of it on its stream. Calls pair
+    across ranks by their epochs, taken in host order, and ``Workspace.order`` (entered by
+    ``paths.common.exchange``) starts a call on the device only after its workspace's previous
+    call, as NCCL's one internal stream per group does: every result equals the fp32 reference,
+    in two rounds (the delay on rank 0, then on rank 1), each call on another stream than its
+    workspace's previous one (after a warm-up round, whose first switch of streams waits for the
+    other stream's queue, every switch waits for the event recorded after the previous call).
+
+    ``left_out`` is the control showing the test would fail without it: the delayed rank's
+    ``order`` does nothing, so its second call runs at once. Its GEMM fills the other parity's
+    half and its one-shot signals epoch e + 1 into the flag slots the first call uses; a wait is
+    ``flag >= epoch``, so the peer's first call (epoch e), waiting on those slots, is released and
+    sums the delayed rank's half of parity e % 2, which that rank's first call, still behind the
+    sleep, has not written: a stale half (an earlier call's partial), a wrong sum that is finite
+    and unflagged. The control asserts exactly that wrong sum (two streams of one rank sharing a
+    hardware queue would serialise them and hide it: ``_need_queues``)."""
+    world, m, k, n = 2, 1024, 512, 1024
+    _need_queues(2 * world + 1)
+    ws = _group(world, m * n * DT.itemsize)
+    ranks = [_Rank(w) for w in ws]
+    streams = [(torch.cuda.Stream(), torch.cuda.Stream()) for _ in range(world)]
+    call = Call("mm_all_reduce", m, k, n, DT, world)
+    facts = local_facts(world)
+    kept = []  # every output stays alive: a freed one would be the next call's block
+
+    def issue(r, stream, a, b, delay: int = 0):
+        with torch.cuda.stream(stream):
+            if delay:
+                torch.cuda._sleep(delay)
+            out = after_gemm.ONE_SHOT.run(Context(call, facts, ranks[r]), MmAllReduceArgs(a, b, None, ws[r].group_name))
+        kept.append(out)
+        return out
+
+    def round_of(seed: int, late: int, cycles: int):
+        """Both ranks' two calls (rank 0's queued first, as one host thread issues them), the first
+        on each rank's first stream, ``late``'s delayed by ``cycles``; returns the outputs by
+        (rank, call) and the two references."""
+        first, second = (_operands(world, m, k, n, bias=False, call=seed + i) for i in range(2))
+        poisoned = {(r, i): _poison_next(streams[r][i], (m, n)) for r in range(world) for i in range(2)}
+        for pair in streams:
+            for s in pair:
+                s.wait_stream(torch.cuda.current_stream())  # operands and poison on the main stream
+        outs = {}
+        for r in range(world):
+            outs[r, 0] = issue(r, streams[r][0], first[0][r], first[1][r], cycles if r == late else 0)
+            outs[r, 1] = issue(r, streams[r][1], second[0][r], second[1][r])
+        torch.cuda.synchronize()
+        _check(ws)
+        assert {key: out.data_ptr() for key, out in outs.items()} == poisoned, "an output missed its poisoned block"
+        return outs, (first[3], second[3])
+
+    # each stream's cuBLAS workspace, then every kernel (the sleep, cuBLAS's GEMM, the one-shot) made
+    # or loaded in a warm-up round, rank 0's first, before anything spins (``_run``)
+    a, b, _, _ = _operands(world, m, k, n, bias=False)
+    for pair in streams:
+        for s in pair:
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                kept.append(a[0] @ b[0])
+    torch.cuda.synchronize()
+    warm, refs = round_of(0, 0, 1000)
+    for r in range(world):
+        for i in range(2):
+            assert _relerr(warm[r, i], refs[i]) < 1e-2, ("warm-up", r, i)
+    if order == "left_out":
+        monkeypatch.setattr(ws[0], "order", lambda stream: False)
+        outs, refs = round_of(2, 0, SLEEP_CYCLES)
+        assert torch.isfinite(outs[1, 0]).all() and _relerr(outs[1, 0], refs[0]) > 0.1, \
+            "rank 1's first call summed rank 0's first partial although rank 0's second call ran first"
+        return
+    for late in range(world):
+        outs, refs = round_of(2 + 2 * late, late, SLEEP_CYCLES)
+        for r in range(world):
+            for i in range(2):
+                assert _relerr(outs[r, i], refs[i]) < 1e-2, (late, r, i)
+
+
+def test_local_facts_of_an_h200():
+    """``facts.local_facts``, what the graph pass sizes workspaces with, from an H200 alone: its
+    architecture, SM count and TMA, so the sm_90 rules apply and every symmetric path may run."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if "H200" not in props.name:
+        pytest.skip(f"the facts of an H200 (this GPU: {props.name})")
+    facts = local_facts(2)
+    assert (facts.world, facts.arch, facts.capability, facts.name) == (2, "sm_90", (9, 0), props.name)
+    assert facts.sms == props.multi_processor_count > 0
+    assert facts.tma and not facts.rocm
+    assert facts.unsupported() is None and facts.copy_engines
+    assert rules.table(facts.arch, facts.world, facts.name, facts.sms).label().startswith("sm_90")

@@ -12,32 +12,48 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.kernels import symm
-from commfuse.kernels.sync import check_errors
-from gpu_util import gather_all, poison, relerr
+from commfuse import check_errors
+from commfuse.runtime.paths.ce_all_reduce import CeConfig, chunk_rows
+from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.paths.rs_overlap import RsOverlapConfig
+from gpu_util import decided, gather_all, poison, relerr, run_path, start_over, timed_out
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=["default", "one_shot", "two_shot", "overlap", "ce_overlap", "graph"])
-def algo(request, monkeypatch):
-    if request.param != "default":
-        monkeypatch.setenv("COMMFUSE_ALGO", request.param)
+@pytest.fixture(params=["default", "one_shot", "two_shot", "ce_overlap", "graph"])
+def algo(request, settings):
+    settings(algo=None if request.param == "default" else request.param)
     return request.param
 
 
 @pytest.fixture(params=["torch", "iris"])
-def provider(request, monkeypatch):
-    monkeypatch.setenv("COMMFUSE_SYMM_PROVIDER", request.param)
+def provider(request, settings):
+    settings(symm_provider=request.param)
     return request.param
 
 
 def _copy_engines_with(provider: str, algo: str) -> None:
-    """The copy-engine paths need the torch provider's peer views; under Iris a forced one runs
-    one-shot or the symmetric pull instead (``cuda_paths._ran_instead``), which their own cases
-    cover: such a case would only repeat them under another name."""
+    """The copy-engine paths need the torch provider's peer views; under Iris a forced one cannot
+    take the call and the rules' choice runs instead, which the default cases cover: such a case
+    would only repeat them under another name."""
     if provider == "iris" and algo in ("ce_overlap", "overlap"):
-        pytest.skip(f"{algo} falls back under the iris provider (no peer views); its fallback has its own cases")
+        pytest.skip(f"{algo} cannot run under the iris provider (no peer views); the rules' choice has its own cases")
+
+
+def _ran(op: str, before) -> dict:
+    """The calls of ``op`` per path since ``before`` (a copy of ``PATHS``)."""
+    return {k: v - before.get(k, 0) for k, v in PATHS.items() if k.startswith(op + ":") and v != before.get(k, 0)}
+
+
+def _took(op: str, before, algo: str, *args) -> None:
+    """The call ran one path: the policy's choice under the settings in force, which is the forced
+    path wherever that path takes the call (the copy-engine, one- and two-shot paths take every
+    call here; the graph lane only outputs up to its size, beyond which the rules' choice runs)."""
+    want = decided(op, *args)
+    assert _ran(op, before) == {f"{op}:{want}": 1}
+    if algo not in ("default", "graph"):
+        assert want == algo
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 129, 1000, 4096])
@@ -51,11 +67,13 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
     b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
     c = torch.randn(n, device="cuda", dtype=dtype) if bias else None
     poison()
+    before = PATHS.copy()
     out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
     ref = sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
     if bias:
         ref = ref + sum(t.float() for t in gather_all(c))
     check_errors()
+    _took("mm_all_reduce", before, algo, a, b, c, nccl.group_name)
     assert relerr(out, ref) < 1e-2
 
 
@@ -63,17 +81,19 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
                                                (1, (1, 129, 1003))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ag_algo", ["symm", "overlap"])
-def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkeypatch):
+def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, settings):
     _copy_engines_with(provider, ag_algo)
-    monkeypatch.setenv("COMMFUSE_ALGO", ag_algo)
+    settings(algo=ag_algo)
     torch.manual_seed(7 + dist.get_rank())
     shard = torch.randn(*shape, device="cuda", dtype=dtype)
     torch.manual_seed(7)
     b = torch.randn(shape[-1], 771, device="cuda", dtype=dtype) / shape[-1] ** 0.5
     poison()
+    before = PATHS.copy()
     out, gathered = torch.ops.commfuse.all_gather_mm(shard, b, None, gather_dim, 2, nccl.group_name, True)
     want_gathered = torch.cat(gather_all(shard), dim=gather_dim)
     check_errors()
+    _took("all_gather_mm", before, ag_algo, shard, b, None, gather_dim, 2, nccl.group_name, True)
     assert torch.equal(gathered, want_gathered)
     ref = want_gathered.float().reshape(-1, shape[-1]) @ b.float()
     assert relerr(out, ref) < 1e-2
@@ -83,9 +103,9 @@ def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, monkey
                                                 (0, (8, 3, 771)), (1, (2, 500, 771)), (1, (1, 258, 771))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rs_algo", ["symm", "ce_overlap"])
-def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, monkeypatch):
+def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, settings):
     _copy_engines_with(provider, rs_algo)
-    monkeypatch.setenv("COMMFUSE_ALGO", rs_algo)
+    settings(algo=rs_algo)
     k, n = 1003, shape[-1]
     m = shape[0] * (shape[1] if len(shape) == 3 else 1)
     torch.manual_seed(31 + dist.get_rank())
@@ -93,62 +113,52 @@ def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, m
     b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
     c = torch.randn(n, device="cuda", dtype=dtype)
     poison()
+    before = PATHS.copy()
     out = torch.ops.commfuse.mm_reduce_scatter(a, b, c, list(shape), scatter_dim, 2, nccl.group_name)
     total = sum((x.float() @ y.float() + z.float()).view(shape) for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
     check_errors()
+    _took("mm_reduce_scatter", before, rs_algo, a, b, c, list(shape), scatter_dim, 2, nccl.group_name)
     assert out.shape == total.chunk(2, dim=scatter_dim)[0].shape
     assert relerr(out, total.chunk(2, dim=scatter_dim)[dist.get_rank()]) < 1e-2
 
 
-@pytest.mark.parametrize("key, value", [("COMMFUSE_AG_LOCAL", "copy"), ("COMMFUSE_RS_CHUNKS", "1"),
-                                        ("COMMFUSE_RS_CHUNKS", "4"), ("COMMFUSE_CE_CHUNKS", "3"),
-                                        ("COMMFUSE_CE_STREAMS", "1"), ("COMMFUSE_CE_STREAMS", "2"),
-                                        ("COMMFUSE_CE_STREAMS", "by_rank")])
-def test_overlap_settings_keep_the_results(nccl, provider, key, value, monkeypatch):
-    """The copy-engine overlaps' settings (local source of the all-gather, chunks of the
-    reduce-scatter's shares and of the all-reduce, the all-reduce's side streams, which may differ
-    between ranks: ``by_rank`` gives rank 0 three and the others one) change the schedule, never
-    the result."""
-    _copy_engines_with(provider, "ce_overlap")  # every case forces a copy-engine overlap
-    monkeypatch.setenv(key, value if value != "by_rank" else "3" if dist.get_rank() == 0 else "1")
+@pytest.mark.parametrize("op, given", [("mm_reduce_scatter", 1), ("mm_reduce_scatter", 4), ("mm_all_reduce", 3)])
+def test_overlap_chunks_keep_the_results(nccl, provider, op, given):
+    """The copy-engine overlaps' row chunks, as a sweep passes them in the path's configuration
+    (``RsOverlapConfig``: chunks of the reduce-scatter's shares; ``CeConfig``: the all-reduce's
+    chunks), change the schedule, never the result."""
+    _copy_engines_with(provider, "ce_overlap")  # every case runs a copy-engine overlap
     dtype, k, n = torch.bfloat16, 1003, 776
     torch.manual_seed(53 + dist.get_rank())
     a = torch.randn(2000, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
     c = torch.randn(n, device="cuda", dtype=dtype)
     poison()
-    if key == "COMMFUSE_AG_LOCAL":
-        monkeypatch.setenv("COMMFUSE_ALGO", "overlap")
-        out, gathered = torch.ops.commfuse.all_gather_mm(a, b, c, 0, 2, nccl.group_name, True)
-        want = torch.cat(gather_all(a))
-        ref = want.float() @ b.float() + c.float()
-        check_errors()
-        assert torch.equal(gathered, want)
-    elif key == "COMMFUSE_RS_CHUNKS":
-        monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-        out = torch.ops.commfuse.mm_reduce_scatter(a, b, c, [2000, n], 0, 2, nccl.group_name)
-        ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
+    ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
+    if op == "mm_reduce_scatter":
+        out = run_path(op, "ce_overlap", a, b, c, [2000, n], 0, 2, nccl.group_name,
+                       config=lambda call, facts: RsOverlapConfig(given))
         ref = ref.chunk(2)[dist.get_rank()]
-    else:
-        monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
-        out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
-        ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(gather_all(a), gather_all(b), gather_all(c)))
+    else:  # run eagerly: the CUDA-graph form has its own test below
+        out = run_path(op, "ce_overlap", a, b, c, nccl.group_name,
+                       config=lambda call, facts: CeConfig(chunk_rows(call.m, given), graphs=False))
     check_errors()
     assert relerr(out, ref) < 1e-2
-    if key.startswith("COMMFUSE_CE_"):  # an all-reduce: every rank holds the same bits
+    if op == "mm_all_reduce":  # an all-reduce: every rank holds the same bits
         same = out.clone()
         dist.broadcast(same, 0)
         assert torch.equal(same, out)
 
 
-def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
+def test_copy_engine_calls_replay_as_cuda_graphs(nccl):
     """Copy-engine all-reduces whose operands stay put (refilled in place, as a model's steps
     allocate alike) run eagerly, are captured, then replay their CUDA graphs (``ce_graphs.py``),
     every one right against fp32 on fresh data, the previous output poisoned in place (the next
     call's output takes its block) and every rank holding the same bits. One-shot calls of another
     size (host epochs) run between them; rank 1 turns graphs off for two calls, so a replay on one
     rank meets eager calls on the other."""
-    from commfuse.kernels import ce_graphs
+    from commfuse import env
+    from commfuse.runtime import ce_graphs
 
     m, k, n, calls = 4096, 512, 1024, 10
     rank = dist.get_rank()
@@ -170,14 +180,13 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl, monkeypatch):
         if out is not None:
             out.fill_(float("nan"))
             del out
-        monkeypatch.setenv("COMMFUSE_CE_GRAPHS", "0" if rank == 1 and i in (6, 7) else "1")
-        monkeypatch.setenv("COMMFUSE_ALGO", "ce_overlap")
         counted = dict(ce_graphs.COUNTS)
-        out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
+        with env.override(algo="ce_overlap", ce_graphs=not (rank == 1 and i in (6, 7))):
+            out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
         hows.append([how for how in counted if ce_graphs.COUNTS[how] > counted[how]])
         saved[i].copy_(out)
-        monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
-        saved_small[i].copy_(torch.ops.commfuse.mm_all_reduce(small[i], w, None, nccl.group_name))
+        with env.override(algo="one_shot"):
+            saved_small[i].copy_(torch.ops.commfuse.mm_all_reduce(small[i], w, None, nccl.group_name))
     check_errors()
     for i in range(calls):
         ref = sum(x.float() @ y.float() + z.float() for x, y, z in zip(*(gather_all(t) for t in inputs[i])))
@@ -235,10 +244,11 @@ def test_back_to_back_mixed_shapes(nccl):
     check_errors()
 
 
-def test_skipped_call_times_out_with_a_clear_error(nccl, monkeypatch):
-    """Rank 1 skips a call: rank 0 raises naming itself and the peer, instead of hanging."""
-    monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "1")
-    monkeypatch.setenv("COMMFUSE_ALGO", "one_shot")
+def test_skipped_call_times_out_with_a_clear_error(nccl, settings):
+    """Rank 1 skips a call: rank 0 raises naming the group, itself and the peer, instead of
+    hanging."""
+    settings(timeout_s=1, algo="one_shot")
+    start_over()  # a workspace allocated now waits at most 1 s
     a = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)  # both ranks: creates the workspace
@@ -246,13 +256,12 @@ def test_skipped_call_times_out_with_a_clear_error(nccl, monkeypatch):
     dist.barrier()
     if dist.get_rank() == 0:
         torch.ops.commfuse.mm_all_reduce(a, b, None, nccl.group_name)
-        with pytest.raises(RuntimeError, match=r"mm_all_reduce: rank 0 timed out after 1 s waiting for rank 1"):
+        with pytest.raises(RuntimeError, match=timed_out("mm_all_reduce", nccl.group_name)):
             check_errors()
-    dist.barrier()
-    symm.release_all()  # epochs now differ between ranks: start over with fresh workspaces
+    start_over()  # epochs now differ between ranks: fresh workspaces (with the default bound)
 
 
-def test_repeated_calls_launch_directly_and_stay_correct(nccl, monkeypatch):
+def test_repeated_calls_launch_directly_and_stay_correct(nccl, settings):
     """The second and later launches of a specialisation go through ``kernels/launch.py``'s
     direct path (nothing turned it off), with every result still right: the fused kernel and
     the one-shot exchange, each called three times on fresh data; the fused kernel's later calls
@@ -261,7 +270,7 @@ def test_repeated_calls_launch_directly_and_stay_correct(nccl, monkeypatch):
 
     direct = launch.BOUND_DIRECT
     for algo in ("fused", "one_shot"):
-        monkeypatch.setenv("COMMFUSE_ALGO", algo)
+        settings(algo=algo)
         for i in range(3):
             torch.manual_seed(100 * dist.get_rank() + i)
             a = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commfuse.kernels import symm
-from commfuse.kernels.sync import check_errors
+import commfuse
+from commfuse import check_errors, env
+from commfuse.runtime import groups
 from gpu_util import gather_all, relerr
 
 pytestmark = pytest.mark.gpu
@@ -21,23 +22,27 @@ SHAPES = [(16, 1024, 1024), (300, 1000, 2000), (4096, 1024, 1024), (1024, 512, 4
 
 
 def _call(op: str, algo: str, m: int, k: int, n: int, group_name: str):
-    """One call and a function computing its fp32 reference (from every rank's inputs)."""
-    os.environ["COMMFUSE_ALGO"] = algo
+    """One call (``algo``: the path forced, "" for the rules' choice) and a function computing its
+    fp32 reference (from every rank's inputs)."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    if op == "mm_all_reduce":
-        out = torch.ops.commfuse.mm_all_reduce(a, b, None, group_name)
-        return out, lambda: sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
-    if op == "all_gather_mm":
-        out, _ = torch.ops.commfuse.all_gather_mm(a, b, None, 0, 2, group_name, False)
-        return out, lambda: torch.cat(gather_all(a)).float() @ b.float()
-    out = torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, 2, group_name)
+    with env.override(algo=algo or None):
+        if op == "mm_all_reduce":
+            out = torch.ops.commfuse.mm_all_reduce(a, b, None, group_name)
+            return out, lambda: sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b)))
+        if op == "all_gather_mm":
+            out, _ = torch.ops.commfuse.all_gather_mm(a, b, None, 0, 2, group_name, False)
+            return out, lambda: torch.cat(gather_all(a)).float() @ b.float()
+        out = torch.ops.commfuse.mm_reduce_scatter(a, b, None, [m, n], 0, 2, group_name)
     return out, lambda: sum(x.float() @ y.float() for x, y in zip(gather_all(a), gather_all(b))
                             ).chunk(2)[dist.get_rank()]
 
 
-def test_ten_thousand_mixed_calls_no_corruption_no_memory_growth(nccl, monkeypatch):
-    monkeypatch.setenv("COMMFUSE_ALGO", "")  # restored after the test; _call sets it per call
+def _data_bytes() -> dict:
+    return {(g.name, g.provider): g.workspace.data_bytes for g in groups.all_groups() if g.workspace is not None}
+
+
+def test_ten_thousand_mixed_calls_no_corruption_no_memory_growth(nccl):
     calls = [("mm_all_reduce", "fused"), ("mm_all_reduce", "one_shot"), ("mm_all_reduce", ""),
              ("mm_all_reduce", "split_k"),
              ("all_gather_mm", ""), ("mm_reduce_scatter", "")]
@@ -51,8 +56,7 @@ def test_ten_thousand_mixed_calls_no_corruption_no_memory_growth(nccl, monkeypat
         out, reference = _call(op, algo, m, k, n, nccl.group_name)
         if i == 500:  # every shape and path has run: workspaces and caches are at full size
             torch.cuda.synchronize()
-            baseline = (torch.cuda.memory_allocated(),
-                        {key: ws.data_bytes for key, ws in symm._workspaces.items()})
+            baseline = (torch.cuda.memory_allocated(), _data_bytes())
         if i % 500 == 499:
             check_errors()
             assert relerr(out, reference()) < 1e-2, f"call {i}: {op} {algo or 'default'} {m}x{k}x{n}"
@@ -62,12 +66,13 @@ def test_ten_thousand_mixed_calls_no_corruption_no_memory_growth(nccl, monkeypat
     check_errors()
     grown = torch.cuda.memory_allocated() - baseline[0]
     assert grown < 16 << 20, f"allocated memory grew by {grown} bytes over 9,500 calls"
-    assert {key: ws.data_bytes for key, ws in symm._workspaces.items()} == baseline[1]  # no regrowth
+    assert _data_bytes() == baseline[1]  # no regrowth
 
 
 def _timeout_then_teardown(rank: int, init_file: str, result_file: str) -> None:
     os.environ["COMMFUSE_TIMEOUT_S"] = "1"
     os.environ["COMMFUSE_ALGO"] = "fused"
+    env.reload()  # (importing this module may have read the settings already)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank))
@@ -86,7 +91,7 @@ def _timeout_then_teardown(rank: int, init_file: str, result_file: str) -> None:
             failed = True
     dist.barrier()
     start = time.time()
-    symm.release_all()
+    commfuse.release_all()
     dist.destroy_process_group()
     with open(f"{result_file}.{rank}", "w") as f:
         f.write(f"{int(failed)} {time.time() - start:.1f}")
