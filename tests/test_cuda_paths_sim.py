@@ -549,8 +549,16 @@ def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
     """A chunk of a larger partial (the copy-engine tail) may start off a 16-byte boundary: the
     one-shot kernel's loads must then not be vectorised (a misaligned load faults)."""
     seen = []
-    monkeypatch.setattr(exchange, "run_kernel", lambda kernel, grid, *a, **kw: seen.append(kw["VEC"]))
-    monkeypatch.setattr(exchange, "_common", lambda ws, epoch: {})
+
+    class Launch:  # the kept launch: what it was made with
+        def __init__(self, kernel, grid, changing, **fixed):
+            seen.append(fixed["VEC"])
+
+        def __call__(self, **changes):
+            pass
+
+    monkeypatch.setattr(exchange, "Bound", Launch)
+    monkeypatch.setattr(exchange, "_common", lambda ws, epoch: {"epoch": epoch})
     ws = _Buffers(0, 2).mine
     data = ws.data(0, (64,), torch.bfloat16)
     out = torch.empty(64, dtype=torch.bfloat16)

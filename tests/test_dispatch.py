@@ -504,12 +504,15 @@ def test_workspace_allocation_runs_off_the_callers_thread(fake_allocation, monke
     with env.override(timeout_s=2.5):
         g = group()
         ws = groups.workspace(g, 1024, cpu)
-    lane = groups.lane(g)
+        lane = groups.lane(g)
+        bounds = (ws.timeout_ns, lane.timeout_ns)
+    assert bounds == (2_500_000_000, 2_500_000_000)  # the bound in force
+    assert (ws.timeout_ns, lane.timeout_ns) == (600 * 10**9, 600 * 10**9)  # a changed setting reaches them
     assert len(threads) == 2 and threading.get_ident() not in threads  # workspace, then lane
     for holder, buf, ptrs in ((ws, buffers[0], [1000, 1001]), (lane, buffers[1], [2000, 2001])):
         assert holder.heap_bases.tolist() == ptrs
         assert holder.heap_bases.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-        assert holder.err is g.err and holder.timeout_ns == 2_500_000_000  # the group's word, the bound
+        assert holder.err is g.err  # the group's word
     assert lane.counter.untyped_storage().data_ptr() == buffers[1].untyped_storage().data_ptr()
     assert lane.counter.eq(0).all() and lane.counter.numel() == wsmod.GRAPH_SLOTS
     assert (ws.data_bytes, ws.max_programs, lane.data_bytes) == (4096, 78, 1 << 16)

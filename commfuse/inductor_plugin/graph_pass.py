@@ -185,37 +185,6 @@ def _why_no_candidates(graph: fx.Graph) -> str:
     return why
 
 
-def _mm_all_reduce_bytes(node: fx.Node):
-    a, b = val(node.args[0]), val(node.args[1])
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    if not all(isinstance(x, int) for x in (m, k, n)):
-        return None  # symbolic: the workspace grows on first use
-    from ..kernels import dispatch
-
-    return dispatch.all_reduce_workspace_bytes(m, k, n, a.dtype, _resolve_process_group(node.args[3]).size())
-
-
-def _all_gather_mm_bytes(node: fx.Node):
-    shard, b = val(node.args[0]), val(node.args[1])
-    k, n, world = shard.shape[-1], b.shape[1], node.args[4]
-    rows = math.prod(shard.shape[:-1]) * world
-    if not all(isinstance(x, int) for x in (rows, k, n)):
-        return None  # symbolic: the workspace grows on first use
-    from ..kernels import dispatch
-
-    return dispatch.gather_workspace_bytes(rows, k, n, shard.dtype, world, dispatch.rows_dim(shard.shape, node.args[3]))
-
-
-def _mm_reduce_scatter_bytes(node: fx.Node):
-    a, b = val(node.args[0]), val(node.args[1])
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    if not all(isinstance(x, int) for x in (m, k, n)):
-        return None  # symbolic: the workspace grows on first use
-    from ..kernels import dispatch
-
-    return dispatch.scatter_workspace_bytes(m, k, n, a.dtype, node.args[5], dispatch.rows_dim(node.args[3], node.args[4]))
-
-
 def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     """Per process group, the symmetric bytes (per parity) the graph's largest fused op needs, as
     the paths the group's GPU would choose say (``runtime.policy``), from this rank's GPU's facts:

@@ -282,15 +282,25 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int | None, 
         grid = (_programs(ws, n, block, max_programs),)
         if (slot_base + grid[0]) * ws.world > ws.flags.numel():
             raise RuntimeError("commfuse: not enough flag slots for this launch")
-        run_kernel(one_shot_kernel, grid, partial, out, n, slot_base, **_common(ws, 0 if device else epoch),
-                   epoch_at=_epoch_at(ws, device), OP=op_code, WORLD=ws.world, BLOCK=block,
-                   VEC=int(partial.data_ptr() % 16 == 0), DEVICE_EPOCH=device, num_warps=num_warps)
+        vec = int(partial.data_ptr() % 16 == 0)
+        # kept per workspace and launch shape: later calls put only what changes into the launch
+        fixed = _common(ws, 0)
+        del fixed["epoch"]
+        bound = ws.kept(("one_shot", grid, op_code, block, vec, device, num_warps, ws.err.data_ptr(), ws.timeout_ns),
+                        lambda: Bound(one_shot_kernel, grid, ("partial", "out", "n", "slot_base", "epoch"), **fixed,
+                                      epoch_at=_epoch_at(ws, device), OP=op_code, WORLD=ws.world, BLOCK=block,
+                                      VEC=vec, DEVICE_EPOCH=device, num_warps=num_warps))
+        bound(partial=partial, out=out, n=n, slot_base=slot_base, epoch=0 if device else epoch)
     elif algo == "two_shot":
         share = tiles.cdiv(tiles.cdiv(n, ws.world), block) * block
         # two phases, one flag slot per program per rank each
         grid = (_programs(ws, share, block, min(max_programs, ws.flags.numel() // (2 * ws.world))),)
-        run_kernel(two_shot_kernel, grid, partial, out, n, share, **_common(ws, epoch), OP=op_code,
-                   WORLD=ws.world, BLOCK=block, num_warps=num_warps)
+        fixed = _common(ws, 0)
+        del fixed["epoch"]
+        bound = ws.kept(("two_shot", grid, op_code, block, num_warps, ws.err.data_ptr(), ws.timeout_ns),
+                        lambda: Bound(two_shot_kernel, grid, ("partial", "out", "n", "share", "epoch"), **fixed,
+                                      OP=op_code, WORLD=ws.world, BLOCK=block, num_warps=num_warps))
+        bound(partial=partial, out=out, n=n, share=share, epoch=epoch)
     else:
         raise ValueError(f"commfuse: unknown all-reduce algorithm {algo!r}")
 

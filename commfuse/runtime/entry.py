@@ -54,11 +54,18 @@ decisions: collections.OrderedDict = collections.OrderedDict()
 
 
 def forget() -> None:
-    """Drop every kept plan and tuner (the settings changed, or tests)."""
+    """Drop every kept plan and tuner (the settings changed, or tests); the groups' buffers take
+    the wait bound in force."""
     _plans.clear()
     tuning.forget()
     groups.bump()
-    launch.configure(env.current().fast_launch)
+    settings = env.current()
+    launch.configure(settings.fast_launch)
+    bound = int(settings.timeout_s * 1e9)
+    for group in groups.all_groups():
+        for buf in (group.workspace, group.lane):
+            if buf is not None and group.tuning_timeout_ns is None:
+                buf.timeout_ns = bound
 
 
 env.on_change(forget)

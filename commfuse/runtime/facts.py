@@ -140,8 +140,8 @@ def agree(group, device: torch.device, provider: str, lane_bytes: int) -> GroupF
     world = group.size()
     arch, name, sms, rocm = local_arch(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    mine = torch.tensor([_host_id(), index, _arch_code(arch), _arch_code(name), sms, int(rocm), lane_bytes],
-                        dtype=torch.int64, device=device)
+    mine = torch.tensor([_host_id(), index, _arch_code(arch), _arch_code(name), sms, int(rocm), lane_bytes,
+                         int(_tensor_descriptors())], dtype=torch.int64, device=device)
     every = torch.empty((world, mine.numel()), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     rows = every.tolist()
@@ -166,6 +166,6 @@ def agree(group, device: torch.device, provider: str, lane_bytes: int) -> GroupF
         one_host=len(hosts) == 1,
         rocm=any(r[5] for r in rows),
         provider=provider,
-        tensor_descriptors=_tensor_descriptors(),
+        tensor_descriptors=all(r[7] for r in rows),  # every rank's Triton can build the tile kernels
         lane_bytes=lane_bytes,
     )
