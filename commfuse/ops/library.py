@@ -75,7 +75,18 @@ def _group_size(op: str, group_name: str) -> int:
         raise RuntimeError(f"commfuse.{op}: cannot resolve process group {group_name!r}: {exc}") from exc
 
 
-@torch.library.custom_op("commfuse::mm_all_reduce", mutates_args=())
+#: The ops' library. Defined at this level (schema, then a kernel per dispatch key), not through
+#: ``torch.library.custom_op``: its Python wrappers (autograd, output checks, a dynamo guard) cost
+#: about 10 µs a call, which a decode step pays per layer. The ops have no autograd formula: they
+#: run inside compiled graphs, whose backward is a graph of its own.
+_LIB = torch.library.Library("commfuse", "DEF")
+_LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name) -> Tensor")
+_LIB.define("all_gather_mm(Tensor shard, Tensor b, Tensor? bias, int gather_dim, int world_size, str group_name, "
+            "bool return_gathered) -> (Tensor, Tensor)")
+_LIB.define("mm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int[] shape, int scatter_dim, int world_size, "
+            "str group_name) -> Tensor")
+
+
 def mm_all_reduce(
     a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str
 ) -> torch.Tensor:
@@ -89,8 +100,7 @@ def mm_all_reduce(
                                    lambda: reference.mm_all_reduce(a, b, bias, group_name))
 
 
-@mm_all_reduce.register_kernel("cuda")
-def _(a, b, bias, group_name):
+def _mm_all_reduce_cuda(a, b, bias, group_name):
     _validate_mm_all_reduce(a, b, bias, group_name)
     return _entry().mm_all_reduce(a, b, bias, group_name)
 
@@ -115,7 +125,7 @@ def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
     CALL_COUNTS["mm_all_reduce"] += 1
 
 
-@mm_all_reduce.register_fake
+@torch.library.register_fake("commfuse::mm_all_reduce")
 def _(a, b, bias, group_name):
     _check_matmul_args("mm_all_reduce", a, b, bias)
     return a.new_empty((a.shape[0], b.shape[1]))
@@ -134,7 +144,6 @@ def _check_gather_args(shard: torch.Tensor, b: torch.Tensor, gather_dim: int, wo
     torch._check(b.dim() == 2 and shard.shape[-1] == b.shape[0], lambda: f"commfuse.all_gather_mm: shard {tuple(shard.shape)} does not multiply b {tuple(b.shape)}")
 
 
-@torch.library.custom_op("commfuse::all_gather_mm", mutates_args=())
 def all_gather_mm(
     shard: torch.Tensor,
     b: torch.Tensor,
@@ -158,8 +167,7 @@ def all_gather_mm(
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
-@all_gather_mm.register_kernel("cuda")
-def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
+def _all_gather_mm_cuda(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     out, gathered = _entry().all_gather_mm(shard, b, bias, gather_dim, world_size, group_name,
                                            return_gathered=return_gathered)
@@ -186,7 +194,7 @@ def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) 
     CALL_COUNTS["all_gather_mm"] += 1
 
 
-@all_gather_mm.register_fake
+@torch.library.register_fake("commfuse::all_gather_mm")
 def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
     _check_gather_args(shard, b, gather_dim, world_size)
     shape = _gathered_shape(shard, gather_dim, world_size)
@@ -220,7 +228,6 @@ def _scattered_shape(shape, scatter_dim: int, world_size: int, numel) -> list:
     return out
 
 
-@torch.library.custom_op("commfuse::mm_reduce_scatter", mutates_args=())
 def mm_reduce_scatter(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -239,8 +246,7 @@ def mm_reduce_scatter(
         lambda: reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name), world_size)
 
 
-@mm_reduce_scatter.register_kernel("cuda")
-def _(a, b, bias, shape, scatter_dim, world_size, group_name):
+def _mm_reduce_scatter_cuda(a, b, bias, shape, scatter_dim, world_size, group_name):
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
     return _entry().mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
 
@@ -255,8 +261,15 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
     CALL_COUNTS["mm_reduce_scatter"] += 1
 
 
-@mm_reduce_scatter.register_fake
+@torch.library.register_fake("commfuse::mm_reduce_scatter")
 def _(a, b, bias, shape, scatter_dim, world_size, group_name):
     _check_matmul_args("mm_reduce_scatter", a, b, bias)
     _check_scatter_args(a, b, shape, scatter_dim, world_size)
     return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]))
+
+
+for _name, _generic, _cuda in (("mm_all_reduce", mm_all_reduce, _mm_all_reduce_cuda),
+                               ("all_gather_mm", all_gather_mm, _all_gather_mm_cuda),
+                               ("mm_reduce_scatter", mm_reduce_scatter, _mm_reduce_scatter_cuda)):
+    _LIB.impl(_name, _generic, "CompositeExplicitAutograd")  # any device: the unfused computation
+    _LIB.impl(_name, _cuda, "CUDA")
