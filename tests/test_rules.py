@@ -175,3 +175,15 @@ def test_registry_names_match_what_commfuse_algo_takes():
     from commfuse import env
 
     assert set(names()) == set(env.ALGOS)
+
+
+def test_tuning_plans_the_workspace_of_every_candidate_at_the_bucket_top():
+    """With tuning at first use, the graph pass plans what the largest candidate of the call's M
+    bucket needs, so tuning new buckets does not grow the workspace mid-run."""
+    facts = GroupFacts.simulated(2)
+    call = _call("mm_all_reduce", 3000, 4096, 8192)
+    plain = policy.workspace_bytes(call, facts)
+    tuned = policy.workspace_bytes(call, facts, tuning=True)
+    top = _call("mm_all_reduce", 4096, 4096, 8192)
+    assert tuned == max(p.workspace_bytes(top) for p in policy.candidates(top, facts)) and tuned >= plain
+    assert tuned > plain  # the fused kernel's slabs at 4096 rows exceed the one-shot's 3000-row partial

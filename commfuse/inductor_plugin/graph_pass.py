@@ -191,7 +191,8 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
     the allocation agrees on the largest request of every rank itself.
     """
     need: dict[str, int] = {}
-    forced, provider = env.current().algo, env.current().symm_provider
+    settings = env.current()
+    forced, provider, tuning = settings.algo, settings.symm_provider, settings.tune == "first-use"
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _FUSED_OPS:
             continue
@@ -199,7 +200,8 @@ def workspace_plan(graph: fx.Graph) -> dict[str, int]:
         if call is None:
             continue
         group = node.args[_GROUP_ARG[node.target]]
-        nbytes = policy.workspace_bytes(call, local_facts(call.world, provider=provider), forced=forced)
+        nbytes = policy.workspace_bytes(call, local_facts(call.world, provider=provider), forced=forced,
+                                        tuning=tuning)
         need[group] = max(need.get(group, 0), nbytes)
     return need
 

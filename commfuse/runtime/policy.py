@@ -144,6 +144,12 @@ def candidates(call: Call, facts: GroupFacts, capturing: bool = False) -> list[P
             if (not capturing or p.capture) and p.supports(call, facts) is None]
 
 
-def workspace_bytes(call: Call, facts: GroupFacts, forced: str | None = None) -> int:
-    """Per-parity symmetric bytes the path ``call`` takes needs (what the graph pass plans)."""
-    return choose(call, facts, forced=forced, quiet=True).path.workspace_bytes(call)
+def workspace_bytes(call: Call, facts: GroupFacts, forced: str | None = None, tuning: bool = False) -> int:
+    """Per-parity symmetric bytes the path ``call`` takes needs (what the graph pass plans). With
+    ``tuning`` (signatures tuned at their first use), the most any candidate needs at the largest M
+    of the call's bucket, which the tuner times: the workspace then need not grow mid-run."""
+    need = choose(call, facts, forced=forced, quiet=True).path.workspace_bytes(call)
+    if tuning:
+        top = dataclasses.replace(call, m=1 << max(0, call.m - 1).bit_length())
+        need = max([need] + [p.workspace_bytes(top) for p in candidates(top, facts)])
+    return need
