@@ -8,9 +8,9 @@ import sys
 
 #: command: (module, one line for the help)
 COMMANDS = {
-    "explain": ("commfuse.explain", "show which matmul/collective pairs of a TP model fuse, and why the others "
+    "explain": ("commfuse.tools.explain", "show which matmul/collective pairs of a TP model fuse, and why the others "
                 "do not (CPU, one process)"),
-    "bench": ("commfuse.bench", "time the ops against unfused cuBLAS + NCCL (bench ops: CUDA GPUs, under "
+    "bench": ("commfuse.tools.bench", "time the ops against unfused cuBLAS + NCCL (bench ops: CUDA GPUs, under "
               "torchrun) or a TP model per backend (bench model: under torchrun, GPUs or CPU ranks)"),
 }
 

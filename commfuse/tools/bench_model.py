@@ -1,4 +1,4 @@
-"""``torchrun --nproc_per_node=N -m commfuse.bench model``: the bundled Llama-style stack, split for
+"""``torchrun --nproc_per_node=N -m commfuse bench model``: the bundled Llama-style stack, split for
 tensor parallelism three ways (DTensor, sequence-parallel DTensor, gpt-fast-style hooks), and
 transformers' ``LlamaForCausalLM`` split by its own TP plan (``hf``: prefill and train only, token ids
 in, logits out; needs transformers), timed in one run per (model, mode) for every backend:
@@ -20,7 +20,7 @@ Inductor, the share of Inductor's communication time commfuse hides,
 off and its ratio to Inductor's, the fused-match count, and commfuse's error against eager (or
 against Inductor where eager is not run). ``--call-times STEPS`` (GPUs): every commfuse call's
 GPU time inside the step, timed by CUDA events over STEPS more steps, against the same call
-alone on fresh operands (``commfuse.kernels.call_times``): where a step loses time inside the
+alone on fresh operands (``tools/call_times.py``): where a step loses time inside the
 model that the op benchmark does not show.
 """
 
@@ -60,7 +60,8 @@ def _build(kind: str, cfg, device, dtype):
 def _compile(backend: str, model, cudagraphs: bool = False):
     """``cudagraphs``: Inductor's ``mode="reduce-overhead"`` for every compiled backend."""
     import commfuse
-    from commfuse.inductor_plugin.floor import make_floor_backend
+
+    from .floor import make_floor_backend
 
     mode = "reduce-overhead" if cudagraphs else None
     if backend == "eager":
@@ -129,8 +130,9 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
     every step on every rank made that key's calls equally often (else none). Also returns the
     median host time to enqueue a step (before its synchronisation, with the timing on; the
     larger over ranks) in ms: near the step's time, the host sets the pace."""
-    from commfuse.bench import settings, time_us
-    from commfuse.kernels import call_times
+    from commfuse import env
+
+    from . import call_times, timing
 
     call_times.collect()  # nothing recorded earlier counts
     call_times.record(True)
@@ -177,8 +179,8 @@ def call_times_case(step, device, dtype, steps: int) -> tuple[list[dict], float]
             b = torch.randn(b_shape[::-1] if b_transposed else b_shape, device=device, dtype=dtype)
             b = (b.t() if b_transposed else b) / a_shape[-1] ** 0.5
             group = dist.group.WORLD.group_name
-            with settings({"COMMFUSE_ALGO": path}):
-                row["alone_us"] = time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group))
+            with env.override(algo=path):
+                row["alone_us"] = timing.time_us(lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, group))
         rows.append(row)
     return rows, _max_over_ranks(statistics.median(enqueue), device)
 
@@ -243,7 +245,7 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
         if decode:
             model.setup_cache(batch, context + iters + WARMUP + 16, device, dtype)
             pos = torch.tensor([context], device=device)
-        base, _, algo = backend.partition("@")  # "commfuse@one_shot": a forced path (COMMFUSE_ALGO)
+        base, _, algo = backend.partition("@")  # "commfuse@one_shot": a forced path (``_with_algo``)
         compiled = _compile(base, model, cudagraphs=graphs)
         # foreach=False: the DTensor split mixes DTensor and plain (norm) parameters
         opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False) if mode == "train" else None
@@ -317,25 +319,46 @@ CPU_NOTE = "unfused computation: no fusion runs on the CPU"
 
 def header(device, world: int) -> str:
     """The run's first line (rank 0, stderr)."""
-    line = f"commfuse.bench model: {world} ranks, {device.type}"
+    line = f"commfuse bench model: {world} ranks, {device.type}"
     if device.type != "cuda":
         line += (". On the CPU the commfuse ops run the unfused computation (no fusion runs on the CPU): "
                  "the timings compare Inductor with that, not with fusion")
     return line
 
 
+def settings_of(algo: str) -> dict:
+    """The settings a backend's ``@`` suffix asks for: ``+``-joined items, each a path forced as
+    ``COMMFUSE_ALGO`` would (``commfuse@one_shot``) or a setting ``KEY=VALUE`` of
+    ``COMMFUSE_KEY`` (``commfuse@MERGE_SUMS=0+FAST_LAUNCH=0``), as ``env.override`` fields.
+    Raises ``ValueError`` naming an item that is no setting (or no longer one)."""
+    from commfuse import env
+
+    values = {}
+    for item in filter(None, algo.split("+")):
+        key, _, value = item.partition("=") if "=" in item else ("ALGO", "", item)
+        name = f"{env.PREFIX}{key.upper()}"
+        if name in env.REMOVED:
+            raise ValueError(f"commfuse bench model: {item!r}: {name} no longer exists: {env.REMOVED[name]}")
+        if name not in {s.name for s in env.SETTINGS}:
+            raise ValueError(f"commfuse bench model: {item!r} is neither a path nor a commfuse setting")
+        values[key.lower()] = value
+    with env.override(**values):  # parsed as the environment's value would be: a bad one raises here
+        pass
+    return values
+
+
 def _with_algo(algo: str, step):
-    """``algo``: ``+``-joined items, each a path for ``COMMFUSE_ALGO`` or a setting ``KEY=VALUE``
-    for ``COMMFUSE_KEY`` (``commfuse@ce_overlap+CE_CHUNKS=4``), set around every call of ``step``."""
+    """``step`` with the settings ``settings_of(algo)`` in force around every call. Entering and
+    leaving them drops the plans the run-time kept per call signature, so each such step decides
+    its calls' paths anew (host time the default backend's steps do not pay)."""
     if not algo:
         return step
-    from commfuse.bench import settings
+    from commfuse import env
 
-    pairs = [item.split("=", 1) if "=" in item else ("ALGO", item) for item in algo.split("+")]
-    values = {f"COMMFUSE_{key.upper()}": value for key, value in pairs}
+    values = settings_of(algo)
 
     def forced():
-        with settings(values):
+        with env.override(**values):
             return step()
 
     return forced
@@ -498,6 +521,16 @@ def _write(path: str | None, records: list) -> None:
 def main(args) -> int:
     from commfuse.demo import transformer as demo
 
+    backends = [b for b in args.backends.split(",") if b]
+    for backend in backends:  # a misspelt setting fails now, not after the other backends compiled
+        base, _, algo = backend.partition("@")
+        if base not in BACKENDS:
+            raise SystemExit(f"commfuse bench model: unknown backend {base!r}: choose from {', '.join(BACKENDS)}")
+        try:
+            settings_of(algo)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+
     # Cold compiles for every backend: comparable compile times, and commfuse's pass really runs
     # (a cache hit would skip it and leave the fused count empty).
     torch._inductor.config.fx_graph_cache = False
@@ -511,7 +544,6 @@ def main(args) -> int:
     if dist.get_rank() == 0:
         print(header(device, dist.get_world_size()), file=sys.stderr, flush=True)
     cfg = demo.sized_config(args.small or not cuda, args.layers, dist.get_world_size())
-    backends = [b for b in args.backends.split(",") if b]
     records = []
     for kind in args.models.split(","):
         for mode in args.modes.split(","):
@@ -545,7 +577,7 @@ def main(args) -> int:
         # then hung until killed (model/cg_7df2006.log, cg_5b4db3f.log). Every rank is past its
         # last collective: leave without the group's teardown.
         if dist.get_rank() == 0:
-            print("commfuse.bench model: exiting without destroy_process_group() after CUDA-graph "
+            print("commfuse bench model: exiting without destroy_process_group() after CUDA-graph "
                   "runs (pytorch/pytorch#115388)", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
         dist.barrier()
