@@ -1,5 +1,5 @@
-"""The benchmarks' reports (tables, geomeans, fastest backend) from records, and the model benchmark on
-CPU ranks, without a GPU."""
+"""The benchmarks' reports (tables, geomeans, fastest backend) from records, the model benchmark on
+CPU ranks, and every maintained benchmark script's ``--help``, without a GPU."""
 
 from __future__ import annotations
 
@@ -166,6 +166,43 @@ def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
     assert sorted(labels.values()) == ["dtensor prefill (bbb)", "hooks decode_cg_b4 (bbb)"]
 
 
+def test_every_maintained_benchmark_answers_help_on_the_cpu():
+    """Each script in benchmarks/ (they run under torchrun on GPUs) imports on the CPU and
+    describes its options: one interpreter runs every Python script's ``--help``, and the device
+    script prints its stages."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = {"path_sweep.py": ("--rules", "--rounds", "--tilings", "--only"), "kernel_compile.py": ("--configs",),
+               "trace.py": ("--ops", "--pushers"), "host_time.py": ("--batches",)}
+    assert sorted(p.name for p in (root / "benchmarks").glob("*.py")) == sorted(scripts)
+    probe = ("import contextlib, io, runpy, sys\n"
+             "for script in sys.argv[1:]:\n"
+             "    sys.argv = [script, '--help']\n"
+             "    out = io.StringIO()\n"
+             "    try:\n"
+             "        with contextlib.redirect_stdout(out):\n"
+             "            runpy.run_path(script, run_name='__main__')\n"
+             "    except SystemExit as exc:\n"
+             "        assert exc.code in (0, None), (script, exc.code)\n"
+             "    print('=== ' + script)\n"
+             "    print(out.getvalue())\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *(str(root / "benchmarks" / s) for s in scripts)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    helps = dict(part.split("\n", 1) for part in proc.stdout.split("=== ")[1:])
+    for script, options in scripts.items():
+        text = helps[str(root / "benchmarks" / script)]
+        assert text.startswith("usage:"), (script, text[:200])
+        for option in options:
+            assert option in text, (script, option)
+    device = subprocess.run(["bash", str(root / "benchmarks" / "device_h200x2.sh"), "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=root)
+    assert device.returncode == 0 and "stages:" in device.stdout, device.stdout + device.stderr
+
+
 def test_model_backend_settings_hold_during_each_step_only():
     """``commfuse@...`` backends: a forced path and settings, in force inside each step only; a
     setting that no longer exists (a sweep knob) or none at all is an error naming it."""
@@ -322,3 +359,44 @@ def test_a_cpu_run_says_it_times_the_unfused_computation():
     assert gpu["hidden_share"] == 0.5 and "hides 50%" in bench_model._line(gpu)
     assert "CPU" not in bench_model._line(gpu) and "CPU" not in bench_model.header(torch.device("cuda"), 2)
 
+
+def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
+    """``path_sweep.py --rules``: per op one rule per swept shape naming the winner's path (a
+    winning configuration said in the note), each citing the sweep's file, then NCCL; what the
+    sweep did not time carried from the table in force; the result parses as the run-time's data
+    and decides the swept shapes as measured."""
+    import runpy
+    from pathlib import Path
+
+    from commfuse.runtime import policy, rules
+    from commfuse.runtime.facts import GroupFacts
+    from commfuse.runtime.paths.base import Call
+
+    sweep = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "path_sweep.py"))
+
+    def rec(m, k, n, median, op="mm_all_reduce"):
+        return dict(op=op, M=m, K=k, N=n, batch=1, rows_dim=0, rules="x", times={}, errors={},
+                    median=dict(unfused=500.0, default=400.0, **median))
+    records = [rec(8192, 2048, 4096, {"nccl": 480.0, "one_shot": 420.0, "fused": 280.0,
+                                      "fused@128x128x64s4w8g8r0o1": 300.0}),
+               rec(1024, 7168, 4096, {"nccl": 150.0, "ce_overlap@chunks2": 110.0, "fused": 115.0}),
+               rec(2048, 2048, 2048, {"nccl": 90.0, "symm": 60.0}, op="all_gather_mm")]
+    current = rules.table("sm_90", 2, "NVIDIA H200", 132)
+    data = sweep["rules_from"](records, "sm_90", 2, "NVIDIA H200", "benchmarks/results/h200x2/paths.json@abc1234",
+                               current)
+    table, = rules.parse(data, "generated")
+    ar = table.rules("mm_all_reduce")
+    assert [(r.path, dict(r.when)) for r in ar] == [
+        ("ce_overlap", {"m": (1024, 1024), "k": (7168, 7168), "n": (4096, 4096)}),
+        ("fused", {"m": (8192, 8192), "k": (2048, 2048), "n": (4096, 4096)}), ("nccl", {})]
+    assert "fastest as ce_overlap@chunks2" in ar[0].note and "280.0 us against unfused 500.0 us" == ar[1].note
+    assert all(r.evidence == ("benchmarks/results/h200x2/paths.json@abc1234",) for r in ar)
+    assert [r.path for r in table.rules("all_gather_mm")] == ["symm", "nccl"]
+    # not swept: carried over from the table in force, unchanged
+    assert table.rules("mm_all_reduce@capture") == current.rules("mm_all_reduce@capture")
+    assert table.rules("mm_reduce_scatter") == current.rules("mm_reduce_scatter")
+    assert "mm_all_reduce@capture, mm_reduce_scatter carried over" in table.note
+    facts = GroupFacts.simulated(2)
+    monkeypatch.setattr(rules, "load", lambda arch: (table,))
+    assert policy.rules_choice(Call("mm_all_reduce", 8192, 2048, 4096, torch.bfloat16, 2), facts).name == "fused"
+    assert policy.rules_choice(Call("mm_all_reduce", 16, 2048, 4096, torch.bfloat16, 2), facts).name == "nccl"
