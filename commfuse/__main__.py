@@ -8,8 +8,8 @@ import sys
 
 #: command: (module, one line for the help)
 COMMANDS = {
-    "explain": ("commfuse.tools.explain", "show which matmul/collective pairs of a TP model fuse, and why the others "
-                "do not (CPU, one process)"),
+    "explain": ("commfuse.tools.explain", "show which matmul/collective pairs of a TP model fuse, why the others "
+                "do not, and which path each fused call would take on a given GPU (CPU, one process)"),
     "bench": ("commfuse.tools.bench", "time the ops against unfused cuBLAS + NCCL (bench ops: CUDA GPUs, under "
               "torchrun) or a TP model per backend (bench model: under torchrun, GPUs or CPU ranks)"),
 }
