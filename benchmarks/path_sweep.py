@@ -195,7 +195,9 @@ def sweep_shape(problem: Problem, facts, state, args, only) -> dict:
             if only is not None and name not in only:
                 continue
             ctx = Context(problem.call, facts, state, config)
-            run = (lambda a, path=path, ctx=ctx: path.run(ctx, a))
+
+            def run(a, path=path, ctx=ctx):
+                return path.run(ctx, a)
             try:
                 errs[name] = check(problem, run)
             except Exception as exc:  # a configuration that does not fit the call: recorded

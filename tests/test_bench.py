@@ -4,7 +4,6 @@ CPU ranks, and every maintained benchmark script's ``--help``, without a GPU."""
 from __future__ import annotations
 
 import json
-import os
 import types
 
 import torch
@@ -43,7 +42,8 @@ def test_tuned_table_puts_the_rules_and_the_tuned_choice_side_by_side(tmp_path):
                     rules_us=rules_us, tuned_us=tuned_us, unfused_us=2 * rules_us, tuning_s=1.5,
                     candidates_us={}, failed=[], margin=0.03, parts={})
     path = tmp_path / "ops_tuned.json"
-    path.write_text(json.dumps([rec(16, "split_k", 25.0, "split_k", 25.0), rec(1024, "fused", 140.0, "one_shot", 126.0)]))
+    path.write_text(json.dumps([rec(16, "split_k", 25.0, "split_k", 25.0),
+                                rec(1024, "fused", 140.0, "one_shot", 126.0)]))
     text = bench.table(str(path))
     assert "| mm_all_reduce | 1024 | 4096 | 8192 | fused | 140.0 | one_shot | 126.0 | 0.900 | 280 | 1.5 |" in text
     assert "tuned differs from the rules on 1 of 2 shapes; geomean tuned / rules there 0.900" in text
