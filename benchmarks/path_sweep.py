@@ -1,15 +1,34 @@
-"""Which path wins per shape, with run-to-run noise measured: every candidate path of the three
-ops (forced through ``COMMFUSE_ALGO`` and its knobs) is checked once against an fp32 reference on
-fresh data, then timed in interleaved rounds (round r times every candidate once), so drift of
-clocks or of the NVLink state hits all candidates alike. Prints per candidate the median and
-spread of its rounds beside unfused (cuBLAS + NCCL) timed in the same rounds. Under torchrun:
+"""Which path wins per shape, with run-to-run noise measured, and the rules table that follows.
+
+For every shape of the chosen ops, the candidates are the paths the policy would consider on this
+group (``runtime.policy.candidates(call, facts)``: NCCL and every symmetric path whose ``supports``
+takes the call), each at its default configuration and, where it has one, at the configurations of
+the sweep (``--tilings`` of the tile kernels, ``--chunks`` of the copy-engine all-reduce,
+``--rs-chunks`` of the copy-engine reduce-scatter, ``--splits`` of the split-K kernel, the
+all-gather kernel's ``--pushers`` and copy-engine ``--ag-ce-chunks``), handed to the path as its
+``Context(call, facts, group, config)``. Each is run directly (no plan, no policy), checked once
+against an fp32 reference on fresh data with its output's memory NaN-poisoned first (and, for the
+all-reduce, every rank's output bit-equal), then timed in interleaved rounds (round r times every
+candidate once, beside unfused cuBLAS + NCCL and commfuse's default through the op), so drift of
+clocks or of the NVLink state hits all alike. Prints per candidate the median and spread of its
+rounds. Under torchrun:
 
     torchrun --nproc_per_node=2 benchmarks/path_sweep.py [--ops ar,ag,rs] [--rounds 5] [--out F]
+        [--rules RULES.json]
+
+``--rules RULES.json`` (with ``--out``) turns the winners into a rules table of this GPU's
+architecture in the ``runtime/rules/<arch>.json`` format: per op, one rule per shape naming the
+winning path (a winning configuration other than the path's default is said in the rule's note:
+rules choose paths, the paths their configurations), each rule's evidence the sweep's output file
+at this commit, ending with NCCL; ops the sweep did not time (``mm_all_reduce@capture``, an op
+left out) are carried over from the current table. Review it, generalise the conditions, then
+copy it over ``commfuse/runtime/rules/<arch>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -17,166 +36,307 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import commfuse  # noqa: F401
-from commfuse.bench import AG_MM_SHAPES, MM_AR_SHAPES, settings, sweep_finish, sweep_setup, time_us
-from commfuse.kernels.sync import check_errors
-
-#: Tilings the fused kernels are also timed with (``COMMFUSE_TILE_CONFIG``) besides their default.
-TILINGS = {"128x128": "128x128x64s4w8g8r0o1", "128x64": "128x64x64s4w4g8r0o1",
-           "64x128": "64x128x64s4w4g8r0o1"}
-AR_CANDIDATES = {"default": {}, "one_shot": {"COMMFUSE_ALGO": "one_shot"},
-                 "fused": {"COMMFUSE_ALGO": "fused"},
-                 "fused_reducers": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r16o1"},
-                 # the copies of the pushed sums inline, COMMFUSE_AR_COPY_LAG waves behind
-                 **{f"fused_inline_lag{lag}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AR_COPY_LAG": lag,
-                                               "COMMFUSE_TILE_CONFIG": "128x256x64s3w8g8r0o1"}
-                    for lag in ("0.5", "1", "2", "4", "100")},
-                 "fused_inline_128x128": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": "128x128x64s4w8g8r0o1"},
-                 # smaller tiles: more waves, so the first waves' exchange overlaps the later ones
-                 # (one wave of 128 x 256 tiles at 1024 rows leaves the whole exchange after it)
-                 **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
-                    for name, cfg in TILINGS.items() if name != "128x128"},
-                 "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
-                 # every chunk pulled by the copy engines (the tail too: before c0b19f0's default)
-                 **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
-                                        "COMMFUSE_CE_TAIL": "copy"} for c in (2, 4, 8)},
-                 # the programs' first tiles started over a spread of µs (desynchronised pushes;
-                 # "fused" has the default spread, 0 starts them together as before c0b19f0)
-                 **{f"fused_stagger{us}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_STAGGER_US": us}
-                    for us in ("0", "10", "15", "25", "35", "50")},
-                 # the last chunk pulled and summed by the one-shot kernel on the SMs
-                 **{f"ce_overlap_{c}_tail": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
-                                             "COMMFUSE_CE_TAIL": "one_shot"} for c in (2, 4, 8, 16)},
-                 # the chunks' side work on fewer streams (COMMFUSE_CE_STREAMS: before session 17, 1)
-                 **{f"ce_overlap_{c}_tail_streams{n}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
-                                                        "COMMFUSE_CE_TAIL": "one_shot", "COMMFUSE_CE_STREAMS": str(n)}
-                    for c in (4, 8) for n in (1, 2)},
-                 # a shorter last chunk (COMMFUSE_CE_LAST_ROWS), so less exchange after the last GEMM
-                 **{f"ce_overlap_{c}_last{r}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_CHUNKS": str(c),
-                                                "COMMFUSE_CE_LAST_ROWS": str(r)}
-                    for c in (4, 8) for r in (128, 256, 512)},
-                 # the copy-engine calls run eagerly, not replayed as CUDA graphs (before this session)
-                 "ce_overlap_eager": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_CE_GRAPHS": "0"}}
-AG_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
-                 **{f"overlap_{src}": {"COMMFUSE_ALGO": "overlap", "COMMFUSE_AG_LOCAL": src}
-                    for src in ("workspace", "copy")},
-                 "fused": {"COMMFUSE_ALGO": "fused"},
-                 **{f"fused_p{p}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSHERS": str(p)} for p in (8, 32)},
-                 **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
-                    for name, cfg in TILINGS.items()},
-                 **{f"fused_ce{c}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSH": "ce",
-                                     "COMMFUSE_AG_CE_CHUNKS": str(c)} for c in (1, 2, 4, 8)},
-                 **{f"fused_ce4_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_AG_PUSH": "ce",
-                                          "COMMFUSE_AG_CE_CHUNKS": "4", "COMMFUSE_TILE_CONFIG": cfg}
-                    for name, cfg in TILINGS.items()}}
-RS_CANDIDATES = {"default": {}, "symm": {"COMMFUSE_ALGO": "symm"},
-                 **{f"ce_overlap_{c}": {"COMMFUSE_ALGO": "ce_overlap", "COMMFUSE_RS_CHUNKS": str(c)}
-                    for c in (1, 2, 4)},
-                 "fused": {"COMMFUSE_ALGO": "fused"},
-                 "fused_tma": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1"},
-                 **{f"fused_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_TILE_CONFIG": cfg}
-                    for name, cfg in TILINGS.items()},
-                 **{f"fused_tma_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_TMA_PUSH": "1",
-                                          "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()},
-                 "fused_pull": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1"},
-                 **{f"fused_stagger{us}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_FUSED_STAGGER_US": us}
-                    for us in ("5", "10", "25")},
-                 **{f"fused_pull_{name}": {"COMMFUSE_ALGO": "fused", "COMMFUSE_RS_PULL": "1",
-                                           "COMMFUSE_TILE_CONFIG": cfg} for name, cfg in TILINGS.items()}}
+OPS = {"ar": "mm_all_reduce", "ag": "all_gather_mm", "rs": "mm_reduce_scatter"}
+#: Tilings the tile kernels are also timed with, besides their default.
+TILINGS = "128x128x64s4w8g8r0o1,64x128x64s4w4g8r0o1"
+#: A candidate counts as correct within this relative error against fp32 (bf16 products, fp32 sums).
+TOLERANCE = 2e-2
 
 
-def problem(op: str, m: int, k: int, n: int, group, batch: int = 1):
-    """(call, unfused call, fp32 reference) for one shape on fresh data (different per rank).
-    ``batch`` > 1: the all-gather and reduce-scatter run sequence-parallel style, on [batch, rows /
-    batch, ...] along dim 1 (the outputs are compared in that layout)."""
-    gname, world, rank = group.group_name, group.size(), dist.get_rank()
-    dt = torch.bfloat16
-    dim = 1 if batch > 1 else 0
-    b = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).t()  # a linear layer's W.t()
-    if op == "ag":
-        shard = torch.randn(batch, m // world // batch, k, device="cuda", dtype=dt).squeeze(0)
-        parts = [torch.empty_like(shard) for _ in range(world)]
-        dist.all_gather(parts, shard, group=group)
-        ref = torch.cat(parts, dim).reshape(-1, k).float() @ b.float()
+def variants(path, call, facts, args) -> dict:
+    """Name -> configuration of each way the sweep runs ``path`` on ``call``: its default
+    (``path.config``; None for NCCL) and the sweep's configurations of it."""
+    from commfuse.kernels import fused_split_k
+    from commfuse.kernels.tiles import TileConfig
+    from commfuse.runtime.paths import ce_all_reduce, rs_overlap, tile_all_gather, tile_all_reduce
 
-        def unfused():
-            gathered = funcol.wait_tensor(funcol.all_gather_tensor(shard, 0, group))
-            if dim:  # funcol gathers along dim 0
-                gathered = torch.cat(gathered.chunk(world), dim)
-            return torch.mm(gathered.reshape(-1, k), b)
-        return (lambda: torch.ops.commfuse.all_gather_mm(shard, b, None, dim, world, gname, False)[0],
-                unfused, ref)
-    a = torch.randn(m, k, device="cuda", dtype=dt)
-    ref = a.float() @ b.float()
-    dist.all_reduce(ref, group=group)
-    if op == "ar":
-        return (lambda: torch.ops.commfuse.mm_all_reduce(a, b, None, gname),
-                lambda: funcol.wait_tensor(funcol.all_reduce(torch.mm(a, b), "sum", group)), ref)
-    shape = [batch, m // batch, n] if dim else [m, n]
-    return (lambda: torch.ops.commfuse.mm_reduce_scatter(a, b, None, shape, dim, world, gname),
-            lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(a, b).view(shape), "sum", dim, group)),
-            ref.view(shape).chunk(world, dim)[rank])
+    default = path.config(call, facts, None) if path.symmetric else None
+    out = {path.name: default}
+    tilings = [TileConfig.parse(t) for t in args.tilings.split(",") if t]
+    key = (path.op, path.name)
+    if key in (("mm_all_reduce", "fused"), ("mm_reduce_scatter", "fused")):
+        for tile in tilings:
+            out[f"{path.name}@{tile}"] = tile_all_reduce.FusedConfig(tile, default.options)
+    elif key == ("mm_all_reduce", "ce_overlap"):
+        for chunks in _ints(args.chunks):
+            out[f"{path.name}@chunks{chunks}"] = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(call.m, chunks),
+                                                                        default.graphs)
+    elif key == ("mm_all_reduce", "split_k"):
+        for split in _ints(args.splits):
+            out[f"{path.name}@split{split}"] = fused_split_k.config(call.m, call.k, call.n, facts.sms, split=split)
+    elif key == ("mm_reduce_scatter", "ce_overlap"):
+        rows = call.m // call.world // max(call.slabs, 1)
+        for chunks in _ints(args.rs_chunks):
+            out[f"{path.name}@chunks{chunks}"] = rs_overlap.RsOverlapConfig(
+                rs_overlap.chunks(rows, call.world, max(call.slabs, 1), chunks))
+    elif key == ("all_gather_mm", "fused"):
+        for pushers in _ints(args.pushers):
+            out[f"{path.name}@sm{pushers}"] = tile_all_gather.AgFusedConfig(default.tile, "sm", pushers)
+        for chunks in _ints(args.ag_ce_chunks):
+            out[f"{path.name}@ce{chunks}"] = tile_all_gather.AgFusedConfig(default.tile, "ce", ce_chunks=chunks)
+        for tile in tilings:
+            out[f"{path.name}@{tile}"] = tile_all_gather.AgFusedConfig(tile, default.push, default.pushers,
+                                                                       default.ce_chunks)
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+class Problem:
+    """One shape of one op on the WORLD group: the call, fresh operands on demand, the op's
+    arguments, the fp32 reference of given operands, and unfused cuBLAS + NCCL."""
+
+    def __init__(self, op: str, m: int, k: int, n: int, group, batch: int = 1):
+        from commfuse.runtime.paths.base import Call, row_slabs, rows_dim
+
+        self.op, self.m, self.k, self.n, self.group = op, m, k, n, group
+        self.world, self.rank, self.gname = group.size(), dist.get_rank(), group.group_name
+        self.dim = 1 if batch > 1 and op != "mm_all_reduce" else 0
+        self.batch = batch if self.dim else 1
+        dt = torch.bfloat16
+        if op == "all_gather_mm":
+            self.shape = [self.batch, m // self.world // self.batch, k] if self.dim else [m // self.world, k]
+            rd = rows_dim(self.shape, self.dim)
+        elif op == "mm_reduce_scatter":
+            self.shape = [self.batch, m // self.batch, n] if self.dim else [m, n]
+            rd = rows_dim(self.shape, self.dim)
+        else:
+            self.shape, rd = [m, k], 0
+        self.call = Call(op, m, k, n, dt, self.world, False, rd, row_slabs(self.shape, rd) if rd else 1)
+        torch.manual_seed(99)  # the same weight on every rank: a linear layer's W.t()
+        self.b = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).t()
+        self.operand = self.fresh()
+
+    def fresh(self) -> torch.Tensor:
+        """New data of the call's first operand, different on every rank."""
+        rows = self.shape if self.op == "all_gather_mm" else [self.m, self.k]
+        return torch.randn(*rows, device="cuda", dtype=torch.bfloat16)
+
+    def args(self, x: torch.Tensor):
+        from commfuse.runtime.paths.base import AllGatherMmArgs, MmAllReduceArgs, MmReduceScatterArgs
+
+        if self.op == "mm_all_reduce":
+            return MmAllReduceArgs(x, self.b, None, self.gname)
+        if self.op == "all_gather_mm":
+            return AllGatherMmArgs(x, self.b, None, self.dim, self.world, self.gname, False)
+        return MmReduceScatterArgs(x, self.b, None, self.shape, self.dim, self.world, self.gname)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 result of the unfused computation on ``x``, in the op's output layout (rows x N)."""
+        if self.op == "all_gather_mm":
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x, group=self.group)
+            return torch.cat(parts, self.dim).reshape(-1, self.k).float() @ self.b.float()
+        ref = x.float() @ self.b.float()
+        dist.all_reduce(ref, group=self.group)
+        if self.op == "mm_reduce_scatter":
+            ref = ref.view(self.shape).chunk(self.world, self.dim)[self.rank].reshape(-1, self.n)
+        return ref
+
+    def default(self):
+        ops, x = torch.ops.commfuse, self.operand
+        if self.op == "mm_all_reduce":
+            return ops.mm_all_reduce(x, self.b, None, self.gname)
+        if self.op == "all_gather_mm":
+            return ops.all_gather_mm(x, self.b, None, self.dim, self.world, self.gname, False)[0]
+        return ops.mm_reduce_scatter(x, self.b, None, self.shape, self.dim, self.world, self.gname)
+
+    def unfused(self):
+        x = self.operand
+        if self.op == "all_gather_mm":
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, self.group))
+            if self.dim:  # funcol gathers along dim 0
+                gathered = torch.cat(gathered.chunk(self.world), self.dim)
+            return torch.mm(gathered.reshape(-1, self.k), self.b)
+        if self.op == "mm_all_reduce":
+            return funcol.wait_tensor(funcol.all_reduce(torch.mm(x, self.b), "sum", self.group))
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.mm(x, self.b).view(self.shape), "sum",
+                                                               self.dim, self.group))
+
+
+def _output(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def check(problem: Problem, run) -> float:
+    """Relative error of ``run(args)`` against fp32 on fresh data, its output's memory poisoned
+    with NaN first (the caching allocator hands the freed block to the candidate's output);
+    ``inf`` if the all-reduce's ranks disagree in any bit."""
+    from commfuse.runtime import errors
+
+    x = problem.fresh()
+    ref = problem.reference(x)
+    poison = torch.full((2 * ref.numel(),), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison
+    out = _output(run(problem.args(x)))
+    torch.cuda.synchronize()
+    errors.check_errors()
+    err = ((out.float().reshape(ref.shape) - ref).norm() / ref.norm()).item()
+    if problem.op == "mm_all_reduce":
+        same = out.clone()
+        dist.broadcast(same, 0, group=problem.group)
+        if not torch.equal(same, out):
+            return float("inf")
+    return err
+
+
+def sweep_shape(problem: Problem, facts, state, args, only) -> dict:
+    """Check every candidate of one shape, then time the correct ones in interleaved rounds."""
+    from commfuse.runtime import policy
+    from commfuse.runtime.paths.base import Context
+
+    from commfuse.tools.timing import time_us
+
+    runs, errs = {"unfused": problem.unfused, "default": problem.default}, {}
+    for path in policy.candidates(problem.call, facts):
+        for name, config in variants(path, problem.call, facts, args).items():
+            if only is not None and name not in only:
+                continue
+            ctx = Context(problem.call, facts, state, config)
+
+            def run(a, path=path, ctx=ctx):
+                return path.run(ctx, a)
+            try:
+                errs[name] = check(problem, run)
+            except Exception as exc:  # a configuration that does not fit the call: recorded
+                errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                torch.cuda.synchronize()
+                continue
+            if errs[name] <= TOLERANCE:
+                args_ = problem.args(problem.operand)
+                runs[name] = (lambda run=run, a=args_: run(a))
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            times[name].append(time_us(fn))
+    med = {name: statistics.median(v) for name, v in times.items()}
+    rules = policy.rules_choice(problem.call, facts).name
+    return dict(op=problem.op, M=problem.m, K=problem.k, N=problem.n, batch=problem.batch,
+                rows_dim=problem.call.rows_dim, rules=rules, times=times, median=med, errors=errs)
+
+
+def winner(rec: dict) -> tuple[str, float] | None:
+    """The fastest correct candidate of a sweep record (not ``unfused`` nor ``default``, which
+    are an op call), or None."""
+    ok = {name: t for name, t in rec["median"].items() if name not in ("unfused", "default")}
+    return min(ok.items(), key=lambda kv: kv[1]) if ok else None
+
+
+def _rule_data(rule) -> dict:
+    """A parsed rule (``runtime.rules.Rule``) as the data it was read from."""
+    data = {"path": rule.path}
+    if rule.when:
+        data["when"] = {name: list(bound) if isinstance(bound, tuple) else bound for name, bound in rule.when}
+    if rule.variant:
+        data["variant"] = dict(rule.variant)
+    if rule.evidence:
+        data["evidence"] = list(rule.evidence)
+    if rule.note:
+        data["note"] = rule.note
+    return data
+
+
+def rules_from(records: list[dict], arch: str, world: int, gpu: str, evidence: str, current=None) -> dict:
+    """A rules file (``runtime/rules/<arch>.json`` format) from sweep records: per op, one rule per
+    swept shape naming its winner's path, then NCCL; ops of ``current`` (the table in force for
+    this GPU and world size) that the sweep did not time, carried over."""
+    ops: dict[str, list] = {}
+    for rec in sorted(records, key=lambda r: (r["op"], r["M"], r["K"], r["N"])):
+        best = winner(rec)
+        if best is None:
+            continue
+        name, us = best
+        path, _, config = name.partition("@")
+        when = {"m": [rec["M"], rec["M"]], "k": [rec["K"], rec["K"]], "n": [rec["N"], rec["N"]]}
+        if rec.get("rows_dim"):
+            when["rows_dim"] = rec["rows_dim"]
+        note = f"{us:.1f} us against unfused {rec['median']['unfused']:.1f} us"
+        if config:
+            note += f"; fastest as {name}, a configuration the path does not choose by itself"
+        ops.setdefault(rec["op"], []).append({"path": path, "when": when, "note": note, "evidence": [evidence]})
+    for rules in ops.values():
+        rules.append({"path": "nccl", "note": "shapes the sweep did not time: the unfused computation",
+                      "evidence": [evidence]})
+    carried = sorted(set(current.ops) - set(ops)) if current is not None else []
+    for op in carried:
+        ops[op] = [_rule_data(rule) for rule in current.rules(op)]
+    note = f"generated by benchmarks/path_sweep.py --rules from {evidence}"
+    if carried:
+        note += f"; {', '.join(carried)} carried over from the table in force ({current.label()})"
+    return {"arch": arch, "about": f"Rules measured on {world}x {gpu}; each rule's evidence is the sweep's "
+            "output, path@commit.",
+            "tables": [{"world": [world], "measured": f"{world}x {gpu}", "note": note, "ops": ops}]}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="ar,ag,rs", help="ar, ag, rs (comma-separated)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--ar-min-m", type=int, default=1024, help="all-reduce shapes of the ops benchmark from this "
+                   "many rows (0: all)")
+    p.add_argument("--batch", type=int, default=1, help="all-gather / reduce-scatter along dim 1 of a "
+                   "[batch, rows / batch, ...] tensor (sequence parallel with a batch)")
+    p.add_argument("--shapes", default=None, help="these MxKxN instead of the ops benchmark's (comma-separated)")
+    p.add_argument("--only", default=None, help="only these candidates (comma-separated names, e.g. "
+                   "fused,ce_overlap@chunks4)")
+    p.add_argument("--tilings", default=TILINGS, help="the tile kernels' tilings besides their default")
+    p.add_argument("--chunks", default="2,4,8", help="the copy-engine all-reduce's chunk counts")
+    p.add_argument("--rs-chunks", default="1,2,4", help="the copy-engine reduce-scatter's chunks per share")
+    p.add_argument("--splits", default="1,2,4", help="the split-K kernel's K slices")
+    p.add_argument("--pushers", default="8,32", help="the fused all-gather's pushing programs")
+    p.add_argument("--ag-ce-chunks", default="1,4", help="the fused all-gather's copy-engine push chunks")
+    p.add_argument("--out", default=None, help="the sweep's records (JSON)")
+    p.add_argument("--rules", default=None, metavar="RULES.json",
+                   help="also write a rules table from the winners (needs --out: the rules' evidence)")
+    return p
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--ops", default="ar,ag,rs")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--ar-min-m", type=int, default=1024, help="all-reduce shapes from this many rows")
-    p.add_argument("--batch", type=int, default=1, help="all-gather / reduce-scatter along dim 1 of a "
-                   "[batch, rows / batch, ...] tensor (sequence parallel with a batch)")
-    p.add_argument("--shapes", default=None, help="these MxKxN instead of the benchmark's (comma-separated)")
-    p.add_argument("--only", default=None, help="only these candidates (comma-separated names)")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    group, rank = sweep_setup()
+    args = parser().parse_args()
+    if args.rules and not args.out:
+        raise SystemExit("path_sweep: --rules needs --out (every rule cites the sweep's output file)")
+    import commfuse  # noqa: F401  (the ops)
+    from commfuse.runtime import groups, rules
+    from commfuse.tools.bench import AG_MM_SHAPES, MM_AR_SHAPES
+    from commfuse.tools.timing import commit, finish, setup_ranks
+
+    group, rank = setup_ranks()
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = groups.get(group.group_name)
+    facts = groups.group_facts(state, device, False)
     given = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else None
     only = set(args.only.split(",")) if args.only else None
-    candidates = {"ar": AR_CANDIDATES, "ag": AG_CANDIDATES, "rs": RS_CANDIDATES}
     records = []
-    for op in args.ops.split(","):
-        shapes = [s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "ar" else AG_MM_SHAPES
+    for short in args.ops.split(","):
+        op = OPS[short]
+        shapes = ([s for s in MM_AR_SHAPES if s[0] >= args.ar_min_m] if op == "mm_all_reduce" else AG_MM_SHAPES)
         for m, k, n in given or shapes:
-            batch = 1 if op == "ar" else args.batch
+            batch = 1 if op == "mm_all_reduce" else args.batch
             if m % (batch * group.size()):
                 if rank == 0:
-                    print(f"{op} {m}x{k}x{n}: skipped, {m} rows do not split into {batch} x {group.size()}",
+                    print(f"{short} {m}x{k}x{n}: skipped, {m} rows do not split into {batch} x {group.size()}",
                           flush=True)
                 continue
-            torch.manual_seed(99 + rank)
-            call, unfused, ref = problem(op, m, k, n, group, batch)
-            errs, runs = {}, {"unfused": unfused}
-            for name, values in candidates[op].items():
-                if only is not None and name not in only:
-                    continue
-                with settings(values):
-                    try:
-                        out = call()
-                        torch.cuda.synchronize()
-                        check_errors()
-                        errs[name] = ((out.float().reshape(ref.shape) - ref).norm() / ref.norm()).item()
-                        runs[name] = values
-                    except Exception as exc:  # a path that cannot take the shape: recorded
-                        errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                        torch.cuda.synchronize()
-            times = {name: [] for name in runs}
-            for _ in range(args.rounds):
-                for name, values in runs.items():
-                    if name == "unfused":
-                        times[name].append(time_us(unfused))
-                    else:
-                        with settings(values):
-                            times[name].append(time_us(call))
-            med = {name: statistics.median(v) for name, v in times.items()}
-            bad = {name: e for name, e in errs.items() if not isinstance(e, float) or e > 2e-2}
+            rec = sweep_shape(Problem(op, m, k, n, group, batch), facts, state, args, only)
+            records.append(rec)
             if rank == 0:
-                best = min((v, name) for name, v in med.items() if name != "unfused")
-                line = ", ".join(f"{name} {v:.1f} ({med['unfused'] / v:.3f}x, +-{(max(times[name]) - min(times[name])) / 2:.1f})"
-                                 for name, v in med.items())
-                print(f"{op} {m}x{k}x{n}: {line} | best {best[1]}" + (f" | BAD {bad}" if bad else ""),
-                      flush=True)
-            records.append(dict(op=op, M=m, K=k, N=n, times=times, median=med, errors=errs))
-    return sweep_finish(records, args.out)
+                med, times = rec["median"], rec["times"]
+                line = ", ".join(f"{name} {v:.1f} ({med['unfused'] / v:.3f}x, "
+                                 f"+-{(max(times[name]) - min(times[name])) / 2:.1f})" for name, v in med.items())
+                bad = {name: e for name, e in rec["errors"].items() if not isinstance(e, float) or e > TOLERANCE}
+                best = winner(rec)
+                print(f"{short} {m}x{k}x{n}: {line} | rules {rec['rules']} | best {best[0] if best else '-'}"
+                      + (f" | BAD {bad}" if bad else ""), flush=True)
+    if args.rules and rank == 0:
+        table = rules.table(facts.arch, facts.world, facts.name, facts.sms)
+        data = rules_from(records, facts.arch, facts.world, facts.name, f"{args.out}@{commit()}", table)
+        rules.parse(data, args.rules)  # the file the run-time would read: malformed is an error here
+        with open(args.rules, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {args.rules}", flush=True)
+    return finish(records, args.out)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ import sys
 
 #: command: (module, one line for the help)
 COMMANDS = {
-    "explain": ("commfuse.explain", "show which matmul/collective pairs of a TP model fuse, and why the others "
-                "do not (CPU, one process)"),
-    "bench": ("commfuse.bench", "time the ops against unfused cuBLAS + NCCL (bench ops: CUDA GPUs, under "
+    "explain": ("commfuse.tools.explain", "show which matmul/collective pairs of a TP model fuse, why the others "
+                "do not, and which path each fused call would take on a given GPU (CPU, one process)"),
+    "bench": ("commfuse.tools.bench", "time the ops against unfused cuBLAS + NCCL (bench ops: CUDA GPUs, under "
               "torchrun) or a TP model per backend (bench model: under torchrun, GPUs or CPU ranks)"),
+    "tune": ("commfuse.tools.tune", "measured dispatch: tune every call a script or the bundled model makes "
+             "(CUDA GPUs, under torchrun); --show / --clear this machine's tuning cache"),
 }
 
 USAGE = "usage: python -m commfuse {" + ",".join(COMMANDS) + "} [--help] [options]"

@@ -1,14 +1,14 @@
-"""The benchmark's report (table, geomean, fastest backend) from records, without a GPU."""
+"""The benchmarks' reports (tables, geomeans, fastest backend) from records, the model benchmark on
+CPU ranks, and every maintained benchmark script's ``--help``, without a GPU."""
 
 from __future__ import annotations
 
 import json
-import os
 import types
 
 import torch
 
-from commfuse import bench
+from commfuse.tools import bench
 
 
 def _rec(op, m, unfused, commfuse, peers):
@@ -28,6 +28,25 @@ def test_table_reports_speedups_and_the_fastest_backend(tmp_path):
     assert rows[0].endswith("| commfuse |") and "2.00x" in rows[0]
     assert rows[1].endswith("| torch_symm_two_shot |") and "0.50x" in rows[1]
     assert "geomean speed-up 1.000x over 2 shapes, min 0.500x, max 2.000x" in text
+    # no best unfused recorded: unfused is the best; neither shape within 1.2x of its floor
+    assert "over the best unfused 1.000x; 0 of 2 within 1.2x of the floor" in text
+    records[1]["best_unfused_us"] = 80.0  # cuBLAS + torch's two-shot beat NCCL
+    path.write_text(json.dumps(records))
+    row = [line for line in bench.table(str(path)).splitlines() if line.startswith("| mm_all_reduce | 32")][0]
+    assert "| 100 | 80 | 200 |" in row and "| 0.50x | 0.40x |" in row
+
+
+def test_tuned_table_puts_the_rules_and_the_tuned_choice_side_by_side(tmp_path):
+    def rec(m, rules, rules_us, tuned, tuned_us):
+        return dict(op="mm_all_reduce", M=m, K=4096, N=8192, dtype="bfloat16", world=2, rules=rules, tuned=tuned,
+                    rules_us=rules_us, tuned_us=tuned_us, unfused_us=2 * rules_us, tuning_s=1.5,
+                    candidates_us={}, failed=[], margin=0.03, parts={})
+    path = tmp_path / "ops_tuned.json"
+    path.write_text(json.dumps([rec(16, "split_k", 25.0, "split_k", 25.0),
+                                rec(1024, "fused", 140.0, "one_shot", 126.0)]))
+    text = bench.table(str(path))
+    assert "| mm_all_reduce | 1024 | 4096 | 8192 | fused | 140.0 | one_shot | 126.0 | 0.900 | 280 | 1.5 |" in text
+    assert "tuned differs from the rules on 1 of 2 shapes; geomean tuned / rules there 0.900" in text
 
 
 def test_shape_sets_match_the_baselines():
@@ -42,7 +61,7 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
     import sys
 
     out = tmp_path / "model.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse", "bench",
            "model", "--models", "sp,hooks", "--modes", "prefill,decode,train", "--layers", "1", "--batch", "2",
            "--seq", "32", "--iters", "2", "--decode-batches", "2", "--context", "16",
            "--backends", "eager,inductor,commfuse,floor", "--rounds", "2", "--call-times", "1", "--out", str(out)]
@@ -67,7 +86,7 @@ def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
 
 
 def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
-    from commfuse import bench_model
+    from commfuse.tools import bench_model
 
     extra = {"in_model_us_ranks": [380.0, 400.0], "host_us": 150.0, "idle_at_entry": 0.25,
              "host_cpu_us": 120.0, "in_model_us_by_position": [500.0, 300.0]}
@@ -94,7 +113,7 @@ def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
     import sys
 
     out = tmp_path / "loss.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse", "bench",
            "model", "--models", "dtensor,sp", "--modes", "loss", "--layers", "1", "--batch", "2",
            "--seq", "32", "--loss-steps", "50", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -109,7 +128,7 @@ def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
 
 
 def test_hidden_share_and_its_range_over_rounds():
-    from commfuse import bench_model
+    from commfuse.tools import bench_model
 
     assert bench_model.hidden_share(24.0, 22.0, 20.0) == 0.5
     assert bench_model.hidden_share(20.0, 21.0, 20.0) is None  # nothing to hide
@@ -122,7 +141,7 @@ def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
     import pytest
 
     pytest.importorskip("matplotlib")
-    from commfuse import bench_model
+    from commfuse.tools import bench_model
 
     old = [{"model": "dtensor", "mode": "prefill", "ms": {"inductor": 10.0, "commfuse": 11.0, "floor": 8.0}},
            {"model": "dtensor", "mode": "loss", "losses": {}}]  # no times: not plotted
@@ -147,42 +166,67 @@ def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
     assert sorted(labels.values()) == ["dtensor prefill (bbb)", "hooks decode_cg_b4 (bbb)"]
 
 
-def test_exploration_sweeps_parse_their_arguments():
-    """The GPU sweeps import on CPU and describe their options (they run under torchrun on GPUs)."""
+def test_every_maintained_benchmark_answers_help_on_the_cpu():
+    """Each script in benchmarks/ (they run under torchrun on GPUs) imports on the CPU and
+    describes its options: one interpreter runs every Python script's ``--help``, and the device
+    script prints its stages."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    for script, options in (("tile_sweep.py", ("--ablate",)), ("ag_sweep.py", ("--pushers",)),
-                            ("split_k_sweep.py", ("--splits", "--workspace-mb")), ("path_sweep.py", ("--rounds",)),
-                            ("diag_skew.py", ("--skews",)), ("diag_host.py", ("--parts",)),
-                            ("cublas_kernels.py", ("--shapes",)), ("weight_parts_probe.py", ("--shapes",)),
-                            ("gluon_epilogue_probe.py", ("--spreads",)),
-                            ("one_device_fused.py", ("--variants", "--world"))):
-        proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), "--help"],
-                              capture_output=True, text=True, timeout=300, cwd=root)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    scripts = {"path_sweep.py": ("--rules", "--rounds", "--tilings", "--only"), "kernel_compile.py": ("--configs",),
+               "trace.py": ("--ops", "--pushers"), "host_time.py": ("--batches",)}
+    assert sorted(p.name for p in (root / "benchmarks").glob("*.py")) == sorted(scripts)
+    probe = ("import contextlib, io, runpy, sys\n"
+             "for script in sys.argv[1:]:\n"
+             "    sys.argv = [script, '--help']\n"
+             "    out = io.StringIO()\n"
+             "    try:\n"
+             "        with contextlib.redirect_stdout(out):\n"
+             "            runpy.run_path(script, run_name='__main__')\n"
+             "    except SystemExit as exc:\n"
+             "        assert exc.code in (0, None), (script, exc.code)\n"
+             "    print('=== ' + script)\n"
+             "    print(out.getvalue())\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *(str(root / "benchmarks" / s) for s in scripts)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    helps = dict(part.split("\n", 1) for part in proc.stdout.split("=== ")[1:])
+    for script, options in scripts.items():
+        text = helps[str(root / "benchmarks" / script)]
+        assert text.startswith("usage:"), (script, text[:200])
         for option in options:
-            assert option in proc.stdout, (script, option)
+            assert option in text, (script, option)
+    device = subprocess.run(["bash", str(root / "benchmarks" / "device_h200x2.sh"), "--help"],
+                            capture_output=True, text=True, timeout=60, cwd=root)
+    assert device.returncode == 0 and "stages:" in device.stdout, device.stdout + device.stderr
 
 
-def test_model_backend_settings_hold_during_each_step_only(monkeypatch):
-    from commfuse import bench_model
+def test_model_backend_settings_hold_during_each_step_only():
+    """``commfuse@...`` backends: a forced path and settings, in force inside each step only; a
+    setting that no longer exists (a sweep knob) or none at all is an error naming it."""
+    import pytest
 
-    monkeypatch.delenv("COMMFUSE_ALGO", raising=False)
-    monkeypatch.setenv("COMMFUSE_CE_MIN_K", "1")
+    from commfuse import env
+    from commfuse.tools import bench_model
+
     seen = []
 
     def step():
-        seen.append((os.environ.get("COMMFUSE_ALGO"), os.environ.get("COMMFUSE_CE_MIN_K"),
-                     os.environ.get("COMMFUSE_CE_CHUNKS")))
+        s = env.current()
+        seen.append((s.algo, s.merge_sums, s.fast_launch))
     bench_model._with_algo("one_shot", step)()
-    bench_model._with_algo("ce_min_k=7168+CE_CHUNKS=4", step)()
-    bench_model._with_algo("ce_overlap+CE_CHUNKS=2", step)()
-    assert seen == [("one_shot", "1", None), (None, "7168", "4"), ("ce_overlap", "1", "2")]
-    assert os.environ.get("COMMFUSE_ALGO") is None and os.environ["COMMFUSE_CE_MIN_K"] == "1"
-    assert "COMMFUSE_CE_CHUNKS" not in os.environ
+    bench_model._with_algo("MERGE_SUMS=0+fast_launch=0", step)()
+    bench_model._with_algo("ce_overlap+MERGE_SUMS=0", step)()
+    assert seen == [("one_shot", True, True), (None, False, False), ("ce_overlap", False, True)]
+    assert env.current().algo is None and env.current().merge_sums
+    with pytest.raises(ValueError, match="COMMFUSE_CE_CHUNKS no longer exists.*path configuration"):
+        bench_model.settings_of("ce_overlap+CE_CHUNKS=4")
+    with pytest.raises(ValueError, match="'FROB=1' is neither a path nor a commfuse setting"):
+        bench_model.settings_of("FROB=1")
+    with pytest.raises(ValueError, match="COMMFUSE_ALGO='frobnicate' is not one of"):
+        bench_model.settings_of("frobnicate")
 
 
 def test_call_times_case_rows(monkeypatch):
@@ -191,8 +235,8 @@ def test_call_times_case_rows(monkeypatch):
     position in the step only where every step on every rank made it equally often, and the same
     mm_all_reduce alone with its path forced and its weight in the recorded layout (CUDA timing
     replaced)."""
-    from commfuse import bench, bench_model
-    from commfuse.kernels import call_times
+    from commfuse import env
+    from commfuse.tools import bench_model, call_times, timing
 
     C = call_times.Call
     fused = ("mm_all_reduce", (8, 4), (4, 6), True, "fused")
@@ -215,8 +259,7 @@ def test_call_times_case_rows(monkeypatch):
         return dict(next(pending)) if steps else {}
 
     def mm_all_reduce(a, b, bias, group):
-        alone.append((tuple(a.shape), a.dtype, tuple(b.shape), b.stride(), bias, group,
-                      os.environ.get("COMMFUSE_ALGO")))
+        alone.append((tuple(a.shape), a.dtype, tuple(b.shape), b.stride(), bias, group, env.current().algo))
         return a @ b
 
     def time_us(fn):
@@ -231,7 +274,7 @@ def test_call_times_case_rows(monkeypatch):
         out[:] = [obj, peer]
 
     monkeypatch.setattr(call_times, "collect", collect)
-    monkeypatch.setattr(bench, "time_us", time_us)
+    monkeypatch.setattr(timing, "time_us", time_us)
     monkeypatch.setattr(torch.ops.commfuse, "mm_all_reduce", mm_all_reduce)
     monkeypatch.setattr(bench_model, "_max_over_ranks", lambda v, device: v)
     monkeypatch.setattr(bench_model.dist, "get_world_size", lambda: 2)
@@ -248,7 +291,7 @@ def test_call_times_case_rows(monkeypatch):
     # WORLD group, the recorded path forced; the call the peer never made is left out
     assert sorted(alone) == [((4, 4), torch.bfloat16, (4, 6), (6, 1), None, "0", "one_shot"),
                              ((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
-    assert os.environ.get("COMMFUSE_ALGO") is None
+    assert env.current().algo is None
     assert rows == [
         {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
          "calls_per_step": 1.0, "in_model_us": 3.0, "in_model_us_ranks": [3.0, 2.0], "host_us": 40.0,
@@ -269,7 +312,7 @@ def test_call_times_case_rows(monkeypatch):
 def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     import pytest
 
-    from commfuse.kernels import call_times
+    from commfuse.tools import call_times
 
     monkeypatch.setattr(call_times, "LIMIT", 2)
     monkeypatch.setattr(call_times, "_event", lambda: types.SimpleNamespace(record=lambda: None,
@@ -299,7 +342,7 @@ def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
 def test_a_cpu_run_says_it_times_the_unfused_computation():
     """On the CPU the ops run the unfused computation: a CPU run printed "commfuse/inductor 1.052x,
     hides 17%" as if fusion had hidden communication."""
-    from commfuse import bench_model
+    from commfuse.tools import bench_model
 
     rec = {"model": "dtensor", "mode": "prefill", "device": "cpu", "fused": 4,
            "ms": {"inductor": 24.0, "commfuse": 22.0, "floor": 20.0}, "compile_s": {"inductor": 1.0, "commfuse": 1.0},
@@ -315,3 +358,45 @@ def test_a_cpu_run_says_it_times_the_unfused_computation():
     bench_model._compare(gpu)
     assert gpu["hidden_share"] == 0.5 and "hides 50%" in bench_model._line(gpu)
     assert "CPU" not in bench_model._line(gpu) and "CPU" not in bench_model.header(torch.device("cuda"), 2)
+
+
+def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
+    """``path_sweep.py --rules``: per op one rule per swept shape naming the winner's path (a
+    winning configuration said in the note), each citing the sweep's file, then NCCL; what the
+    sweep did not time carried from the table in force; the result parses as the run-time's data
+    and decides the swept shapes as measured."""
+    import runpy
+    from pathlib import Path
+
+    from commfuse.runtime import policy, rules
+    from commfuse.runtime.facts import GroupFacts
+    from commfuse.runtime.paths.base import Call
+
+    sweep = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "path_sweep.py"))
+
+    def rec(m, k, n, median, op="mm_all_reduce"):
+        return dict(op=op, M=m, K=k, N=n, batch=1, rows_dim=0, rules="x", times={}, errors={},
+                    median=dict(unfused=500.0, default=400.0, **median))
+    records = [rec(8192, 2048, 4096, {"nccl": 480.0, "one_shot": 420.0, "fused": 280.0,
+                                      "fused@128x128x64s4w8g8r0o1": 300.0}),
+               rec(1024, 7168, 4096, {"nccl": 150.0, "ce_overlap@chunks2": 110.0, "fused": 115.0}),
+               rec(2048, 2048, 2048, {"nccl": 90.0, "symm": 60.0}, op="all_gather_mm")]
+    current = rules.table("sm_90", 2, "NVIDIA H200", 132)
+    data = sweep["rules_from"](records, "sm_90", 2, "NVIDIA H200", "benchmarks/results/h200x2/paths.json@abc1234",
+                               current)
+    table, = rules.parse(data, "generated")
+    ar = table.rules("mm_all_reduce")
+    assert [(r.path, dict(r.when)) for r in ar] == [
+        ("ce_overlap", {"m": (1024, 1024), "k": (7168, 7168), "n": (4096, 4096)}),
+        ("fused", {"m": (8192, 8192), "k": (2048, 2048), "n": (4096, 4096)}), ("nccl", {})]
+    assert "fastest as ce_overlap@chunks2" in ar[0].note and "280.0 us against unfused 500.0 us" == ar[1].note
+    assert all(r.evidence == ("benchmarks/results/h200x2/paths.json@abc1234",) for r in ar)
+    assert [r.path for r in table.rules("all_gather_mm")] == ["symm", "nccl"]
+    # not swept: carried over from the table in force, unchanged
+    assert table.rules("mm_all_reduce@capture") == current.rules("mm_all_reduce@capture")
+    assert table.rules("mm_reduce_scatter") == current.rules("mm_reduce_scatter")
+    assert "mm_all_reduce@capture, mm_reduce_scatter carried over" in table.note
+    facts = GroupFacts.simulated(2)
+    monkeypatch.setattr(rules, "load", lambda arch: (table,))
+    assert policy.rules_choice(Call("mm_all_reduce", 8192, 2048, 4096, torch.bfloat16, 2), facts).name == "fused"
+    assert policy.rules_choice(Call("mm_all_reduce", 16, 2048, 4096, torch.bfloat16, 2), facts).name == "nccl"

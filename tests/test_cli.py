@@ -1,7 +1,9 @@
-"""``python -m commfuse``: every command listed at once; GPU and torchrun problems in one line."""
+"""``python -m commfuse``: every command listed at once; GPU and torchrun problems in one line;
+``tune --show`` / ``--clear`` on the CPU."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +25,7 @@ def test_help_lists_every_command_without_the_compiler_stack():
     took = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     commands = [line.split()[0] for line in proc.stdout.split("commands:\n")[1].splitlines() if line.startswith("  ")]
-    assert commands == ["explain", "bench"]
+    assert commands == ["explain", "bench", "tune"]
     assert took < 15  # about 2 s here (import torch, for the ops' registration); was 5.4 s with Dynamo
     probe = _run("-c", "import sys, commfuse; print(sorted(m for m in ('torch._dynamo', 'torch._inductor', "
                  "'commfuse.inductor_plugin', 'triton') if m in sys.modules))")
@@ -37,17 +39,81 @@ def test_bench_is_a_command_too():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA GPUs")
-@pytest.mark.parametrize("argv", [("-m", "commfuse.bench", "ops"), ("-m", "commfuse", "bench", "ops"),
-                                  ("-m", "commfuse", "bench", "tune")])
-def test_gpu_commands_without_gpus_exit_with_one_line(argv):
+@pytest.mark.parametrize("argv, launch", [
+    (("bench", "ops"), "-m commfuse bench ops"), (("bench", "ops", "--tuned"), "-m commfuse bench ops"),
+    (("tune", "--model", "dtensor"), "-m commfuse tune --model dtensor"),
+    (("tune", "--", "train.py", "--steps", "3"), "-m commfuse tune -- SCRIPT [ARGS...]")])
+def test_gpu_commands_without_gpus_exit_with_one_line(argv, launch):
     """``bench ops`` on the CPU died in ``torch.cuda.set_device`` (no ``_cuda_setDevice``)."""
-    proc = _run(*argv)
-    assert proc.returncode == 2
+    proc = _run("-m", "commfuse", *argv)
+    assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "needs CUDA GPUs and this machine has none" in proc.stderr
-    assert f"torchrun --nproc_per_node=2 -m commfuse.bench {argv[-1]}" in proc.stderr
+    assert f"torchrun --nproc_per_node=2 {launch}" in proc.stderr
 
 
 def test_bench_model_outside_torchrun_exits_with_one_line():
     proc = _run("-m", "commfuse", "bench", "model")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "launch it with torchrun --nproc_per_node=2 -m commfuse.bench model (RANK is not set)" in proc.stderr
+    assert "launch it with torchrun --nproc_per_node=2 -m commfuse bench model (RANK is not set)" in proc.stderr
+
+
+def test_tune_shows_and_clears_a_machines_cache(tmp_path):
+    """A cache written as the run-time writes it, for 2 simulated H200s on this machine's software,
+    beside one for another GPU: ``--show`` prints this machine's as a table, ``--clear`` removes
+    it (and its lock) but not the other, ``--clear --all`` the other too."""
+    from commfuse import env
+    from commfuse.runtime import tuning
+    from commfuse.runtime.paths.base import Call
+    from commfuse.tools import machine
+
+    sig = tuning.Signature.of(Call("mm_all_reduce", 4000, 4096, 8192, torch.bfloat16, 2)).text()
+    entry = tuning.Entry("fused", "one_shot", {"nccl": 500.0, "one_shot": 300.0, "fused": 250.0,
+                                               "split_k": math.inf}, ["split_k"], 0.03)
+    with env.override(cache_dir=str(tmp_path)):
+        key = tuning.machine_key(machine.simulated(2, "sm_90"))
+        mine = tuning.cache_path(key)
+        tuning.write(mine, key, {sig: entry})
+        other_key = dict(key, gpu="NVIDIA B200", arch="sm_100")
+        other = tuning.cache_path(other_key)
+        tuning.write(other, other_key, {sig: entry})
+    assert mine.exists() and mine.with_suffix(".lock").exists() and other.exists()
+    cache = {"COMMFUSE_CACHE_DIR": str(tmp_path)}
+    if not torch.cuda.is_available():
+        proc = _run("-m", "commfuse", "tune", "--show", env=cache)
+        assert proc.returncode == 0 and "this machine has no CUDA GPU" in proc.stdout, proc.stderr
+    proc = _run("-m", "commfuse", "tune", "--show", "--gpu", "sm_90", env=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{mine} (NVIDIA H200, world 2, 1 signature)" in proc.stdout
+    assert (f"| {sig} | fused | one_shot | 0.03 | 0.833 | nccl 500.0, one_shot 300.0, fused 250.0, split_k failed |"
+            in proc.stdout), proc.stdout
+    assert f"(1 more cache files in {tmp_path} for other machines, versions or settings)" in proc.stdout
+    proc = _run("-m", "commfuse", "tune", "--clear", "--gpu", "sm_90", "--gpus", "2", env=cache)
+    assert proc.returncode == 0 and f"removed 1 cache file from {tmp_path}" in proc.stdout, proc.stderr
+    assert not mine.exists() and not mine.with_suffix(".lock").exists() and other.exists()
+    proc = _run("-m", "commfuse", "tune", "--clear", "--all", env=cache)
+    assert proc.returncode == 0 and f"removed 1 cache file from {tmp_path}" in proc.stdout, proc.stderr
+    assert not list(tmp_path.glob("tuned-*"))
+
+
+def test_tune_runs_a_script_as_main_with_tuning_on_first_use(tmp_path, monkeypatch, capsys):
+    """``tune -- SCRIPT ARGS``: the script runs in this process as ``__main__`` with its own
+    arguments and COMMFUSE_TUNE=first-use in force; its exit status is the command's; then the
+    count of tuned signatures (none here: the CPU runs the unfused ops)."""
+    from commfuse import env
+    from commfuse.tools import tune
+
+    monkeypatch.setenv("COMMFUSE_TUNE", "off")  # restored after the test
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    seen = tmp_path / "seen.txt"
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nfrom commfuse import env\n"
+                      f"open({str(seen)!r}, 'w').write(' '.join([__name__, env.current().tune, *sys.argv[1:]]))\n"
+                      "sys.exit(3)\n")
+    try:
+        assert tune.run_script(str(script), ["--steps", "2"]) == 3
+    finally:
+        monkeypatch.undo()
+        env.reload()
+    assert seen.read_text() == "__main__ first-use --steps 2"
+    assert f"commfuse tune: {script}: 0 call signatures tuned in 0.0 s" in capsys.readouterr().out

@@ -29,7 +29,7 @@ def test_hf_llama_split_by_its_own_plan_fuses_every_row_parallel_linear():
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_model_benchmark_runs_the_transformers_model(tmp_path):
     out = tmp_path / "hf.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse.bench",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse", "bench",
            "model", "--small", "--layers", "1", "--models", "hf", "--modes", "prefill,decode,train",
            "--backends", "eager,commfuse", "--iters", "2", "--seq", "32", "--batch", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,

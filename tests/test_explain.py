@@ -64,3 +64,57 @@ def test_explain_bad_sizes_are_clear_errors():
 def test_cli_usage():
     proc = subprocess.run([sys.executable, "-m", "commfuse", "frobnicate"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown command" in proc.stderr
+
+
+def _record(shape=(4096, 4096, 8192), module="layers.0.attention.wo"):
+    from commfuse.report import MatchRecord
+
+    return MatchRecord("mm_all_reduce", "forward#0", "all_reduce", "mm", True, "fused", shape, "bfloat16", "0",
+                       module)
+
+
+def test_path_column_says_where_each_choice_comes_from(tmp_path):
+    """Per fused call: the path the policy picks on the simulated GPU, from the rules, a tuned
+    answer of this machine's cache, tuning at first use, COMMFUSE_ALGO, or why NCCL."""
+    import torch
+
+    from commfuse import env
+    from commfuse.report import Report
+    from commfuse.runtime import tuning
+    from commfuse.runtime.paths.base import Call
+    from commfuse.tools import explain, machine
+
+    rep = Report([_record(), _record((16, 2048, 4096), "layers.0.feed_forward.w2")])
+    big, small = explain.paths(rep, "sm_90", 2)
+    assert " ".join(big.split()) == ("layers.0.attention.wo mm_all_reduce 4096x4096x8192 bfloat16 w2 -> fused "
+                                     "[rules: fused when m >= 4096, k_le_m = True (sm_90 world 2)]")
+    assert "-> split_k" in small and "[rules: split_k when m <= 128" in small
+    assert all("-> nccl" in line and "[unsupported: one rank: nothing to exchange]" in line
+               for line in explain.paths(rep, "sm_90", 1))
+    with env.override(algo="two_shot"):
+        assert "-> two_shot [forced: COMMFUSE_ALGO=two_shot]" in " ".join(explain.paths(rep, "sm_90", 2)[0].split())
+    with env.override(cache_dir=str(tmp_path), tune="cache"):
+        key = tuning.machine_key(machine.simulated(2, "sm_90"))
+        sig = tuning.Signature.of(Call("mm_all_reduce", 4096, 4096, 8192, torch.bfloat16, 2)).text()
+        tuning.write(tuning.cache_path(key), key, {sig: tuning.Entry("one_shot", "fused", {}, [], 0.03)})
+        big, small = (" ".join(line.split()) for line in explain.paths(rep, "sm_90", 2))
+        assert "-> one_shot [cache: tuned on this machine for this GPU]" in big
+        assert "-> split_k [rules: split_k" in small  # no kept answer: the rules
+    with env.override(cache_dir=str(tmp_path), tune="first-use"):
+        small = explain.paths(rep, "sm_90", 2)[1]
+        assert "[tuned at its first call (COMMFUSE_TUNE=first-use); until then rules: split_k" in small
+
+
+@pytest.mark.slow
+def test_explain_prints_the_path_of_every_fused_call():
+    """The calls come from the compiled graph's fused nodes: the sequence-parallel split's gathers
+    along the sequence (dim 1 of [batch, seq, dim]) are calls in 2 slabs, which the fused
+    all-gather kernel does not take."""
+    out = _explain("--model", "sp", "--layers", "1", "--batch", "2", "--seq", "256", "--inference")
+    assert "Paths on 2 simulated sm_90 GPUs (NVIDIA H200, 132 SMs)" in out, out
+    lines = [line for line in out.splitlines() if line.startswith("  layers.")]
+    assert len(lines) == 4
+    assert "layers.0.attention.wq all_gather_mm 512x256x128 bfloat16 w2 dim1x2 -> symm" in " ".join(lines[0].split())
+    assert all("[rules: " in line and "(sm_90 world 2)]" in line for line in lines)
+    gpus = _explain("--model", "sp", "--layers", "1", "--batch", "2", "--seq", "256", "--inference", "--gpu", "sm_80")
+    assert "Paths on 2 simulated sm_80 GPUs" in gpus and "(default world 2)]" in gpus

@@ -1,5 +1,5 @@
 """A transformers ``LlamaForCausalLM`` built from a config (random weights, no download) and split by
-the model's own tensor-parallel plan, for ``examples/hf_llama.py`` and ``commfuse.bench model --models hf``.
+the model's own tensor-parallel plan, for ``examples/hf_llama.py`` and ``python -m commfuse bench model --models hf``.
 
 The plan is ``config.base_model_tp_plan`` (``"colwise"`` for q/k/v and gate/up, ``"rowwise"`` for
 o_proj and down_proj), applied to the decoder with DTensor's ``ColwiseParallel`` / ``RowwiseParallel``.

@@ -1,3 +1,4 @@
-"""Benchmarks, diagnostics and test helpers: the ops and model benchmarks, per-call timing inside a
-model, the compute-only floor, a group of ranks emulated on one GPU, ``explain``. Nothing in the
-compile-time, op or run-time layers imports this package."""
+"""The command line's tools and what the benchmarks share: ``explain``, the ops and model
+benchmarks (``bench``, ``bench_model``), ``tune``, the GPU timer, the group facts the tools decide
+with, per-call timing inside a model, the compute-only floor, a group of ranks emulated on one GPU.
+Nothing in the compile-time, op or run-time layers imports this package."""

@@ -45,7 +45,7 @@ OUT = HERE / "dispatch_golden.json"
 ROWS = (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 511,
         512, 513, 1000, 1023, 1024, 1025, 1536, 2047, 2048, 2049, 3072, 4095, 4096, 4097, 6144,
         8191, 8192, 8193, 12288, 16383, 16384, 16385, 24576, 32768)
-# (K, N): the ops benchmark's shapes (commfuse/bench.py), then odd ones; every op takes them all.
+# (K, N): the ops benchmark's shapes (commfuse/tools/bench.py), then odd ones; every op takes them all.
 KN = ((14336, 8192), (4096, 8192), (7168, 4096), (2048, 4096),  # MM_AR_SHAPES
       (1024, 1024), (2048, 2048), (4096, 4096), (8192, 5120), (8192, 28672), (4096, 7168),  # AG_MM_SHAPES
       (1000, 3000), (4100, 8190), (33, 17), (16384, 16384), (14336, 4096), (128, 128), (3, 5),
