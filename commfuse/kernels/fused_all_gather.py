@@ -185,8 +185,9 @@ def chunk_flag_slots(rows: int, world: int) -> int:
 def ce_flag_base(rows: int, world: int) -> int:
     """First tile-flag slot of the copy engines' chunk flags, past every slot the programs' pushes
     use (a multiple of ``world``: slot = writer mod world still holds). Two ranks that disagree on
-    who pushes (``COMMFUSE_AG_PUSH``) then wait for flags nobody writes and time out with an error,
-    instead of one of them reading rows that were not pushed yet."""
+    who pushes (the path configuration's ``push``, or a rank without peer views or the stream
+    write, whose programs push instead) then wait for flags nobody writes and time out with an
+    error, instead of one of them reading rows that were not pushed yet."""
     return world * tiles.cdiv(rows, CHUNK_ROWS)
 
 
