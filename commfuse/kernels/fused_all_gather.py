@@ -57,8 +57,8 @@ def _proxy_fence():
 def _chunk_ptrs(base, first_row, c, K, k0, row_end, CH: tl.constexpr, PUSH_K: tl.constexpr):
     """Pointers and mask of a [CH, PUSH_K] block of a dense [*, K] area: rows ``first_row + c*CH``
     onwards (up to ``row_end``), columns ``k0`` onwards. The accesses are 16-byte vectors when
-    Triton specialises K as a multiple of 16 (hidden sizes are); other K (multiples of 8, the
-    dispatch's rule) still work, with 2-byte accesses."""
+    Triton specialises K as a multiple of 16 (hidden sizes are); other K (multiples of 8, as
+    ``runtime.paths.base.tile_support`` lets through) still work, with 2-byte accesses."""
     rows = first_row + c * CH + tl.arange(0, CH)
     cols = k0 + tl.arange(0, PUSH_K)
     mask = (rows[:, None] < row_end) & (cols[None, :] < K)

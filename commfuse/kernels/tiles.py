@@ -17,7 +17,7 @@ from .launch import run as run_kernel
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
-except Exception:  # pragma: no cover - older Triton: dispatch offers no tile kernel
+except Exception:  # pragma: no cover - older Triton: no path offers a tile kernel (GroupFacts.tma)
     TensorDescriptor = None
 
 
