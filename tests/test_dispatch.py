@@ -191,7 +191,7 @@ def test_small_outputs_take_small_tiles():
 
 
 def test_all_gather_mm_choice():
-    # 1024-2048 gathered rows and small outputs: the fused kernel (measured 1024^3, 2048^3)
+    # 1024-2048 gathered rows and small outputs: the fused kernel
     assert choose(AG, 2048, 2048, 2048) == "fused"
     assert choose(AG, 1024, 1024, 1024) == "fused"
     assert choose(AG, 2048, 4096, 7168) == "overlap"  # a larger output
@@ -200,9 +200,9 @@ def test_all_gather_mm_choice():
     assert choose(AG, 2048, 2048, 2048, torch.float32) == "symm"  # not fp32
     assert choose(AG, 512, 2048, 2048) == "symm"  # not measured below
     assert choose(AG, 4096, 4096, 4096) == "overlap"
-    # GEMM-bound (the gather is a few % of the GEMM): overlapped all the same (1.01-1.03x measured)
+    # GEMM-bound (the gather is a few % of the GEMM): overlapped all the same
     assert choose(AG, 8192, 8192, 28672) == "overlap"
-    # ... and only that: the other paths were never timed at such N
+    # ... and only that: the rules have no evidence for the other paths at such N
     assert choose(AG, 2048, 8192, 28672) == "overlap"  # not the fused kernel
     assert choose(AG, 2048, 64, 16384) == "nccl"  # too little work to overlap
     assert choose(AG, 8192, 8192, 28672, rows_dim=1, slabs=4) == "nccl"
@@ -617,8 +617,8 @@ def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(fresh_groups
 @pytest.mark.parametrize("world", [4, 8])
 def test_fused_kernels_at_4_and_8_ranks(world):
     """The fused kernels' rules are per shape, so 4 and 8 ranks take them where 2 do; their
-    world-dependent sizes (shares, slabs, chunk flags, workspace) follow the world size (never
-    yet timed at 4 or 8 ranks)."""
+    world-dependent sizes (shares, slabs, chunk flags, workspace) follow the world size (the
+    rules for 4 and 8 ranks are carried over from 2, not measured there)."""
     facts = GroupFacts.simulated(world)
     assert choose(AR, 8192, 4096, 8192, world=world) == "fused"
     assert choose(AG, 2048, 4096, 2048, world=world) == "fused"
@@ -792,7 +792,7 @@ def test_gemm_bound_all_reduces_take_the_copy_engines():
     assert choose(AR, 4096, 4096, 8192) == "fused"  # 4096 rows: from K = 7168 only
     assert choose(AR, 8192, 2048, 4096) == "fused"  # comm-bound: the fused kernel
     assert choose(AR, 2048, 14336, 8192) == "fused"  # too few rows: the SM kernel
-    assert choose(AR, 8192, 7168, 4096, world=4) == "fused"  # untimed at 4 ranks
+    assert choose(AR, 8192, 7168, 4096, world=4) == "fused"  # carried over to 4 ranks
     assert choose(AR, 8192, 7168, 4096, forced="one_shot") == "one_shot"  # a forced path still wins
 
 

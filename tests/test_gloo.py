@@ -173,10 +173,10 @@ def _uneven_shards(rank: int, group) -> None:
 
 
 def _review_forms(rank: int, group) -> None:
-    """Forms a review found: an all-gather whose product Inductor turns into ``addmm`` with the
-    residual as a per-row bias (the op checked that bias against the shard's rows and raised),
-    and a reduce-scatter of a cat of only some of a split's pieces (matched as the whole tensor:
-    a result of the wrong shape)."""
+    """Two forms the patterns must get right: an all-gather whose product Inductor turns into
+    ``addmm`` with the residual as a per-row bias (the op must check that bias against the
+    gathered rows, not the shard's, or it raises), and a reduce-scatter of a cat of only some of a
+    split's pieces (matched as the whole tensor, it would give a result of the wrong shape)."""
     import commfuse
 
     x, w, r = torch.randn(16, 32), torch.randn(24, 32), torch.randn(16 * WORLD, 24)

@@ -226,8 +226,8 @@ def test_excluded_module_is_not_merged(world2):
 
 @pytest.mark.parametrize("sp", [False, True], ids=["dtensor", "sequence_parallel"])
 def test_transformer_backward_reduces_each_input_gradient_once(world, sp):
-    """q/k/v and w1/w3 input gradients: one fused collective each per layer (the sequence-parallel
-    sum was left to NCCL before: its reduce-scatter read an add, not a matmul)."""
+    """q/k/v and w1/w3 input gradients: one fused collective each per layer (unmerged, the
+    sequence-parallel sum would stay NCCL: its reduce-scatter reads an add, not a matmul)."""
     cfg = demo.sized_config(True, 2, world)
     model = demo.parallelize_dtensor(demo.Transformer(cfg), init_device_mesh("cpu", (world,)), sequence_parallel=sp)
     x = torch.randn(2, 32 // world if sp else 32, cfg.dim, requires_grad=True)

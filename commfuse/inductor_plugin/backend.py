@@ -31,7 +31,7 @@ def _inductor_option_names() -> frozenset[str]:
 def inductor_options(options: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     """``options`` as Inductor config patches, each name checked, with ``-`` read as ``_`` (as
     ``torch.compile`` does for Inductor). An unknown name raises here, in one line, rather than
-    inside Inductor's compile, where it surfaced as an ``AttributeError`` deep in a traceback."""
+    inside Inductor's compile, where it would surface as an ``AttributeError`` deep in a traceback."""
     if options is None:
         return {}
     if not isinstance(options, Mapping):

@@ -1,8 +1,11 @@
 """Triton exchange kernels over a symmetric workspace: all-reduce (one-shot, two-shot) of a partial
-that a GEMM already wrote into symmetric memory, and the pull of peers' shards for an all-gather.
+that a GEMM already wrote into symmetric memory, the graph lane's staged one-shot of a local
+tensor, the pull of peers' shards for an all-gather, a reduce-scatter, and a bare barrier.
 
-Peers' memory is read with ``iris.load`` against the workspace's heap-bases table; every kernel
-starts with the epoch signal/wait of ``sync.py``.
+Peers' memory is read with ``iris.load`` against the workspace's heap-bases table. Every kernel
+starts with the epoch signal/wait of ``sync.py``, except the staged one-shot, which first copies
+its blocks of the local tensor into this rank's half of the lane (its signal then tells the peers
+those blocks are there to read).
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ def _proxy_fence():
 def _chunk_ptrs(base, first_row, c, K, k0, row_end, CH: tl.constexpr, PUSH_K: tl.constexpr):
     """Pointers and mask of a [CH, PUSH_K] block of a dense [*, K] area: rows ``first_row + c*CH``
     onwards (up to ``row_end``), columns ``k0`` onwards. The accesses are 16-byte vectors when
-    Triton specialises K as a multiple of 16 (hidden sizes are); other K (multiples of 8, the
-    dispatch's rule) still work, with 2-byte accesses."""
+    Triton specialises K as a multiple of 16 (hidden sizes are); other K (multiples of 8, as
+    ``runtime.paths.base.tile_support`` lets through) still work, with 2-byte accesses."""
     rows = first_row + c * CH + tl.arange(0, CH)
     cols = k0 + tl.arange(0, PUSH_K)
     mask = (rows[:, None] < row_end) & (cols[None, :] < K)
@@ -185,8 +185,9 @@ def chunk_flag_slots(rows: int, world: int) -> int:
 def ce_flag_base(rows: int, world: int) -> int:
     """First tile-flag slot of the copy engines' chunk flags, past every slot the programs' pushes
     use (a multiple of ``world``: slot = writer mod world still holds). Two ranks that disagree on
-    who pushes (``COMMFUSE_AG_PUSH``) then wait for flags nobody writes and time out with an error,
-    instead of one of them reading rows that were not pushed yet."""
+    who pushes (the path configuration's ``push``, or a rank without peer views or the stream
+    write, whose programs push instead) then wait for flags nobody writes and time out with an
+    error, instead of one of them reading rows that were not pushed yet."""
     return world * tiles.cdiv(rows, CHUNK_ROWS)
 
 

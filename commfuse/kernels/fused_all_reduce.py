@@ -21,7 +21,7 @@ Each rank sends (world - 1) / world of the partial and of the result, as a two-s
 does, spread over the whole GEMM instead of after it. Waits are bounded (``sync.wait_flag``): a
 program whose wait timed out writes NaN for the rest of its tiles (and still releases them), and
 the error word names the op, this rank and the peer (a copy's timeout too, which makes that
-program's later own tiles NaN on every rank, as an own tile's timeout always did). Own tiles
+program's later own tiles NaN on every rank, as an own tile's timeout does). Own tiles
 wait only for the peers' earlier segments, which never wait. A copy of a peer's tile j waits
 for that peer's own tile j, which a running program claimed or will claim: every program of
 that peer that could be stuck is at an earlier position, a copy of a tile with a smaller index,
@@ -38,8 +38,8 @@ tile t at index t // world) and a result area indexed by tile, each tile a dense
 
 With ``SCATTER`` the same kernel is ``mm_reduce_scatter`` along rows: rank o owns the tiles of its
 share of the rows (numbered o * per + slot), and an own tile's sum is this rank's output only:
-no result area, no ``done`` flags, no reducers. With ``PULL`` too (``COMMFUSE_RS_PULL=1``, off:
-slower on every shape timed) a peer's tile stays in the writer's own memory, in the owner's slab
+no result area, no ``done`` flags, no reducers. With ``PULL`` too (``Options.pull``, a kernel
+option no path selects) a peer's tile stays in the writer's own memory, in the owner's slab
 there, released at once, and the owner loads it (``_pull_partials``); the reuse argument is the
 same, as an owner's call e + 1 waits for every writer's partials of e + 1.
 """
@@ -59,8 +59,8 @@ from .sync import (TRACE_SLOTS, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointe
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
 
-#: Ablations of the kernel for the tile sweep's breakdown of its time (``prepare(..., ablate=)``;
-#: results are wrong with any of them): pushes stored into this rank's own workspace instead of
+#: Ablations of the kernel for a benchmark's breakdown of its time (``Options.ablate``; results
+#: are wrong with any of them): pushes stored into this rank's own workspace instead of
 #: the peer's (no NVLink data), no waits, reducers that copy nothing.
 NO_REMOTE, NO_WAIT, NO_COPY = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
 ABLATIONS = {"no_remote": 1, "no_wait": 2, "no_copy": 4}
@@ -359,7 +359,7 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
 def _stagger(pid, programs, spread_ns):
     """Hold program ``pid`` until ``pid / programs`` of ``spread_ns`` after it began. Programs that
     start together finish their tiles together and push them at once, so the link idles during
-    the next K loops and then throttles every push (``NOTES.md`` §28-29, 31)."""
+    the next K loops and then throttles every push."""
     until = now() + (pid.to(tl.int64) * spread_ns) // programs
     while now() < until:
         pass
@@ -402,7 +402,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     trace_time(trace, 0, TRACE)
     if pid < compute:
         prev = pid * 0 - 1
-        if TICKETS:  # positions claimed in order: no residency needed (see README, known risks)
+        if TICKETS:  # positions claimed in order: no residency needed (docs/kernels.md, Residency)
             if STAGGER:
                 _stagger(pid, compute, stagger)
             j = 0  # positions this program multiplied (the trace's index)

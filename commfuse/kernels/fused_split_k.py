@@ -5,16 +5,15 @@ fixed order. No grid-wide barrier, no second kernel, no pull: what is left after
 and one flag (LL: the push alone).
 
 With few rows the GEMM streams the weight and the output is small, so the exchange costs
-latency, not bandwidth; a tile-per-program GEMM has too few tiles to stream at full speed (2-3x
-slower than cuBLAS below 1024 rows), hence the split of K into ``SPLIT`` slices: unit u is
-(tile u // SPLIT, slice u % SPLIT). A unit stores its fp32 slice into this rank's workspace and
-counts itself in the tile's arrival counter (local, gpu scope); the unit that arrives last adds
-the ``SPLIT`` slices in slice order (the same rounding whichever unit is last), adds the bias,
-rounds to the output dtype as the unfused partial is rounded, stores that sum into slot [rank,
-tile] of every rank's workspace and releases flag [tile, rank] on every peer. The tile's output
-is written after the program's next unit (the peers' pushes had that long to land): wait for
-the peers' flags (bounded, ``sync.wait_or_record``), add slots [0..world-1, tile] in rank order,
-so every rank writes the same bits.
+latency, not bandwidth; a tile-per-program GEMM has too few tiles to keep every SM streaming the
+weight, hence the split of K into ``SPLIT`` slices: unit u is (tile u // SPLIT, slice u % SPLIT). A
+unit stores its fp32 slice into this rank's workspace and counts itself in the tile's arrival
+counter (local, gpu scope); the unit that arrives last adds the ``SPLIT`` slices in slice order (the
+same rounding whichever unit is last), adds the bias, rounds to the output dtype as the unfused
+partial is rounded, stores that sum into slot [rank, tile] of every rank's workspace and releases
+flag [tile, rank] on every peer. The tile's output is written after the program's next unit (the
+peers' pushes had that long to land): wait for the peers' flags (bounded, ``sync.wait_or_record``),
+add slots [0..world-1, tile] in rank order, so every rank writes the same bits.
 
 Where few bytes are pushed (``uses_ll``; 16-bit outputs, not in a graph lane) the sums travel
 with their flags, as NCCL's LL protocol does: each 8-byte word holds two output values and a flag
@@ -25,29 +24,28 @@ that is most of the tail at few rows, for twice the bytes on the link. The flag'
 pattern arithmetic never writes (read as fp32 or bf16 a signalling NaN, as fp16 a negative NaN
 with a payload), its low ``LL_EPOCH_BITS`` bits the epoch's; the workspace restarts its epochs
 before those bits repeat and zeroes its data then and at allocation
-(``symm.Workspace._restart_epochs``), so a stale word carries the current flag only if raw bytes
-copied into the data halves held exactly that NaN. The reader loads the ranks' words of a tile
-in groups (``ll_group``: at 2 ranks both at once for blocks of up to 2048 values, the 16-row
-ones) and sums them in one fixed order, so a later rank, whose peers' words are already there,
-pays one local round trip per group instead of one per rank.
+(``runtime.workspace.Workspace.restart_epochs``), so a stale word carries the current flag only if
+raw bytes copied into the data halves held exactly that NaN. The reader loads the ranks' words of a
+tile in groups (``ll_group``: at 2 ranks both at once for blocks of up to 2048 values, the 16-row
+ones) and sums them in one fixed order, so a later rank, whose peers' words are already there, pays
+one local round trip per group instead of one per rank.
 
-In a graph lane (``symm.GraphLane``) the kernel keeps its epoch on the device, as the lane's
-staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA graph can
-capture the launch and replay it.
+In a graph lane (``runtime.workspace.GraphLane``) the kernel keeps its epoch on the device, as
+the lane's staged one-shot kernel does, and shares that kernel's epoch counters and flags: a CUDA
+graph can capture the launch and replay it.
 
 Where the units fit one wave (by default wherever the tiles do not outnumber the SMs: the
 slices are chosen so), program p takes unit p and no program touches the workspace's ticket:
-claiming cost the ticket's round trip at the start of every program and a failed claim's at its
-end, 0.3-0.8 µs of 9-29 µs calls at 16 and 128 rows (one H200, group of one,
-``benchmarks/results/h200/explore/split_k_{static_first,no_claim}*``). That needs all programs
-resident at once (the grid is at most one per SM, ``ws.max_programs``), as the exchange
-kernels' barriers do: where a kernel of another stream holds SMs on one rank, the programs that
-start late there hold up their peers' waits, which count against ``COMMFUSE_TIMEOUT_S`` (NaN
-and the error word beyond it). Calls of more units than programs claim every unit in order from
-the ticket by running programs, so no wait there depends on a program that has not started: a
-program waits only for a tile whose units it has all claimed, and so (claims being in the same
-order on every rank) has every rank that waits for it; a claimed unit pushes before its program
-waits. Parity halves alternate between calls as in ``fused_all_reduce.py``.
+a claim costs the ticket's round trip at the start of every program and a failed claim's at its
+end, a visible share of calls this short. That needs all programs resident at once (the grid is at
+most one per SM, ``ws.max_programs``), as the exchange kernels' barriers do: where a kernel of
+another stream holds SMs on one rank, the programs that start late there hold up their peers' waits,
+which count against ``COMMFUSE_TIMEOUT_S`` (NaN and the error word beyond it). Calls of more units
+than programs claim every unit in order from the ticket by running programs, so no wait there
+depends on a program that has not started: a program waits only for a tile whose units it has all
+claimed, and so (claims being in the same order on every rank) has every rank that waits for it; a
+claimed unit pushes before its program waits. Parity halves alternate between calls as in
+``fused_all_reduce.py``.
 """
 
 from __future__ import annotations
@@ -270,10 +268,9 @@ class SplitConfig:
         return f"{self.tile}k{self.split}" + {True: "ll", False: "fl", None: ""}[self.ll]
 
 
-#: LL words where each rank pushes at most this many values to its peers, all of them together
-#: (2xH200, ``explore/split_k_ll_a1817fe``, µs, LL / a flag per tile: 16x4096x8192 25.6 / 26.6,
-#: 16x14336x8192 61.7 / 62.9 (2^17 values); 32x2048x4096 15.5 / 15.5 (2^17); 128x2048x4096 20.2 / 17.7
-#: (2^19): twice the bytes on the link cost more than the fence and flag they replace).
+#: LL words where each rank pushes at most this many values to its peers, all of them together:
+#: beyond it the twice as many bytes on the link cost more than the fence and flag they replace
+#: (counted over all peers: a limit on rows would push ever more extra bytes as the group grows).
 LL_MAX_PUSHED = 1 << 17
 
 
@@ -310,19 +307,14 @@ MAX_ROWS = 256
 
 #: 65-128 rows from ``NARROW_MIN_K``: blocks of 128 x 64, 128 of which fill the SMs without K
 #: slices, so no fp32 slice is stored and summed; from ``NARROW_MIN_N`` columns in 8 stages of
-#: 64-deep K steps (2xH200, ``explore/split_k_sweep3_*``, µs, these blocks / before: 128x4096x8192
-#: 35.5 / one-shot 40.1, 128x14336x8192 76.8 / one-shot 79.7, 128x7168x4096 (two slices) 33.9 /
-#: 35.3; at K = 2048 the 64 x 64 blocks stayed ahead, 17.9 / 19.0).
+#: 64-deep K steps. Below ``NARROW_MIN_K`` the 64 x 64 blocks (with slices) stream faster.
 NARROW_MIN_N, NARROW_MIN_K = 8192, 4096
 
 
 def _narrow(m: int, n: int, programs: int) -> tiles.TileConfig | None:
     """Up to 32 rows: blocks of 16 rows by 32 or 64 columns (the narrower first), K steps of 256,
     where their count fills more than half the SMs and at most all, so one wave streams the
-    weight without K slices (none stored, none summed). Timed as a group of one on one H200
-    (``explore/split_k_one_gpu_a1817fe``, µs, against the blocks before): 16x2048x4096 16x32
-    9.5 / 10.2, 16x7168x4096 16x32 21.2 / 22.0, 32x2048x4096 16x64 10.8 / 12.0, 16x4096x8192
-    16x64 22.8 (the rule before had it)."""
+    weight without K slices (none stored, none summed)."""
     for bn in (32, 64):
         if programs // 2 < tiles.cdiv(m, 16) * tiles.cdiv(n, bn) <= programs:
             return tiles.TileConfig(bm=16, bn=bn, bk=256, stages=4, warps=4, group_m=1, reducers=0)
@@ -330,22 +322,21 @@ def _narrow(m: int, n: int, programs: int) -> tiles.TileConfig | None:
 
 
 def one_row_block(m: int, k: int) -> bool:
-    """65-128 rows from ``NARROW_MIN_K``: the 128 x 64 blocks of ``wide_tile``, which
-    ``dispatch.split_k_by_default`` also lets take larger outputs."""
+    """65-128 rows from ``NARROW_MIN_K``: the 128 x 64 blocks of ``wide_tile``, which the
+    split-K rules (``runtime/rules/*.json``) also let take larger outputs."""
     return 64 < m <= 128 and k >= NARROW_MIN_K
 
 
 def config(m: int, k: int, n: int, programs: int, split: int | None = None,
            tile: tiles.TileConfig | None = None, ll: bool | None = None) -> SplitConfig:
     """Blocks of 16 or 32 rows by 128 columns up to 32 rows (few rows waste little), 64 x 64 up
-    to 128 rows, 128 x 128 beyond (2xH200, ``split_k_sweep1/2``); up to 32 rows the ``_narrow``
-    blocks where they fill the SMs once, and 128 x 64 for 65-128 rows from
-    ``NARROW_MIN_K`` (K steps of 64 in 8 stages from ``NARROW_MIN_N`` columns, else of 128 in 4;
-    ``split_k_sweep3/5``; measured at 16 and 128 rows, taken for the rows between alike); and
-    enough K slices that the units fill ``programs`` once (one wave:
+    to 128 rows, 128 x 128 beyond; up to 32 rows the ``_narrow`` blocks where they fill the SMs
+    once, and 128 x 64 for 65-128 rows from ``NARROW_MIN_K`` (K steps of 64 in 8 stages from
+    ``NARROW_MIN_N`` columns, else of 128 in 4; chosen at 16 and 128 rows, taken for the rows
+    between alike); and enough K slices that the units fill ``programs`` once (one wave:
     with few rows the tail after the GEMM is latency, which more waves would not hide), each at
     least two K steps long. Shape and the group's SM count only, so the same on every rank.
-    ``split``, ``tile`` and ``ll`` (``SplitConfig.ll``) override (sweeps)."""
+    ``split``, ``tile`` and ``ll`` (``SplitConfig.ll``) override (path configurations)."""
     tile = tile or (_narrow(m, n, programs) if m <= 32 else None) or wide_tile(m, k, n)
     if split is None:
         count = tiles.cdiv(m, tile.bm) * tiles.cdiv(n, tile.bn)
@@ -358,13 +349,12 @@ def config(m: int, k: int, n: int, programs: int, split: int | None = None,
 def wide_tile(m: int, k: int, n: int) -> tiles.TileConfig:
     """``config``'s blocks where ``_narrow`` has none. Whatever the SM count, at least as tall
     and as wide as those, so with the most slices they bound the workspace of any tiling
-    (``dispatch.split_k_workspace_bytes``)."""
+    (``runtime.paths.split_k.plan_bytes``)."""
     if m <= 32:
         return tiles.TileConfig(bm=16 if m <= 16 else 32, bn=128, bk=128, stages=4, warps=4, group_m=1,
                                 reducers=0)
     if one_row_block(m, k):  # the activation is read once per 64 columns; where 128 such blocks
-        # fill the SMs without slices, 8 stages of 64 streamed a little faster
-        # (``split_k_sweep5_128``: 128x14336x8192 75.9 / 77.8 µs, 128x4096x8192 35.3 / 35.8)
+        # fill the SMs without slices, 8 stages of 64-deep K steps stream a little faster
         deep = n >= NARROW_MIN_N
         return tiles.TileConfig(bm=128, bn=64, bk=64 if deep else 128, stages=8 if deep else 4, warps=4,
                                 group_m=1, reducers=0)
@@ -389,8 +379,9 @@ def flag_slots(m: int, n: int, world: int, cfg: SplitConfig) -> int:
 
 def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters: int,
                 flag_limit: int) -> str | None:
-    """Why this kernel cannot take the call beyond what every tile kernel needs
-    (``dispatch.fused_unsupported``), or None."""
+    """Why this kernel cannot take the call beyond what the fused all-reduce kernel needs
+    (``runtime.paths.tile_all_reduce.fused_support``, which ``runtime.paths.split_k`` checks
+    first), or None."""
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"
     # the wide blocks' tiles: a narrow tiling has at most one per SM, far below both limits

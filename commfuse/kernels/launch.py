@@ -1,21 +1,18 @@
 """Launch a Triton kernel with less host work once Triton has launched the same specialisation.
 
 ``kernel[grid](...)`` binds every argument, builds a cache key from their specialisation, checks
-the kernel's globals and only then launches: tens of µs of host per launch, paid several times
-per collective call (the copy-engine overlap launches a barrier per chunk). A training step
-measured host-bound on these calls (``benchmarks/results/h200x2/explore/diag_skew_ea260fa.log``).
+the kernel's globals and only then launches: host work per launch comparable to a small
+exchange's whole GPU time, paid several times per collective call (the copy-engine overlap
+launches a barrier per chunk), and a model step whose host is the limit waits for it.
 After the first launch through Triton, this keeps the compiled kernel under a key at least as fine
 as Triton's specialisation (integers equal to 0 or 1 or divisible by 16, their width, pointer
 alignment, descriptor shapes) and launches it directly (``configure(False)`` turns it off; the
 run-time passes ``COMMFUSE_FAST_LAUNCH``).
 
-Host-bound loops of one call could not see the saving (it was dropped once for that); inside the
-DTensor model, where the host's caches are cold, the fused call's host time fell from ~490 to
-~300 us in prefill and the steps got 0.04-0.26 ms faster than with it off in the same rounds
-(``model/model_calls*_353b127``, ``NOTES.md`` §30). ``Bound`` goes further for launches repeated
-from one call site (a barrier per copy-engine chunk, the fused kernels once per call): only the
-arguments that change are checked and put in place, which cut a copy-engine call's host work inside
-the model by a fifth to two fifths (§31).
+The saving shows inside a model, where the host's caches are cold between calls; a loop of one
+call, whose caches stay warm, hides it. ``Bound`` goes further for launches repeated from one call
+site (a barrier per copy-engine chunk, the fused kernels once per call): only the arguments that
+change are checked and put in place.
 """
 
 from __future__ import annotations

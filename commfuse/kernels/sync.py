@@ -2,11 +2,13 @@
 bounded waits that record who did not arrive instead of hanging.
 
 A flag slot holds the epoch (call number) its writer last reached; epochs only grow, so a wait is
-``flag >= epoch`` and nothing is ever reset. A wait that passes ``timeout_ns`` writes
-``[1, op, rank, peer]`` into a pinned host word (the workspace's ``err``) and lets the kernel
-finish; the run-time raises on its next check. Grids are at most as many programs as fit on the GPU at once (one per
-SM, or what the fused kernel's compiled size allows), so all programs are resident and spinning
-cannot starve a signaller, unless other work holds SMs while they spin (see README, known risks).
+``flag >= epoch`` and no flag is reset between calls (only when the workspace restarts its epochs
+near their limit, collectively). A wait that passes ``timeout_ns`` writes ``[1, op, rank, peer,
+epoch]`` into a pinned host word (the workspace's ``err``, ``runtime/errors.py`` reads it) and lets
+the kernel finish; the run-time raises on its next check. Grids are at most as many programs as fit
+on the GPU at once (one per SM, or what the fused kernel's compiled size allows), so all programs
+are resident and spinning cannot starve a signaller, unless other work holds SMs while they spin
+(docs/kernels.md, Residency).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from .launch import run as run_kernel
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
-except Exception:  # pragma: no cover - older Triton: dispatch offers no tile kernel
+except Exception:  # pragma: no cover - older Triton: no path offers a tile kernel (GroupFacts.tma)
     TensorDescriptor = None
 
 
@@ -99,7 +99,8 @@ def claim(ticket, base):
 class TileConfig:
     """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums
     instead of multiplying (0: the multiplying programs copy them, in the ticket order, which
-    ``dispatch.tile_config`` picks for every call; 16, this class's default, for sweeps);
+    ``runtime.paths.tile_all_reduce.tile_config`` picks for every call; 16, this class's default,
+    where a path configuration asks for reducer programs);
     ``per_sm``: programs per SM (2 lets one program's epilogue stores drain while the other
     multiplies; the launcher lowers it to what the compiled kernel fits)."""
 
@@ -152,7 +153,7 @@ def resident_programs(kernel, device: torch.device) -> int:
     return max(0, min(regs_per_sm // regs, smem_per_sm // smem, 2048 // threads))
 
 
-#: What the tile kernels take (``dispatch.fused_unsupported`` says why a call cannot go there).
+#: What the tile kernels take (``runtime.paths.base.tile_support`` says why a call cannot go there).
 FUSABLE_DTYPES = (torch.float16, torch.bfloat16)
 
 

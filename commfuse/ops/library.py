@@ -76,9 +76,9 @@ def _group_size(op: str, group_name: str) -> int:
 
 
 #: The ops' library. Defined at this level (schema, then a kernel per dispatch key), not through
-#: ``torch.library.custom_op``: its Python wrappers (autograd, output checks, a dynamo guard) cost
-#: about 10 µs a call, which a decode step pays per layer. The ops have no autograd formula: they
-#: run inside compiled graphs, whose backward is a graph of its own.
+#: ``torch.library.custom_op``: its Python wrappers (autograd, output checks, a dynamo guard) add
+#: host work to every call, which a decode step pays per layer. The ops have no autograd formula:
+#: they run inside compiled graphs, whose backward is a graph of its own.
 _LIB = torch.library.Library("commfuse", "DEF")
 _LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name) -> Tensor")
 _LIB.define("all_gather_mm(Tensor shard, Tensor b, Tensor? bias, int gather_dim, int world_size, str group_name, "

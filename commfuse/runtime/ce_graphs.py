@@ -88,9 +88,9 @@ def _clear_cublas_workspaces() -> None:
 
 def _capture(body, device: int):
     """``body(sides)`` captured (not run) into a CUDA graph, on a helper thread, in a memory pool of
-    its own: a pool shared by every graph was released by PyTorch once the graphs using it were
-    all dropped, and a later capture into it failed an internal assertion of the caching allocator
-    and left the CUDA generator mid-capture (GPU emulation of 4 ranks after 2). The cause of a
+    its own: a pool shared by every graph is released by PyTorch once the graphs using it are all
+    dropped, and a later capture into it fails an internal assertion of the caching allocator and
+    leaves the CUDA generator mid-capture (ranks emulated on one GPU, 4 after 2). The cause of a
     failure is what raises, not the capture's end that fails after it."""
     cap, *sides = _capture_streams(device)
     graph = torch.cuda.CUDAGraph()

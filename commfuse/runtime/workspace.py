@@ -14,7 +14,7 @@ replays use: its epochs live on the device, so a replay needs no host step (``ke
 Every device tensor a workspace or lane keeps (flags, heap bases, epoch counters) lives inside its
 symmetric buffer, never in PyTorch's caching allocator: the first call of a group may run inside a
 CUDA-graph warm-up, whose allocations come from the graph's private pool and are reused by later
-captures (a heap-bases table there was overwritten: illegal addresses).
+captures (a heap-bases table there would be overwritten: illegal addresses).
 
 Layout of a workspace::
 
@@ -48,7 +48,9 @@ COUNTER_BYTES = 32 * 1024
 #: Epoch flag slots (int32) the fused kernels may use.
 TILE_FLAG_SLOTS = (TILE_FLAG_BYTES - COUNTER_BYTES - TICKET_BYTES) // 4
 HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
-#: The last bytes of each header hold the heap-bases table (int64 per rank): up to 128 ranks.
+#: The heap-bases table (int64 per rank: up to 128 ranks) fills the last bytes of the workspace's
+#: flag area (before ``FLAG_BYTES``; the header itself ends with the epoch cell and the ticket) and
+#: of the graph lane's header (before ``GRAPH_FLAG_BYTES``).
 BASES_BYTES = 1024
 #: Epochs restart (collectively, flags and data zeroed) before they reach this: the int32 flags
 #: never overflow, and the split-K kernel's LL words, whose flags hold an epoch's low 21 bits
@@ -90,8 +92,8 @@ class Workspace:
     broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
     ticket_base: int = 0  # the ticket's value at the next fused call (claims so far, counted here)
     _keepalive: object = None  # provider handle (rendezvous handle / Iris context)
-    #: (peer, parity) -> that peer's data half as bytes, made once: the provider's view costs tens
-    #: of µs of host, and the copy-engine overlaps need one per peer per call
+    #: (peer, parity) -> that peer's data half as bytes, made once: the provider's view is slow to
+    #: make on the host, and the copy-engine overlaps need one per peer per call
     _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
     #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
     _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -243,8 +245,9 @@ class Workspace:
         return self.buffer[start:start + nbytes].view(dtype).view(shape)
 
 
-#: Graph-lane header: int64 flags (epochs never wrap; one slot per program per rank), then the
-#: per-program epoch counters, then the heap bases.
+#: Graph-lane header: int64 flags (epochs never wrap; one slot per program per rank for the staged
+#: one-shot, one per tile per rank for the lane's split-K), then this rank's split-K words
+#: (``GRAPH_LOCAL_BYTES``), then the per-program epoch counters, then the heap bases.
 GRAPH_FLAG_BYTES = 16 * 1024
 #: Per-program epoch counters of the graph lane: at least the largest grid (one program per SM).
 GRAPH_SLOTS = 256

@@ -1,4 +1,7 @@
-"""Record today's dispatch answers (``commfuse/kernels/dispatch.py``) as a golden file.
+"""Record the answers of the hand-written dispatch (``commfuse/kernels/dispatch.py``, which
+``runtime/policy.py`` and the rules replaced) as a golden file. It imports that dispatch and its
+workspace module (``commfuse.kernels.symm``), so it runs only on a checkout that still has them:
+the golden file's header names the commit it was recorded at.
 
 For every enumerated call it stores the path the dispatch picks, the per-parity workspace bytes
 the planner functions (``*_workspace_bytes``) would ask for, and, for ``mm_all_reduce``, whether

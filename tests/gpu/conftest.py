@@ -1,5 +1,5 @@
-"""The session's NCCL process group for the GPU tests (run under torchrun, one GPU per rank), and
-settings for the rest of a test."""
+"""One NCCL process group for the whole pytest run of the GPU tests (under torchrun, one GPU per
+rank), and settings for the rest of a test."""
 
 from __future__ import annotations
 

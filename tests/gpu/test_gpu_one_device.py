@@ -7,7 +7,7 @@ and really wait on each other's flags. The kernels' launchers and the paths' own
 (``runtime/paths/*.py``: ``overlapped``, a path object's ``run``) are called directly, every knob
 an argument. What one GPU cannot show is the link (remote stores here are local) and
 several processes; the ranks' tile ownership, flag counts, shares, epochs and parity reuse at 4
-and 8 ranks it does, where no 4- or 8-GPU machine was lent. Runs in one process (skipped under
+and 8 ranks it does, on a machine with a single GPU. Runs in one process (skipped under
 torchrun, where rank 0 alone running these would leave the other ranks waiting in their
 collective tests):
 
@@ -339,11 +339,10 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
     refilled in place and outputs poisoned in place each call (a graph holds their addresses), so
     a replay that read stale inputs or left an element unwritten shows."""
     # Eight emulated ranks' graphs of three branches each (24 concurrent, two of them spinning per
-    # rank) timed out at 8 ranks (rank 2 waiting 20 s for rank 7, one_device_adds_89be2c0.log),
-    # most likely the queue sharing of NOTES.md §32: the graphs' branches share the device's
-    # hardware queues, so one rank's spinning barrier can hold another rank's back, which a
-    # process per GPU never does (nothing a rank waits for sits behind its own adds). 8 ranks keep
-    # one side stream (two branches, which passed before); 2 and 4 ranks use three.
+    # rank) can time out (a rank waiting out the bound for another), most likely because the
+    # graphs' branches share the device's hardware queues, so one rank's spinning barrier can hold
+    # another rank's back, which a process per GPU never does (nothing a rank waits for sits behind
+    # its own adds). 8 ranks keep one side stream (two branches); 2 and 4 ranks use three.
     side_count = 3 if world <= 4 else 1
     m, k, n = 4096, 256, 512  # four 1024-row chunks
     cfg = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m))

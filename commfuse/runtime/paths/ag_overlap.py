@@ -6,8 +6,7 @@ engines (no SMs) pull the peers' shards on a side stream, then the peers' rows m
                [ copy engines: pull the peers' shards ]             (side stream)
 
 The shard is first copied into the workspace, where the peers pull it, and the local GEMM reads that
-copy. A batch
-of sequences gathered along the sequence (``Call.slabs`` > 1) runs slab by slab, one GEMM and one
+copy. A batch of sequences gathered along the sequence (``Call.slabs`` > 1) runs slab by slab, one GEMM and one
 copy per rank's block of each slab.
 """
 

@@ -11,13 +11,15 @@ chunk. A barrier kernel learns that every rank's rows of a chunk are ready, the 
 the peers' rows of it and one local add sums them in rank order; barriers, pulls and adds each run
 on a side stream of their own, so the pulls go back to back while later barriers wait. The last
 chunk, after the last GEMM, is pulled and summed by the one-shot kernel on the SMs the GEMMs have
-left (where its flag slots fit after the chunks' barriers; else the copy engines take it too). A call whose operands, output and scratch sit where an
-earlier call of its shape had them is replayed as a CUDA graph (``ce_graphs.py``): one fill of
-the epoch cell and one graph launch instead of ~40 launches.
+left (where its flag slots fit after the chunks' barriers; else the copy engines take it too).
+A call whose operands, output and scratch sit where an earlier call of its shape had them is
+replayed as a CUDA graph (``ce_graphs.py``): one fill of the epoch cell and one graph launch
+instead of a launch per chunk's GEMM, barrier, pulls and add.
 
 What keeps a peer from writing a partial this rank still pulls: consecutive calls on a group come
-from one stream (or streams ordered after each other, ``entry.py``), a call's barriers follow its
-first GEMM on the caller's stream, which follows the previous call's pulls.
+from one stream (or streams ordered after each other: ``Workspace.order`` in
+``runtime/workspace.py``, through ``paths/common.exchange``), a call's barriers follow its first
+GEMM on the caller's stream, which follows the previous call's pulls.
 """
 
 from __future__ import annotations
