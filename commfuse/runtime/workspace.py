@@ -280,10 +280,14 @@ class GraphLane:
     err: torch.Tensor | None = None
     timeout_ns: int = 600 * 10**9
     _keepalive: object = None
+    #: launches kept for the lane's life (``kernels.launch.Bound``), as ``Workspace.launches``
+    launches: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.err is None:
             self.err = error_word()
+
+    kept = Workspace.kept
 
     @property
     def flags(self) -> torch.Tensor:
