@@ -104,8 +104,8 @@ def _iris_peer(a, b):
 
 
 #: Extra alternating rounds of unfused and commfuse's default per shape: their first timings are
-#: seconds apart, yet a GEMM-bound shape's clocks drift a few % in between (8192x8192x28672,
-#: whose default *is* the unfused computation, measured 0.95x without them).
+#: seconds apart, and a GEMM-bound shape's clocks drift a few % in between (enough to show a shape
+#: whose default is the unfused computation as 5% slower than itself).
 SETTLE_ROUNDS = 2
 
 

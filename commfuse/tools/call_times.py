@@ -1,10 +1,9 @@
 """GPU time of each commfuse call inside a model, measured without a profiler.
 
 Under ``torch.profiler`` every call that waits for its peer also waits for the host delays the
-profiler adds on the other rank (a fused o_proj call took 1341 us in a profiled training step
-against 287 us alone, ``NOTES.md`` §29), so a profile cannot say whether a call is slower inside a
-model than alone. While ``record(True)`` is on, each op's CUDA entry point (``cuda_paths``)
-records a pair of timing events on the caller's stream around its work, keyed by the op, its
+profiler adds on the other rank, so a profile cannot say whether a call is slower inside a model
+than alone (docs/decisions.md, Models). While ``record(True)`` is on, each op's run-time entry
+(``runtime/entry.py``, wrapped while recording) records a pair of timing events on the caller's stream around its work, keyed by the op, its
 operands' shapes and layout and the path it took; ``collect()`` synchronises and returns the
 times. A call's time includes its wait for a late peer and any gap where the GPU, having caught
 up with the host, waited for the call's own launches: both are what the model pays and a call
