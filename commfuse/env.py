@@ -254,6 +254,17 @@ def override(**values: Any) -> Iterator[Values]:
         _changed()
 
 
+def peek(field: str) -> Any:
+    """One setting's value as the environment says now (overrides applied), without refreshing
+    the kept values: what import-time readers use (the logger, before any backend is built)."""
+    for layer in reversed(_overrides):
+        if field in layer:
+            return layer[field]
+    if field in _program:
+        return _program[field]
+    return _BY_FIELD[field].parse(os.environ.get(_BY_FIELD[field].name))
+
+
 def unknown_names(environ=None) -> list[str]:
     """``COMMFUSE_*`` variables set in the environment that are no setting (nor removed)."""
     environ = os.environ if environ is None else environ

@@ -64,7 +64,7 @@ def configure_logging() -> None:
     line per record, not two).
     """
     try:
-        level = env.current().log or ""
+        level = env.peek("log") or ""
     except ValueError:  # a bad setting: logging stays off here, and env.validate names it
         return
     if level not in env.LOG_ON or _named_in_torch_logs():

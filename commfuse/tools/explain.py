@@ -113,7 +113,7 @@ def run(args: argparse.Namespace):
         else:
             compiled(x).float().pow(2).mean().backward()
     rep = commfuse.report()
-    rep.calls = calls
+    rep.fused_calls = calls
     return rep
 
 
@@ -190,7 +190,7 @@ def paths(rep, arch: str, world: int) -> list[str]:
     if settings.tune != "off":  # the run-time reads the cache only then
         key = tuning.machine_key(facts)
         entries = tuning.read(tuning.cache_path(key), key)
-    calls = getattr(rep, "calls", {})
+    calls = getattr(rep, "fused_calls", {})
     rows = []
     for rec in rep.fused:
         call = calls.get(id(rec))
