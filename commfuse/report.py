@@ -197,5 +197,9 @@ def report() -> Report:
 
 
 def clear_report() -> None:
+    """Forget every record, note and run-time call site so far."""
     _records.clear()
     _notes.clear()
+    entry = sys.modules.get("commfuse.runtime.entry")
+    if entry is not None:
+        entry.decisions.clear()

@@ -54,6 +54,7 @@ def test_shape_sets_match_the_baselines():
     assert len(bench.AG_MM_SHAPES) == 7 and (16384, 4096, 7168) in bench.AG_MM_SHAPES
 
 
+@pytest.mark.slow
 def test_model_benchmark_runs_on_cpu_ranks(tmp_path):
     """The model benchmark on 2 gloo ranks, tiny sizes: every backend timed, commfuse fused and
     equal to eager. (CPU times mean nothing; the GPU run is what the numbers come from.)"""
@@ -107,6 +108,7 @@ def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
                          "against the same calls alone; the host enqueues a step in 5.50 ms")
 
 
+@pytest.mark.slow
 def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
     """50 SGD steps through the fused graphs (forward and backward) give eager's loss curve."""
     import subprocess
