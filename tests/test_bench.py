@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import types
 
+import pytest
+
 import torch
 
 from commfuse.tools import bench
