@@ -7,7 +7,6 @@ import json
 import types
 
 import pytest
-
 import torch
 
 from commfuse.tools import bench
