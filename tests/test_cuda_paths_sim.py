@@ -317,13 +317,14 @@ def test_copy_engine_side_work_spreads_over_its_three_streams(sim, monkeypatch):
 
 
 def test_a_workspace_keeps_a_bounded_number_of_launches(sim, monkeypatch):
-    """A plan per row count (dynamic shapes): ``kept`` drops them all once full."""
+    """A plan per row count (dynamic shapes): once full, ``kept`` drops the least recently used."""
     monkeypatch.setattr(wsmod, "KEPT_LIMIT", 3)
     ws = sim.mine
     made = [ws.kept(("plan", m), lambda m=m: object()) for m in range(3)]
-    assert ws.kept(("plan", 1), lambda: None) is made[1] and len(ws.launches) == 3
+    assert ws.kept(("plan", 0), lambda: None) is made[0] and len(ws.launches) == 3  # 0 is now the most recent
     ws.kept(("plan", 3), object)
-    assert list(ws.launches) == [("plan", 3)]
+    assert list(ws.launches) == [("plan", 2), ("plan", 0), ("plan", 3)]  # 1, the least recent, went
+    assert ws.kept(("plan", 2), lambda: None) is made[2]
 
 
 def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):

@@ -576,7 +576,20 @@ def test_a_group_re_created_under_its_name_starts_afresh(fresh_groups):
     assert all(g is new for g in groups.all_groups())
 
 
-def test_a_destroyed_subgroup_loses_its_state_at_the_next_call_of_any_group(fresh_groups):
+def test_a_destroyed_subgroup_loses_its_state_within_a_sweep_of_calls(fresh_groups):
+    """With no new group made after it, calls on other groups drop it within ``SWEEP_EVERY``."""
+    name = group_name()
+    sub = dist.new_group([0, 1])
+    gone = groups.get(sub.group_name)
+    gone.workspace = _workspace(name=gone.name, err=gone.err)
+    world = groups.get(name)
+    dist.destroy_process_group(sub)
+    for _ in range(groups.SWEEP_EVERY):
+        assert groups.get(name) is world  # the WORLD group's own state stays
+    assert gone.workspace is None and gone not in groups.all_groups()
+
+
+def test_a_destroyed_subgroup_loses_its_state_when_a_group_is_made(fresh_groups):
     name = group_name()
     sub = dist.new_group([0, 1])
     gone = groups.get(sub.group_name)
@@ -598,6 +611,11 @@ def test_eager_calls_join_the_graph_lane_once_graphs_replay_it():
     assert choose(AR, 512, 4096, 8192, lane_bytes=1 << 22) == "one_shot"  # 8 MiB
     assert choose(AR, 16, 4096, 8192, world=1, lane_bytes=1 << 22) == "nccl"
     assert choose(AR, 16, 4096, 8192, lane_bytes=1 << 22, forced="one_shot") == "one_shot"
+    # where the rules send captures to NCCL (other GPUs' table) a tuned capture may take the lane:
+    # an eager re-warm that fits it must take it too, whatever the eager answer
+    b200 = GroupFacts.simulated(2, arch="sm_100", name="NVIDIA B200", sms=148)
+    assert policy.rules_choice(_call(AR, 16, 4096, 8192, BF16, 2, 0, None), b200, capture=True).name == "nccl"
+    assert choose(AR, 16, 4096, 8192, lane_bytes=1 << 22, facts=b200) == "graph"
 
 
 def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(fresh_groups):
@@ -612,6 +630,32 @@ def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(fresh_groups
         groups.lane(g)
     commfuse.release_all()
     assert groups.lane(groups.get(name)) is None
+
+
+def test_release_restarts_a_kept_lane_so_old_graphs_pair_and_raise_again(fresh_groups, monkeypatch):
+    """A lane that captured graphs replay outlives ``release_all``: its epochs start over (every
+    rank together) and its error word is cleared, so those replays neither pair stale flags nor
+    give up at once with NaN, and their next timeout raises."""
+    monkeypatch.setattr(groups, "_held", [])  # (lanes of groups other tests dropped)
+    name = group_name()
+    g = groups.get(name)
+    buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
+    g.lane = wsmod.GraphLane(name, 0, 2, buf, torch.zeros(2, dtype=torch.int64), 4096, 132, err=g.err)
+    groups.mark_replayed(g)
+    g.lane.counter.fill_(14)  # this rank's epochs, ahead of a peer's after a failure
+    g.lane.flags.fill_(9)
+    g.lane.data(torch.float32).fill_(float("nan"))
+    g.err[:4] = torch.tensor([1, GRAPH_LANE_OP, 1, 0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="graph lane"):
+        commfuse.check_errors()
+    commfuse.release_all()
+    assert g in groups.held() and g.lane is not None  # kept for the graphs
+    assert int(g.lane.counter.abs().sum()) == 0 and int(g.lane.flags.abs().sum()) == 0
+    assert int(g.lane.data(torch.float32).isnan().sum()) == 0
+    assert int(g.err.abs().sum()) == 0 and g.broken is None and g.lane_failure is None
+    g.err[:4] = torch.tensor([1, GRAPH_LANE_OP, 1, 0], dtype=torch.int32)  # a replay times out later
+    with pytest.raises(RuntimeError, match="captured before release_all"):
+        errors.check_held("mm_all_reduce")
 
 
 @pytest.mark.parametrize("world", [4, 8])

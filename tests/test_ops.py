@@ -124,3 +124,18 @@ def test_mm_reduce_scatter_dynamic_dim_as_minus_one(world2):
         torch.ops.commfuse.mm_reduce_scatter(a, b, None, [0, -1, 6], 1, 2, group_name())
     with pytest.raises(RuntimeError, match="commfuse.mm_reduce_scatter: shape .* negative size"):
         torch.ops.commfuse.mm_reduce_scatter(a, b, None, [-2, -8, 6], 1, 2, group_name())
+
+
+def test_eager_calls_that_autograd_would_record_are_refused(world2):
+    """The ops have no gradient formula: an eager call with inputs that require grad raises rather
+    than give them no gradient; under no_grad it runs; the ops are tagged pt2-compliant."""
+    a, b = torch.randn(6, 4, requires_grad=True), torch.randn(4, 5)
+    with pytest.raises(RuntimeError, match="mm_all_reduce has no gradient formula"):
+        torch.ops.commfuse.mm_all_reduce(a, b, None, group_name())
+    with pytest.raises(RuntimeError, match="all_gather_mm has no gradient formula"):
+        torch.ops.commfuse.all_gather_mm(torch.randn(3, 4), b.requires_grad_(), None, 0, 2, group_name(), False)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.ops.commfuse.mm_all_reduce(a, b, None, group_name()), a @ b)
+    for op in (torch.ops.commfuse.mm_all_reduce, torch.ops.commfuse.all_gather_mm,
+               torch.ops.commfuse.mm_reduce_scatter):
+        assert torch.Tag.pt2_compliant_tag in op.default.tags

@@ -123,11 +123,12 @@ def test_sm100_without_a_table_runs_the_documented_default(op, m, k, n):
 
 @pytest.mark.parametrize("facts,why", [
     (GroupFacts.simulated(2, peer_access=False), "cannot access"),
+    (GroupFacts.simulated(2, peers_visible=False), "CUDA_VISIBLE_DEVICES"),
     (GroupFacts.simulated(2, one_host=False), "more than one host"),
     (GroupFacts.simulated(2, arch="gfx942", name="AMD Instinct MI300X", sms=304, rocm=True), "ROCm"),
     (GroupFacts.simulated(2, arch="mixed"), "differ"),
     (GroupFacts.simulated(1), "one rank"),
-], ids=["no-peer-access", "two-hosts", "rocm", "mixed", "one-rank"])
+], ids=["no-peer-access", "hidden-peers", "two-hosts", "rocm", "mixed", "one-rank"])
 def test_groups_that_cannot_run_symmetric_paths_run_nccl_with_one_logged_reason(facts, why, caplog):
     policy._warned.clear()
     with caplog.at_level(logging.WARNING, logger="commfuse"):

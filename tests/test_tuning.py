@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
         mine = {"nccl": 500.0, "one_shot": 300.0 + 200 * (rank % 2), "two_shot": 450.0, "ce_overlap": 900.0,
                 "fused": 250.0 + 300 * (rank == 0), "graph": 800.0}
 
-        def timer(path, sig, group, facts, device, reference, variant=None):
+        def timer(path, sig, variant=None):
             return mine.get(path.name, 1000.0) * (1 + 0.001 * rank)
 
         tuner = _tuner(name, world, timer, tmp)
@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
         out["choice"] = entry.choice
         out["times"] = entry.times_us
         # 2. a candidate that fails on one rank only is excluded everywhere
-        def flaky(path, sig, group, facts, device, reference, variant=None):
+        def flaky(path, sig, variant=None):
             if path.name == "fused" and rank == world - 1:
                 raise RuntimeError("wrong on this rank")
             return {"fused": 10.0, "nccl": 100.0}.get(path.name, 50.0)
@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
                                                                              world)))
         out["flaky"] = (entry.choice, entry.failed)
         # 3. the rules' choice is kept unless beaten by the margin
-        def close(path, sig, group, facts, device, reference, variant=None):
+        def close(path, sig, variant=None):
             return {"split_k": 100.0, "one_shot": 98.5}.get(path.name, 500.0)
 
         dist.barrier()
@@ -89,6 +89,30 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
         again = _tuner(name, world, timer, tmp)
         out["cached"] = sorted(again.entries)
         out["cached_choice"] = again.answer(call, capturing=False, may_tune=False)
+        # 6. measurements in phases, with collectives of their own (as the NCCL candidate's), that
+        # fail on one rank in different phases: every rank leaves the candidate after the same
+        # phase, so the collectives stay paired and the job neither aborts nor hangs
+        def phased(path, prepared, group, facts, device, variant=None):
+            t = torch.ones(4)
+            dist.all_reduce(t, group=group.pg())
+            if path.name == "one_shot" and rank == 0:
+                raise RuntimeError("the warm-up fails on rank 0")
+            yield
+            if path.name == "two_shot" and rank == world - 1:
+                raise RuntimeError("wrong on the last rank")
+            yield
+            dist.all_reduce(t, group=group.pg())
+            return {"nccl": 100.0, "one_shot": 10.0, "two_shot": 20.0}.get(path.name, 50.0) + float(t[0])
+
+        saved = tuning.measure, tuning.prepare
+        tuning.measure, tuning.prepare = phased, (lambda *a, **k: None)
+        try:
+            dist.barrier()
+            entry = _tuner(name, world, None, tmp).tune(
+                tuning.Signature.of(Call("mm_all_reduce", 2048, 4096, 8192, BF16, world)))
+        finally:
+            tuning.measure, tuning.prepare = saved
+        out["phased"] = (entry.choice, sorted(entry.failed), sorted(entry.times_us))
     with open(os.path.join(results, f"{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -121,6 +145,9 @@ def test_ranks_agree_on_every_answer(world):
     assert first["margin"] == ["split_k", "split_k"]
     assert "tuning different call signatures" in first["mismatch"]
     assert len(first["cached"]) == 3 and first["cached_choice"] == first["choice"]
+    choice, failed, timed = first["phased"]
+    assert {"one_shot", "two_shot"} <= set(timed)
+    assert failed == ["one_shot", "two_shot"] and choice not in failed
 
 
 def test_cache_reads_agree_or_are_dropped(tmp_path):
@@ -169,3 +196,30 @@ def test_nothing_is_tuned_inside_a_capture(monkeypatch, tmp_path):
         call = Call("mm_all_reduce", 16, 4096, 8192, BF16, 2)
         assert tuning.answer(group, call, GroupFacts.simulated(2), torch.device("cpu"), capturing=True) is None
         assert calls == []
+
+
+def test_slab_signatures_are_timed_in_their_own_layout():
+    """A collective that cuts every rank's rows into slabs (a batch of sequences) is tuned on
+    inputs in that layout, cut along dim 1, as the slab paths read them."""
+    from helpers import init_fake_pg
+
+    init_fake_pg(2)
+    group = groups.get(dist.group.WORLD.group_name)
+    cpu = torch.device("cpu")
+    ag = tuning.Signature.of(Call("all_gather_mm", 64, 32, 16, BF16, 2, rows_dim=1, slabs=2))
+    call, args = tuning._inputs(ag, group, cpu, seed=0)
+    assert tuple(args.shard.shape) == (2, 16, 32) and args.gather_dim == 1 and call.slabs == 2
+    rs = tuning.Signature.of(Call("mm_reduce_scatter", 64, 32, 16, BF16, 2, rows_dim=1, slabs=4))
+    call, args = tuning._inputs(rs, group, cpu, seed=0)
+    assert tuple(args.a.shape) == (64, 32) and args.shape == [4, 16, 16] and args.scatter_dim == 1
+    for sig in (ag, rs):  # the unfused op takes them (its checks are the schema's)
+        op = getattr(torch.ops.commfuse, sig.op)
+        with torch.no_grad():
+            out = op(*tuning._inputs(sig, group, cpu, seed=0)[1])
+        assert _first(out).dtype == BF16
+    flat = tuning.Signature.of(Call("all_gather_mm", 64, 32, 16, BF16, 2))
+    assert tuple(tuning._inputs(flat, group, cpu, seed=0)[1].shard.shape) == (32, 32)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out

@@ -419,6 +419,10 @@ def misfit_sizes(m: int, n: int, world: int, cfg: SplitConfig, dtype: torch.dtyp
 _PER_CALL = ("a_desc", "b_desc", "bias", "out", "stride_bm", "stride_bn", "epoch", "ticket_base")
 
 
+#: The kernel's specialisations compiled in this process (``_plan`` warms each up once).
+_compiled: set = set()
+
+
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int, sbn: int,
           out: torch.Tensor, cfg: SplitConfig, lane: bool):
     """What a call's launch depends on beyond its operands' addresses, worked out once per
@@ -452,7 +456,13 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     fixed = dict(parts0=parts0, sums0=sums0, half_parts=half // 4, half_sums=half // dtype.itemsize, M=m, N=n, K=k,
                  flags=flags, counters=ws.tile_counters, heap_bases=ws.heap_bases, rank=ws.rank, err=ws.err,
                  timeout=ws.timeout_ns, ticket=ticket, epochs=epochs)
-    if hasattr(split_k_all_reduce_kernel, "warmup"):  # (not interpreted)
+    # Triton specialises integers on being 1 or a multiple of 16: one compile serves every M alike
+    spec = (tuple(sorted((key, v) for key, v in consts.items())), k, n, dtype, m == 1, m % 16 == 0, sbm, sbn,
+            half, ws.timeout_ns, out.data_ptr() % 16 == 0)
+    if hasattr(split_k_all_reduce_kernel, "warmup") and spec not in _compiled:  # (not interpreted)
+        if len(_compiled) >= 1024:
+            _compiled.clear()
+        _compiled.add(spec)
         split_k_all_reduce_kernel.warmup(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
                                          out=out, stride_bm=sbm, stride_bn=sbn, epoch=0, ticket_base=0, grid=(1,),
                                          **fixed, **consts)

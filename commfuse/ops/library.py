@@ -68,6 +68,15 @@ def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
         torch._check(rows_ok and cols_ok, lambda: f"commfuse.{op}: bias {tuple(bias.shape)} does not broadcast to ({rows}, {b.shape[1]})")
 
 
+def _no_gradient(op: str, *tensors) -> None:
+    """Refuse an eager call that autograd would record: the ops have no gradient formula (they run
+    in compiled graphs, where grad mode is off and backward is a graph of its own), and a recorded
+    call would give its inputs no gradient, silently."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"commfuse.{op} has no gradient formula: call it under torch.no_grad(), or let "
+                           "torch.compile(backend='commfuse') place it in a compiled graph")
+
+
 def _group_size(op: str, group_name: str) -> int:
     try:
         return _resolve_process_group(group_name).size()
@@ -78,13 +87,14 @@ def _group_size(op: str, group_name: str) -> int:
 #: The ops' library. Defined at this level (schema, then a kernel per dispatch key), not through
 #: ``torch.library.custom_op``: its Python wrappers (autograd, output checks, a dynamo guard) add
 #: host work to every call, which a decode step pays per layer. The ops have no autograd formula:
-#: they run inside compiled graphs, whose backward is a graph of its own.
+#: they run inside compiled graphs, whose backward is a graph of its own (``_no_gradient``).
 _LIB = torch.library.Library("commfuse", "DEF")
-_LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name) -> Tensor")
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+_LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name) -> Tensor", tags=_TAGS)
 _LIB.define("all_gather_mm(Tensor shard, Tensor b, Tensor? bias, int gather_dim, int world_size, str group_name, "
-            "bool return_gathered) -> (Tensor, Tensor)")
+            "bool return_gathered) -> (Tensor, Tensor)", tags=_TAGS)
 _LIB.define("mm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int[] shape, int scatter_dim, int world_size, "
-            "str group_name) -> Tensor")
+            "str group_name) -> Tensor", tags=_TAGS)
 
 
 def mm_all_reduce(
@@ -122,6 +132,7 @@ def _entry():
 def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
     _once(_signature("mm_all_reduce", a, b, bias, group_name), lambda: (
         _check_matmul_args("mm_all_reduce", a, b, bias), _group_size("mm_all_reduce", group_name)))
+    _no_gradient("mm_all_reduce", a, b, bias)
     CALL_COUNTS["mm_all_reduce"] += 1
 
 
@@ -191,6 +202,7 @@ def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) 
                            math.prod(_gathered_shape(shard, gather_dim, world_size)[:-1]))
 
     _once(_signature("all_gather_mm", shard, b, bias, gather_dim, world_size, group_name), check)
+    _no_gradient("all_gather_mm", shard, b, bias)
     CALL_COUNTS["all_gather_mm"] += 1
 
 
@@ -258,6 +270,7 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
         _check_world("mm_reduce_scatter", group_name, world_size)
 
     _once(_signature("mm_reduce_scatter", a, b, bias, shape, scatter_dim, world_size, group_name), check)
+    _no_gradient("mm_reduce_scatter", a, b, bias)
     CALL_COUNTS["mm_reduce_scatter"] += 1
 
 

@@ -141,6 +141,20 @@ def _give_up(exc: BaseException, device: int, ws) -> None:
                 "eagerly from now on", _disabled[0])
 
 
+def keys(ws) -> tuple[frozenset, frozenset]:
+    """The keys of ``ws``'s graphs and first sightings now (``drop_since``)."""
+    return frozenset(ws.graphs), frozenset(ws.graphs_seen)
+
+
+def drop_since(ws, before: tuple[frozenset, frozenset]) -> None:
+    """Forget the graphs and sightings ``ws`` gained since ``keys(ws)`` gave ``before``: the tuner's
+    synthetic calls, whose addresses no real call repeats, must not hold graph slots and pools."""
+    for key in set(ws.graphs) - before[0]:
+        del ws.graphs[key]
+    for key in set(ws.graphs_seen) - before[1]:
+        del ws.graphs_seen[key]
+
+
 def _remember(table: dict, key, value, limit: int) -> None:
     table.pop(key, None)
     if len(table) >= limit:

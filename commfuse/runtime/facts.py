@@ -36,6 +36,7 @@ class GroupFacts:
     name: str  # the GPU's name where every rank's is alike, else "mixed"
     sms: int  # the smallest SM count of the group
     peer_access: bool = True  # every rank can map every peer's memory
+    peers_visible: bool = True  # every rank sees its same-host peers' GPUs (to check peer access)
     one_host: bool = True
     rocm: bool = False
     provider: str = "torch"  # symmetric memory: "torch" or "iris"
@@ -72,6 +73,9 @@ class GroupFacts:
             return f"no CUDA GPU ({self.arch})"
         if not self.one_host:
             return "the group's ranks span more than one host"
+        if not self.peers_visible:
+            return ("a peer's GPU is not visible to a rank (per-rank CUDA_VISIBLE_DEVICES), so peer access "
+                    "cannot be checked: make the host's GPUs visible to every rank and pick one by LOCAL_RANK")
         if not self.peer_access:
             return "a rank's GPU cannot access a peer's memory"
         return None
@@ -130,17 +134,30 @@ def _arch_code(arch: str) -> int:
     return int.from_bytes(hashlib.sha256(arch.encode()).digest()[:6], "little")
 
 
+def _gpu_id(index: int) -> int:
+    """A 56-bit number naming a GPU alike in every process that sees it, whatever its index there
+    (``CUDA_VISIBLE_DEVICES`` may differ by rank): its UUID, else its PCI location."""
+    props = torch.cuda.get_device_properties(index)
+    ident = str(getattr(props, "uuid", "") or "")
+    if not ident:
+        ident = f"{getattr(props, 'pci_domain_id', 0)}:{getattr(props, 'pci_bus_id', 0)}:" \
+                f"{getattr(props, 'pci_device_id', index)}"
+    return int.from_bytes(hashlib.sha256(ident.encode()).digest()[:7], "little")
+
+
 def agree(group, device: torch.device, provider: str, lane_bytes: int) -> GroupFacts:
     """Collective over ``group``: every rank's facts, reduced to what every rank can rely on.
 
-    Two rounds of small collectives: the ranks' (host, GPU index, architecture, SMs, graph-lane
-    size), then whether each rank can reach its same-host peers' GPUs. The graph lane's size
-    (``COMMFUSE_GRAPH_BYTES``) must be alike: its parity halves must start at the same offset on
-    every rank, or a staged peer read lands in the wrong bytes."""
+    Two rounds of small collectives: the ranks' (host, GPU, architecture, SMs, graph-lane size),
+    then whether each rank sees, and can reach, its same-host peers' GPUs. GPUs are named by
+    UUID, not index: with per-rank ``CUDA_VISIBLE_DEVICES`` every rank's GPU is index 0. The graph
+    lane's size (``COMMFUSE_GRAPH_BYTES``) must be alike: its parity halves must start at the same
+    offset on every rank, or a staged peer read lands in the wrong bytes."""
     world = group.size()
     arch, name, sms, rocm = local_arch(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    mine = torch.tensor([_host_id(), index, _arch_code(arch), _arch_code(name), sms, int(rocm), lane_bytes,
+    gpu = _gpu_id(index)
+    mine = torch.tensor([_host_id(), gpu, _arch_code(arch), _arch_code(name), sms, int(rocm), lane_bytes,
                          int(_tensor_descriptors())], dtype=torch.int64, device=device)
     every = torch.empty((world, mine.numel()), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
@@ -151,9 +168,11 @@ def agree(group, device: torch.device, provider: str, lane_bytes: int) -> GroupF
             f"commfuse: COMMFUSE_GRAPH_BYTES differs between the ranks of group {group.group_name!r} "
             f"({lanes[0]} to {lanes[-1]} bytes after rounding; this rank: {lane_bytes}); set it alike on every rank")
     hosts = {r[0] for r in rows}
-    same_host = [r[1] for r in rows if r[0] == rows[group.rank()][0] and r[1] != index]
-    reach = all(torch.cuda.can_device_access_peer(index, peer) for peer in same_host)
-    ok = torch.tensor([int(reach)], dtype=torch.int64, device=device)
+    peers = {r[1] for r in rows if r[0] == rows[group.rank()][0] and r[1] != gpu}  # ranks sharing a GPU: none
+    visible = {_gpu_id(i): i for i in range(torch.cuda.device_count())} if peers else {}
+    seen = all(p in visible for p in peers)
+    reach = seen and all(torch.cuda.can_device_access_peer(index, visible[p]) for p in peers)
+    ok = torch.tensor([int(reach), int(seen)], dtype=torch.int64, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     alike_arch = len({r[2] for r in rows}) == 1
     alike_name = len({r[3] for r in rows}) == 1
@@ -162,7 +181,8 @@ def agree(group, device: torch.device, provider: str, lane_bytes: int) -> GroupF
         arch=arch if alike_arch else "mixed",
         name=name if alike_name else "mixed",
         sms=min(r[4] for r in rows),
-        peer_access=bool(ok.item()),
+        peer_access=bool(ok[0].item()),
+        peers_visible=bool(ok[1].item()),
         one_host=len(hosts) == 1,
         rocm=any(r[5] for r in rows),
         provider=provider,

@@ -5,8 +5,9 @@ torch gives groups names that come back after ``destroy_process_group()`` and a 
 ``init_process_group()`` ("0", then counters). State found under a name whose group is now another
 object belongs to the old group (its members, its epochs, its sizes): it is dropped and the new
 group starts afresh, collectively, as every rank re-creates its groups alike. A group that went
-away (its object collected, or its name no longer resolving) loses its state at the next call, and
-its buffers are freed, except graph lanes that captured CUDA graphs may still replay.
+away (its object collected, or its name no longer resolving) loses its state within
+``SWEEP_EVERY`` calls on other groups, when a group is made, or at ``release()``, and its buffers
+are freed, except graph lanes that captured CUDA graphs may still replay.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ _planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compil
 _lock = threading.Lock()
 #: Bumped whenever state that call plans depend on changes (``entry.py`` drops stale plans).
 generation = 0
+#: Calls between two looks for destroyed groups (whose state and buffers are then dropped).
+SWEEP_EVERY = 256
+_calls = 0
 
 
 def bump() -> None:
@@ -104,6 +108,11 @@ def get(name: str, pg=None) -> Group:
     key = (name, provider)
     group = _groups.get(key)
     if group is not None and group.ref() is pg:
+        global _calls
+        _calls += 1
+        if _calls % SWEEP_EVERY == 0 and len(_groups) > 1:  # a destroyed subgroup's buffers go soon
+            with _lock:
+                _sweep()
         return group
     with _lock:
         group = _groups.get(key)
@@ -266,15 +275,35 @@ def all_groups() -> list[Group]:
     return list(_groups.values())
 
 
+def _restart_kept_lane(group: Group) -> None:
+    """Collective: a lane that captured graphs replay is kept past ``release``; its epochs start
+    over on every rank, and its error word is cleared, so graphs captured before pair up again
+    and a later timeout in them raises again (``errors.check_held``). Every rank holds such a lane
+    alike (ranks capture alike); a group whose process group is gone is left as it is."""
+    pg = group.pg()
+    if group.lane is None or not group.replayed or pg is None or group.world <= 1:
+        return
+    try:
+        alive = _resolve_process_group(group.name) is pg
+    except Exception:  # noqa: BLE001 - destroyed: no collective is possible on it
+        alive = False
+    if alive:
+        group.lane.restart(pg)
+        group.err.zero_()
+        group.broken = group.lane_failure = None
+
+
 def release(group_name: str | None = None) -> None:
     """Free the symmetric memory of one group (``group_name``) or of every group, and forget their
     state (tests, teardown, recovery after a timeout; the next call allocates anew, collectively).
     Call it on every rank together. Graph lanes that captured CUDA graphs may still replay are kept
-    (never freed while the process runs): a replay after this touches no freed memory, though it
-    pairs with its peers only if they replay too."""
+    (never freed while the process runs), their epochs restarted together: replays after this
+    touch no freed memory and pair with the peers' replays."""
     with _lock:
+        _sweep()
         for group in list(_groups.values()):
             if group_name is None or group.name == group_name:
+                _restart_kept_lane(group)
                 _retire(group)
         bump()
 

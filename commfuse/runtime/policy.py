@@ -26,6 +26,7 @@ from . import rules
 from .facts import GroupFacts
 from .paths import REGISTRY, by_op
 from .paths.base import Call, Path
+from .paths.common import first_time
 
 log = logging.getLogger("commfuse")
 
@@ -50,8 +51,7 @@ _warned: set[tuple] = set()
 
 
 def _once(op: str, reason: str) -> None:
-    if (op, reason) not in _warned:
-        _warned.add((op, reason))
+    if first_time(_warned, (op, reason)):
         log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, reason)
 
 
@@ -117,14 +117,17 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
                 variant, why = None, path.supports(call, facts)
             if why is None:
                 return Decision(path, variant, "forced", f"COMMFUSE_ALGO={forced}")
-            if (op, forced, why) not in _warned and not quiet:
-                _warned.add((op, forced, why))
+            if not quiet and first_time(_warned, (op, forced, why)):
                 log.warning("commfuse.%s: COMMFUSE_ALGO=%s cannot take this call (%s); its default path runs",
                             op, forced, why)
     if op == "mm_all_reduce" and lane_bytes and call.exchanged_bytes <= lane_bytes:
+        # The lane whatever the capture answer (rules or tuned) was: calls whose capture ran NCCL
+        # are sent to NCCL before this (``groups.captured_to_nccl``); the variant is a capture's.
         lane = rules_choice(call, facts, capture=True)
-        if lane.path.name == "graph":
-            return dataclasses.replace(lane, source="lane")
+        graph = REGISTRY[(op, "graph")]
+        variant = lane.variant if lane.path is graph else None
+        if graph.supports_variant(call, facts, variant) is None:
+            return Decision(graph, variant, "lane", "fits the graph lane that captured graphs replay", lane.table)
     answer = tuned() if tuned is not None else None
     if answer:
         path = REGISTRY.get((op, answer))

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from . import groups
+from . import errors, groups
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path)
@@ -256,10 +256,29 @@ def _reduce_results(group, times: list[float], failed: list[bool], device) -> tu
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing a candidate on synthetic inputs (replaced in tests by an injected timer)
+# Measuring a candidate on synthetic inputs
+#
+# A measurement is a generator that yields between its phases (warm-up, check, timing) and returns
+# the median µs. Its phases issue no process-group collective of their own (the NCCL candidate's
+# calls excepted, which every rank issues alike), so a candidate that raises on one rank leaves the
+# ranks' collectives paired: the tuner agrees after every phase whether any rank failed, and every
+# rank skips the rest of that candidate together. Tests inject measurements that only return a time.
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One signature's synthetic call, made once before its candidates: the inputs, in the
+    signature's layout, and the unfused result of them (fp32)."""
+
+    call: Call
+    args: object
+    want: torch.Tensor
 
 
 def _inputs(sig: Signature, group, device, seed: int):
+    """This rank's inputs of ``sig``'s call; where the collective cuts every rank's rows into slabs
+    (a batch of sequences), the gathered shard is ``[slabs, rows, K]`` and the scattered product
+    is viewed ``[slabs, rows, N]``, both cut along dim 1, as the paths read them."""
     call = sig.call()
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -269,15 +288,18 @@ def _inputs(sig: Signature, group, device, seed: int):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) / 4).to(dtype)
 
     world = sig.world
+    slabs = sig.slabs if sig.rows_dim else 1
+    dim = 1 if slabs > 1 else 0
+    b, bias = rand(call.k, call.n), (rand(call.n) if call.bias else None)
     if sig.op == "mm_all_reduce":
-        args = MmAllReduceArgs(rand(call.m, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
-                               group.name)
+        args = MmAllReduceArgs(rand(call.m, call.k), b, bias, group.name)
     elif sig.op == "all_gather_mm":
-        args = AllGatherMmArgs(rand(call.m // world, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
-                               0, world, group.name, False)
+        rows = call.m // world
+        shard = rand(slabs, rows // slabs, call.k) if dim else rand(rows, call.k)
+        args = AllGatherMmArgs(shard, b, bias, dim, world, group.name, False)
     else:
-        args = MmReduceScatterArgs(rand(call.m, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
-                                   [call.m, call.n], 0, world, group.name)
+        shape = [slabs, call.m // slabs, call.n] if dim else [call.m, call.n]  # the product's view
+        args = MmReduceScatterArgs(rand(call.m, call.k), b, bias, shape, dim, world, group.name)
     return call, args
 
 
@@ -285,21 +307,34 @@ def _output(result) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
-def time_candidate(path: Path, sig: Signature, group, facts: GroupFacts, device, reference,
-                   variant: dict | None = None) -> float:
-    """Median µs of ``ITERS`` calls of ``path`` (with a rule's ``variant``) after ``WARMUP``;
-    raises if its output is wrong."""
+def prepare(sig: Signature, group, facts: GroupFacts, device, candidates: list[Path]) -> Prepared:
+    """Collective: the inputs, the workspace (and graph lane) grown once to what the largest
+    candidate needs, so no candidate allocates (collectively) while it is measured, and the NCCL
+    result the candidates are checked against."""
     call, args = _inputs(sig, group, device, seed=1000 + group.rank)
+    need = max([p.workspace_bytes(call) for p in candidates if p.symmetric], default=0)
+    if need:
+        groups.workspace(group, need, device)
+    reference = REGISTRY[(sig.op, "nccl")]
+    want = _output(reference.run(Context(call, facts, group), args)).float()
+    return Prepared(call, args, want)
+
+
+def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, variant: dict | None = None):
+    """Warm up ``path`` (with a rule's ``variant``), check its output, time it: yields between the
+    phases, returns the median µs of ``ITERS`` calls; raises if the output is wrong."""
+    call, args, want = prepared.call, prepared.args, prepared.want
     ctx = Context(call, facts, group, path.config(call, facts, variant) if path.symmetric else None)
     for _ in range(WARMUP):
         path.run(ctx, args)
-    want = _output(reference.run(Context(call, facts, group), args)).float()
+    yield
     poison = torch.full((want.numel() * 2,), float("nan"), device=device, dtype=call.dtype)
     del poison  # the caching allocator hands the candidate's output this NaN-filled block
     got = _output(path.run(ctx, args)).float()
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     if not err <= TOLERANCE.get(call.dtype, 2e-2):
         raise RuntimeError(f"{path.name} is wrong on this rank (relative error {err:.2e})")
+    yield
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(ITERS)]
     torch.cuda.synchronize(device)
     for start, end in events:
@@ -333,24 +368,47 @@ def _short_waits(group, seconds: float):
 
 
 def _recover(group, device) -> None:
-    """After a candidate failed on some rank: wait for every kernel, drop any error the tuning
-    waits wrote, and restart the epochs together, so the real calls pair up as before."""
-    if torch.cuda.is_available():
+    """After a candidate failed on some rank: wait for every kernel, drop the errors the tuning
+    waits wrote (the word held none when tuning began: ``Tuner.tune``), and restart the epochs of
+    the workspace and of the graph lane together, so the real calls pair up as before."""
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier(group=group.pg())
     group.err.zero_()
-    for buf in (group.workspace,):
-        if buf is not None:
-            buf.broken = None
-            buf.restart_epochs(group.pg())
+    if group.workspace is not None:
+        group.workspace.broken = None
+        group.workspace.restart_epochs(group.pg())
+    if group.lane is not None:
+        group.lane.restart(group.pg())
+
+
+def _phase(step) -> tuple[bool, bool, float | None]:
+    """Run one phase of a measurement: (done, failed here, µs when done)."""
+    try:
+        next(step)
+        return False, False, None
+    except StopIteration as stop:
+        return True, False, stop.value
+    except Exception as exc:  # noqa: BLE001 - a failed candidate is excluded, never fatal
+        log.info("commfuse: tuning: a candidate failed on this rank (%s: %s)", type(exc).__name__, exc)
+        return True, True, None
+
+
+def _one_phase(timer, *args):
+    """An injected timer as a one-phase measurement (it runs, and may raise, at the first step)."""
+    return timer(*args)
+    yield  # a generator
 
 
 class Tuner:
-    """One group's tuned answers: the cache's (agreed) and those tuned since."""
+    """One group's tuned answers: the cache's (agreed) and those tuned since.
+
+    ``timer(path, sig, variant)``, for tests: a measurement that returns a time (no prepared
+    inputs, no device work); by default the candidates run on the device (``measure``)."""
 
     def __init__(self, group, facts: GroupFacts, device, timer: Callable | None = None):
         self.group, self.facts, self.device = group, facts, device
-        self.timer = timer or time_candidate
+        self.timer = timer
         self.key = machine_key(facts)
         self.path = cache_path(self.key)
         self.entries: dict[str, Entry] = {}
@@ -381,40 +439,62 @@ class Tuner:
             return None  # the bucket's answer does not take this M: the rules decide
         return entry.choice
 
+    def _clean_start(self) -> None:
+        """Every rank together: raise on every rank if any rank's group holds a timed-out wait of
+        an earlier call (``_recover`` zeroes the word, so no earlier record may be in it)."""
+        group, device = self.group, self.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mine = bool(group.err_host[0]) or bool(group.broken)
+        if not _any(group, mine, device):
+            return
+        errors.check(group, "tuning")
+        raise RuntimeError(group.broken or f"commfuse: a peer of group {group.name!r} holds a timed-out wait of "
+                           "an earlier call; call commfuse.release_all() on every rank to start over")
+
     def tune(self, sig: Signature) -> Entry:
         """Every rank together: time the candidates of ``sig`` and keep the agreed answer."""
-        from . import policy  # noqa: PLC0415  (policy asks this module for answers: a lazy edge)
+        from . import ce_graphs, policy  # noqa: PLC0415  (policy asks this module for answers: a lazy edge)
 
         group, device = self.group, self.device
         if not _agree_same(group, sig.digest(), device):
             raise RuntimeError(
                 f"commfuse: the ranks of group {group.name!r} are tuning different call signatures (this rank: "
                 f"{sig.text()}); every rank must make the same fused calls in the same order")
+        self._clean_start()
         began = time.perf_counter()
         call = sig.call()
         candidates = policy.candidates(call, self.facts, capturing=sig.capture)
         rules = policy.rules_choice(call, self.facts, capture=sig.capture).name
         lane_variant = policy.rules_choice(call, self.facts, capture=True).variant
-        reference = REGISTRY[(sig.op, "nccl")]
         times, failed = [], []
         with _short_waits(group, TUNING_TIMEOUT_S):
+            prepared = None
+            if self.timer is None:
+                prepared = prepare(sig, group, self.facts, device, candidates)
+                seen = ce_graphs.keys(group.workspace) if group.workspace is not None else None
             for path in candidates:
-                local_fail = False
-                try:
-                    variant = lane_variant if path.name == "graph" else None
-                    times.append(float(self.timer(path, sig, group, self.facts, device, reference, variant)))
-                except Exception as exc:  # noqa: BLE001 - a failed candidate is excluded, never fatal
-                    log.info("commfuse: tuning %s: %s failed on this rank (%s: %s)", sig.text(), path.name,
-                             type(exc).__name__, exc)
-                    times.append(math.inf)
-                    local_fail = True
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                    if group.err_host[0]:  # a wait timed out: this candidate failed here
-                        local_fail = True
-                failed.append(local_fail)
-                if _any(group, local_fail, device):  # epochs may be out of step: start them over together
+                variant = lane_variant if path.name == "graph" else None
+                if self.timer is not None:
+                    step = _one_phase(self.timer, path, sig, variant)
+                else:
+                    step = measure(path, prepared, group, self.facts, device, variant)
+                value, local_fail, any_fail, done = None, False, False, False
+                while not done:
+                    done, local_fail, value = _phase(step)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                        local_fail = local_fail or bool(group.err_host[0])  # a wait timed out here
+                    any_fail = _any(group, local_fail, device)
+                    done = done or any_fail  # every rank leaves the candidate after the same phase
+                step.close()
+                if any_fail:  # epochs may be out of step: start them over together
+                    log.info("commfuse: tuning %s: %s failed on a rank; excluded", sig.text(), path.name)
                     _recover(group, device)
+                times.append(math.inf if local_fail or value is None else float(value))
+                failed.append(local_fail)
+            if prepared is not None and seen is not None and group.workspace is not None:
+                ce_graphs.drop_since(group.workspace, seen)
         worst, bad = _reduce_results(group, times, failed, device) if group.world > 1 else (times, failed)
         margin = env.current().tune_margin
         ok = {p.name: t for p, t, f in zip(candidates, worst, bad) if not f and math.isfinite(t)}

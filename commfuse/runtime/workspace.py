@@ -168,14 +168,15 @@ class Workspace:
         return self.buffer.numel()
 
     def kept(self, key, make):
-        """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept (a
-        plan per row count: dynamic shapes would otherwise grow this without bound)."""
-        value = self.launches.get(key)
+        """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept, the
+        least recently used dropped first (a plan per row count: dynamic shapes would otherwise
+        grow this without bound, and clearing it all would rebuild every plan at once)."""
+        value = self.launches.pop(key, None)
         if value is None:
             value = make()
-            if len(self.launches) >= KEPT_LIMIT:
-                self.launches.clear()
-            self.launches[key] = value
+            while len(self.launches) >= KEPT_LIMIT:
+                del self.launches[next(iter(self.launches))]
+        self.launches[key] = value  # (dicts keep insertion order: the most recent is last)
         return value
 
     def next_epoch(self, restart=None) -> tuple[int, int]:
@@ -282,12 +283,16 @@ class GraphLane:
     _keepalive: object = None
     #: launches kept for the lane's life (``kernels.launch.Bound``), as ``Workspace.launches``
     launches: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: the stream of the lane's last eager call and an event after it (``Workspace.order``)
+    last_stream: object = dataclasses.field(default=None, repr=False)
+    last_event: object = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.err is None:
             self.err = error_word()
 
     kept = Workspace.kept
+    order = Workspace.order
 
     @property
     def flags(self) -> torch.Tensor:
@@ -316,6 +321,19 @@ class GraphLane:
     def data(self, dtype: torch.dtype) -> torch.Tensor:
         """Both parities, as one flat tensor of ``dtype`` (parity p starts at p * half_elems)."""
         return self.buffer[GRAPH_FLAG_BYTES:].view(dtype)
+
+    def restart(self, group) -> None:
+        """Collective: zero every rank's flags, split-K words, epoch counters and data (the heap
+        bases stay), so the lane's device epochs start over together. Captured graphs keep working:
+        they read the counters at each replay. No kernel of the lane may be in flight on any rank."""
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+        dist.barrier(group=group)  # nobody still reads or signals old epochs
+        self.buffer[:GRAPH_FLAG_BYTES - BASES_BYTES].zero_()
+        self.buffer[GRAPH_FLAG_BYTES:].zero_()
+        if self.buffer.is_cuda:
+            torch.cuda.synchronize(self.buffer.device)
+        dist.barrier(group=group)  # nobody signals before every rank zeroed its flags
 
     def half_elems(self, dtype: torch.dtype) -> int:
         return self.data_bytes // dtype.itemsize

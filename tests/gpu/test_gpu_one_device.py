@@ -592,3 +592,38 @@ def test_local_facts_of_an_h200():
     assert facts.tma and not facts.rocm
     assert facts.unsupported() is None and facts.copy_engines
     assert rules.table(facts.arch, facts.world, facts.name, facts.sms).label().startswith("sm_90")
+
+
+def test_an_error_word_can_be_made_inside_a_capture():
+    """A group's first call may come inside a CUDA-graph capture: its state, the pinned error
+    word included, is made there."""
+    from commfuse.runtime.workspace import error_word
+
+    x = torch.zeros(4, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        word = error_word()
+        x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert word.is_pinned() and int(word.abs().sum()) == 0 and float(x[0]) == 3.0
+
+
+def test_a_one_rank_groups_facts_name_its_gpu_by_uuid():
+    """``facts.agree`` names GPUs by UUID (per-rank ``CUDA_VISIBLE_DEVICES`` makes every index 0):
+    the same GPU gives the same number, and a group with no same-host peer on another GPU has
+    nothing to check."""
+    import torch.distributed as dist
+
+    from commfuse.runtime import facts as facts_mod
+
+    assert facts_mod._gpu_id(0) == facts_mod._gpu_id(0) != 0
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
+    got = facts_mod.agree(dist.new_group([0], backend="nccl"), torch.device("cuda", 0), "torch", 4 << 20)
+    assert got.peer_access and got.peers_visible and got.one_host and got.arch.startswith("sm_")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import re
 
 import torch
 
@@ -12,13 +13,26 @@ from .. import reference
 from .. import groups
 
 log = logging.getLogger("commfuse")
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple] = set()
+#: Reasons remembered at most: past it they are forgotten (and may be logged once more).
+WARN_LIMIT = 256
+
+
+def first_time(seen: set, key: tuple) -> bool:
+    """Whether ``key`` (an op and a reason) is new to ``seen``, which then holds it. Numbers in
+    the reason do not count (a reason that names a call's bytes is logged once, not once per size)."""
+    key = tuple(re.sub(r"\d+", "#", part) if isinstance(part, str) else part for part in key)
+    if key in seen:
+        return False
+    if len(seen) >= WARN_LIMIT:
+        seen.clear()
+    seen.add(key)
+    return True
 
 
 def warn_once(op: str, why: str) -> None:
-    """Log, once per op and reason, that a call runs the unfused NCCL path."""
-    if (op, why) not in _warned:
-        _warned.add((op, why))
+    """Log, once per op and kind of reason, that a call runs the unfused NCCL path."""
+    if first_time(_warned, (op, why)):
         log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, why)
 
 

@@ -74,14 +74,20 @@ class GraphLane(Path):
             return reference.mm_all_reduce(a, b, bias, args.group_name)
         if capturing:
             groups.mark_replayed(group)
+            record = False
+        else:  # eager lane calls from two streams run in host order, as the workspace's do
+            stream = torch.cuda.current_stream(a.device) if a.is_cuda else None
+            record = lane.order(stream) if stream is not None else False
         m, n = a.shape[0], b.shape[1]
         if ctx.config is not None:  # few rows: the split-K kernel, in the lane
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
             fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)()
-            return out
-        partial = reference.matmul(a, b, bias)
-        out = torch.empty_like(partial)
-        exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP)
+        else:
+            partial = reference.matmul(a, b, bias)
+            out = torch.empty_like(partial)
+            exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP)
+        if record:
+            lane.last_event.record(stream)
         return out
 
 
