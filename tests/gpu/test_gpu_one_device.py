@@ -611,7 +611,7 @@ def test_an_error_word_can_be_made_inside_a_capture():
         x.add_(1)
     graph.replay()
     torch.cuda.synchronize()
-    assert word.is_pinned() and int(word.abs().sum()) == 0 and float(x[0]) == 3.0
+    assert word.is_pinned() and int(word.abs().sum()) == 0 and float(x[0]) == 2.0  # warm-up, one replay
 
 
 def test_a_one_rank_groups_facts_name_its_gpu_by_uuid():
