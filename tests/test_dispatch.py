@@ -576,27 +576,27 @@ def test_a_group_re_created_under_its_name_starts_afresh(fresh_groups):
     assert all(g is new for g in groups.all_groups())
 
 
-def test_a_destroyed_subgroup_loses_its_state_within_a_sweep_of_calls(fresh_groups):
-    """With no new group made after it, calls on other groups drop it within ``SWEEP_EVERY``."""
-    name = group_name()
+def _destroyed_subgroup():
+    """(the WORLD group's state, the state of a subgroup with a workspace, now destroyed)."""
     sub = dist.new_group([0, 1])
     gone = groups.get(sub.group_name)
     gone.workspace = _workspace(name=gone.name, err=gone.err)
-    world = groups.get(name)
+    world = groups.get(group_name())
     dist.destroy_process_group(sub)
+    return world, gone
+
+
+def test_a_destroyed_subgroup_loses_its_state_within_a_sweep_of_calls(fresh_groups):
+    """With no new group made after it, calls on other groups drop it within ``SWEEP_EVERY``."""
+    world, gone = _destroyed_subgroup()
     for _ in range(groups.SWEEP_EVERY):
-        assert groups.get(name) is world  # the WORLD group's own state stays
+        assert groups.get(group_name()) is world  # the WORLD group's own state stays
     assert gone.workspace is None and gone not in groups.all_groups()
 
 
 def test_a_destroyed_subgroup_loses_its_state_when_a_group_is_made(fresh_groups):
-    name = group_name()
-    sub = dist.new_group([0, 1])
-    gone = groups.get(sub.group_name)
-    gone.workspace = _workspace(name=gone.name, err=gone.err)
-    world = groups.get(name)
-    dist.destroy_process_group(sub)
-    assert groups.get(name) is world  # the WORLD group's own state stays
+    world, gone = _destroyed_subgroup()
+    assert groups.get(group_name()) is world  # the WORLD group's own state stays
     new_sub = dist.new_group([0, 1])
     assert groups.get(new_sub.group_name) is not gone  # (a new name, or the old one for a new object)
     assert gone.workspace is None and gone not in groups.all_groups()
