@@ -113,6 +113,17 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
         finally:
             tuning.measure, tuning.prepare = saved
         out["phased"] = (entry.choice, sorted(entry.failed), sorted(entry.times_us))
+        # 7. a wait of an earlier call timed out on one rank: tuning raises on every rank (it would
+        # otherwise clear that record while recovering from a failed candidate)
+        if rank == world - 1:
+            groups.get(name).err[:5] = torch.tensor([1, 4, 0, 1, 3], dtype=torch.int32)
+        dist.barrier()
+        try:
+            _tuner(name, world, timer, tmp).tune(tuning.Signature.of(Call("mm_all_reduce", 64, 4096, 8192, BF16,
+                                                                          world)))
+            out["dirty"] = "no error"
+        except RuntimeError:
+            out["dirty"] = "raised"
     with open(os.path.join(results, f"{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -148,6 +159,7 @@ def test_ranks_agree_on_every_answer(world):
     choice, failed, timed = first["phased"]
     assert {"one_shot", "two_shot"} <= set(timed)
     assert failed == ["one_shot", "two_shot"] and choice not in failed
+    assert first["dirty"] == "raised"
 
 
 def test_cache_reads_agree_or_are_dropped(tmp_path):

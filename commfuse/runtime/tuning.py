@@ -440,17 +440,18 @@ class Tuner:
         return entry.choice
 
     def _clean_start(self) -> None:
-        """Every rank together: raise on every rank if any rank's group holds a timed-out wait of
-        an earlier call (``_recover`` zeroes the word, so no earlier record may be in it)."""
+        """Every rank together: raise on every rank if any rank's group holds a timed-out wait or a
+        failed call from before (``_recover`` clears both, so no earlier record may be in them)."""
         group, device = self.group, self.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        mine = bool(group.err_host[0]) or bool(group.broken)
+        ws_broken = group.workspace.broken if group.workspace is not None else None
+        mine = bool(group.err_host[0]) or bool(group.broken) or bool(ws_broken)
         if not _any(group, mine, device):
             return
         errors.check(group, "tuning")
-        raise RuntimeError(group.broken or f"commfuse: a peer of group {group.name!r} holds a timed-out wait of "
-                           "an earlier call; call commfuse.release_all() on every rank to start over")
+        raise RuntimeError(group.broken or ws_broken or f"commfuse: a peer of group {group.name!r} holds a failed "
+                           "call; call commfuse.release_all() on every rank to start over")
 
     def tune(self, sig: Signature) -> Entry:
         """Every rank together: time the candidates of ``sig`` and keep the agreed answer."""
