@@ -100,7 +100,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMFUSE_VERIFY", "switch", False, "before every fused call, check with a small collective that "
             "every rank makes the same call (shapes, dtypes, call count); for debugging"),
     Setting("COMMFUSE_ALGO", "choice", None, "force one path for every call of the ops that have it "
-            "(benchmarks and tests; set alike on every rank)", choices=ALGOS, paths=True),
+            "(benchmarks and tests; set alike on every rank; eager calls that meet replayed CUDA graphs keep "
+            "the graph lane)", choices=ALGOS, paths=True),
     Setting("COMMFUSE_SYMM_PROVIDER", "choice", "torch", "where symmetric buffers come from: torch symmetric "
             "memory, or the Iris heap (`iris`: the WORLD group only)", choices=("torch", "iris"), paths=True),
     Setting("COMMFUSE_IRIS_HEAP_BYTES", "int", 4 << 30, "size of the Iris heap with the iris provider",

@@ -605,12 +605,15 @@ def test_a_destroyed_subgroup_loses_its_state_when_a_group_is_made(fresh_groups)
 
 def test_eager_calls_join_the_graph_lane_once_graphs_replay_it():
     """A rank that re-warms its CUDA graphs (eager) while its peer replays them must use the same
-    lane: once captured graphs use it, eager calls that fit it take it too (forcing still wins)."""
+    lane: once captured graphs use it, eager calls that fit it take it too, forced or not (the
+    captures took the lane whatever was forced)."""
     assert choose(AR, 16, 4096, 8192) == "split_k"
     assert choose(AR, 16, 4096, 8192, lane_bytes=1 << 22) == "graph"
     assert choose(AR, 512, 4096, 8192, lane_bytes=1 << 22) == "one_shot"  # 8 MiB
     assert choose(AR, 16, 4096, 8192, world=1, lane_bytes=1 << 22) == "nccl"
-    assert choose(AR, 16, 4096, 8192, lane_bytes=1 << 22, forced="one_shot") == "one_shot"
+    assert choose(AR, 16, 4096, 8192, lane_bytes=1 << 22, forced="one_shot") == "graph"
+    assert choose(AR, 16, 4096, 8192, capturing=True, forced="one_shot") == "graph"
+    assert choose(AR, 512, 4096, 8192, lane_bytes=1 << 22, forced="two_shot") == "two_shot"  # past the lane
     # where the rules send captures to NCCL (other GPUs' table) a tuned capture may take the lane:
     # an eager re-warm that fits it must take it too, whatever the eager answer
     b200 = GroupFacts.simulated(2, arch="sm_100", name="NVIDIA B200", sms=148)
@@ -654,8 +657,12 @@ def test_release_restarts_a_kept_lane_so_old_graphs_pair_and_raise_again(fresh_g
     assert int(g.lane.data(torch.float32).isnan().sum()) == 0
     assert int(g.err.abs().sum()) == 0 and g.broken is None and g.lane_failure is None
     g.err[:4] = torch.tensor([1, GRAPH_LANE_OP, 1, 0], dtype=torch.int32)  # a replay times out later
+    g.lane.counter.fill_(3)
     with pytest.raises(RuntimeError, match="captured before release_all"):
         errors.check_held("mm_all_reduce")
+    commfuse.release_all()  # as the error says: the lane kept by the first release starts over too
+    assert int(g.lane.counter.abs().sum()) == 0 and int(g.err.abs().sum()) == 0 and g.broken is None
+    assert groups.held() == [g]
 
 
 @pytest.mark.parametrize("world", [4, 8])

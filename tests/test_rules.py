@@ -188,3 +188,20 @@ def test_tuning_plans_the_workspace_of_every_candidate_at_the_bucket_top():
     top = _call("mm_all_reduce", 4096, 4096, 8192)
     assert tuned == max(p.workspace_bytes(top) for p in policy.candidates(top, facts)) and tuned >= plain
     assert tuned > plain  # the fused kernel's slabs at 4096 rows exceed the one-shot's 3000-row partial
+
+
+def test_gpus_are_named_by_uuid_not_index(monkeypatch):
+    """With per-rank ``CUDA_VISIBLE_DEVICES`` every rank's GPU is index 0: the facts name a GPU by
+    its UUID (else its PCI location), so one GPU has one name in every process and two GPUs two."""
+    import types
+
+    from commfuse.runtime import facts as facts_mod
+
+    props = {0: types.SimpleNamespace(uuid="GPU-aaaa"), 1: types.SimpleNamespace(uuid="GPU-bbbb"),
+             2: types.SimpleNamespace(uuid="GPU-aaaa"),
+             3: types.SimpleNamespace(uuid="", pci_domain_id=0, pci_bus_id=0x19, pci_device_id=0),
+             4: types.SimpleNamespace(uuid="", pci_domain_id=0, pci_bus_id=0x3b, pci_device_id=0)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    ids = [facts_mod._gpu_id(i) for i in range(5)]
+    assert ids[0] == ids[2] != ids[1]  # the same GPU seen at two indices; another GPU
+    assert ids[3] != ids[4] and len({ids[0], ids[1], ids[3]}) == 3

@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
             return {"nccl": 100.0, "one_shot": 10.0, "two_shot": 20.0}.get(path.name, 50.0) + float(t[0])
 
         saved = tuning.measure, tuning.prepare
-        tuning.measure, tuning.prepare = phased, (lambda *a, **k: None)
+        tuning.measure, tuning.prepare = phased, (lambda *a, **k: "prepared")
         try:
             dist.barrier()
             entry = _tuner(name, world, None, tmp).tune(
@@ -113,6 +113,23 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
         finally:
             tuning.measure, tuning.prepare = saved
         out["phased"] = (entry.choice, sorted(entry.failed), sorted(entry.times_us))
+        # 8. (before 7, which leaves the group refusing calls) the inputs cannot be made on one rank:
+        # every rank leaves before any other collective, and the rules decide, untimed
+        real_inputs = tuning._inputs
+
+        def short_of_memory(sig, group, device, seed):
+            if rank == 0:
+                raise torch.OutOfMemoryError("no memory for the inputs")
+            return real_inputs(sig, group, device, seed)
+
+        tuning._inputs = short_of_memory
+        try:
+            dist.barrier()
+            entry = _tuner(name, world, None, tmp).tune(
+                tuning.Signature.of(Call("mm_all_reduce", 512, 4096, 8192, BF16, world)))
+        finally:
+            tuning._inputs = real_inputs
+        out["no_inputs"] = (entry.choice == entry.rules, sorted(entry.failed) == sorted(entry.times_us))
         # 7. a wait of an earlier call timed out on one rank: tuning raises on every rank (it would
         # otherwise clear that record while recovering from a failed candidate)
         if rank == world - 1:
@@ -160,6 +177,7 @@ def test_ranks_agree_on_every_answer(world):
     assert {"one_shot", "two_shot"} <= set(timed)
     assert failed == ["one_shot", "two_shot"] and choice not in failed
     assert first["dirty"] == "raised"
+    assert first["no_inputs"] == [True, True]
 
 
 def test_cache_reads_agree_or_are_dropped(tmp_path):
@@ -231,6 +249,16 @@ def test_slab_signatures_are_timed_in_their_own_layout():
         assert _first(out).dtype == BF16
     flat = tuning.Signature.of(Call("all_gather_mm", 64, 32, 16, BF16, 2))
     assert tuple(tuning._inputs(flat, group, cpu, seed=0)[1].shard.shape) == (32, 32)
+    # slab counts and world sizes that do not divide the bucket: the timed M is the bucket's
+    # largest that every rank's block and slab cut whole
+    for op, m, world, slabs, timed in [("mm_reduce_scatter", 60, 2, 3, 60), ("all_gather_mm", 60, 2, 3, 60),
+                                       ("all_gather_mm", 96, 3, 1, 126), ("mm_all_reduce", 100, 3, 1, 128)]:
+        sig = tuning.Signature.of(Call(op, m, 32, 16, BF16, world, rows_dim=1 if slabs > 1 else 0, slabs=slabs))
+        assert sig.call().m == timed, (op, m, world, slabs)
+    sig = tuning.Signature.of(Call("mm_reduce_scatter", 60, 32, 16, BF16, 2, rows_dim=1, slabs=3))
+    with torch.no_grad():
+        out = torch.ops.commfuse.mm_reduce_scatter(*tuning._inputs(sig, group, cpu, seed=0)[1])
+    assert tuple(out.shape) == (3, 10, 16)
 
 
 def _first(out):

@@ -458,14 +458,15 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
                  timeout=ws.timeout_ns, ticket=ticket, epochs=epochs)
     # Triton specialises integers on being 1 or a multiple of 16: one compile serves every M alike
     spec = (tuple(sorted((key, v) for key, v in consts.items())), k, n, dtype, m == 1, m % 16 == 0, sbm, sbn,
-            half, ws.timeout_ns, out.data_ptr() % 16 == 0)
+            half, ws.timeout_ns, ws.rank, out.data_ptr() % 16 == 0,
+            full_bias is None or full_bias.data_ptr() % 16 == 0)
     if hasattr(split_k_all_reduce_kernel, "warmup") and spec not in _compiled:  # (not interpreted)
-        if len(_compiled) >= 1024:
-            _compiled.clear()
-        _compiled.add(spec)
         split_k_all_reduce_kernel.warmup(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
                                          out=out, stride_bm=sbm, stride_bn=sbn, epoch=0, ticket_base=0, grid=(1,),
                                          **fixed, **consts)
+        if len(_compiled) >= 1024:
+            _compiled.clear()
+        _compiled.add(spec)  # (only once compiled: a failed warm-up is tried again)
     return Bound(split_k_all_reduce_kernel, (programs,), _PER_CALL, **fixed, **consts), units, programs
 
 

@@ -301,7 +301,14 @@ def release(group_name: str | None = None) -> None:
     touch no freed memory and pair with the peers' replays."""
     with _lock:
         _sweep()
-        for group in list(_groups.values()):
+        # in the same order on every rank (the restarts are collective): the lanes kept by earlier
+        # releases (a timeout in an old graph's replay may have left them out of step), then the
+        # groups now dropped, by name
+        order = (lambda g: (g.name, g.provider))
+        for group in sorted(_held, key=order):
+            if group_name is None or group.name == group_name:
+                _restart_kept_lane(group)
+        for group in sorted(_groups.values(), key=order):
             if group_name is None or group.name == group_name:
                 _restart_kept_lane(group)
                 _retire(group)

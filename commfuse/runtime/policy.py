@@ -6,9 +6,10 @@ In order, the first that applies decides:
    mixed GPUs): NCCL, with the reason logged once;
 2. inside a CUDA-graph capture: the rules for captured calls (``mm_all_reduce@capture``: the graph
    lane, whose epochs live on the device), else NCCL;
-3. ``COMMFUSE_ALGO`` names a path of the op that supports the call: that path;
-4. an ``mm_all_reduce`` that fits the group's graph lane once this process replays graphs on it:
-   the lane (a rank re-warming its graphs eagerly must meet its peer's replays on the same flags);
+3. an ``mm_all_reduce`` that fits the group's graph lane once this process replays graphs on it:
+   the lane (a rank re-warming its graphs eagerly must meet its peer's replays on the same flags,
+   whatever ``COMMFUSE_ALGO`` says);
+4. ``COMMFUSE_ALGO`` names a path of the op that supports the call: that path;
 5. a tuned answer for the call's signature (``tuning.py``), kept unless it no longer supports it;
 6. the first rule of the group's table (``rules.py``) that matches and whose path supports it;
 7. NCCL.
@@ -107,6 +108,14 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
             once(op, f"in a CUDA-graph capture: {reason}")
             return Decision(nccl, None, "capture", reason, decision.table)
         return dataclasses.replace(decision, source="capture")
+    if op == "mm_all_reduce" and lane_bytes and call.exchanged_bytes <= lane_bytes:
+        # The lane whatever the capture answer (rules or tuned) was: calls whose capture ran NCCL
+        # are sent to NCCL before this (``groups.captured_to_nccl``); the variant is a capture's.
+        lane = rules_choice(call, facts, capture=True)
+        graph = REGISTRY[(op, "graph")]
+        variant = lane.variant if lane.path is graph else None
+        if graph.supports_variant(call, facts, variant) is None:
+            return Decision(graph, variant, "lane", "fits the graph lane that captured graphs replay", lane.table)
     if forced:
         path = REGISTRY.get((op, forced))
         if path is not None:
@@ -120,14 +129,6 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
             if not quiet and first_time(_warned, (op, forced, why)):
                 log.warning("commfuse.%s: COMMFUSE_ALGO=%s cannot take this call (%s); its default path runs",
                             op, forced, why)
-    if op == "mm_all_reduce" and lane_bytes and call.exchanged_bytes <= lane_bytes:
-        # The lane whatever the capture answer (rules or tuned) was: calls whose capture ran NCCL
-        # are sent to NCCL before this (``groups.captured_to_nccl``); the variant is a capture's.
-        lane = rules_choice(call, facts, capture=True)
-        graph = REGISTRY[(op, "graph")]
-        variant = lane.variant if lane.path is graph else None
-        if graph.supports_variant(call, facts, variant) is None:
-            return Decision(graph, variant, "lane", "fits the graph lane that captured graphs replay", lane.table)
     answer = tuned() if tuned is not None else None
     if answer:
         path = REGISTRY.get((op, answer))

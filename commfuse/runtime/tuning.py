@@ -97,8 +97,11 @@ class Signature:
                 f"{' bias' if self.bias else ''} w{self.world}{where}")
 
     def call(self) -> Call:
-        """The call a tuning run times: the bucket's largest M."""
-        return Call(self.op, self.m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
+        """The call a tuning run times: the bucket's largest M that the collective can cut (every
+        rank's block, and each of its slabs, whole rows)."""
+        unit = 1 if self.op == "mm_all_reduce" else self.world * (self.slabs if self.rows_dim else 1)
+        m = max(unit, self.m // unit * unit)
+        return Call(self.op, m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
                     self.rows_dim, self.slabs)
 
     def digest(self) -> int:
@@ -259,10 +262,11 @@ def _reduce_results(group, times: list[float], failed: list[bool], device) -> tu
 # Measuring a candidate on synthetic inputs
 #
 # A measurement is a generator that yields between its phases (warm-up, check, timing) and returns
-# the median µs. Its phases issue no process-group collective of their own (the NCCL candidate's
-# calls excepted, which every rank issues alike), so a candidate that raises on one rank leaves the
-# ranks' collectives paired: the tuner agrees after every phase whether any rank failed, and every
-# rank skips the rest of that candidate together. Tests inject measurements that only return a time.
+# the median µs. Its phases issue no process-group collective of their own, so a candidate that
+# raises on one rank leaves the ranks' collectives paired: the tuner agrees after every phase
+# whether any rank failed, and every rank skips the rest of that candidate together. The NCCL
+# candidate is the exception: its calls are collectives, and one that fails on one rank midway is
+# as fatal to the job as any failed NCCL call. Tests inject measurements that only return a time.
 
 
 @dataclasses.dataclass
@@ -307,11 +311,20 @@ def _output(result) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
-def prepare(sig: Signature, group, facts: GroupFacts, device, candidates: list[Path]) -> Prepared:
+def prepare(sig: Signature, group, facts: GroupFacts, device, candidates: list[Path]) -> Prepared | None:
     """Collective: the inputs, the workspace (and graph lane) grown once to what the largest
     candidate needs, so no candidate allocates (collectively) while it is measured, and the NCCL
-    result the candidates are checked against."""
-    call, args = _inputs(sig, group, device, seed=1000 + group.rank)
+    result the candidates are checked against. None on every rank if any rank could not make its
+    inputs (agreed before any other collective)."""
+    try:
+        call, args = _inputs(sig, group, device, seed=1000 + group.rank)
+        failed = False
+    except Exception as exc:  # noqa: BLE001 - out of memory on one rank: no tuning, never a hang
+        log.warning("commfuse: tuning %s: the inputs could not be made on this rank (%s: %s)", sig.text(),
+                    type(exc).__name__, exc)
+        failed = True
+    if _any(group, failed, device):
+        return None
     need = max([p.workspace_bytes(call) for p in candidates if p.symmetric], default=0)
     if need:
         groups.workspace(group, need, device)
@@ -450,8 +463,14 @@ class Tuner:
         if not _any(group, mine, device):
             return
         errors.check(group, "tuning")
-        raise RuntimeError(group.broken or ws_broken or f"commfuse: a peer of group {group.name!r} holds a failed "
-                           "call; call commfuse.release_all() on every rank to start over")
+        # a clean rank refuses the group too, or a retry would find its peer refusing and wait for it
+        group.broken = group.broken or ws_broken or (
+            f"commfuse: a peer of group {group.name!r} holds a timed-out wait or a failed call; call "
+            "commfuse.release_all() on every rank to start over")
+        if group.workspace is not None:
+            group.workspace.broken = group.broken
+        groups.bump()
+        raise RuntimeError(group.broken)
 
     def tune(self, sig: Signature) -> Entry:
         """Every rank together: time the candidates of ``sig`` and keep the agreed answer."""
@@ -470,9 +489,15 @@ class Tuner:
         lane_variant = policy.rules_choice(call, self.facts, capture=True).variant
         times, failed = [], []
         with _short_waits(group, TUNING_TIMEOUT_S):
-            prepared = None
+            prepared = seen = None
             if self.timer is None:
                 prepared = prepare(sig, group, self.facts, device, candidates)
+                if prepared is None:  # some rank could not make the inputs: the rules decide, untimed
+                    entry = Entry(rules, rules, {p.name: math.inf for p in candidates}, [p.name for p in candidates],
+                                  env.current().tune_margin)
+                    self.entries[sig.text()] = entry  # (this process only: a later run tunes it)
+                    groups.bump()
+                    return entry
                 seen = ce_graphs.keys(group.workspace) if group.workspace is not None else None
             for path in candidates:
                 variant = lane_variant if path.name == "graph" else None
@@ -494,7 +519,7 @@ class Tuner:
                     _recover(group, device)
                 times.append(math.inf if local_fail or value is None else float(value))
                 failed.append(local_fail)
-            if prepared is not None and seen is not None and group.workspace is not None:
+            if seen is not None and group.workspace is not None:
                 ce_graphs.drop_since(group.workspace, seen)
         worst, bad = _reduce_results(group, times, failed, device) if group.world > 1 else (times, failed)
         margin = env.current().tune_margin

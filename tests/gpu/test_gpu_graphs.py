@@ -62,14 +62,16 @@ def test_captured_mm_all_reduce_replays_match_the_reference(nccl, monkeypatch, k
     assert launched == [kernel], "the capture did not take the graph lane's expected kernel"
     other = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
+    big = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)  # 8 MiB out: past the lane
+    w_big = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
     for i in range(1000):
         a.copy_(torch.randn_like(a))  # fresh data every replay
         graph.replay()
-        if i % 7 == 3:  # eager calls of the host-epoch workspace in between
+        if i % 7 == 3:  # eager calls of the host-epoch workspace in between (calls that fit the lane take it)
             with env.override(algo="one_shot"):
-                got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)
+                got = torch.ops.commfuse.mm_all_reduce(big, w_big, None, nccl.group_name)
             if i % 100 == 3:
-                assert relerr(got, _reference(other, w)) < 1e-2
+                assert relerr(got, _reference(big, w_big)) < 1e-2
         if i % 11 == 5:  # and eager calls of the graph lane itself (its split-K kernel: 64 x 256)
             with env.override(algo="graph"):
                 got = torch.ops.commfuse.mm_all_reduce(other, w, None, nccl.group_name)

@@ -622,8 +622,15 @@ def test_a_one_rank_groups_facts_name_its_gpu_by_uuid():
 
     from commfuse.runtime import facts as facts_mod
 
-    assert facts_mod._gpu_id(0) == facts_mod._gpu_id(0) != 0
-    if not dist.is_initialized():
+    props = torch.cuda.get_device_properties(0)
+    assert str(props.uuid)  # this torch names the GPU by UUID
+    assert facts_mod._gpu_id(0) == facts_mod._gpu_id(torch.cuda.current_device())
+    ours = not dist.is_initialized()
+    if ours:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29541", rank=0, world_size=1)
-    got = facts_mod.agree(dist.new_group([0], backend="nccl"), torch.device("cuda", 0), "torch", 4 << 20)
+    try:
+        got = facts_mod.agree(dist.new_group([0], backend="nccl"), torch.device("cuda", 0), "torch", 4 << 20)
+    finally:
+        if ours:
+            dist.destroy_process_group()
     assert got.peer_access and got.peers_visible and got.one_host and got.arch.startswith("sm_")
