@@ -99,6 +99,10 @@ SETTINGS: tuple[Setting, ...] = (
             "becomes an error naming the op, the ranks and the group", minimum=1e-9, maximum=1e9),
     Setting("COMMFUSE_VERIFY", "switch", False, "before every fused call, check with a small collective that "
             "every rank makes the same call (shapes, dtypes, call count); for debugging"),
+    Setting("COMMFUSE_PAIRING_CHECK", "switch", False, "every symmetric call's flags carry a tag of its op, "
+            "shapes and path beside the call count; a rank that meets another call at the same count (a skipped "
+            "or reordered call) raises instead of summing it; split-K then exchanges with flags, not LL words",
+            paths=True),
     Setting("COMMFUSE_ALGO", "choice", None, "force one path for every call of the ops that have it "
             "(benchmarks and tests; set alike on every rank; eager calls that meet replayed CUDA graphs keep "
             "the graph lane)", choices=ALGOS, paths=True),

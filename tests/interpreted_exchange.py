@@ -11,6 +11,7 @@ import torch
 import triton
 
 from commfuse.kernels import exchange
+from commfuse.kernels.codes import ERR_MISMATCH, flag_value
 from interpreter_peers import DT, group
 BLOCK = 64  # elements per program per step: several programs and steps on small tensors
 
@@ -97,14 +98,14 @@ def lane_case(world: int, rank: int, numel: int) -> None:
         for p in range(world):
             if p != rank:  # what rank p staged, and its flags
                 lanes[p].data(DT)[at:at + numel].copy_(parts[p])
-                me.flags.view(-1, world)[:me.max_programs, p] = epoch
+                me.flags.view(-1, world)[:me.max_programs, p] = flag_value(epoch)
         out = torch.full((numel,), float("nan"), dtype=DT)
         exchange.staged_all_reduce(me, parts[rank], out, 4, block=BLOCK, num_warps=4)
         want = sum(x.float() for x in parts)
         assert ((out.float() - want).norm() / want.norm()).item() < 2e-3, (world, rank, "lane", call)
         assert me.counter.eq(epoch).all(), "every epoch slot advanced"
         grid = exchange._programs(me, numel, BLOCK, me.flags.numel() // world)
-        assert all(bool(lanes[p].flags.view(-1, world)[:grid, rank].eq(epoch).all())
+        assert all(bool(lanes[p].flags.view(-1, world)[:grid, rank].eq(flag_value(epoch)).all())
                    for p in range(world) if p != rank), "signals"
         assert int(me.err[0]) == 0
 
@@ -181,6 +182,72 @@ def late_peer_case(world: int, rank: int) -> None:
     assert int(me.err[3]) in range(world) and int(me.err[3]) != rank
 
 
+TAG, OTHER = 0x155, 0x2AA
+
+
+def mismatch_case(world: int, rank: int) -> None:
+    """The pairing check (``COMMFUSE_PAIRING_CHECK``): one peer signals this call's count under
+    another tag (it makes another call: a rank skipped one). Every kernel leaves NaN where that
+    peer's data would go, as for a late peer, and names the kind, the op, both ranks, the count
+    and both tags in the error word, with no bound to wait out (the bound here is 600 s). A peer
+    at the same count with tag 0 (its check off) or at a later count with another tag pairs."""
+    odd = (rank + 1) % world
+    ws = group(world, 1 << 16, 3)
+    me = ws[rank]
+    epoch, parity = me.next_epoch(tag=TAG)
+    count = me.epoch
+
+    def arm(shape, peer_value):
+        parts = [torch.randn(shape, dtype=DT) for _ in range(world)]
+        for p, x in enumerate(ws):
+            x.data(parity, shape, DT).copy_(parts[p])
+        me.flags.zero_()
+        for p in range(world):
+            if p != rank:
+                me.flags.view(-1, world)[:2 * me.max_programs, p] = peer_value if p == odd else epoch
+        me.err.zero_()
+        return parts
+
+    def named(op):
+        assert me.err.tolist()[:7] == [ERR_MISMATCH, op, rank, odd, count, TAG, OTHER], me.err.tolist()
+
+    for algo in ("one_shot", "two_shot"):
+        arm((1000,), flag_value(count, OTHER))
+        out = torch.zeros(1000, dtype=DT)
+        exchange.all_reduce(me, me.data(parity, (1000,), DT), out, epoch, algo, 1, block=BLOCK,
+                            max_programs=me.max_programs, num_warps=4)
+        assert bool(out.isnan().all()), (world, rank, algo, "another call's data was summed")
+        named(1)
+    arm((5, 48), flag_value(count, OTHER))
+    out = torch.zeros(5, world, 48, dtype=DT)
+    exchange.gather(me, me.data(parity, (5, 48), DT), out, 5, 48, epoch, 2, block=BLOCK, num_warps=4)
+    assert bool(out[:, [p for p in range(world) if p != rank]].isnan().all()), (world, rank, "gather")
+    named(2)
+    arm((3, world, 40), flag_value(count, OTHER))
+    out = torch.zeros(3, 40, dtype=DT)
+    exchange.reduce_scatter(me, me.data(parity, (3, world, 40), DT), out, 3, 40, epoch, 3, block=BLOCK,
+                            num_warps=4)
+    assert bool(out.isnan().all()), (world, rank, "reduce_scatter")
+    named(3)
+    for value in (flag_value(count, 0), flag_value(count + 1, OTHER)):  # check off there; a peer ahead
+        parts = arm((1000,), value)
+        out = torch.full((1000,), float("nan"), dtype=DT)
+        exchange.all_reduce(me, me.data(parity, (1000,), DT), out, epoch, "one_shot", 1, block=BLOCK,
+                            max_programs=me.max_programs, num_warps=4)
+        want = sum(x.float() for x in parts)
+        assert ((out.float() - want).norm() / want.norm()).item() < 2e-3 and int(me.err[0]) == 0, value
+    # the graph lane: the count from the device, the tag fixed in the launch
+    lanes = group(world, 1 << 14, 3, lane=True)
+    lane = lanes[rank]
+    for p in range(world):
+        if p != rank:
+            lane.flags.view(-1, world)[:lane.max_programs, p] = flag_value(1, OTHER if p == odd else TAG)
+    out = torch.zeros(300, dtype=DT)
+    exchange.staged_all_reduce(lane, torch.randn(300, dtype=DT), out, 4, tag=TAG, block=BLOCK, num_warps=4)
+    assert bool(out.isnan().all()), (world, rank, "lane")
+    assert lane.err.tolist()[:7] == [ERR_MISMATCH, 4, rank, odd, 1, TAG, OTHER], lane.err.tolist()
+
+
 def main() -> None:
     for world, rank in ((2, 1), (4, 2), (8, 5)):
         for algo in ("one_shot", "two_shot"):
@@ -190,6 +257,7 @@ def main() -> None:
         lane_case(world, rank, 300)
         device_epoch_case(world, rank, 500)
         late_peer_case(world, rank)
+        mismatch_case(world, rank)
     print("ok")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from commfuse.kernels import fused_split_k, tiles
+from commfuse.kernels.codes import ERR_MISMATCH, GRAPH_LANE_OP, flag_value
 from interpreter_peers import DT, group
 
 
@@ -93,7 +94,7 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
                 sums[rank][at + p * count * 256:at + (p + 1) * count * 256].copy_(
                     blocks(partial[p], 16, 16, group_m).flatten())
                 for t in range(count):
-                    flags[rank][t * world + p] = epoch
+                    flags[rank][t * world + p] = flag_value(epoch)
         out = torch.full((m, n), float("nan"), dtype=DT)
         launch = fused_split_k.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, lane=lane)
         if lane:
@@ -110,11 +111,11 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
                 words = sums[p][at:].view(torch.int64)[rank * count * 128:(rank + 1) * count * 128]
                 got = ll_values(words.view(count, 16, 8), epoch)
                 assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
-                assert all(int(flags[p][t * world + rank]) != epoch for t in range(count)), "no flag store"
+                assert all(int(flags[p][t * world + rank]) != flag_value(epoch) for t in range(count)), "no flag store"
             elif p != rank:
                 got = sums[p][at + rank * count * 256:at + (rank + 1) * count * 256].view(count, 16, 16)
                 assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
-                assert all(int(flags[p][t * world + rank]) == epoch for t in range(count)), p
+                assert all(int(flags[p][t * world + rank]) == flag_value(epoch) for t in range(count)), p
         assert me.tile_counters.eq(0).all(), "arrival counters back at zero"
         if lane:
             assert me.counter.eq(epoch).all(), "the lane's epoch advanced in every slot"
@@ -148,10 +149,45 @@ def stale_words_are_not_taken(world: int = 2, rank: int = 0, stale: int | None =
     fused_split_k.prepare(me, a, w.t(), None, out, cfg)(*me.next_epoch())
     assert out.isnan().all(), "stale sums were taken"
     first = min(p for p in range(world) if p != rank) if stale is None else stale
-    assert me.err.tolist() == [1, 8, rank, first, 0, 0, 0, 0], me.err.tolist()
+    assert me.err.tolist() == [1, 8, rank, first, 5, 0, 0, 0], me.err.tolist()
+
+
+TAG, OTHER = 0x155, 0x2AA
+
+
+def another_call_is_not_summed(world: int, rank: int, lane: bool) -> None:
+    """The pairing check with flags (``COMMFUSE_PAIRING_CHECK`` asks for them, not LL words): a
+    peer whose tile flags carry this call's count under another tag made another call; every
+    output is NaN and the error word names the mismatch, both ranks, the count and both tags."""
+    m, k, n = 16, 64, 32
+    tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=1, reducers=0)
+    cfg = fused_split_k.config(m, k, n, 3, 1, tile, ll=False)
+    count = fused_split_k.num_tiles(m, n, cfg)
+    ws = group(world, 1 << 17, 3, lane)
+    me = ws[rank]
+    odd = (rank + 1) % world
+    call = int(me.counter[0]) + 1 if lane else me.epoch + 1
+    flags = me.flags if lane else me.tile_flags
+    for p in range(world):
+        if p != rank:
+            for t in range(count):
+                flags[t * world + p] = flag_value(call, OTHER if p == odd else TAG)
+    a, w = torch.randn(m, k, dtype=DT), torch.randn(n, k, dtype=DT)
+    out = torch.zeros(m, n, dtype=DT)
+    launch = fused_split_k.prepare(me, a, w.t(), None, out, cfg, lane=lane)
+    if lane:
+        launch(flag_value(0, TAG))
+    else:
+        launch(*me.next_epoch(tag=TAG))
+    assert out.isnan().all(), "another call's sums were taken"
+    op = GRAPH_LANE_OP if lane else 8
+    assert me.err.tolist()[:7] == [ERR_MISMATCH, op, rank, odd, call, TAG, OTHER], me.err.tolist()
 
 
 def main() -> None:
+    for lane in (False, True):
+        another_call_is_not_summed(2, 0, lane)
+        another_call_is_not_summed(4, 3, lane)
     stale_words_are_not_taken()
     stale_words_are_not_taken(world=4, rank=2)
     for m, k, n, split, bias in [(5, 96, 40, 2, True), (16, 64, 32, 1, False), (20, 80, 48, 3, False),

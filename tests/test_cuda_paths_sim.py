@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 from commfuse import env
 from commfuse.kernels import exchange
+from commfuse.kernels import fused_split_k
+from commfuse.kernels.codes import count_of, flag_value, tag_of
 from commfuse.runtime import ce_graphs, entry, groups, shards, verify
 from commfuse.runtime import facts as facts_mod
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.paths import REGISTRY, ag_overlap, ce_all_reduce, common, rs_overlap
+from commfuse.runtime.paths import REGISTRY, ag_overlap, base, ce_all_reduce, common, rs_overlap
 from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
                                          MAX_ROW_SLABS, row_slabs, rows_dim)
 from commfuse.runtime.paths.common import PATHS
@@ -214,6 +216,58 @@ def test_mm_all_reduce_paths(sim, algo, bias_kind):
     assert _changed(AR, before) == [algo]
     # the stand-in sums alike: the forced exchange must be the one asked (the overlap's tail: one-shot)
     assert sim.algos == ["one_shot" if algo == "ce_overlap" else algo], sim.algos
+
+
+def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
+    """With ``COMMFUSE_PAIRING_CHECK`` every symmetric call's epoch carries the call's tag (what
+    every rank shares of it, and its path) below the call count; without it, tag 0. The
+    kernels compare the tags (``tests/interpreted_exchange.py``); here, that each op's exchange
+    gets its call's, through the entry and its kept plan."""
+    seen = []
+    for name, at in (("all_reduce", 3), ("gather", 5), ("reduce_scatter", 5)):
+        real = getattr(exchange, name)
+        monkeypatch.setattr(exchange, name, lambda *a, _real=real, _at=at, **k: (
+            seen.append(a[_at]), _real(*a, **k))[1])
+    r, world = sim.mine.rank, sim.world
+    a, b, _ = _inputs(world, 4 * world, 6, 7, None)
+
+    def calls():
+        for p in sim.peers():
+            sim.peer_data(p, (4 * world, 7)).copy_(_partial(a[p], b[p], None))
+        entry.mm_all_reduce(a[r], b[r], None, "0")
+        for p in sim.peers():
+            sim.peer_data(p, (4, 6)).copy_(a[p][:4])
+        entry.all_gather_mm(a[r][:4], b[r], None, 0, world, "0")
+        for p in sim.peers():
+            sim.peer_data(p, (4 * world, 7)).copy_(_partial(a[p], b[p], None))
+        entry.mm_reduce_scatter(a[r], b[r], None, [4 * world, 7], 0, world, "0")
+
+    with env.override(algo="one_shot", pairing_check=True):
+        calls()
+        calls()  # the kept plans carry the tag too
+    want = [base.pairing_tag(Call(AR, 4 * world, 6, 7, torch.float32, world), "one_shot"),
+            base.pairing_tag(Call(AG, 4 * world, 6, 7, torch.float32, world), "symm"),
+            base.pairing_tag(Call(RS, 4 * world, 6, 7, torch.float32, world), "symm")]
+    assert [tag_of(e) for e in seen] == want * 2 and all(want) and len(set(want)) == 3
+    assert [count_of(e) for e in seen] == list(range(1, 7)) and sim.mine.epoch == 6
+    seen.clear()
+    with env.override(algo="one_shot", pairing_check=False):
+        calls()
+    assert [tag_of(e) for e in seen] == [0, 0, 0] and [count_of(e) for e in seen] == [7, 8, 9]
+
+
+def test_the_pairing_check_takes_split_k_off_ll_words(sim, monkeypatch):
+    """LL words have no room for a tag: with the check on, the split-K path exchanges with flags."""
+    asked = []
+    monkeypatch.setattr(fused_split_k, "prepare", lambda ws, a, b, bias, out, cfg, lane=False: (
+        asked.append(cfg.ll), lambda epoch, parity: None)[1])
+    a, b = torch.randn(16, 4096, dtype=torch.bfloat16), torch.randn(4096, 1024, dtype=torch.bfloat16)
+    call = Call(AR, 16, 4096, 1024, torch.bfloat16, sim.world)
+    path = REGISTRY[(AR, "split_k")]
+    cfg = path.config(call, sim.facts)
+    for tag in (0, 77):
+        path.run(Context(call, sim.facts, sim.group, cfg, tag), MmAllReduceArgs(a, b, None, "0"))
+    assert asked == [cfg.ll, False] and cfg.ll is not False
 
 
 @pytest.mark.parametrize("bias_kind", [None, "2d"])
@@ -588,11 +642,11 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
     with env.override(ce_graphs=True):
         out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
     torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    want = None if graphs else ws.epoch
+    want = None if graphs else flag_value(ws.epoch)
     # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
     assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
     if graphs:
-        assert all(s[2] == ws.epoch for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
+        assert all(s[2] == flag_value(ws.epoch) for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
     else:
         assert not ws.graphs and not ws.graphs_seen
 
@@ -671,7 +725,7 @@ def test_eager_calls_that_fit_a_replayed_lane_take_it_unchecked(sim, monkeypatch
     agreed by the eager calls before the capture) and no count of the group's calls. A call past
     the lane keeps its path and is checked."""
     staged, checked = [], []
-    monkeypatch.setattr(exchange, "staged_all_reduce", lambda lane, src, out, op: (
+    monkeypatch.setattr(exchange, "staged_all_reduce", lambda lane, src, out, op, tag=0: (
         staged.append(lane), out.copy_(src * sim.world)))
     monkeypatch.setattr(verify, "same_call", lambda group, op, count, **shared: checked.append((op, count)))
     _capturing(monkeypatch, [False])  # (the lane path asks CUDA)
@@ -809,7 +863,7 @@ def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch
         current[0] = stream
         log.append(("call", n, "begins"))
         with common.exchange(ctx, ws, AR) as (epoch, _):
-            assert epoch == n
+            assert epoch == flag_value(n)
             log.append((stream.name, "work", n))
         return log[log.index(("call", n, "begins")) + 1:]
 

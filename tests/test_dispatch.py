@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import commfuse
 from commfuse import env
 from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k, tiles
-from commfuse.kernels.codes import GRAPH_LANE_OP
+from commfuse.kernels.codes import ERR_MISMATCH, GRAPH_LANE_OP, TAG_MASK, flag_value
 from commfuse.runtime import errors, groups, policy
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
@@ -249,7 +249,9 @@ def _workspace(data_bytes=1 << 12, name="0", **kw):
 
 def test_workspace_epochs_and_parity():
     ws = _workspace()
-    assert [ws.next_epoch() for _ in range(3)] == [(1, 1), (2, 0), (3, 1)]
+    # the flag value is the call count above the pairing tag's bits (no tag: the check is off)
+    assert [ws.next_epoch() for _ in range(3)] == [(1 << 10, 1), (2 << 10, 0), (3 << 10, 1)]
+    assert ws.next_epoch(tag=5) == ((4 << 10) | 5, 0) and ws.epoch == 4
     assert ws.flags.numel() == (wsmod.FLAG_BYTES - wsmod.BASES_BYTES) // 4
 
 
@@ -324,6 +326,44 @@ def test_the_error_names_global_ranks_of_a_subgroup(world2):
     assert group.broken and group.workspace.broken == group.broken
 
 
+def test_a_mismatch_names_both_calls_and_stops_the_group(world2):
+    """A wait that met its peer at the same call count under another pairing tag wrote
+    ``[ERR_MISMATCH, op, rank, peer, count, my tag, its tag]``: the error says the ranks paired
+    different calls (not a timeout), names both global ranks, the count and both tags, and the
+    group refuses further calls as after a timeout."""
+    group = groups.Group("tp", weakref.ref(dist.group.WORLD), (4, 6), 1, 2, "torch", wsmod.error_word())
+    group.workspace = _workspace(name="tp", err=group.err, timeout_ns=3 * 10**9)
+    group.err[:7] = torch.tensor([ERR_MISMATCH, 1, 1, 0, 12, 301, 77], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: on group 'tp', call 12 of the group on rank 6 "
+                                           r"\(tag 301\) met a different call on rank 4 \(tag 77; group ranks 1 "
+                                           r"and 0\).*skipped, added or reordered") as info:
+        errors.check(group)
+    assert "timed out" not in str(info.value)
+    assert group.broken and group.workspace.broken == group.broken
+
+
+def test_pairing_tags_name_what_every_rank_shares():
+    """A tag is nonzero and fits its bits; it changes with the op, the shared sizes, the dtype, the
+    bias, the rows' layout and the path, and not with a size an uneven shard may change on one rank
+    (K of mm_all_reduce, N of all_gather_mm): ranks with uneven shards must not see a mismatch."""
+    call = Call(AR, 64, 4096, 8192, torch.bfloat16, 2)
+    tag = base.pairing_tag(call, "one_shot")
+    assert 0 < tag <= TAG_MASK and tag == base.pairing_tag(Call(AR, 64, 4096, 8192, torch.bfloat16, 2), "one_shot")
+    others = [base.pairing_tag(call, "two_shot"),
+              base.pairing_tag(dataclasses.replace(call, m=65), "one_shot"),
+              base.pairing_tag(dataclasses.replace(call, n=8193), "one_shot"),
+              base.pairing_tag(dataclasses.replace(call, dtype=torch.float16), "one_shot"),
+              base.pairing_tag(dataclasses.replace(call, bias=True), "one_shot"),
+              base.pairing_tag(dataclasses.replace(call, op=RS), "one_shot")]
+    assert tag not in others
+    assert base.pairing_tag(dataclasses.replace(call, k=2048), "one_shot") == tag
+    gather = Call(AG, 512, 4096, 1024, torch.bfloat16, 2)
+    assert base.pairing_tag(dataclasses.replace(gather, n=1000), "fused") == base.pairing_tag(gather, "fused")
+    assert base.pairing_tag(dataclasses.replace(gather, k=4000), "fused") != base.pairing_tag(gather, "fused")
+    # tags spread: a thousand calls of one op that differ in M take most of the tag values
+    assert len({base.pairing_tag(dataclasses.replace(call, m=m), "one_shot") for m in range(1, 1001)}) > 600
+
+
 def test_a_timeout_stops_only_its_own_group(fresh_groups, monkeypatch):
     """A peer slower than the bound may pair its waits with this rank's later calls on that group:
     after a timeout the group's workspace refuses calls, and so does a regrown one (allocation is
@@ -340,7 +380,7 @@ def test_a_timeout_stops_only_its_own_group(fresh_groups, monkeypatch):
         tp.workspace.next_epoch()
     with pytest.raises(RuntimeError, match="refuses further calls"):
         groups.workspace(tp, 1 << 20, torch.device("cpu"))  # no collective allocation from it
-    assert sp.workspace.next_epoch() == (1, 1) and not sp.broken
+    assert sp.workspace.next_epoch() == (flag_value(1), 1) and not sp.broken
     assert groups.workspace(sp, 1024, torch.device("cpu")) is sp.workspace
     a, b = torch.randn(4, 6), torch.randn(6, 5)
     torch.ops.commfuse.mm_all_reduce(a, b, None, sub.group_name)  # the other group's calls run
@@ -425,8 +465,8 @@ def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, mon
     ws.flags[:8] = 3  # what peers' signals leave behind
     ws.tile_flags[:8] = 3  # and the fused kernel's
     ws.buffer[wsmod.FLAG_BYTES - wsmod.BASES_BYTES:wsmod.FLAG_BYTES] = 7  # stands for the heap bases
-    assert [ws.next_epoch()[0] for _ in range(3)] == [1, 2, 3]
-    assert ws.next_epoch() == (1, 1)  # restarted, flags zeroed on every rank (fake group: this one)
+    assert [ws.next_epoch()[0] for _ in range(3)] == [flag_value(1), flag_value(2), flag_value(3)]
+    assert ws.next_epoch() == (flag_value(1), 1)  # restarted, flags zeroed on every rank (fake group: this one)
     assert ws.flags.eq(0).all() and ws.tile_flags.eq(0).all()
     assert ws.buffer[wsmod.FLAG_BYTES - wsmod.BASES_BYTES:wsmod.FLAG_BYTES].eq(7).all()  # bases kept
     # a path's exchange restarts over the call's group (its process-group object, not its name)
@@ -436,7 +476,7 @@ def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, mon
     monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: barriers.append(group) or real_barrier(group=group))
     ctx = Context(_call(AR, 8, 8, 8), GroupFacts.simulated(2), groups.get(group_name()))
     with common.exchange(ctx, ws, AR) as (epoch, parity):
-        assert (epoch, parity) == (1, 1) and ws.flags.eq(0).all()
+        assert (epoch, parity) == (flag_value(1), 1) and ws.flags.eq(0).all()
     assert barriers == [dist.group.WORLD] * 2
 
 
@@ -444,11 +484,13 @@ def test_epochs_restart_before_the_split_k_ll_flags_repeat_and_zero_the_data(wor
     """The LL words' flags hold an epoch's low bits: within one run of epochs no two calls share
     them, and a restart leaves no word of the run before it."""
     assert wsmod.EPOCH_LIMIT < 1 << fused_split_k.LL_EPOCH_BITS
+    # the largest flag value, the count above the tag's bits, fits the int32 flags
+    assert flag_value(wsmod.EPOCH_LIMIT, TAG_MASK) <= torch.iinfo(torch.int32).max
     ws = _workspace()
     ws.data(0, (64,), torch.uint8).fill_(0xFF)
     ws.data(1, (64,), torch.uint8).fill_(0xFF)
     ws.epoch = wsmod.EPOCH_LIMIT
-    assert ws.next_epoch() == (1, 1)
+    assert ws.next_epoch() == (flag_value(1), 1)
     assert ws.buffer[wsmod.HEADER_BYTES:].eq(0).all()
 
 

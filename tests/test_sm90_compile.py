@@ -67,17 +67,17 @@ def test_staggered_start_compiles_for_sm90():
     assert staggered.asm["ptx"].count("%globaltimer") > plain.asm["ptx"].count("%globaltimer")
 
 
-def _compile_split_k(ll: bool, world: int = 2, group: int = 2):
+def _compile_split_k(ll: bool, world: int = 2, group: int = 2, lane: bool = False):
     from commfuse.kernels import fused_split_k
 
     bm, bn, bk = 16, 64, 256
     sig = {"a_desc": f"tensordesc<bf16[{bm}, {bk}]>", "b_desc": f"tensordesc<bf16[{bn}, {bk}]>",
            "bias": "*bf16", "parts0": "*fp32", "sums0": "*bf16", "half_parts": "i32", "half_sums": "i32",
            "out": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_bm": "i32", "stride_bn": "i32",
-           "flags": "*i32", "counters": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32",
+           "flags": "*i64" if lane else "*i32", "counters": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32",
            "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64"}
-    consts = dict(OP=8, WORLD=world, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
-                  DEVICE_EPOCH=False, EPOCH_SLOTS=1, LL=ll, LL_GROUP=group, GROUP_M=1)
+    consts = dict(OP=4 if lane else 8, WORLD=world, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
+                  DEVICE_EPOCH=lane, EPOCH_SLOTS=128 if lane else 1, LL=ll, LL_GROUP=group, GROUP_M=1)
     return _compile_for_sm90(fused_split_k.split_k_all_reduce_kernel, sig, consts, num_warps=4, num_stages=4)
 
 
@@ -89,6 +89,14 @@ def test_split_k_ll_form_compiles_for_sm90_without_the_flag_release():
     plain, ll = _compile_split_k(False).asm["ptx"], _compile_split_k(True).asm["ptx"]
     assert "atom.global.sys.release" in plain and ".release" not in ll and ".acquire" not in ll
     assert "st.global.v2.b64" in ll and "ld.volatile.global.b64" in ll
+
+
+def test_split_k_in_the_graph_lane_compiles_for_sm90():
+    """The split-K kernel with its call count on the device (the graph lane: int64 flags, the tag
+    from the ``epoch`` argument) compiles for sm_90 with its flag release and acquire."""
+    pytest.importorskip("iris")
+    ptx = _compile_split_k(False, lane=True).asm["ptx"]
+    assert "atom.global.sys.release" in ptx and "sys.acquire" in ptx
 
 
 @pytest.mark.parametrize("world, group", [(3, 4), (8, 2)])
@@ -108,7 +116,7 @@ _EXCHANGE_COMMON = {"flags": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank
 
 
 @pytest.mark.parametrize("kernel", ["one_shot_kernel", "two_shot_kernel", "pull_gather_kernel",
-                                    "reduce_scatter_kernel"])
+                                    "reduce_scatter_kernel", "staged_one_shot_kernel"])
 def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel):
     """The exchange kernels, with a late peer's NaN (``tests/interpreted_exchange.py`` checks the
     values), compile for sm_90: signals released and waits acquired at system scope."""
@@ -122,6 +130,10 @@ def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel):
     elif kernel == "two_shot_kernel":
         sig = {"partial": "*bf16", "out": "*bf16", "n": "i32", "share": "i32", **_EXCHANGE_COMMON}
         consts = dict(OP=1, WORLD=4, BLOCK=8192)
+    elif kernel == "staged_one_shot_kernel":  # the graph lane's: int64 flags and counters
+        sig = {"src": "*bf16", "out": "*bf16", "data": "*bf16", "n": "i32", "half_elems": "i32",
+               **_EXCHANGE_COMMON, "flags": "*i64", "counter": "*i64"}
+        consts = dict(OP=4, WORLD=2, BLOCK=8192, SLOTS=128)
     else:
         sig = {"shard" if kernel == "pull_gather_kernel" else "partial": "*bf16", "out": "*bf16",
                "outer": "i32", "inner": "i32", **_EXCHANGE_COMMON}

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from . import tiles
+from .codes import flag_value
 from .launch import Bound, run as run_kernel
-from .sync import iris, require_iris, signal_peers, wait_peers
+from .sync import _TAG_BITS, iris, require_iris, signal_peers, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
 #: Epochs and flag slots change every call, so no kernel specialises on them: Triton would compile
@@ -97,21 +98,23 @@ def one_shot_kernel(partial, out, n, slot_base, flags, heap_bases, epoch, rank, 
     sum_or_poison(partial, out, n, pid * BLOCK, step, late, rank, heap_bases, WORLD, BLOCK, VEC)
 
 
-@triton.jit(do_not_specialize=["rank"])
-def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_bases, rank, err,
+@triton.jit(do_not_specialize=["rank", "epoch"])
+def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_bases, epoch, rank, err,
                            timeout, OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                            SLOTS: tl.constexpr):
     """One-shot all-reduce of a local ``src`` through the graph lane, with the epoch on the device:
-    program p reads it from ``counter[p]``, stages its blocks of ``src`` into this rank's data half
-    of that epoch's parity, signals, sums every rank's half, and stores the new epoch into every
-    counter slot it owns (p, p + grid, ...), so all slots agree whatever the next call's grid is.
+    program p reads the call count from ``counter[p]`` (``epoch`` holds only the call's tag,
+    ``codes.flag_value(0, tag)``), stages its blocks of ``src`` into this rank's data half of the
+    count's parity, signals, sums every rank's half, and stores the new count into every counter
+    slot it owns (p, p + grid, ...), so all slots agree whatever the next call's grid is.
     No host state changes between calls: a CUDA graph can replay the launch. A late peer leaves NaN
     in ``out`` (and the error word set), since no host code runs between replays to raise."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     step = nprog * BLOCK
-    epoch = tl.load(counter + pid) + 1
-    half = data + (epoch % 2) * half_elems
+    count = tl.load(counter + pid) + 1
+    epoch = (count << _TAG_BITS) | epoch
+    half = data + (count % 2) * half_elems
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
@@ -120,7 +123,7 @@ def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_b
     late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
     sum_or_poison(half, out, n, pid * BLOCK, step, late, rank, heap_bases, WORLD, BLOCK, 1)
     for slot in range(pid, SLOTS, nprog):
-        tl.store(counter + slot, epoch)
+        tl.store(counter + slot, count)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch"])
@@ -308,16 +311,17 @@ def all_reduce(ws, partial: torch.Tensor, out: torch.Tensor, epoch: int | None, 
         raise ValueError(f"commfuse: unknown all-reduce algorithm {algo!r}")
 
 
-def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int,
+def staged_all_reduce(lane, src: torch.Tensor, out: torch.Tensor, op_code: int, tag: int = 0,
                       block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
     """Sum the local contiguous ``src`` over the group into ``out`` through the graph lane: safe to
-    capture in a CUDA graph (the lane must exist before the capture; ``src`` fits one half)."""
+    capture in a CUDA graph (the lane must exist before the capture; ``src`` fits one half).
+    ``tag``: the call's pairing tag (``codes.py``), fixed in a captured launch."""
     require_iris()
     n = src.numel()
     # one flag slot per program per rank: at large world sizes the flag area bounds the grid
     grid = (_programs(lane, n, block, lane.flags.numel() // lane.world),)
     run_kernel(staged_one_shot_kernel, grid, src, out, lane.data(src.dtype), n, lane.half_elems(src.dtype),
-               lane.flags, lane.counter, lane.heap_bases, lane.rank, lane.err, lane.timeout_ns,
+               lane.flags, lane.counter, lane.heap_bases, flag_value(0, tag), lane.rank, lane.err, lane.timeout_ns,
                OP=op_code, WORLD=lane.world, BLOCK=block, SLOTS=lane.counter.numel(), num_warps=num_warps)
 
 

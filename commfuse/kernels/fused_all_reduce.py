@@ -54,7 +54,7 @@ import triton.language as tl
 
 from . import tiles
 from .launch import Bound
-from .sync import (TRACE_SLOTS, FUSED_AR_OP, FUSED_RS_OP, iris, now, peer_pointer, require_iris, trace_tile,
+from .sync import (TRACE_SLOTS, FUSED_AR_OP, FUSED_RS_OP, iris, now, paired, peer_pointer, require_iris, trace_tile,
                    trace_time, wait_or_record, wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
 
@@ -151,7 +151,7 @@ def _copy_position(tile, prev, late, data, out, flags, heap_bases, epoch, rank, 
     pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
     if (late == 0) & (ABLATE & NO_WAIT == 0):
         flag = flags + num_tiles * WORLD + tile
-        if tl.atomic_add(flag, 0, sem="acquire", scope="sys") < epoch:
+        if paired(tl.atomic_add(flag, 0, sem="acquire", scope="sys"), epoch) == 0:
             if prev >= 0:
                 _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER, TMA_PUSH)
                 prev = prev * 0 - 1
@@ -254,7 +254,7 @@ def _peers_ready(flags, tile, epoch, rank, heap_bases, WORLD: tl.constexpr):
         peer = (rank + k) % WORLD
         seen = iris.atomic_add(flags + tile * WORLD + peer, 0, rank, peer, heap_bases, sem="acquire",
                                scope="sys")
-        ready = tl.where(seen >= epoch, ready, 0)
+        ready = tl.where(paired(seen, epoch), ready, 0)  # another call's tag: the wait names it
     return ready
 
 

@@ -58,8 +58,8 @@ import triton.language as tl
 
 from . import tiles
 from .launch import Bound
-from .sync import (FUSED_SPLIT_K_OP, GRAPH_LANE_OP, STICKY_CHECK_NS, failed, iris, now, record_late, require_iris,
-                   wait_other_ranks)
+from .sync import (_TAG_BITS, _TIMEOUT, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, STICKY_CHECK_NS, failed, iris, now,
+                   record_late, require_iris, wait_other_ranks)
 from .tiles import claim, mma_range, tile_coords, tile_epilogue
 
 
@@ -96,14 +96,15 @@ def _ll_missing(words, flag):
 
 
 @triton.jit
-def _ll_read(sums, tile, num_tiles, first, flag, late, start, timeout, err, OP: tl.constexpr, rank,
+def _ll_read(sums, tile, num_tiles, first, epoch, late, start, timeout, err, OP: tl.constexpr, rank,
              WORLD: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr):
     """(values, late): the blocks of ``tile`` (``_ll_pack`` words) of ranks ``first`` to ``first +
     GROUP - 1``, loaded together (one round trip, not one per rank) and unpacked to [GROUP, BM, BN]
-    ``dtype`` once every word carries ``flag``, polled until then or ``timeout`` ns after
+    ``dtype`` once every word carries the flag of ``epoch``'s count, polled until then or ``timeout`` ns after
     ``start`` (then late, the first rank with words missing named in the error word; a program
     already late polls no more). Ranks from ``WORLD`` on (padding) read as zeros."""
+    flag = _ll_flag(epoch >> _TAG_BITS)
     ranks = first + tl.arange(0, GROUP)
     at = _ll_block(sums, (ranks * num_tiles + tile)[:, None, None], BM, BN)  # [GROUP, BM, BN // 2]
     real = (ranks < WORLD)[:, None, None]
@@ -123,7 +124,7 @@ def _ll_read(sums, tile, num_tiles, first, flag, late, start, timeout, err, OP: 
                     if failed(err):
                         late = 2
         if late == 1:
-            record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, WORLD), 0))
+            record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, WORLD), 0), epoch, epoch, _TIMEOUT)
     words = tl.where(real, words, 0)
     lo = (words & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
     hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
@@ -145,7 +146,7 @@ def _finish(tile, late, sums, out, M, N, num_m, num_n, num_tiles, flags, epoch, 
     if LL:  # one fixed order of the ranks' sums on every rank: the same bits everywhere
         start = now()
         for first in tl.static_range(0, WORLD, LL_GROUP):
-            parts, late = _ll_read(sums, tile, num_tiles, first, _ll_flag(epoch), late, start, timeout, err,
+            parts, late = _ll_read(sums, tile, num_tiles, first, epoch, late, start, timeout, err,
                                    OP, rank, WORLD, LL_GROUP, out.dtype.element_ty, BM, BN)
             acc += tl.sum(parts.to(tl.float32), 0)
     else:
@@ -175,18 +176,24 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
     """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
     output dtype's [WORLD, tiles] blocks (``LL``: of [BM, BN / 2] int64 words, twice the bytes),
     written by every rank; both of parity 0, parity 1
-    ``half_*`` elements on. ``DEVICE_EPOCH`` (the graph lane, CUDA-graph replays): the epoch is
-    ``epochs[0] + 1`` and the ticket starts at 0; the last program to leave stores the epoch
-    into all ``EPOCH_SLOTS`` slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits).
+    ``half_*`` elements on. ``DEVICE_EPOCH`` (the graph lane, CUDA-graph replays): the call's
+    count is ``epochs[0] + 1``, ``epoch`` holds only its tag (``codes.flag_value(0, tag)``), and
+    the ticket starts at 0; the last program to leave stores the count into all ``EPOCH_SLOTS``
+    slots of ``epochs`` and zeroes ``ticket[0:2]`` (ticket, exits). LL words carry the count
+    alone (their flag has no room for a tag): with the pairing check on, the run-time asks for
+    flags instead (``runtime.paths.split_k``).
     ``GROUP_M``: the tiles' order (``tiles.tile_coords``; the tiling's ``group_m``, 1 in every
     default, whose calls have one or two row blocks)."""
     tl.static_assert(not (LL and DEVICE_EPOCH), "LL words need host epochs, which restart")
     tl.static_assert(not LL or LL_GROUP > 0, "LL reads LL_GROUP ranks' words at once")
     if DEVICE_EPOCH:
-        epoch = tl.load(epochs) + 1
+        count = tl.load(epochs) + 1
+        epoch = (count << _TAG_BITS) | epoch
         ticket_base = 0
-    parts = parts0 + (epoch % 2) * half_parts
-    sums = sums0 + (epoch % 2) * half_sums
+    else:
+        count = epoch >> _TAG_BITS
+    parts = parts0 + (count % 2) * half_parts
+    sums = sums0 + (count % 2) * half_sums
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     num_tiles = num_m * num_n
@@ -223,7 +230,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                                                   stride_bn, BM, BN, HAS_BIAS)
             val = acc.to(out.dtype.element_ty)  # rounded as the unfused partial is
             if LL:  # the flags travel in the words: no fence, no flag store
-                words = _ll_pack(val, _ll_flag(epoch), BM, BN)
+                words = _ll_pack(val, _ll_flag(count), BM, BN)
                 dst = _ll_block(sums, rank * num_tiles + tile, BM, BN)
                 for k in tl.static_range(WORLD):
                     iris.store(dst, words, rank, (rank + k) % WORLD, heap_bases, hint=(1, 16))
@@ -250,7 +257,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
         tl.debug_barrier()
         if tl.atomic_add(ticket + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             for slot in range(EPOCH_SLOTS):
-                tl.store(epochs + slot, epoch)
+                tl.store(epochs + slot, count)
             tl.store(ticket, 0)
             tl.store(ticket + 1, 0)
 
@@ -475,8 +482,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     """What can fail on one rank alone (copies, descriptors, the first compile) before the call's
     epoch; returns ``launch(epoch, parity)``, which writes ``out = sum over the group of (a @ b +
     bias)`` through ``ws`` (``data_bytes`` per parity). ``lane``: ``ws`` is the group's graph lane
-    (``runtime.workspace.GraphLane``) and the epoch lives on the device, so the launch may be
-    captured in a CUDA graph and replayed; ``launch`` then ignores its arguments."""
+    (``runtime.workspace.GraphLane``) and the call count lives on the device, so the launch may
+    be captured in a CUDA graph and replayed; ``launch``'s ``epoch`` then carries only the call's
+    tag (``codes.flag_value(0, tag)``) and its parity is not used."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]

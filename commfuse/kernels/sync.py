@@ -1,11 +1,14 @@
 """Cross-GPU signalling shared by every kernel: epoch flags with system-scope release/acquire, and
 bounded waits that record who did not arrive instead of hanging.
 
-A flag slot holds the epoch (call number) its writer last reached; epochs only grow, so a wait is
-``flag >= epoch`` and no flag is reset between calls (only when the workspace restarts its epochs
-near their limit, collectively). A wait that passes ``timeout_ns`` writes ``[1, op, rank, peer,
-epoch]`` into a pinned host word (the workspace's ``err``, ``runtime/errors.py`` reads it) and lets
-the kernel finish; the run-time raises on its next check. Grids are at most as many programs as fit
+A flag slot holds the epoch its writer last reached: ``(count << TAG_BITS) | tag`` (``codes.py``),
+the call's number and what the call is. Counts only grow, so a wait is for the flag's count to
+reach the call's (``reached``) and no flag is reset between calls (only when the workspace restarts its epochs near their limit,
+collectively). A wait that passes ``timeout_ns`` writes ``[ERR_TIMEOUT, op, rank, peer, count]``
+into a pinned host word (the workspace's ``err``, ``runtime/errors.py`` reads it) and lets the
+kernel finish; the run-time raises on its next check. A wait that finds its peer at the same count
+with another nonzero tag writes ``ERR_MISMATCH`` and both tags the same way, without reading the
+peer's data. Grids are at most as many programs as fit
 on the GPU at once (one per SM, or what the fused kernel's compiled size allows), so all programs
 are resident and spinning cannot starve a signaller, unless other work holds SMs while they spin
 (docs/kernels.md, Residency).
@@ -27,8 +30,12 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
     iris = peer_pointer = None
     _IRIS_ERROR = exc
 
-from .codes import (FUSED_AG_OP, FUSED_AR_OP, FUSED_RS_OP, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, OP_ALL_GATHER_MM,  # noqa: F401
-                    OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, OPS)
+from .codes import (ERR_MISMATCH, ERR_TIMEOUT, FUSED_AG_OP, FUSED_AR_OP, FUSED_RS_OP, FUSED_SPLIT_K_OP,  # noqa: F401
+                    GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, OPS, TAG_BITS)
+
+_TAG_BITS = tl.constexpr(TAG_BITS)
+_TAG_MASK = tl.constexpr((1 << TAG_BITS) - 1)
+_TIMEOUT, _MISMATCH = tl.constexpr(ERR_TIMEOUT), tl.constexpr(ERR_MISMATCH)
 
 
 @triton.jit
@@ -104,17 +111,41 @@ def failed(err):
 
 
 @triton.jit
+def mismatched(seen, epoch):
+    """Whether flag value ``seen`` is the same call count as ``epoch`` under another tag (both
+    nonzero: a rank with the pairing check off tags 0 and matches any)."""
+    seen_tag = seen & _TAG_MASK
+    tag = epoch & _TAG_MASK
+    return ((seen >> _TAG_BITS) == (epoch >> _TAG_BITS)) & (seen_tag != tag) & (seen_tag != 0) & (tag != 0)
+
+
+@triton.jit
+def reached(seen, epoch):
+    """Whether flag value ``seen`` is at ``epoch``'s call count or past it (counts, not tags: a
+    rank with the pairing check off signals its calls under tag 0)."""
+    return (seen >> _TAG_BITS) >= (epoch >> _TAG_BITS)
+
+
+@triton.jit
+def paired(seen, epoch):
+    """Whether flag value ``seen`` releases a wait for ``epoch``: reached, and not another call."""
+    return reached(seen, epoch) & (mismatched(seen, epoch) == 0)
+
+
+@triton.jit
 def wait_flag(ptr, epoch, start, timeout, err, rank=0, peer=0, heap_bases=None, REMOTE: tl.constexpr = False):
-    """Spin until ``*ptr >= epoch`` (acquire, system scope) or ``timeout`` ns after ``start`` (a
-    ``now()`` reading); returns 0 if the flag came, 1 if it came late, 2 if an earlier wait of the
-    group timed out (``failed``: this one gave up without waiting out its bound). Every thread of
-    the program takes the same decision: the flag comes from one scalar atomic and the time from
-    ``now()``. With ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is this rank's
-    address of the slot)."""
+    """Spin until ``*ptr`` has ``reached`` ``epoch`` (acquire, system scope) or ``timeout`` ns
+    after ``start`` (a ``now()`` reading); returns (code, the flag value seen): code 0 if the flag
+    came, 1 if it came late, 2 if an earlier wait of the group timed out (``failed``: this one gave
+    up without waiting out its bound), 3 if the peer reached this call's count under another tag
+    (``mismatched``).
+    Every thread of the program takes the same decision: the flag comes from one scalar atomic and
+    the time from ``now()``. With ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is
+    this rank's address of the slot)."""
     seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
     late = 0
     look = start + STICKY_CHECK_NS
-    while (seen < epoch) & (late == 0):
+    while (reached(seen, epoch) == 0) & (late == 0):
         seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
         t = now()
         if t - start > timeout:
@@ -123,29 +154,37 @@ def wait_flag(ptr, epoch, start, timeout, err, rank=0, peer=0, heap_bases=None, 
             look = t + STICKY_CHECK_NS
             if failed(err):
                 late = 2
-    return late
+    if late == 0:
+        if mismatched(seen, epoch):
+            late = 3
+    return late, seen
 
 
 @triton.jit
-def record_late(err, OP: tl.constexpr, rank, peer, epoch=0):
-    """Name the op, this rank, the late peer and the call (its epoch) in the error word (the host
-    raises on it). The word stays set: later waits of the group end at once (``failed``)."""
+def record_late(err, OP: tl.constexpr, rank, peer, epoch, seen, KIND: tl.constexpr):
+    """Name the kind, the op, this rank, the peer and the call (its count; for a mismatch both
+    tags) in the error word (the host raises on it). The word stays set: later waits of the group
+    end at once (``failed``)."""
     tl.store(err + 1, OP)
     tl.store(err + 2, rank)
     tl.store(err + 3, peer)
-    tl.store(err + 4, epoch)
-    tl.store(err, 1)
+    tl.store(err + 4, (epoch >> _TAG_BITS).to(tl.int32))
+    tl.store(err + 5, (epoch & _TAG_MASK).to(tl.int32))
+    tl.store(err + 6, (seen & _TAG_MASK).to(tl.int32))
+    tl.store(err, KIND)
 
 
 @triton.jit
 def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer, heap_bases=None,
                    REMOTE: tl.constexpr = False):
     """``wait_flag`` for the flag ``peer`` raises (with ``REMOTE``, in ``peer``'s memory); a wait
-    that timed out names itself in the error word (one that gave up after an earlier timeout leaves
-    the first one's record). Returns nonzero if late."""
-    late = wait_flag(ptr, epoch, start, timeout, err, rank, peer, heap_bases, REMOTE)
+    that timed out or met another call names itself in the error word (one that gave up after an
+    earlier timeout leaves the first one's record). Returns nonzero if late or mismatched."""
+    late, seen = wait_flag(ptr, epoch, start, timeout, err, rank, peer, heap_bases, REMOTE)
     if late == 1:
-        record_late(err, OP, rank, peer, epoch)
+        record_late(err, OP, rank, peer, epoch, seen, _TIMEOUT)
+    elif late == 3:
+        record_late(err, OP, rank, peer, epoch, seen, _MISMATCH)
     return late
 
 

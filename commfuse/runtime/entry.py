@@ -31,8 +31,8 @@ from ..kernels import launch
 from . import errors, groups, policy, reference, shards, tuning, verify
 from .facts import GroupFacts
 from .paths import REGISTRY
-from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, row_slabs,
-                         rows_dim)
+from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, pairing_tag,
+                         row_slabs, rows_dim)
 from .paths.common import PATHS, ran
 
 #: Plans kept (one per call signature); all dropped when full, as dynamic shapes make new ones.
@@ -102,7 +102,8 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
                                  tuned=lambda: tuning.answer(group, call, facts, device, capturing))
     path = decision.path
     config = path.config(call, facts, decision.variant) if path.symmetric else None
-    return Plan(call, decision, Context(call, facts, group, config), groups.generation)
+    tag = pairing_tag(call, path.name) if path.symmetric and env.current().pairing_check else 0
+    return Plan(call, decision, Context(call, facts, group, config, tag), groups.generation)
 
 
 def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, device: torch.device,

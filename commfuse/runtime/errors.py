@@ -1,11 +1,13 @@
 """Turning a kernel's timed-out wait into a Python error, and keeping a group out of step from
 pairing calls again.
 
-A wait that passes its bound writes ``[1, op, rank, peer, epoch]`` into its group's error word (a
-pinned host int32[8], ``workspace.error_word``), leaves NaN where the late peer's data would go and
-lets the kernel finish; the host reads the word, with no synchronisation, at the group's next call
-(``check``) or whenever ``check_errors()`` is called. The error names the group, the op, the global
-ranks of the waiter and of the late peer, and the call.
+A wait that passes its bound writes ``[ERR_TIMEOUT, op, rank, peer, call count]`` into its group's
+error word (a pinned host int32[8], ``workspace.error_word``), leaves NaN where the late peer's data
+would go and lets the kernel finish; one that meets a peer at the same count under another pairing
+tag (``COMMFUSE_PAIRING_CHECK``) writes ``ERR_MISMATCH`` and both tags after the count instead.
+The host reads the word, with no synchronisation, at the group's next call (``check``) or whenever
+``check_errors()`` is called. The error names the group, the op, the global ranks of the waiter
+and of the peer, and the call.
 
 The word stays set: every later wait of the group's kernels looks at it once it has waited a
 little (``kernels/sync.py``, ``failed``) and ends at once, its outputs NaN, so a CUDA graph of many
@@ -18,13 +20,21 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.codes import GRAPH_LANE_OP, OPS
+from ..kernels.codes import ERR_MISMATCH, ERR_TIMEOUT, GRAPH_LANE_OP, OPS
 from . import groups as groups_mod
 
 
-def _message(group, op: int, rank: int, peer: int, epoch: int, during: str | None, timeout_s: float) -> str:
+def _message(group, op: int, rank: int, peer: int, epoch: int, during: str | None, timeout_s: float,
+             kind: int = ERR_TIMEOUT, tags: tuple = (0, 0)) -> str:
     now = f" (noticed when {during} was called)" if during else ""
     call = f" in call {epoch} of the group" if epoch > 0 else ""
+    if kind == ERR_MISMATCH:
+        return (
+            f"commfuse.{OPS.get(op, op)}: on group {group.name!r}, call {epoch} of the group on rank "
+            f"{group.global_rank(rank)} (tag {tags[0]}) met a different call on rank {group.global_rank(peer)} "
+            f"(tag {tags[1]}; group ranks {rank} and {peer}){now}: another op, shape or path at the same call "
+            "count. A rank skipped, added or reordered a fused call (data-dependent control flow, a rank that "
+            "raised mid-step). Its data was not read; results of that call are invalid.")
     return (
         f"commfuse.{OPS.get(op, op)}: on group {group.name!r}, rank {group.global_rank(rank)} timed out after "
         f"{timeout_s:g} s waiting for rank {group.global_rank(peer)} (group ranks {rank} and {peer}){call}{now}. "
@@ -37,10 +47,11 @@ def check(group, during: str | None = None) -> None:
     message, until ``release_all``)."""
     if group.err_host[0] == 0 or group.broken:
         return
-    op, rank, peer, epoch = (int(x) for x in group.err_host[1:5])
+    kind = int(group.err_host[0])
+    op, rank, peer, epoch, mine, theirs = (int(x) for x in group.err_host[1:7])
     ws = group.workspace if group.workspace is not None else group.lane
     timeout_s = (ws.timeout_ns if ws is not None else 0) / 1e9
-    msg = _message(group, op, rank, peer, epoch, during, timeout_s)
+    msg = _message(group, op, rank, peer, epoch, during, timeout_s, kind, (mine, theirs))
     if op == GRAPH_LANE_OP:  # its epochs are on the device: this group's ranks stay out of step
         group.lane_failure = msg
     group.broken = (f"{msg} Group {group.name!r} refuses further calls: call commfuse.release_all() on every "

@@ -21,8 +21,8 @@ Layout of a workspace::
     [flags | heap bases: FLAG_BYTES][tile flags | split-K counters | epoch cell | ticket: TILE_FLAG_BYTES]
     [data parity 0][data parity 1]
 
-Flags are int32 epoch counters that only grow, so they never need resetting (until epochs restart
-near ``EPOCH_LIMIT``); the two data halves alternate between calls, which (with the flag wait at
+Flags are int32 epochs (the call count and its pairing tag, ``kernels/codes.py``) that only grow,
+so they never need resetting (until epochs restart near ``EPOCH_LIMIT``); the two data halves alternate between calls, which (with the flag wait at
 the start of every exchange kernel, and the per-tile flags of the fused kernels) keeps a fast rank
 from overwriting data a slow peer is still reading. Allocation is collective and slow: it happens
 on a group's first symmetric call, is reused after, and grows only when a larger call arrives.
@@ -36,6 +36,8 @@ import threading
 
 import torch
 import torch.distributed as dist
+
+from ..kernels.codes import flag_value
 
 FLAG_BYTES = 64 * 1024
 #: Per-tile flags of the fused GEMM kernels (``ready`` per tile and rank, ``done`` per tile), then
@@ -52,10 +54,10 @@ HEADER_BYTES = FLAG_BYTES + TILE_FLAG_BYTES
 #: flag area (before ``FLAG_BYTES``; the header itself ends with the epoch cell and the ticket) and
 #: of the graph lane's header (before ``GRAPH_FLAG_BYTES``).
 BASES_BYTES = 1024
-#: Epochs restart (collectively, flags and data zeroed) before they reach this: the int32 flags
-#: never overflow, and the split-K kernel's LL words, whose flags hold an epoch's low 21 bits
-#: (``kernels.fused_split_k.LL_EPOCH_BITS``), never meet a stale word of an earlier epoch with the
-#: same bits.
+#: Call counts restart (collectively, flags and data zeroed) before they reach this: the int32
+#: flags (the count above ``TAG_BITS`` tag bits) never overflow, and the split-K kernel's LL
+#: words, whose flags hold a count's low 21 bits (``kernels.fused_split_k.LL_EPOCH_BITS``), never
+#: meet a stale word of an earlier call with the same bits.
 EPOCH_LIMIT = (1 << 21) - 1
 MIN_DATA_BYTES = 16 * 1024 * 1024  # per parity; a first allocation serves many later shapes
 ALIGN = 256
@@ -69,7 +71,7 @@ def round_up(n: int, m: int) -> int:
 
 
 def error_word() -> torch.Tensor:
-    """A pinned host int32[8] the kernels write when a wait times out: ``[1, op, rank, peer, ...]``.
+    """A pinned host int32[8] the kernels write when a wait times out or meets another call: ``[kind, op, rank, peer, count, tags...]`` (``runtime/errors.py``).
     Pinned so the host reads it without synchronising the GPU."""
     return torch.zeros(8, dtype=torch.int32, pin_memory=torch.cuda.is_available())
 
@@ -179,15 +181,17 @@ class Workspace:
         self.launches[key] = value  # (dicts keep insertion order: the most recent is last)
         return value
 
-    def next_epoch(self, restart=None) -> tuple[int, int]:
-        """(epoch, parity) of a new call: epoch counts calls from 1; parity picks the data half.
-        Near ``EPOCH_LIMIT`` every rank (at the same call count) calls ``restart()`` first."""
+    def next_epoch(self, restart=None, tag: int = 0) -> tuple[int, int]:
+        """(epoch, parity) of a new call: the flag value it signals and waits for (``self.epoch``,
+        the call count from 1, with the call's pairing ``tag``: ``kernels.codes.flag_value``);
+        parity picks the data half. Near ``EPOCH_LIMIT`` every rank (at the same call count) calls
+        ``restart()`` first."""
         if self.broken:
             raise RuntimeError(self.broken)
         if self.epoch >= EPOCH_LIMIT:
             (restart or self.restart_epochs)()
         self.epoch += 1
-        return self.epoch, self.epoch % 2
+        return flag_value(self.epoch, tag), self.epoch % 2
 
     def restart_epochs(self, group=None) -> None:
         """Collective (every rank reaches the same call count): zero the flags, the tile flags

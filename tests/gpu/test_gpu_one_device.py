@@ -17,6 +17,7 @@ collective tests):
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -136,10 +137,11 @@ def _relerr(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def _each_rank(ws, streams, fn):
-    """``fn(rank, epoch, parity)`` for every rank, each on its own stream, in one epoch."""
+def _each_rank(ws, streams, fn, tags=None):
+    """``fn(rank, epoch, parity)`` for every rank, each on its own stream, in one epoch (its
+    pairing tag ``tags[rank]``, else 0)."""
     for r, s in enumerate(streams):
-        epoch, parity = ws[r].next_epoch()
+        epoch, parity = ws[r].next_epoch(tag=tags[r] if tags else 0)
         with torch.cuda.stream(s):
             fn(r, epoch, parity)
 
@@ -481,6 +483,63 @@ def test_fused_all_gather_kernel(world):
         for r in range(world):
             assert torch.equal(gathered[r], full), (call, r)
             assert _relerr(outs[r], ref) < 1e-2, (call, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kernel", ["one_shot", "fused", "split_k"])
+def test_another_call_at_the_same_count_is_named_not_summed(world, kernel):
+    """The pairing check: rank 1 makes another call (its tag differs) at the count where its peers
+    make this one, as after a skipped call. Its peers do not read its data: every rank's output is
+    NaN, and the error names the mismatch at once (far within the 20 s bound), not a timeout. The
+    next call after ``release`` of the word pairs again (the peers then agree)."""
+    m, k, n = (16, 2048, 1024) if kernel == "split_k" else (256, 512, 512)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count // world
+    if kernel == "split_k":
+        cfg = fused_split_k.config(m, k, n, programs, ll=False)  # what the check asks for
+        nbytes = fused_split_k.data_bytes(m, n, world, cfg, DT)
+    elif kernel == "fused":
+        cfg = tiles.TileConfig.parse("128x128x64s3w8g8r0o1")
+        nbytes = fused_all_reduce.data_elems(m, n, world, cfg, False) * DT.itemsize
+    else:
+        nbytes = m * n * DT.itemsize
+    ws = _group(world, nbytes)
+    streams = _streams(world)
+    a, b, c, ref = _operands(world, m, k, n, bias=False)
+    tags = [0x155] * world
+    tags[1] = 0x2AA
+    for mismatch in (True, False):
+        outs = _poisoned(world, m, n)
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        if kernel == "split_k":
+            launches = [fused_split_k.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg) for r in range(world)]
+        elif kernel == "fused":
+            launches = [fused_all_reduce.prepare(ws[r], a[r], b[r], c[r], outs[r], cfg, False)
+                        for r in range(world)]
+        else:
+            def one_shot(r, epoch, parity):
+                partial = ws[r].data(parity, (m, n), DT)
+                torch.matmul(a[r], b[r], out=partial)
+                exchange.all_reduce(ws[r], partial, outs[r], epoch, "one_shot", OP_MM_ALL_REDUCE)
+            launches = [lambda epoch, parity, r=r: one_shot(r, epoch, parity) for r in range(world)]
+        start = time.monotonic()
+        _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity),
+                   tags if mismatch else [0x155] * world)
+        torch.cuda.synchronize()
+        elapsed = time.monotonic() - start
+        if mismatch:
+            assert elapsed < 5, f"a mismatch waited out {elapsed:.1f} s"
+            assert all(bool(o.isnan().all()) for o in outs), "another call's data was summed"
+            with pytest.raises(RuntimeError, match=r"met a different call.*skipped, added or reordered"):
+                _check(ws)
+            ws[0].err.zero_()  # (every rank's word) the emulated group starts over
+            _made[id(ws[0].err)].broken = None
+            for w in ws:
+                w.broken = None
+        else:
+            _check(ws)
+            for r in range(world):
+                assert _relerr(outs[r], ref) < 1e-2, r
 
 
 #: About 25 ms of ``torch.cuda._sleep`` at an H200's clock: far longer than the host takes to queue

@@ -20,10 +20,12 @@ it should run by default, a rule to the data.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, NamedTuple
 
 import torch
 
+from ...kernels.codes import TAG_MASK
 from ..facts import GroupFacts
 
 OPS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
@@ -112,6 +114,19 @@ class Context:
     facts: GroupFacts
     group: Any = None
     config: Any = None
+    #: The call's pairing tag (``pairing_tag``), 0 with ``COMMFUSE_PAIRING_CHECK`` off.
+    tag: int = 0
+
+
+def pairing_tag(call: Call, path: str) -> int:
+    """A nonzero ``TAG_BITS``-bit name of what every rank's same call is (``kernels/codes.py``):
+    the op, the sizes every rank shares (not a rank-local size an uneven shard may change: K of
+    ``mm_all_reduce`` and ``mm_reduce_scatter``, N of ``all_gather_mm``), the dtype, the bias,
+    the rows' layout and the path. Two calls with the same tag are not told apart (1 in 1023 of
+    unlike calls)."""
+    shared = call.k if call.op == "all_gather_mm" else call.n
+    text = f"{call.op} {call.m} {shared} {call.dtype} {call.bias} {call.rows_dim} {call.slabs} {path}"
+    return 1 + zlib.crc32(text.encode()) % TAG_MASK
 
 
 class Path:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import exchange, fused_split_k
-from ...kernels.sync import GRAPH_LANE_OP
+from ...kernels.codes import GRAPH_LANE_OP, flag_value
 from .. import reference
 from .. import groups
 from ..workspace import GRAPH_SLOTS, graph_lane_capacity
@@ -81,11 +81,11 @@ class GraphLane(Path):
         m, n = a.shape[0], b.shape[1]
         if ctx.config is not None:  # few rows: the split-K kernel, in the lane
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-            fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)()
+            fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)(flag_value(0, ctx.tag))
         else:
             partial = reference.matmul(a, b, bias)
             out = torch.empty_like(partial)
-            exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP)
+            exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP, ctx.tag)
         if record:
             lane.last_event.record(stream)
         return out

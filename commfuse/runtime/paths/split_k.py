@@ -11,6 +11,8 @@ and one flag (or, for few values, the push alone: LL words that carry their flag
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...kernels import fused_split_k
@@ -61,6 +63,8 @@ class SplitK(Path):
         m, n = a.shape[0], b.shape[1]
         ws = workspace(ctx, plan_bytes(ctx.call), a.device)
         cfg = ctx.config or config(ctx.call, ws.max_programs)
+        if ctx.tag and cfg.ll is not False:  # LL words carry no tag: flags do (the pairing check)
+            cfg = dataclasses.replace(cfg, ll=False)
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         launch = fused_split_k.prepare(ws, a, b, bias, out, cfg)  # before the epoch
         with exchange(ctx, ws, self.op) as (epoch, parity):
