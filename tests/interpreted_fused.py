@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from commfuse.kernels import fused_all_gather, fused_all_reduce, sync, tiles
+from commfuse.kernels.codes import flag_value
 from interpreter_peers import DT, group
 BM = BN = 16
 
@@ -78,10 +79,10 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
                         # pulled from this rank's slab in the peer's memory, or pushed here
                         where, index = (p, rank) if pull else (rank, p)
                         slab(where, index, slot).copy_(block(partial[p], off_m, pid_n).flatten())
-                        ws[where].tile_flags[t * world + p] = epoch
+                        ws[where].tile_flags[t * world + p] = flag_value(epoch)
             elif not scatter:  # the owner's sum of its tile, pushed back, and its done flag
                 result(rank, t).copy_(block(total, off_m, pid_n).to(DT).flatten())
-                me.tile_flags[count * world + t] = epoch
+                me.tile_flags[count * world + t] = flag_value(epoch)
         out = torch.full((share if scatter else m, n), float("nan"), dtype=DT)
         trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
         launch = fused_all_reduce.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, scatter, opts=opts,
@@ -106,13 +107,13 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
                 mine = block(partial[rank], off_m, pid_n).float()
                 rows = min(BM, (owner + 1) * share - off_m) if scatter else BM
                 assert torch.allclose(got[:rows], mine[:rows], atol=2e-3, rtol=2e-3), (t, owner)
-                assert int(ws[where].tile_flags[t * world + rank]) == epoch, ("ready", t, owner)
+                assert int(ws[where].tile_flags[t * world + rank]) == flag_value(epoch), ("ready", t, owner)
             elif not scatter:
                 for p in range(world):
                     if p != rank:
                         got = result(p, t).view(BM, BN).float()
                         assert torch.allclose(got, block(total, off_m, pid_n), atol=2e-2, rtol=2e-2), (t, p)
-                        assert int(ws[p].tile_flags[count * world + t]) == epoch, ("done", t, p)
+                        assert int(ws[p].tile_flags[count * world + t]) == flag_value(epoch), ("done", t, p)
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
         assert int(me.err[0]) == 0
     ran = (fused_all_reduce.INLINE_CALLS, fused_all_reduce.TMA_CALLS, fused_all_reduce.PULL_CALLS)
@@ -143,7 +144,7 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
             if p != rank:  # rank p's chunks, pushed into this rank's gathered rows, and their flags
                 area[rank][p * rows:(p + 1) * rows].copy_(shards[p])
                 for ch in range(chunks):
-                    me.tile_flags[ch * world + p] = epoch
+                    me.tile_flags[ch * world + p] = flag_value(epoch)
         out = torch.full((world * rows, n), float("nan"), dtype=DT)
         got_rows = torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
         trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
@@ -168,7 +169,7 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
         for p in range(world):  # this rank's shard and chunk flags in every peer
             if p != rank:
                 assert torch.equal(area[p][rank * rows:(rank + 1) * rows], shards[rank]), p
-                assert all(int(ws[p].tile_flags[ch * world + rank]) == epoch for ch in range(chunks)), p
+                assert all(int(ws[p].tile_flags[ch * world + rank]) == flag_value(epoch) for ch in range(chunks)), p
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
         assert int(me.err[0]) == 0
 
@@ -326,7 +327,7 @@ def waiting_copies_case(m: int, k: int, n: int, world: int, rank: int) -> None:
                     for p in range(world):
                         if p != rank:
                             slab(rank, p, slot).copy_(block(partial[p], off_m, pid_n).flatten())
-                            me.tile_flags[u * world + p] = epoch
+                            me.tile_flags[u * world + p] = flag_value(epoch)
                 else:  # the sums are not: garbage until the peer arrives
                     sums[u] = block(total, off_m, pid_n).to(DT).flatten()
                     result(rank, u).fill_(1234.0)

@@ -40,8 +40,9 @@ def test_a_dead_peer_costs_one_bound_not_one_per_call():
     torch.cuda.synchronize()
     began = time.perf_counter()
     with torch.cuda.stream(stream):
-        for epoch in range(1, CALLS + 1):
-            partial = ws.data(epoch % 2, (n,), torch.bfloat16)
+        for _ in range(CALLS):
+            epoch, parity = ws.next_epoch()
+            partial = ws.data(parity, (n,), torch.bfloat16)
             partial.fill_(1.0)
             out = torch.full((n,), 7.0, device="cuda", dtype=torch.bfloat16)
             exchange.all_reduce(ws, partial, out, epoch, "one_shot", OP_MM_ALL_REDUCE)
@@ -51,7 +52,7 @@ def test_a_dead_peer_costs_one_bound_not_one_per_call():
     assert spent < 2 * BOUND_S, f"{CALLS} calls with a dead peer took {spent:.1f} s (bound {BOUND_S} s)"
     word = [int(x) for x in ws.err[:5]]
     assert word[:4] == [1, OP_MM_ALL_REDUCE, 0, 1], word  # the first timeout: the op, this rank, the peer
-    assert word[4] == 1  # in call (epoch) 1
+    assert word[4] == 1  # in call 1 (the count)
     for out in outs:  # every call's output shows the missing peer: no stale sums
         assert torch.isnan(out.float()).any()
 
