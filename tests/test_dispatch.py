@@ -289,7 +289,7 @@ def fresh_groups(world2):
 
 
 def test_timeout_error_names_group_op_and_global_ranks(fresh_groups):
-    """A kernel that timed out wrote ``[1, op, rank, peer, epoch]`` into its group's error word; the
+    """A kernel that timed out wrote ``[1, op, rank, peer, call count]`` into its group's error word; the
     group's next call raises, naming the group, the op, the global ranks, the call and the bound,
     once; the word stays set (later waits of the group end at once) and the group refuses calls
     until ``release_all``, which starts it afresh with a clear word."""

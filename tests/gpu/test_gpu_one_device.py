@@ -572,10 +572,10 @@ def test_calls_on_two_streams_per_rank_pair_in_order(order, monkeypatch):
 
     ``left_out`` is the control showing the test would fail without it: the delayed rank's
     ``order`` does nothing, so its second call runs at once. Its GEMM fills the other parity's
-    half and its one-shot signals epoch e + 1 into the flag slots the first call uses; a wait is
-    ``flag >= epoch``, so the peer's first call (epoch e), waiting on those slots, is released and
-    sums the delayed rank's half of parity e % 2, which that rank's first call, still behind the
-    sleep, has not written: a stale half (an earlier call's partial), a wrong sum that is finite
+    half and its one-shot signals call e + 1 into the flag slots the first call uses; a wait passes
+    once the flag's count reaches its call's, so the peer's first call (e), waiting on those slots,
+    is released and sums the delayed rank's half of parity e % 2, which that rank's first call,
+    still behind the sleep, has not written: a stale half (an earlier call's partial), a wrong sum that is finite
     and unflagged. The control asserts exactly that wrong sum (two streams of one rank sharing a
     hardware queue would serialise them and hide it: ``_need_queues``)."""
     world, m, k, n = 2, 1024, 512, 1024
