@@ -14,6 +14,7 @@ the GPU suite (tests/gpu); the order of calls on streams by ``Workspace.order`` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
@@ -254,6 +255,25 @@ def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
     with env.override(algo="one_shot", pairing_check=False):
         calls()
     assert [tag_of(e) for e in seen] == [0, 0, 0] and [count_of(e) for e in seen] == [7, 8, 9]
+
+
+def test_contexts_carry_the_tag_and_the_configuration_the_check_needs(sim):
+    """``make_context``, which the plans and the tuner's measurements both use: with the check on a
+    symmetric path's context has the call's tag and split-K's configuration without LL words (so
+    the tuner times split-K as it will run); NCCL carries no tag; with the check off, tag 0 and
+    the path's own configuration."""
+    call = Call(AR, 16, 4096, 1024, torch.bfloat16, sim.world)
+    split = REGISTRY[(AR, "split_k")]
+    own = split.config(call, sim.facts)
+    with env.override(pairing_check=True):
+        ctx = base.make_context(call, sim.facts, sim.group, split)
+        nccl = base.make_context(call, sim.facts, sim.group, REGISTRY[(AR, "nccl")])
+        one_shot = base.make_context(call, sim.facts, sim.group, REGISTRY[(AR, "one_shot")])
+    assert ctx.tag == base.pairing_tag(call, "split_k") and ctx.config == dataclasses.replace(own, ll=False)
+    assert nccl.tag == 0 and one_shot.tag == base.pairing_tag(call, "one_shot") != ctx.tag
+    with env.override(pairing_check=False):
+        off = base.make_context(call, sim.facts, sim.group, split)
+    assert off.tag == 0 and off.config == own and own.ll is not False
 
 
 def test_the_pairing_check_takes_split_k_off_ll_words(sim, monkeypatch):

@@ -17,7 +17,7 @@ import triton.language as tl
 from . import tiles
 from .codes import flag_value
 from .launch import Bound, run as run_kernel
-from .sync import _TAG_BITS, iris, require_iris, signal_peers, wait_peers
+from .sync import TAG_SHIFT, iris, require_iris, signal_peers, wait_peers
 
 #: Elements per program per step, programs per grid (capped at one per SM), warps per program.
 #: Epochs and flag slots change every call, so no kernel specialises on them: Triton would compile
@@ -113,7 +113,7 @@ def staged_one_shot_kernel(src, out, data, n, half_elems, flags, counter, heap_b
     nprog = tl.num_programs(0)
     step = nprog * BLOCK
     count = tl.load(counter + pid) + 1
-    epoch = (count << _TAG_BITS) | epoch
+    epoch = (count << TAG_SHIFT) | epoch
     half = data + (count % 2) * half_elems
     for start in range(pid * BLOCK, n, step):
         offs = start + tl.arange(0, BLOCK)

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from . import tiles
 from .launch import Bound
-from .sync import (_TAG_BITS, _TIMEOUT, FUSED_SPLIT_K_OP, GRAPH_LANE_OP, STICKY_CHECK_NS, failed, iris, now,
+from .sync import (FUSED_SPLIT_K_OP, GRAPH_LANE_OP, KIND_TIMEOUT, STICKY_CHECK_NS, TAG_SHIFT, failed, iris, now,
                    record_late, require_iris, wait_other_ranks)
 from .tiles import claim, mma_range, tile_coords, tile_epilogue
 
@@ -104,7 +104,7 @@ def _ll_read(sums, tile, num_tiles, first, epoch, late, start, timeout, err, OP:
     ``dtype`` once every word carries the flag of ``epoch``'s count, polled until then or ``timeout`` ns after
     ``start`` (then late, the first rank with words missing named in the error word; a program
     already late polls no more). Ranks from ``WORLD`` on (padding) read as zeros."""
-    flag = _ll_flag(epoch >> _TAG_BITS)
+    flag = _ll_flag(epoch >> TAG_SHIFT)
     ranks = first + tl.arange(0, GROUP)
     at = _ll_block(sums, (ranks * num_tiles + tile)[:, None, None], BM, BN)  # [GROUP, BM, BN // 2]
     real = (ranks < WORLD)[:, None, None]
@@ -124,7 +124,7 @@ def _ll_read(sums, tile, num_tiles, first, epoch, late, start, timeout, err, OP:
                     if failed(err):
                         late = 2
         if late == 1:
-            record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, WORLD), 0), epoch, epoch, _TIMEOUT)
+            record_late(err, OP, rank, tl.min(tl.where(missing != 0, ranks, WORLD), 0), epoch, epoch, KIND_TIMEOUT)
     words = tl.where(real, words, 0)
     lo = (words & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
     hi = ((words >> 16) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True)
@@ -188,10 +188,10 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
     tl.static_assert(not LL or LL_GROUP > 0, "LL reads LL_GROUP ranks' words at once")
     if DEVICE_EPOCH:
         count = tl.load(epochs) + 1
-        epoch = (count << _TAG_BITS) | epoch
+        epoch = (count << TAG_SHIFT) | epoch
         ticket_base = 0
     else:
-        count = epoch >> _TAG_BITS
+        count = epoch >> TAG_SHIFT
     parts = parts0 + (count % 2) * half_parts
     sums = sums0 + (count % 2) * half_sums
     num_m = tl.cdiv(M, BM)

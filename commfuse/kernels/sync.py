@@ -33,9 +33,10 @@ except Exception as exc:  # pragma: no cover - import failure is reported when a
 from .codes import (ERR_MISMATCH, ERR_TIMEOUT, FUSED_AG_OP, FUSED_AR_OP, FUSED_RS_OP, FUSED_SPLIT_K_OP,  # noqa: F401
                     GRAPH_LANE_OP, OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER, OPS, TAG_BITS)
 
-_TAG_BITS = tl.constexpr(TAG_BITS)
-_TAG_MASK = tl.constexpr((1 << TAG_BITS) - 1)
-_TIMEOUT, _MISMATCH = tl.constexpr(ERR_TIMEOUT), tl.constexpr(ERR_MISMATCH)
+#: ``codes.py``'s flag layout and error kinds as constants the kernels compile in.
+TAG_SHIFT = tl.constexpr(TAG_BITS)
+TAG_FIELD = tl.constexpr((1 << TAG_BITS) - 1)
+KIND_TIMEOUT, KIND_MISMATCH = tl.constexpr(ERR_TIMEOUT), tl.constexpr(ERR_MISMATCH)
 
 
 @triton.jit
@@ -113,17 +114,17 @@ def failed(err):
 @triton.jit
 def mismatched(seen, epoch):
     """Whether flag value ``seen`` is the same call count as ``epoch`` under another tag (both
-    nonzero: a rank with the pairing check off tags 0 and matches any)."""
-    seen_tag = seen & _TAG_MASK
-    tag = epoch & _TAG_MASK
-    return ((seen >> _TAG_BITS) == (epoch >> _TAG_BITS)) & (seen_tag != tag) & (seen_tag != 0) & (tag != 0)
+    nonzero: a call that carries no tag is not compared)."""
+    seen_tag = seen & TAG_FIELD
+    tag = epoch & TAG_FIELD
+    return ((seen >> TAG_SHIFT) == (epoch >> TAG_SHIFT)) & (seen_tag != tag) & (seen_tag != 0) & (tag != 0)
 
 
 @triton.jit
 def reached(seen, epoch):
     """Whether flag value ``seen`` is at ``epoch``'s call count or past it (counts, not tags: a
     rank with the pairing check off signals its calls under tag 0)."""
-    return (seen >> _TAG_BITS) >= (epoch >> _TAG_BITS)
+    return (seen >> TAG_SHIFT) >= (epoch >> TAG_SHIFT)
 
 
 @triton.jit
@@ -168,9 +169,9 @@ def record_late(err, OP: tl.constexpr, rank, peer, epoch, seen, KIND: tl.constex
     tl.store(err + 1, OP)
     tl.store(err + 2, rank)
     tl.store(err + 3, peer)
-    tl.store(err + 4, (epoch >> _TAG_BITS).to(tl.int32))
-    tl.store(err + 5, (epoch & _TAG_MASK).to(tl.int32))
-    tl.store(err + 6, (seen & _TAG_MASK).to(tl.int32))
+    tl.store(err + 4, (epoch >> TAG_SHIFT).to(tl.int32))
+    tl.store(err + 5, (epoch & TAG_FIELD).to(tl.int32))
+    tl.store(err + 6, (seen & TAG_FIELD).to(tl.int32))
     tl.store(err, KIND)
 
 
@@ -182,9 +183,9 @@ def wait_or_record(ptr, epoch, start, timeout, err, OP: tl.constexpr, rank, peer
     earlier timeout leaves the first one's record). Returns nonzero if late or mismatched."""
     late, seen = wait_flag(ptr, epoch, start, timeout, err, rank, peer, heap_bases, REMOTE)
     if late == 1:
-        record_late(err, OP, rank, peer, epoch, seen, _TIMEOUT)
+        record_late(err, OP, rank, peer, epoch, seen, KIND_TIMEOUT)
     elif late == 3:
-        record_late(err, OP, rank, peer, epoch, seen, _MISMATCH)
+        record_late(err, OP, rank, peer, epoch, seen, KIND_MISMATCH)
     return late
 
 

@@ -31,7 +31,7 @@ from ..kernels import launch
 from . import errors, groups, policy, reference, shards, tuning, verify
 from .facts import GroupFacts
 from .paths import REGISTRY
-from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, pairing_tag,
+from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, make_context,
                          row_slabs, rows_dim)
 from .paths.common import PATHS, ran
 
@@ -100,10 +100,7 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
         decision = policy.choose(call, facts, capturing=capturing, lane_bytes=groups.replayed_lane_bytes(group),
                                  forced=settings.algo,
                                  tuned=lambda: tuning.answer(group, call, facts, device, capturing))
-    path = decision.path
-    config = path.config(call, facts, decision.variant) if path.symmetric else None
-    tag = pairing_tag(call, path.name) if path.symmetric and env.current().pairing_check else 0
-    return Plan(call, decision, Context(call, facts, group, config, tag), groups.generation)
+    return Plan(call, decision, make_context(call, facts, group, decision.path, decision.variant), groups.generation)
 
 
 def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, device: torch.device,

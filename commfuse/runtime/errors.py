@@ -27,14 +27,15 @@ from . import groups as groups_mod
 def _message(group, op: int, rank: int, peer: int, epoch: int, during: str | None, timeout_s: float,
              kind: int = ERR_TIMEOUT, tags: tuple = (0, 0)) -> str:
     now = f" (noticed when {during} was called)" if during else ""
-    call = f" in call {epoch} of the group" if epoch > 0 else ""
+    lane = "'s graph lane" if op == GRAPH_LANE_OP else ""  # (the lane counts its own calls, on the device)
+    call = f" in call {epoch} of the group{lane}" if epoch > 0 else ""
     if kind == ERR_MISMATCH:
         return (
-            f"commfuse.{OPS.get(op, op)}: on group {group.name!r}, call {epoch} of the group on rank "
+            f"commfuse.{OPS.get(op, op)}: on group {group.name!r}, call {epoch} of the group{lane} on rank "
             f"{group.global_rank(rank)} (tag {tags[0]}) met a different call on rank {group.global_rank(peer)} "
             f"(tag {tags[1]}; group ranks {rank} and {peer}){now}: another op, shape or path at the same call "
             "count. A rank skipped, added or reordered a fused call (data-dependent control flow, a rank that "
-            "raised mid-step). Its data was not read; results of that call are invalid.")
+            "raised mid-step). Results of that call are invalid.")
     return (
         f"commfuse.{OPS.get(op, op)}: on group {group.name!r}, rank {group.global_rank(rank)} timed out after "
         f"{timeout_s:g} s waiting for rank {group.global_rank(peer)} (group ranks {rank} and {peer}){call}{now}. "

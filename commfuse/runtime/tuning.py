@@ -53,7 +53,7 @@ from .. import env
 from . import errors, groups
 from .facts import GroupFacts
 from .paths import REGISTRY
-from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path)
+from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path, make_context)
 
 log = logging.getLogger("commfuse")
 
@@ -337,7 +337,7 @@ def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, va
     """Warm up ``path`` (with a rule's ``variant``), check its output, time it: yields between the
     phases, returns the median µs of ``ITERS`` calls; raises if the output is wrong."""
     call, args, want = prepared.call, prepared.args, prepared.want
-    ctx = Context(call, facts, group, path.config(call, facts, variant) if path.symmetric else None)
+    ctx = make_context(call, facts, group, path, variant)
     for _ in range(WARMUP):
         path.run(ctx, args)
     yield

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ... import env
 from ...kernels.codes import TAG_MASK
 from ..facts import GroupFacts
 
@@ -118,6 +119,19 @@ class Context:
     tag: int = 0
 
 
+def make_context(call: Call, facts: GroupFacts, group, path: "Path", variant: dict | None = None) -> Context:
+    """The context a path runs a call with: its configuration (for ``variant``) and, with
+    ``COMMFUSE_PAIRING_CHECK``, the call's tag and the configuration the check needs
+    (``Path.tagged_config``). The run-time's plans and the tuner's measurements both use it, so a
+    tuned path is timed as it will run."""
+    if not path.symmetric:
+        return Context(call, facts, group)
+    config = path.config(call, facts, variant)
+    if not env.current().pairing_check:
+        return Context(call, facts, group, config)
+    return Context(call, facts, group, path.tagged_config(config), pairing_tag(call, path.name))
+
+
 def pairing_tag(call: Call, path: str) -> int:
     """A nonzero ``TAG_BITS``-bit name of what every rank's same call is (``kernels/codes.py``):
     the op, the sizes every rank shares (not a rank-local size an uneven shard may change: K of
@@ -138,6 +152,10 @@ class Path:
     symmetric: bool = True
     #: May run inside a CUDA-graph capture (its epochs live on the device, or it is NCCL).
     capture: bool = False
+
+    def tagged_config(self, config):
+        """The configuration to run with the pairing check on (what carries no tag changes)."""
+        return config
 
     def supports(self, call: Call, facts: GroupFacts) -> str | None:
         return symmetric_support(call, facts) if self.symmetric else None

@@ -58,13 +58,17 @@ class SplitK(Path):
     def config(self, call: Call, facts, variant=None) -> fused_split_k.SplitConfig:
         return config(call, facts.sms)
 
+    def tagged_config(self, cfg: fused_split_k.SplitConfig) -> fused_split_k.SplitConfig:
+        """LL words carry the call count alone (no room for a tag): flags, which carry it."""
+        return dataclasses.replace(cfg, ll=False)
+
     def run(self, ctx: Context, args) -> torch.Tensor:
         a, b, bias = args.a, args.b, args.bias
         m, n = a.shape[0], b.shape[1]
         ws = workspace(ctx, plan_bytes(ctx.call), a.device)
         cfg = ctx.config or config(ctx.call, ws.max_programs)
-        if ctx.tag and cfg.ll is not False:  # LL words carry no tag: flags do (the pairing check)
-            cfg = dataclasses.replace(cfg, ll=False)
+        if ctx.tag and cfg.ll is not False:  # a context not made by ``make_context`` (tools)
+            cfg = self.tagged_config(cfg)
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         launch = fused_split_k.prepare(ws, a, b, bias, out, cfg)  # before the epoch
         with exchange(ctx, ws, self.op) as (epoch, parity):
