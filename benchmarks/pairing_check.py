@@ -68,18 +68,6 @@ def _cases(world: int, programs: int) -> list:
     return cases
 
 
-class _Group:
-    """What ``runtime.errors.check`` reads of a group, for an emulated one."""
-
-    def __init__(self, ws):
-        self.workspace, self.name, self.err = ws[0], ws[0].group_name, ws[0].err
-        self.err_host = ws[0].err.numpy()
-        self.lane = self.broken = self.lane_failure = None
-
-    def global_rank(self, rank: int) -> int:
-        return rank
-
-
 def _time(ws, streams, run, tag: int, iters: int) -> float:
     """µs per call of every rank's launch, ``iters`` calls back to back."""
     main = torch.cuda.current_stream()
@@ -122,7 +110,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for t in tags:
                 times[t].append(_time(ws, streams, run, t, args.iters))
-        errors.check(_Group(ws))  # no wait timed out or met another call
+        errors.check(emulated.GroupState(ws[0]))  # no wait timed out or met another call
         row = {"case": name, "world": args.world, "off_us": statistics.median(times[0])}
         if TAG in times:
             row["on_us"] = statistics.median(times[TAG])

@@ -285,8 +285,9 @@ def test_the_pairing_check_takes_split_k_off_ll_words(sim, monkeypatch):
     call = Call(AR, 16, 4096, 1024, torch.bfloat16, sim.world)
     path = REGISTRY[(AR, "split_k")]
     cfg = path.config(call, sim.facts)
-    for tag in (0, 77):
-        path.run(Context(call, sim.facts, sim.group, cfg, tag), MmAllReduceArgs(a, b, None, "0"))
+    for check in (False, True):
+        with env.override(pairing_check=check):
+            path.run(base.make_context(call, sim.facts, sim.group, path), MmAllReduceArgs(a, b, None, "0"))
     assert asked == [cfg.ll, False] and cfg.ll is not False
 
 

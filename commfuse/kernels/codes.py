@@ -3,8 +3,8 @@ into a group's error word, the names they stand for, the kinds of error, and how
 carries its call.
 
 A flag holds ``(count << TAG_BITS) | tag``: ``count`` numbers the group's calls (it only grows: a
-wait is for the peer's count to reach the call's), ``tag`` names what the call is (its op, shapes and path; 0 when
-the pairing check is off). A waiter that sees its peer at the same count with another nonzero tag
+wait is for the peer's count to reach the call's), ``tag`` names what the call is (its op, shapes
+and path; 0 when the pairing check is off). A waiter that sees its peer at the same count with another nonzero tag
 knows the two ranks paired different calls (a rank skipped or reordered one) and records
 ``ERR_MISMATCH`` instead of reading the peer's data.
 """

@@ -101,8 +101,8 @@ def _ll_read(sums, tile, num_tiles, first, epoch, late, start, timeout, err, OP:
              BN: tl.constexpr):
     """(values, late): the blocks of ``tile`` (``_ll_pack`` words) of ranks ``first`` to ``first +
     GROUP - 1``, loaded together (one round trip, not one per rank) and unpacked to [GROUP, BM, BN]
-    ``dtype`` once every word carries the flag of ``epoch``'s count, polled until then or ``timeout`` ns after
-    ``start`` (then late, the first rank with words missing named in the error word; a program
+    ``dtype`` once every word carries the flag of ``epoch``'s count, polled until then or
+    ``timeout`` ns after ``start`` (then late, the first rank with words missing named in the error word; a program
     already late polls no more). Ranks from ``WORLD`` on (padding) read as zeros."""
     flag = _ll_flag(epoch >> TAG_SHIFT)
     ranks = first + tl.arange(0, GROUP)

@@ -3,8 +3,8 @@ bounded waits that record who did not arrive instead of hanging.
 
 A flag slot holds the epoch its writer last reached: ``(count << TAG_BITS) | tag`` (``codes.py``),
 the call's number and what the call is. Counts only grow, so a wait is for the flag's count to
-reach the call's (``reached``) and no flag is reset between calls (only when the workspace restarts its epochs near their limit,
-collectively). A wait that passes ``timeout_ns`` writes ``[ERR_TIMEOUT, op, rank, peer, count]``
+reach the call's (``reached``) and no flag is reset between calls (only when the workspace
+restarts its epochs near their limit, collectively). A wait that passes ``timeout_ns`` writes ``[ERR_TIMEOUT, op, rank, peer, count]``
 into a pinned host word (the workspace's ``err``, ``runtime/errors.py`` reads it) and lets the
 kernel finish; the run-time raises on its next check. A wait that finds its peer at the same count
 with another nonzero tag writes ``ERR_MISMATCH`` and both tags the same way, without reading the
@@ -122,8 +122,8 @@ def mismatched(seen, epoch):
 
 @triton.jit
 def reached(seen, epoch):
-    """Whether flag value ``seen`` is at ``epoch``'s call count or past it (counts, not tags: a
-    rank with the pairing check off signals its calls under tag 0)."""
+    """Whether flag value ``seen`` is at ``epoch``'s call count or past it (counts, not tags:
+    ``mismatched`` tells calls apart)."""
     return (seen >> TAG_SHIFT) >= (epoch >> TAG_SHIFT)
 
 
@@ -139,9 +139,8 @@ def wait_flag(ptr, epoch, start, timeout, err, rank=0, peer=0, heap_bases=None, 
     after ``start`` (a ``now()`` reading); returns (code, the flag value seen): code 0 if the flag
     came, 1 if it came late, 2 if an earlier wait of the group timed out (``failed``: this one gave
     up without waiting out its bound), 3 if the peer reached this call's count under another tag
-    (``mismatched``).
-    Every thread of the program takes the same decision: the flag comes from one scalar atomic and
-    the time from ``now()``. With ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is
+    (``mismatched``). Every thread of the program takes the same decision: the flag comes from one
+    scalar atomic and the time from ``now()``. With ``REMOTE`` the flag is read in ``peer``'s memory (``ptr`` is
     this rank's address of the slot)."""
     seen = _poll(ptr, rank, peer, heap_bases, REMOTE)
     late = 0

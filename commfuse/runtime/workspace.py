@@ -22,9 +22,10 @@ Layout of a workspace::
     [data parity 0][data parity 1]
 
 Flags are int32 epochs (the call count and its pairing tag, ``kernels/codes.py``) that only grow,
-so they never need resetting (until epochs restart near ``EPOCH_LIMIT``); the two data halves alternate between calls, which (with the flag wait at
-the start of every exchange kernel, and the per-tile flags of the fused kernels) keeps a fast rank
-from overwriting data a slow peer is still reading. Allocation is collective and slow: it happens
+so they never need resetting (until epochs restart near ``EPOCH_LIMIT``); the two data halves
+alternate between calls, which (with the flag wait at the start of every exchange kernel, and the
+per-tile flags of the fused kernels) keeps a fast rank from overwriting data a slow peer is still
+reading. Allocation is collective and slow: it happens
 on a group's first symmetric call, is reused after, and grows only when a larger call arrives.
 """
 

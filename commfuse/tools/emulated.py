@@ -26,6 +26,20 @@ class _Views:
         return self.bufs[peer][start:start + nbytes].view(dtype).view(sizes)
 
 
+class GroupState:
+    """An emulated group as ``runtime.errors.check`` reads a group (``groups.Group``): the
+    workspace of its rank 0, its name and error word (which its ranks share), no graph lane, and
+    ``broken`` once an error was raised. Group ranks are global ranks."""
+
+    def __init__(self, ws: symm.Workspace):
+        self.workspace, self.name, self.err = ws, ws.group_name, ws.err
+        self.err_host = ws.err.numpy()
+        self.lane = self.broken = self.lane_failure = None
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
+
+
 def group(world: int, data_bytes: int, device: torch.device | str = "cuda",
           timeout_s: float = 600.0) -> list[symm.Workspace]:
     """``world`` workspaces of ``data_bytes`` per parity on one device, zeroed, one per rank (one

@@ -67,20 +67,16 @@ def _group(world: int, data_bytes: int, timeout_s: float = 20.0) -> list:
     return ws
 
 
-class _Rank:
+class _Rank(emulated.GroupState):
     """One emulated rank as the run-time's state of its group (``groups.Group``) shows it to a path
-    and to ``runtime.errors.check``: its workspace (``paths.common.workspace`` hands it out as long
-    as it is large enough, so nothing is allocated, and ``pg()``, which ``paths.common.exchange``
-    calls only to restart epochs near ``EPOCH_LIMIT``, is never called), no graph lane, the
-    group's error word (and, once a timeout was raised, ``broken``) and side streams of its own."""
+    and to ``runtime.errors.check`` (``emulated.GroupState``): its workspace
+    (``paths.common.workspace`` hands it out as long as it is large enough, so nothing is
+    allocated, and ``pg()``, which ``paths.common.exchange`` calls only to restart epochs near
+    ``EPOCH_LIMIT``, is never called) and side streams of its own."""
 
     def __init__(self, ws):
-        self.workspace, self.name, self.err = ws, ws.group_name, ws.err
-        self.err_host = ws.err.numpy()
-        self.lane = self.broken = self.lane_failure = self.streams = None
-
-    def global_rank(self, group_rank: int) -> int:
-        return group_rank
+        super().__init__(ws)
+        self.streams = None
 
     def side_streams(self, device, count: int = 3) -> tuple:
         if self.streams is None:

@@ -59,9 +59,8 @@ def workspace(ctx, nbytes: int, device: torch.device):
 def exchange(ctx, ws, op: str):
     """Start a call's epoch (its count and ``ctx.tag``), after the workspace's previous call on the
     device (``Workspace.order``: two streams calling one group are serialised, as NCCL's
-    collectives are); if anything fails
-    once the epoch has begun, the ranks' call counters may differ, so the workspace refuses further
-    calls instead of pairing up mismatched epochs."""
+    collectives are); if anything fails once the epoch has begun, the ranks' call counters may
+    differ, so the workspace refuses further calls instead of pairing up mismatched epochs."""
     stream = torch.cuda.current_stream(ws.buffer.device) if ws.buffer.is_cuda else None
     record = ws.order(stream) if stream is not None else False
     epoch, parity = ws.next_epoch(lambda: ws.restart_epochs(ctx.group.pg()), ctx.tag)

@@ -66,9 +66,7 @@ class SplitK(Path):
         a, b, bias = args.a, args.b, args.bias
         m, n = a.shape[0], b.shape[1]
         ws = workspace(ctx, plan_bytes(ctx.call), a.device)
-        cfg = ctx.config or config(ctx.call, ws.max_programs)
-        if ctx.tag and cfg.ll is not False:  # a context not made by ``make_context`` (tools)
-            cfg = self.tagged_config(cfg)
+        cfg = ctx.config or config(ctx.call, ws.max_programs)  # (with a tag: ``make_context``'s)
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
         launch = fused_split_k.prepare(ws, a, b, bias, out, cfg)  # before the epoch
         with exchange(ctx, ws, self.op) as (epoch, parity):
