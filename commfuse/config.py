@@ -107,5 +107,16 @@ class Settings:
         return repr((self.patterns, classes, sorted(self.exclude_names), self.min_mnk,
                      self.launch_bound(), merge_sums_allowed()))
 
+    def alike(self) -> dict[str, Any]:
+        """What every rank of a group must compile with alike: the settings that decide whether a
+        call fuses (``runtime/alike.py`` compares them). Excluded module instances are marked on
+        the modules themselves and are not among them."""
+        classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
+        bound = ("COMMFUSE_LAUNCH_BOUND_BYTES" if self.launch_bound_bytes is None
+                 else "backend(launch_bound_bytes=...)")
+        return {"COMMFUSE_MERGE_SUMS": merge_sums_allowed(), bound: self.launch_bound(),
+                "backend(min_mnk=...)": self.min_mnk, "backend(patterns=...)": list(self.patterns),
+                "backend(exclude=...)": classes + sorted(self.exclude_names)}
+
     def launch_bound(self) -> int:
         return default_launch_bound_bytes() if self.launch_bound_bytes is None else self.launch_bound_bytes

@@ -13,6 +13,10 @@ misspelling, with the closest names) and about a removed setting that is still s
 ``override(**values)`` sets values for a block of code (tools and tests that change settings
 between calls) and drops what the run-time kept per call signature, which was decided under the
 settings before; ``reload()`` reads the environment again.
+
+Each setting has a scope (``SCOPES``): ``alike`` (every rank of a group must set it alike; the
+ranks compare them, ``runtime/alike.py``), ``local`` (may differ between ranks) or ``live`` (may
+differ and change mid-run).
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ PREFIX = "COMMFUSE_"
 class Setting:
     """One ``COMMFUSE_*`` variable. ``kind``: ``switch``, ``int``, ``float``, ``choice`` or ``text``.
 
-    ``paths``: it changes which path or protocol runs, so every rank must set it alike and the
-    tuner's cache is keyed by it; ``compile``: it changes what the graph pass does (its cache key)."""
+    ``scope``: whether the ranks of a group may set it differently (``SCOPES``); every setting
+    has one (a test fails on a setting without). ``paths``: the tuner's cache is keyed by it (it
+    changes which path a tuned call takes); ``compile``: it changes what the graph pass does (its
+    cache key), so it acts when a graph is compiled, not at a call."""
 
     name: str
     kind: str
@@ -47,6 +53,8 @@ class Setting:
     maximum: float | None = None
     paths: bool = False
     compile: bool = False
+    scope: str | None = None
+    unlike: str = ""  # what happens when ranks set it differently (docs/settings.md)
 
     @property
     def field(self) -> str:
@@ -92,42 +100,67 @@ LOG_ON = _TRUE + ("info", "debug")
 LOG_LEVELS = LOG_ON + _FALSE
 TUNE_MODES = ("off", "cache", "first-use")
 
+#: Whether the ranks of a group may set a setting differently, and when:
+#: ``alike``: every rank of a group must set it alike. Ranks that differ would take different paths
+#: or collectives for one call (a wrong sum or a hang), so the ranks compare their values: those
+#: with ``compile`` when a graph is compiled for the group (``runtime/alike.py``), the others at the
+#: group's first call and again after any change (``override``); a difference is one error on
+#: every rank naming each differing setting and its value per rank.
+#: ``local``: may differ between ranks (it changes how this rank does its part, never what it
+#: exchanges), fixed for the run.
+#: ``live``: may differ between ranks and may change mid-run.
+ALIKE, LOCAL, LIVE = "alike", "local", "live"
+SCOPES = (ALIKE, LOCAL, LIVE)
+
+_AGREED = ("an error on every rank at the group's first commfuse call (and its first after a change), naming it "
+           "and each rank's value")
+_COMPILED = "an error on every rank when a graph is compiled for the group, naming it and each rank's value"
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("COMMFUSE_LOG", "choice", None, "print every fusion decision to stderr: a switch, or `info` / "
-            "`debug` (the same as `TORCH_LOGS=commfuse` / `+commfuse`)", choices=LOG_LEVELS),
+            "`debug` (the same as `TORCH_LOGS=commfuse` / `+commfuse`)", choices=LOG_LEVELS, scope=LIVE,
+            unlike="each rank logs as it is told"),
     Setting("COMMFUSE_TIMEOUT_S", "float", 600.0, "bound in seconds on every cross-GPU wait; a late peer "
-            "becomes an error naming the op, the ranks and the group", minimum=1e-9, maximum=1e9),
+            "becomes an error naming the op, the ranks and the group", minimum=1e-9, maximum=1e9, scope=LIVE,
+            unlike="each rank waits its own bound; the first to give up reports the late peer"),
     Setting("COMMFUSE_VERIFY", "switch", False, "before every fused call, check with a small collective that "
-            "every rank makes the same call (shapes, dtypes, call count); for debugging"),
+            "every rank makes the same call (shapes, dtypes, call count); for debugging", scope=ALIKE,
+            unlike=_AGREED + " (`TORCH_DISTRIBUTED_DEBUG=DETAIL` counts as on), before any check's collective"),
     Setting("COMMFUSE_PAIRING_CHECK", "switch", False, "every symmetric call's flags carry a tag of its op, "
             "shapes and path beside the call count; a rank that meets another call at the same count (a skipped "
             "or reordered call) raises instead of summing it; split-K then exchanges with flags, not LL words",
-            paths=True),
+            paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_ALGO", "choice", None, "force one path for every call of the ops that have it "
-            "(benchmarks and tests; set alike on every rank; eager calls that meet replayed CUDA graphs keep "
-            "the graph lane)", choices=ALGOS, paths=True),
+            "(benchmarks and tests; eager calls that meet replayed CUDA graphs keep the graph lane)",
+            choices=ALGOS, paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_SYMM_PROVIDER", "choice", "torch", "where symmetric buffers come from: torch symmetric "
-            "memory, or the Iris heap (`iris`: the WORLD group only)", choices=("torch", "iris"), paths=True),
+            "memory, or the Iris heap (`iris`: the WORLD group only)", choices=("torch", "iris"), paths=True,
+            scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_IRIS_HEAP_BYTES", "int", 4 << 30, "size of the Iris heap with the iris provider",
-            minimum=1),
+            minimum=1, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_GRAPH_BYTES", "int", 4 << 20, "per-parity bytes of each group's graph lane: "
             "`mm_all_reduce` calls captured in CUDA graphs up to this output size fuse", minimum=1,
-            paths=True),
+            paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_LAUNCH_BOUND_BYTES", "int", 1 << 20, "default of `launch_bound_bytes`: without CUDA "
-            "graphs, matmuls exchanging at most this many bytes stay unfused", minimum=0, compile=True),
+            "graphs, matmuls exchanging at most this many bytes stay unfused", minimum=0, compile=True,
+            scope=ALIKE, unlike=_COMPILED + " (the bound in force: the backend's `launch_bound_bytes` wins)"),
     Setting("COMMFUSE_MERGE_SUMS", "switch", True, "merge sums of reduced matmul partials into one matmul "
-            "(the `merge_sums` rewrite)", compile=True),
+            "(the `merge_sums` rewrite)", compile=True, scope=ALIKE, unlike=_COMPILED),
     Setting("COMMFUSE_FAST_LAUNCH", "switch", True, "launch a kernel's repeated specialisations directly, "
-            "without Triton's per-launch binding"),
+            "without Triton's per-launch binding", scope=LOCAL,
+            unlike="nothing: the same kernels run with the same arguments"),
     Setting("COMMFUSE_CE_GRAPHS", "switch", True, "replay a copy-engine all-reduce whose operands sit where "
-            "an earlier call's did as a CUDA graph (two host operations instead of ~40 launches)"),
+            "an earlier call's did as a CUDA graph (two host operations instead of ~40 launches)", scope=LOCAL,
+            unlike="nothing: a replay and an eager call run the same protocol in the same slots"),
     Setting("COMMFUSE_TUNE", "choice", "off", "measured dispatch: `off` (the rules), `cache` (use tuned answers, "
             "never tune), `first-use` (tune a call signature, every rank together, at its first call)",
-            choices=TUNE_MODES),
+            choices=TUNE_MODES, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_CACHE_DIR", "text", "", "where tuned answers are kept (default: the user cache "
-            "directory, `~/.cache/commfuse`)"),
+            "directory, `~/.cache/commfuse`)", scope=LOCAL,
+            unlike="caches whose answers differ are not used: a warning, and the signatures are tuned anew"),
     Setting("COMMFUSE_TUNE_MARGIN", "float", 0.03, "a tuned path replaces the rules' choice only if it is "
-            "this fraction faster", minimum=0.0, maximum=0.5),
+            "this fraction faster (part of the tuning cache's key)", minimum=0.0, maximum=0.5, paths=True,
+            scope=ALIKE, unlike=_AGREED),
 )
 
 _SWEEP = ("a path configuration now: the benchmarks pass it (benchmarks/path_sweep.py), no setting "
@@ -176,6 +209,11 @@ class Values:
     def compile_key(self) -> tuple:
         """The settings that change what the graph pass does (its cache key)."""
         return tuple((s.field, getattr(self, s.field)) for s in SETTINGS if s.compile)
+
+    def alike(self, compile: bool) -> tuple:
+        """(name, value) of the settings every rank of a group must set alike that act when a
+        graph is compiled (``compile``) or at a call: what the ranks compare (``runtime/alike.py``)."""
+        return tuple((s.name, getattr(self, s.field)) for s in SETTINGS if s.scope == ALIKE and s.compile == compile)
 
 
 _current: Values | None = None
@@ -248,7 +286,12 @@ def set(**values: Any) -> Values:  # noqa: A001 - the verb the API reads best wi
 @contextlib.contextmanager
 def override(**values: Any) -> Iterator[Values]:
     """Set settings by field name (``override(algo="fused", timeout_s=5.0)``) inside a block. Each
-    value is checked as the environment's would be (a string is parsed; ``None`` is the default)."""
+    value is checked as the environment's would be (a string is parsed; ``None`` is the default).
+
+    A must-be-alike setting (``ALIKE``) changed here is compared again between the ranks of each
+    group at the group's next commfuse call (``runtime/alike.py``): make the same override on
+    every rank (what tests that force a path between calls do), or every rank gets an error
+    naming it."""
     layer = _layer(values)
     _overrides.append(layer)
     _changed()
@@ -296,8 +339,12 @@ def validate() -> Values:
     return current()
 
 
-def describe() -> list[tuple[str, str, str, str]]:
-    """(name, kind, default, what it does) per setting, as ``docs/settings.md`` lists them."""
+_SCOPE_WORDS = {ALIKE: "must be alike", LOCAL: "may differ", LIVE: "may differ, may change mid-run"}
+
+
+def describe() -> list[tuple[str, str, str, str, str, str]]:
+    """(name, kind, default, what it does, ranks, when the ranks differ) per setting, as
+    ``docs/settings.md`` lists them."""
     def shown(s: Setting) -> str:
         if s.default is None:
             return "unset"
@@ -305,5 +352,5 @@ def describe() -> list[tuple[str, str, str, str]]:
             return "on" if s.default else "off"
         return str(s.default)
 
-    return [(s.name, s.kind if s.kind != "choice" else "one of " + ", ".join(s.choices), shown(s), s.doc)
-            for s in SETTINGS]
+    return [(s.name, s.kind if s.kind != "choice" else "one of " + ", ".join(s.choices), shown(s), s.doc,
+             _SCOPE_WORDS.get(s.scope, "?"), s.unlike) for s in SETTINGS]

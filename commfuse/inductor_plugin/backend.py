@@ -16,6 +16,7 @@ import torch
 
 from .. import env
 from ..config import DEFAULT_MIN_MNK, Settings
+from . import alike
 from .graph_pass import CommfusePass
 
 
@@ -84,6 +85,7 @@ class CommfuseBackend:
         # Checked before any compile work, so a misspelt option or setting costs no compile time
         # (``backend="commfuse"`` reaches here without ``commfuse.backend()``'s checks).
         env.validate()
+        alike.agree(gm.graph, self.settings)  # before any compile work: ranks that differ would fuse differently
         patches = mode_options(mode, "torch.compile(mode=...)")
         patches.update(self.inductor_config)
         patches.update(inductor_options(options, "torch.compile(options=...)"))

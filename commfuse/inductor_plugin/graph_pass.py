@@ -30,6 +30,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import env, ops, patterns  # noqa: F401  (ops: registers torch.ops.commfuse before any rewrite)
 from ..config import Settings
+from . import alike
 from ..exclusion import any_instance_excluded, module_stack, unmatched_names
 from ..patterns import merge_sums
 from ..runtime import groups, policy, rules
@@ -90,6 +91,7 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     (fusions and merged sums) were made."""
     label = graph_label(graph, next(_graph_numbers))
     env.validate()  # a malformed setting fails here, named, not inside a rewrite or a collective call
+    alike.agree(graph, settings)  # groups the backend's graph did not show (compared there already: no wait)
     configure_logging()  # COMMFUSE_LOG set after the import
     log.debug("pass on %s: %d nodes", label, len(graph.nodes))
     for pattern, close in unmatched_names(graph.nodes, settings):

@@ -6,7 +6,9 @@ For every call, in order:
    any timeout its kernels reported since the last call (``errors.check``);
 2. the eager twin of a call a CUDA-graph capture sent to NCCL runs NCCL, with nothing before it
    (a rank re-warming its graphs meets its peer's replays, which hold no agreement);
-3. with ``COMMFUSE_VERIFY``, every rank checks it makes the same call (``verify.py``);
+3. at the group's first call, and at its first after a setting changed, the ranks compare the
+   settings they must set alike (``alike.py``: through the group's store, no collective); then,
+   with ``COMMFUSE_VERIFY``, every rank checks it makes the same call (``verify.py``);
 4. the call's plan, decided once per signature and kept (``Plan``): the group's agreed facts
    (a collective on its first call), whether every rank has the same rank-local size
    (``shards.py``), the path (``policy.py``) and its configuration;
@@ -28,7 +30,7 @@ import torch
 
 from .. import env
 from ..kernels import launch
-from . import errors, groups, policy, reference, shards, tuning, verify
+from . import alike, errors, groups, policy, reference, shards, tuning, verify
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, make_context,
@@ -149,6 +151,8 @@ def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_
         return group, capturing, True
     lane = op == "mm_all_reduce" and 0 < lane_bytes <= groups.replayed_lane_bytes(group)
     if not capturing and not lane:
+        if group.settings_of is not env.current():  # first call, or settings changed: agree first
+            alike.agree_at_call(group, op)
         if verify.enabled():
             verify.same_call(group, op, group.calls, **shared())
         group.calls += 1

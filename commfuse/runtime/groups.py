@@ -48,6 +48,10 @@ class Group:
     lane_failure: str | None = None  # a lane wait timed out: its device epochs differ for good
     broken: str | None = None  # a wait timed out: no call may pair up on this group again
     calls: int = 0  # eager calls on this group so far, outside capture and replay (``verify.py``)
+    #: the must-be-alike run-time settings the ranks agreed on (``alike.py``), and the settings
+    #: object they were read from (a call whose settings are that object compares nothing)
+    settings: tuple | None = None
+    settings_of: object = None
     tuning_timeout_ns: int | None = None  # while tuning: the bound of buffers allocated meanwhile
     #: (op, shapes) of calls a capture of this process sent to NCCL: their eager twins run NCCL
     captured_nccl: set = dataclasses.field(default_factory=set)

@@ -1,0 +1,150 @@
+"""Settings that every rank of a group must set alike, compared through the group's store.
+
+A setting that decides which path or collective a call takes (``env.ALIKE``) and differs between
+ranks gives two ranks different protocols for one call: a sum read before the peer wrote it, or a
+collective only one rank joins. No collective of commfuse's can compare them safely, since which
+collective a rank issues is what differs. So each rank writes its values into the process group's
+key-value store and reads its peers' (a store read, bounded by ``COMMFUSE_TIMEOUT_S``), and every
+rank raises the same error, naming each differing setting and every rank's value:
+
+* at a group's first commfuse call outside a capture, and at its first after a must-be-alike
+  setting changed (``env.override``, ``env.reload``): the run-time settings (``agree_at_call``,
+  before ``COMMFUSE_VERIFY``'s check and the group's facts; on the CPU's reference path too);
+* when a graph is compiled for a group: the settings that decide *whether* a call fuses (the
+  launch bound, merge sums, the backend's ``min_mnk``, ``patterns``, ``exclude``), which act at
+  compile time, so a rank that fuses a call and a peer that leaves it to NCCL never both reach
+  commfuse (``agree_compiled``, from the backend and the graph pass).
+
+The fake test backend has no peers to compare with: nothing is compared there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_process_group_store, _resolve_process_group
+
+from .. import env
+
+_PREFIX = "commfuse/alike"
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def _comparable(pg) -> bool:
+    """A group whose ranks are processes with a store to meet in."""
+    if pg is None or pg.size() < 2:
+        return False
+    try:
+        return dist.get_backend(pg) != "fake"
+    except Exception:  # noqa: BLE001 - a group torch does not know the backend of: nothing to compare with
+        return False
+
+
+def _members(pg) -> list[int]:
+    try:
+        return list(dist.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001 - a backend that does not say: group ranks
+        return list(range(pg.size()))
+
+
+def compare(pg, where: str, mine: dict[str, Any], what: str) -> None:
+    """Write ``mine`` under ``where`` in ``pg``'s store and read every rank's; raise on every rank,
+    in the same words, if any value differs, or if a rank did not write within the wait bound."""
+    store = _get_process_group_store(pg)
+    rank, world, members = pg.rank(), pg.size(), _members(pg)
+    prefix = f"{_PREFIX}/{pg.group_name}/{where}/"
+    store.set(prefix + str(rank), json.dumps(mine, sort_keys=True))
+    keys = [prefix + str(r) for r in range(world)]
+    bound = env.current().timeout_s
+    try:
+        store.wait(keys, datetime.timedelta(seconds=bound))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout error: say who is missing
+        missing = [members[r] for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"{what}: rank {members[rank]} of group {pg.group_name!r} waited {bound:g} s "
+            f"(COMMFUSE_TIMEOUT_S) for rank(s) {missing} to publish their settings ({type(exc).__name__}); "
+            "every rank of the group must reach this point together") from None
+    every = [json.loads(store.get(key)) for key in keys]
+    names = sorted({name for values in every for name in values})
+    differ = [name for name in names if any(values.get(name) != every[0].get(name) for values in every)]
+    if differ:
+        shown = "; ".join(f"{name} (" + ", ".join(f"rank {members[r]}: {_shown(values.get(name))}"
+                                                  for r, values in enumerate(every)) + ")" for name in differ)
+        raise RuntimeError(
+            f"{what}: the ranks of group {pg.group_name!r} differ in settings that must be alike: "
+            f"{shown}. Set them alike on every rank (docs/settings.md).")
+
+
+def runtime_settings() -> dict[str, Any]:
+    """This rank's must-be-alike settings that act at a call (``COMMFUSE_VERIFY`` as in force:
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on)."""
+    from . import verify  # noqa: PLC0415  (verify reads env too; kept beside its one use)
+
+    mine = dict(env.current().alike(compile=False))
+    mine["COMMFUSE_VERIFY"] = verify.enabled()
+    return mine
+
+
+#: group name -> [the process group, comparisons of run-time settings so far]: counted per process
+#: group, not per ``groups.Group`` (a provider has a state of its own for the same group)
+_calls: dict[str, list] = {}
+
+
+def _count(table: dict, pg, *fresh) -> list:
+    entry = table.get(pg.group_name)
+    if entry is None or entry[0]() is not pg:  # a group re-created under its name starts afresh
+        entry = table[pg.group_name] = [weakref.ref(pg), *fresh]
+    return entry
+
+
+def agree_at_call(group, op: str) -> None:
+    """Every rank of ``group`` (``groups.Group``) together: compare the run-time settings, once
+    per group and again whenever they change. Called outside captures, before any collective of
+    the call (``entry._enter``)."""
+    values = env.current()
+    mine = runtime_settings()
+    key = tuple(sorted(mine.items()))
+    pg = group.pg()
+    if key != group.settings and _comparable(pg):
+        entry = _count(_calls, pg, 0)
+        entry[1] += 1  # a failed comparison counts too: every rank moves on alike
+        compare(pg, f"call/{entry[1] - 1}", mine, f"commfuse.{op}")
+    group.settings, group.settings_of = key, values
+
+
+#: group name -> [the process group, the compile-time settings its ranks agreed on, comparisons so far]
+_compiled: dict[str, list] = {}
+
+
+def agree_compiled(group_name: str, mine: dict[str, Any]) -> None:
+    """Every rank of the group together, when a graph is compiled for it: compare the settings
+    that decide whether a call fuses. Settings the ranks agreed on once are not compared again;
+    new ones are compared as the group's n-th comparison with each peer's n-th (ranks compile the
+    same graphs in the same order, and a comparison that failed counts too, so a later one never
+    reads a peer's earlier values)."""
+    try:
+        pg = _resolve_process_group(group_name)
+    except Exception:  # noqa: BLE001 - a name that does not resolve is the graph pass's to report
+        return
+    if not _comparable(pg):
+        return
+    text = json.dumps(mine, sort_keys=True)
+    entry = _count(_compiled, pg, set(), 0)
+    if text in entry[1]:
+        return
+    entry[2] += 1
+    compare(pg, f"compile/{entry[2] - 1}", mine, "commfuse: compiling a graph")
+    entry[1].add(text)

@@ -1,0 +1,159 @@
+"""Settings every rank must set alike (``runtime/alike.py``), on real ranks on the CPU (gloo, 2
+processes): a setting that differs is one error on every rank naming it and each rank's value, at
+the group's first call (run-time settings) or when a graph is compiled (compile-time ones), never a
+hang or a silent wrong sum; settings that may differ do not stop anything."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _start(rank: int, init_file: str) -> str:
+    torch._inductor.config.fx_graph_cache = False
+    # a collective that one rank never joins fails in half a minute, not gloo's 30
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    return dist.group.WORLD.group_name
+
+
+def _settings(**values: str) -> None:
+    """This rank's environment, read again (settings are read once)."""
+    from commfuse import env
+
+    for name in list(os.environ):
+        if name.startswith("COMMFUSE_") and name != "COMMFUSE_LAUNCH_BOUND_BYTES":
+            del os.environ[name]
+    os.environ.update(values)
+    env.reload()
+
+
+def _names(*pairs: tuple[str, str, str]) -> str:
+    """What the error says of each setting: its name and both ranks' values, in rank order."""
+    return ".*".join(re.escape(f"{name} (rank 0: {zero}, rank 1: {one})") for name, zero, one in pairs)
+
+
+def _call(group: str) -> torch.Tensor:
+    torch.manual_seed(dist.get_rank())
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    return torch.ops.commfuse.mm_all_reduce(a, b, None, group)
+
+
+def _run_time_worker(rank: int, init_file: str) -> None:
+    from commfuse import env
+
+    group = _start(rank, init_file)
+    mine = lambda zero, one: zero if rank == 0 else one  # noqa: E731
+    cases = [
+        # a margin that keeps the rules' path on one rank and a tuned one on its peer
+        (dict(COMMFUSE_TUNE_MARGIN=mine("0.03", "0.01")), [("COMMFUSE_TUNE_MARGIN", "0.03", "0.01")]),
+        (dict(COMMFUSE_ALGO=mine("one_shot", "two_shot")), [("COMMFUSE_ALGO", "one_shot", "two_shot")]),
+        (dict(COMMFUSE_ALGO=mine("one_shot", "")), [("COMMFUSE_ALGO", "one_shot", "unset")]),
+        # on one rank only, VERIFY's own collective would meet the peer's all-reduce: a hang before
+        (dict(COMMFUSE_VERIFY=mine("1", "0")), [("COMMFUSE_VERIFY", "on", "off")]),
+        (dict(COMMFUSE_PAIRING_CHECK=mine("0", "1")), [("COMMFUSE_PAIRING_CHECK", "off", "on")]),
+        (dict(COMMFUSE_TUNE=mine("off", "cache")), [("COMMFUSE_TUNE", "off", "cache")]),
+        (dict(COMMFUSE_GRAPH_BYTES=mine("4194304", "8388608")), [("COMMFUSE_GRAPH_BYTES", "4194304", "8388608")]),
+        (dict(COMMFUSE_SYMM_PROVIDER=mine("torch", "iris")), [("COMMFUSE_SYMM_PROVIDER", "torch", "iris")]),
+        (dict(COMMFUSE_ALGO=mine("fused", "split_k"), COMMFUSE_TUNE_MARGIN=mine("0.1", "0.2")),
+         [("COMMFUSE_ALGO", "fused", "split_k"), ("COMMFUSE_TUNE_MARGIN", "0.1", "0.2")]),
+    ]
+    for values, named in cases:
+        _settings(**values)
+        with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: the ranks of group .* differ in settings "
+                                               r"that must be alike: " + _names(*named)) as caught:
+            _call(group)
+        others = {s.name for s in env.SETTINGS} - {name for name, _, _ in named}
+        assert not any(f"{name} (" in str(caught.value) for name in others), caught.value
+
+    # settings that may differ (a launch mechanism, the wait bound, logging, the cache's place) do not
+    _settings(COMMFUSE_FAST_LAUNCH=mine("1", "0"), COMMFUSE_TIMEOUT_S=mine("600", "30"),
+              COMMFUSE_CE_GRAPHS=mine("1", "0"), COMMFUSE_CACHE_DIR=mine("/tmp/a", "/tmp/b"))
+    got = _call(group)
+    torch.manual_seed(0)
+    a0, b0 = torch.randn(4, 8), torch.randn(8, 6)
+    torch.manual_seed(1)
+    a1, b1 = torch.randn(4, 8), torch.randn(8, 6)
+    torch.testing.assert_close(got, a0 @ b0 + a1 @ b1)
+
+    # an override of a must-be-alike setting between calls is compared again at the next call:
+    # made alike on every rank it goes through (what tests that force a path do) ...
+    with env.override(algo="nccl", tune_margin="0.1"):
+        torch.testing.assert_close(_call(group), got)
+    # ... and made on one rank only, it is an error on every rank naming it
+    with env.override(algo=mine("one_shot", "two_shot")):
+        with pytest.raises(RuntimeError, match=_names(("COMMFUSE_ALGO", "one_shot", "two_shot"))):
+            _call(group)
+    torch.testing.assert_close(_call(group), got)  # back to settings every rank agreed on
+    dist.destroy_process_group()
+
+
+def test_run_time_settings_that_differ_are_one_error_on_every_rank():
+    """``COMMFUSE_TUNE_MARGIN``, ``COMMFUSE_ALGO``, ``COMMFUSE_VERIFY`` on one rank only, the
+    pairing check, tuning, the graph lane's size and the provider, each set differently on the two
+    ranks: the first call raises on both, naming the setting and both values (before, the call ran:
+    a silent wrong sum on the GPU, or a hang in VERIFY's collective); an ``env.override`` made on
+    every rank goes through, one made on one rank raises on both."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_run_time_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+
+
+def _compile_worker(rank: int, init_file: str) -> None:
+    import commfuse
+
+    group = _start(rank, init_file)
+    world = dist.group.WORLD
+    mine = lambda zero, one: zero if rank == 0 else one  # noqa: E731
+
+    def f(x, w):
+        return funcol.all_reduce(x @ w, "sum", world)
+
+    x, w = torch.randn(16, 32), torch.randn(32, 24)
+    cases = [
+        (dict(COMMFUSE_MERGE_SUMS=mine("1", "0")), {}, [("COMMFUSE_MERGE_SUMS", "on", "off")]),
+        (dict(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576")), {},
+         [("COMMFUSE_LAUNCH_BOUND_BYTES", "0", "1048576")]),
+        ({}, dict(min_mnk=mine(0, 1 << 15)), [("backend(min_mnk=...)", "0", "32768")]),
+        ({}, dict(patterns=mine(["mm_all_reduce"], ["all_gather_mm"])),
+         [("backend(patterns=...)", "[mm_all_reduce]", "[all_gather_mm]")]),
+        ({}, dict(exclude=mine(["layers.*"], [])), [("backend(exclude=...)", "[layers.*]", "[]")]),
+    ]
+    for environ, arguments, named in cases:
+        _settings(**{"COMMFUSE_LAUNCH_BOUND_BYTES": "0", **environ})
+        torch._dynamo.reset()
+        backend = commfuse.backend(**{"min_mnk": 0, **arguments})
+        with pytest.raises(Exception, match=r"compiling a graph: the ranks of group .* differ in settings that "
+                                            r"must be alike: " + _names(*named)):
+            torch.compile(f, backend=backend, fullgraph=True)(x, w)
+    # alike on every rank: compiled, fused, and the sum of both ranks' products
+    _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0")
+    torch._dynamo.reset()
+    commfuse.clear_report()
+    torch.manual_seed(rank)
+    x, w = torch.randn(16, 32), torch.randn(32, 24)
+    got = torch.compile(f, backend=commfuse.backend(min_mnk=0), fullgraph=True)(x, w)
+    every = [torch.empty_like(got) for _ in range(WORLD)]
+    dist.all_gather(every, x @ w)
+    torch.testing.assert_close(got, sum(every))
+    assert [r.pattern for r in commfuse.report().fused] == ["mm_all_reduce"]
+    assert group
+    dist.destroy_process_group()
+
+
+def test_compile_time_settings_that_differ_are_one_error_on_every_rank():
+    """The launch bound, merge sums and the backend's ``min_mnk``, ``patterns`` and ``exclude`` decide
+    whether a call fuses: set differently, one rank called commfuse where its peer called NCCL, and
+    no check of commfuse's ran on both. Now compiling the graph raises on both ranks, naming the
+    setting and both values, before Inductor compiles anything."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_compile_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
