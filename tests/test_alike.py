@@ -157,3 +157,33 @@ def test_compile_time_settings_that_differ_are_one_error_on_every_rank():
     setting and both values, before Inductor compiles anything."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_compile_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+
+
+def test_the_backend_finds_the_groups_of_collectives_and_of_dtensors(world2):
+    """What the backend compares on: the group of a functional collective in Dynamo's graph, and
+    the mesh groups of its DTensors (whose collectives appear only after AOT autograd), so a rank
+    whose Inductor cache skips the graph pass still compares; the fake backend compares nothing."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from commfuse.inductor_plugin import alike
+
+    seen = []
+
+    def backend(gm, example_inputs, **_):
+        seen.append(alike.graph_groups(gm.graph))
+        alike.agree(gm.graph, __import__("commfuse").config.Settings())  # the fake group: no wait
+        return gm.forward
+
+    world = dist.group.WORLD
+    torch.compile(lambda x, w: funcol.all_reduce(x @ w, "sum", world), backend=backend)(
+        torch.randn(4, 4), torch.randn(4, 4))
+    assert seen == [[world.group_name]]
+    sub = dist.new_group([0, 1])
+    mesh = init_device_mesh("cpu", (2,))
+    mlp = parallelize_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), mesh,
+                             {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    torch.compile(mlp, backend=backend)(torch.randn(4, 8))
+    assert seen[1] == [mesh.get_group().group_name]
+    assert sub.group_name not in seen[1]  # only the groups the graph uses

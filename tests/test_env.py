@@ -154,18 +154,44 @@ def test_every_name_the_package_reads_is_a_setting():
             assert not re.search(r'environ(?:\.get)?\(?\[?\s*["\']COMMFUSE_', text), path
 
 
-def _documented() -> dict[str, tuple[str, str]]:
-    """The rows of docs/settings.md's table: name -> (kind, default)."""
+def _documented() -> dict[str, tuple[str, str, str, str]]:
+    """The rows of docs/settings.md's table: name -> (kind, default, ranks, when the ranks differ)."""
     rows = {}
     for line in (ROOT / "docs" / "settings.md").read_text().splitlines():
-        m = re.match(r"\|\s*`(COMMFUSE_\w+)`\s*\|\s*([^|]*?)\s*\|\s*([^|]*?)\s*\|", line)
-        if m:
-            rows[m.group(1)] = (m.group(2).strip("`"), m.group(3).strip("`"))
+        if line.startswith("| `COMMFUSE_"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows[cells[0].strip("`")] = (cells[1].strip("`"), cells[2].strip("`"), cells[4], cells[5])
     return rows
 
 
 def test_the_settings_page_lists_exactly_the_registry():
+    """Each setting's kind, default, whether the ranks must set it alike and what happens when they
+    do not, as the registry says."""
     documented = _documented()
-    want = {name: (kind, default) for name, kind, default, _ in env.describe()}
+    want = {name: (kind, default, ranks, unlike) for name, kind, default, _, ranks, unlike in env.describe()}
     assert documented == want, (sorted(set(documented) ^ set(want)),
                                 [n for n in want if documented.get(n) != want[n]])
+
+
+def test_every_setting_has_a_scope():
+    """Whether the ranks of a group may set it differently is part of a setting: one added without a
+    scope (or without saying what happens when ranks differ) fails here."""
+    for setting in env.SETTINGS:
+        assert setting.scope in env.SCOPES, f"{setting.name} has no scope (one of {env.SCOPES})"
+        assert setting.unlike, f"{setting.name} does not say what happens when the ranks set it differently"
+        assert not setting.paths or setting.scope == env.ALIKE, f"{setting.name} keys the tuning cache: alike"
+        assert not setting.compile or setting.scope == env.ALIKE, f"{setting.name} decides what fuses: alike"
+
+
+def test_the_settings_the_ranks_compare_are_the_must_be_alike_ones():
+    """The run-time comparison takes every must-be-alike setting that acts at a call (the tuning
+    margin and the forced path among them); the compile-time one those that act when compiling."""
+    values = env.current()
+    at_call = dict(values.alike(compile=False))
+    at_compile = dict(values.alike(compile=True))
+    assert {"COMMFUSE_TUNE_MARGIN", "COMMFUSE_ALGO", "COMMFUSE_VERIFY", "COMMFUSE_TUNE", "COMMFUSE_PAIRING_CHECK",
+            "COMMFUSE_GRAPH_BYTES", "COMMFUSE_SYMM_PROVIDER"} <= set(at_call)
+    assert set(at_compile) == {"COMMFUSE_LAUNCH_BOUND_BYTES", "COMMFUSE_MERGE_SUMS"}
+    assert not {"COMMFUSE_TIMEOUT_S", "COMMFUSE_LOG", "COMMFUSE_FAST_LAUNCH"} & (set(at_call) | set(at_compile))
+    assert config.Settings().alike()["COMMFUSE_MERGE_SUMS"] is True
+    assert "backend(launch_bound_bytes=...)" in config.Settings(launch_bound_bytes=0).alike()

@@ -213,6 +213,18 @@ def test_the_machine_key_changes_with_versions_topology_and_settings():
     assert "commfuse" in base and "triton" in base and "nccl" in base
 
 
+def test_the_tuning_margin_is_part_of_the_cache_key():
+    """A margin of 0.03 keeps the rules' path where 0.01 takes a tuned one: an answer tuned under
+    one margin must not be read under another (it was not part of the key)."""
+    with env.override(tune_margin="0.03"):
+        base = tuning.machine_key(GroupFacts.simulated(2))
+        path = tuning.cache_path(base)
+    with env.override(tune_margin="0.01"):
+        key = tuning.machine_key(GroupFacts.simulated(2))
+        assert key != base and tuning.cache_path(key) != path
+        assert ["tune_margin", 0.01] in key["settings"]
+
+
 def test_nothing_is_tuned_inside_a_capture(monkeypatch, tmp_path):
     from helpers import init_fake_pg
 

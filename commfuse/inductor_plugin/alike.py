@@ -22,6 +22,12 @@ from ..runtime import alike
 _COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 
+def _namespace(target) -> str | None:
+    """An op's namespace, of an overload (post-grad graphs) or of a packet (Dynamo's graphs)."""
+    name = getattr(target, "namespace", None) or getattr(target, "_qualified_op_name", "")
+    return name.split("::")[0] or None
+
+
 def _mesh_groups(mesh) -> list[str]:
     try:
         return [pg.group_name for pg in mesh.get_all_groups()]
@@ -38,7 +44,7 @@ def graph_groups(graph: fx.Graph) -> list[str]:
 
     names: dict[str, None] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) in _COLLECTIVES:
+        if node.op == "call_function" and _namespace(node.target) in _COLLECTIVES:
             for arg in (*node.args, *node.kwargs.values()):
                 if isinstance(arg, str) and arg not in names:
                     try:
