@@ -98,8 +98,10 @@ def runtime_settings() -> dict[str, Any]:
     return mine
 
 
-#: group name -> [the process group, comparisons of run-time settings so far]: counted per process
-#: group, not per ``groups.Group`` (a provider has a state of its own for the same group)
+#: group name -> [the process group, comparisons of run-time settings so far, the settings its ranks
+#: agreed on]: kept per process group, not per ``groups.Group``, which ``groups.release`` drops
+#: (the settings stay agreed: a rank's first call after a release compares nothing) and of which
+#: a group has one per provider
 _calls: dict[str, list] = {}
 
 
@@ -111,18 +113,21 @@ def _count(table: dict, pg, *fresh) -> list:
 
 
 def agree_at_call(group, op: str) -> None:
-    """Every rank of ``group`` (``groups.Group``) together: compare the run-time settings, once
-    per group and again whenever they change. Called outside captures, before any collective of
-    the call (``entry._enter``)."""
+    """Every rank of ``group`` (``groups.Group``) together: compare the run-time settings at the
+    process group's first call and again whenever they change. Called outside captures, before
+    any collective of the call (``entry._enter``); ``group.settings_of`` keeps the settings
+    object it checked, so a call under the same object returns at once."""
     values = env.current()
-    mine = runtime_settings()
-    key = tuple(sorted(mine.items()))
     pg = group.pg()
-    if key != group.settings and _comparable(pg):
-        entry = _count(_calls, pg, 0)
-        entry[1] += 1  # a failed comparison counts too: every rank moves on alike
-        compare(pg, f"call/{entry[1] - 1}", mine, f"commfuse.{op}")
-    group.settings, group.settings_of = key, values
+    if _comparable(pg):
+        mine = runtime_settings()
+        key = tuple(sorted(mine.items()))
+        entry = _count(_calls, pg, 0, None)
+        if key != entry[2]:
+            entry[1] += 1  # a failed comparison counts too: every rank moves on alike
+            compare(pg, f"call/{entry[1] - 1}", mine, f"commfuse.{op}")
+            entry[2] = key
+    group.settings_of = values
 
 
 #: group name -> [the process group, the compile-time settings its ranks agreed on, comparisons so far]

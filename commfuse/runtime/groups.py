@@ -48,9 +48,8 @@ class Group:
     lane_failure: str | None = None  # a lane wait timed out: its device epochs differ for good
     broken: str | None = None  # a wait timed out: no call may pair up on this group again
     calls: int = 0  # eager calls on this group so far, outside capture and replay (``verify.py``)
-    #: the must-be-alike run-time settings the ranks agreed on (``alike.py``), and the settings
-    #: object they were read from (a call whose settings are that object compares nothing)
-    settings: tuple | None = None
+    #: the settings object under which the ranks last compared their settings (``alike.py``): a
+    #: call under the same object compares nothing
     settings_of: object = None
     tuning_timeout_ns: int | None = None  # while tuning: the bound of buffers allocated meanwhile
     #: (op, shapes) of calls a capture of this process sent to NCCL: their eager twins run NCCL
