@@ -95,6 +95,14 @@ def _run_time_worker(rank: int, init_file: str) -> None:
         with pytest.raises(RuntimeError, match=_names(("COMMFUSE_ALGO", "one_shot", "two_shot"))):
             _call(group)
     torch.testing.assert_close(_call(group), got)  # back to settings every rank agreed on
+
+    # a rank that compares while its peer never does waits the bound, then names the peer
+    with env.override(timeout_s=2, algo="nccl" if rank == 0 else None):
+        if rank == 0:
+            with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: rank 0 of group .* waited 2 s "
+                                                   r"\(COMMFUSE_TIMEOUT_S\) for rank\(s\) \[1\] to publish"):
+                _call(group)
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -103,7 +111,8 @@ def test_run_time_settings_that_differ_are_one_error_on_every_rank():
     pairing check, tuning, the graph lane's size and the provider, each set differently on the two
     ranks: the first call raises on both, naming the setting and both values (before, the call ran:
     a silent wrong sum on the GPU, or a hang in VERIFY's collective); an ``env.override`` made on
-    every rank goes through, one made on one rank raises on both."""
+    every rank goes through, one made on one rank raises on both; a rank whose peer never compares
+    waits ``COMMFUSE_TIMEOUT_S``, then raises naming the peer."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_run_time_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
 
