@@ -140,10 +140,12 @@ def _compile_worker(rank: int, init_file: str) -> None:
     for environ, arguments, named in cases:
         _settings(**{"COMMFUSE_LAUNCH_BOUND_BYTES": "0", **environ})
         torch._dynamo.reset()
+        commfuse.clear_report()
         backend = commfuse.backend(**{"min_mnk": 0, **arguments})
         with pytest.raises(Exception, match=r"compiling a graph: the ranks of group .* differ in settings that "
                                             r"must be alike: " + _names(*named)):
             torch.compile(f, backend=backend, fullgraph=True)(x, w)
+        assert not commfuse.report()  # raised by the backend, before the graph pass saw the graph
     # alike on every rank: compiled, fused, and the sum of both ranks' products
     _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0")
     torch._dynamo.reset()
