@@ -304,7 +304,7 @@ def test_all_gather_mm_gathered_kept_for_other_users(world2):
     assert_fused(code, AG, C10D_AG)
     rec = _only("all_gather_mm")
     assert rec.shape == (32, 32, 48)  # wq: the widest
-    assert "True)" in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered
+    assert "True, " in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered, then the site
     for got, want in zip(out, f(shard, wq, wk, wv)):  # the fused product and the gathered tensor's users
         torch.testing.assert_close(got, want)
 
