@@ -268,7 +268,7 @@ def _tags_of_calls(sim, monkeypatch, calls) -> list:
     with env.override(algo="one_shot", pairing_check=True):
         for k, site in calls:
             a, b, _ = _inputs(world, 4 * world, k, 7, None)
-            entry.mm_all_reduce(a[r], b[r], None, "0", site)
+            entry.mm_all_reduce(a[r], b[r], None, "0", *([site] if site else []))
     return [(count_of(e), tag_of(e)) for e in seen]
 
 

@@ -200,14 +200,6 @@ def _skip_worker(rank: int, init_file: str) -> None:
     torch.manual_seed(rank)
     x, ws = torch.randn(8, 32), [torch.randn(32, 32) for _ in range(3)]
     with env.override(verify=True):
-        # hand-written calls from three sites, alike in every size; rank 1 skips the second
-        sites = (11, 12, 13) if rank == 0 else (11, 13)
-        torch.ops.commfuse.mm_all_reduce(x, ws[0], None, name, sites[0])
-        with pytest.raises(RuntimeError, match=r"disagree about call 1 of the group: rank \d and rank \d differ "
-                           rf"\(site: {sites[1]} here, {13 if rank == 0 else 12} there\)"):
-            torch.ops.commfuse.mm_all_reduce(x, ws[1], None, name, sites[1])
-        groups.release(name)  # every rank together: the counts start over
-
         # compiled: one rank's program skips the middle call of three (its graph has two); the
         # graph pass numbers the calls from the graph's calls, so no two calls of the two
         # programs meet with one site and every rank raises at the first call, not after a wrong sum
@@ -227,6 +219,14 @@ def _skip_worker(rank: int, init_file: str) -> None:
                            r"site \d+ is forward#\d+ mm_all_reduce_default"):
             step(x, *ws)
         groups.release(name)
+
+        # hand-written calls from three sites, alike in every size; rank 1 skips the second
+        sites = (11, 12, 13) if rank == 0 else (11, 13)
+        torch.ops.commfuse.mm_all_reduce(x, ws[0], None, name, sites[0])
+        with pytest.raises(RuntimeError, match=r"disagree about call 1 of the group: rank \d and rank \d differ "
+                           rf"\(site: {sites[1]} here, {13 if rank == 0 else 12} there\)"):
+            torch.ops.commfuse.mm_all_reduce(x, ws[1], None, name, sites[1])
+        groups.release(name)  # every rank together: the counts start over
 
         # the same program on both ranks, sharded unevenly (K of 17 and 16): the sites are alike
         # (shapes are not part of them) and every call passes
