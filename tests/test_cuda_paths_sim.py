@@ -942,3 +942,28 @@ def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch
             log.append(("failed",))
             raise ValueError("a launch failed")
     assert log[-2:] == [("s1", "wait_event"), ("failed",)] and ws.broken
+
+
+def test_graph_lane_calls_from_two_streams_are_ordered_through_the_same_door(monkeypatch):
+    """The graph lane's eager calls go through ``common.lane_exchange``, which orders them as
+    ``exchange`` orders the workspace's (``Workspace.order``); inside a capture it orders nothing
+    (the replays' stream does)."""
+    log = []
+    s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
+    current = [s1]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(log))
+    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    lane = wsmod.GraphLane("0", 0, 2, on_gpu, None, 1024, 132, err=torch.zeros(8, dtype=torch.int32))
+
+    def call(stream, n, capturing=False):
+        current[0] = stream
+        start = len(log)
+        with common.lane_exchange(lane, capturing):
+            log.append((stream.name, "work", n))
+        return log[start:]
+
+    assert call(s1, 1) == [("s1", "work", 1)]
+    assert call(s2, 2) == [("s2", "wait_stream", "s1"), ("s2", "work", 2), ("s2", "record")]
+    assert call(s1, 3) == [("s1", "wait_event"), ("s1", "work", 3), ("s1", "record")]
+    assert call(s2, 4, capturing=True) == [("s2", "work", 4)] and lane.last_stream is s1
