@@ -60,6 +60,7 @@ class _Module:
         self.name = path.stem
         self.tree = ast.parse(path.read_text())
         self.modules: dict[str, str] = {}  # local name -> kernels / run-time module it names
+        self.functions: dict[str, tuple[str, str]] = {}  # local name -> (that module, function)
         self.doors: set[str] = set()  # local names of the doors
         self.helpers: dict[str, tuple[str, str]] = {}  # local name -> (path module, function)
         for node in ast.walk(self.tree):
@@ -74,6 +75,8 @@ class _Module:
                     self.helpers[local] = (source, alias.name)
                 elif source.endswith("kernels") or node.level == 2 and not source:
                     self.modules[local] = alias.name
+                elif node.level >= 2:  # a function imported from a kernels or run-time module
+                    self.functions[local] = (source.rsplit(".", 1)[-1], alias.name)
         self.parents = {child: parent for parent in ast.walk(self.tree) for child in ast.iter_child_nodes(parent)}
         for node in self.tree.body:
             if isinstance(node, ast.FunctionDef):
@@ -107,13 +110,16 @@ class _Module:
         """(module, function) a call's callee names: a kernels / run-time module's function."""
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in self.modules:
             return self.modules[func.value.id], func.attr
+        if isinstance(func, ast.Name) and func.id in self.functions:
+            return self.functions[func.id]
         return None
 
     def launches(self, launching: set[tuple[str, str]]):
         """Each call that launches: (call node, what it calls)."""
         made: set[str] = set()  # names bound to a launch (``launch = fused_x.prepare(...)``)
         for node in ast.walk(self.tree):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and self._named(node.value.func) in MAKES:
+            value = node.value if isinstance(node, ast.Assign) else None
+            if isinstance(value, ast.Call) and self._named(value.func) in MAKES:
                 made.update(t.id for t in node.targets if isinstance(t, ast.Name))
         for node in ast.walk(self.tree):
             if not isinstance(node, ast.Call):
@@ -164,6 +170,8 @@ def test_every_path_launches_its_exchanging_kernels_through_a_door():
 
 @pytest.mark.parametrize("body, found", [
     ("exchange.all_reduce(ws, p, out, epoch, 'one_shot', 1)", True),
+    ("gather_now(ws, p, out, 1, 1, 1, 2)", True),  # a launcher imported by its name
+    ("run_graph(ws, 1, (), None, 0)", True),
     ("launch = fused_split_k.prepare(ws, a, b, None, out, cfg)\n        launch(1, 0)", True),
     ("fused_split_k.prepare(lane, a, b, None, out, cfg, lane=True)(0)", True),
     ("helper(ws)", True),  # a module-level helper that launches outside a door
@@ -177,6 +185,8 @@ def test_the_check_finds_launches_outside_the_doors(tmp_path, body, found):
     """The check itself, on a path module written for it."""
     (tmp_path / "made_up.py").write_text(f'''
 from ...kernels import exchange, fused_split_k
+from ...kernels.exchange import gather as gather_now
+from ..ce_graphs import run as run_graph
 from .common import exchange as epoch_of, lane_exchange
 
 
