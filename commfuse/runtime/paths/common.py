@@ -55,20 +55,11 @@ def workspace(ctx, nbytes: int, device: torch.device):
     return groups.workspace(ctx.group, nbytes, device)
 
 
-@contextlib.contextmanager
-def _in_order(buf, stream):
-    """Put a call of ``buf`` (a workspace or a graph lane) on ``stream`` after its previous call
-    (``Workspace.order``), and mark its end for the next call from another stream once its work
-    is queued without an error. ``stream`` None: nothing to order (the CPU, a capture)."""
-    record = buf.order(stream) if stream is not None else False
-    yield
-    if record:  # after the call's work: side streams rejoined the caller's stream before this
-        buf.last_event.record(stream)
-
-
 # The two doors to a group's flags: every launch of a kernel that signals or waits on them is
 # inside one (tests/test_one_door.py). A wait passes once its peer's count is at least its own,
-# so only the host's order of calls, kept on the device, pairs each call with its peers' same call.
+# so only the host's order of calls, kept on the device (``Workspace.order``), pairs each call
+# with its peers' same call. (Each door orders inline: a nested context manager would add host
+# time to every call of a decode step.)
 
 @contextlib.contextmanager
 def exchange(ctx, ws, op: str):
@@ -77,17 +68,19 @@ def exchange(ctx, ws, op: str):
     collectives are); if anything fails once the epoch has begun, the ranks' call counters may
     differ, so the workspace refuses further calls instead of pairing up mismatched epochs."""
     stream = torch.cuda.current_stream(ws.buffer.device) if ws.buffer.is_cuda else None
-    with _in_order(ws, stream):
-        epoch, parity = ws.next_epoch(lambda: ws.restart_epochs(ctx.group.pg()), ctx.tag)
-        try:
-            yield epoch, parity
-        except BaseException as exc:
-            ws.broken = (
-                f"commfuse.{op}: an earlier call on group {ws.group_name!r} failed after its exchange "
-                f"began ({type(exc).__name__}: {exc}); the ranks' call counters may differ. Call "
-                "commfuse.release_all() on every rank to start over."
-            )
-            raise
+    record = ws.order(stream) if stream is not None else False
+    epoch, parity = ws.next_epoch(lambda: ws.restart_epochs(ctx.group.pg()), ctx.tag)
+    try:
+        yield epoch, parity
+    except BaseException as exc:
+        ws.broken = (
+            f"commfuse.{op}: an earlier call on group {ws.group_name!r} failed after its exchange "
+            f"began ({type(exc).__name__}: {exc}); the ranks' call counters may differ. Call "
+            "commfuse.release_all() on every rank to start over."
+        )
+        raise
+    if record:  # after the call's work: side streams rejoined the caller's stream before this
+        ws.last_event.record(stream)
 
 
 @contextlib.contextmanager
@@ -97,8 +90,10 @@ def lane_exchange(lane, capturing: bool):
     capture, the replays run in the order of the stream they are launched on (a replay has no
     host step: replay one group's graphs from one stream)."""
     stream = torch.cuda.current_stream(lane.buffer.device) if lane.buffer.is_cuda and not capturing else None
-    with _in_order(lane, stream):
-        yield
+    record = lane.order(stream) if stream is not None else False
+    yield
+    if record:
+        lane.last_event.record(stream)
 
 
 def matmul_into(a, b, bias, out) -> None:
