@@ -944,10 +944,10 @@ def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch
     assert log[-2:] == [("s1", "wait_event"), ("failed",)] and ws.broken
 
 
-def test_graph_lane_calls_from_two_streams_are_ordered_through_the_same_door(monkeypatch):
+def test_graph_lane_calls_from_two_streams_are_ordered_through_its_door(monkeypatch):
     """The graph lane's eager calls go through ``common.lane_exchange``, which orders them as
-    ``exchange`` orders the workspace's (``Workspace.order``); inside a capture it orders nothing
-    (the replays' stream does)."""
+    ``exchange`` orders the workspace's (``GraphLane.order`` is ``Workspace.order``); inside a
+    capture it orders nothing (the replays' stream does)."""
     log = []
     s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
     current = [s1]
