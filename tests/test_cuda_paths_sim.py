@@ -126,6 +126,7 @@ def sim(request, monkeypatch):
         total = sum(bufs.at(p, partial).float() for p in range(WORLD)).view(outer, WORLD, inner)
         out.copy_(total[:, ws.rank].reshape(out.shape))
 
+    bufs.all_reduce = all_reduce
     monkeypatch.setattr(exchange, "all_reduce", all_reduce)
     monkeypatch.setattr(exchange, "gather", gather)
     monkeypatch.setattr(exchange, "reduce_scatter", reduce_scatter)
@@ -255,6 +256,46 @@ def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
     with env.override(algo="one_shot", pairing_check=False):
         calls()
     assert [tag_of(e) for e in seen] == [0, 0, 0] and [count_of(e) for e in seen] == [7, 8, 9]
+
+
+def _tags_of_calls(sim, monkeypatch, calls) -> list:
+    """(count, tag) of each one-shot exchange the entry makes for ``calls``: (K, site) each, of
+    [4 * world, K] @ [K, 7] all-reduced, with the pairing check on."""
+    seen = []
+    real = sim.all_reduce
+    monkeypatch.setattr(exchange, "all_reduce", lambda *a, **k: (seen.append(a[3]), real(*a, **k))[1])
+    r, world = sim.mine.rank, sim.world
+    with env.override(algo="one_shot", pairing_check=True):
+        for k, site in calls:
+            a, b, _ = _inputs(world, 4 * world, k, 7, None)
+            entry.mm_all_reduce(a[r], b[r], None, "0", *([site] if site else []))
+    return [(count_of(e), tag_of(e)) for e in seen]
+
+
+def test_the_pairing_tag_names_k(sim, monkeypatch):
+    """A decode step's all-reduces share M and N (o_proj, down_proj and the input gradients of a
+    TP block): their tags differ by K, so a rank that skipped one meets its peer's next with
+    another tag, at the first call after the skipped one (the kernels then raise "met a different
+    call": ``tests/interpreted_exchange.py``)."""
+    tags = _tags_of_calls(sim, monkeypatch, [(6, 0), (10, 0), (6, 0)])
+    assert [c for c, _ in tags] == [1, 2, 3]
+    assert tags[0][1] != tags[1][1] and tags[0][1] == tags[2][1]
+
+
+def test_the_pairing_tag_names_the_call_site(sim, monkeypatch):
+    """Three calls alike in every size from three sites of a program (``ops/library.py``): rank 0
+    makes all three, rank 1 skips the second. At the second count the two ranks' tags differ,
+    where without sites they were one tag. The same site keeps its tag (plans are kept per
+    signature, the site's tag per site), and site 0 (a hand-written call) the tag of its sizes."""
+    r0 = _tags_of_calls(sim, monkeypatch, [(6, 11), (6, 12), (6, 13), (6, 12)])
+    assert len({t for _, t in r0[:3]}) == 3 and r0[3][1] == r0[1][1]
+    sim.mine.epoch = 0  # the peer's calls, from the same count
+    r1 = _tags_of_calls(sim, monkeypatch, [(6, 11), (6, 13)])
+    assert r1[0] == r0[0] and r1[1][0] == r0[1][0] and r1[1][1] != r0[1][1]
+    plain = _tags_of_calls(sim, monkeypatch, [(6, 0)])
+    call = Call(AR, 4 * sim.world, 6, 7, torch.float32, sim.world)
+    assert plain[0][1] == base.pairing_tag(call, "one_shot") and plain[0][1] not in {t for _, t in r0}
+    assert r0[0][1] == base.pairing_tag(call, "one_shot", 11)
 
 
 def test_contexts_carry_the_tag_and_the_configuration_the_check_needs(sim):
@@ -901,3 +942,28 @@ def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch
             log.append(("failed",))
             raise ValueError("a launch failed")
     assert log[-2:] == [("s1", "wait_event"), ("failed",)] and ws.broken
+
+
+def test_graph_lane_calls_from_two_streams_are_ordered_through_its_door(monkeypatch):
+    """The graph lane's eager calls go through ``common.lane_exchange``, which orders them as
+    ``exchange`` orders the workspace's (``GraphLane.order`` is ``Workspace.order``); inside a
+    capture it orders nothing (the replays' stream does)."""
+    log = []
+    s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
+    current = [s1]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(log))
+    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    lane = wsmod.GraphLane("0", 0, 2, on_gpu, None, 1024, 132, err=torch.zeros(8, dtype=torch.int32))
+
+    def call(stream, n, capturing=False):
+        current[0] = stream
+        start = len(log)
+        with common.lane_exchange(lane, capturing):
+            log.append((stream.name, "work", n))
+        return log[start:]
+
+    assert call(s1, 1) == [("s1", "work", 1)]
+    assert call(s2, 2) == [("s2", "wait_stream", "s1"), ("s2", "work", 2), ("s2", "record")]
+    assert call(s1, 3) == [("s1", "wait_event"), ("s1", "work", 3), ("s1", "record")]
+    assert call(s2, 4, capturing=True) == [("s2", "work", 4)] and lane.last_stream is s1

@@ -343,23 +343,30 @@ def test_a_mismatch_names_both_calls_and_stops_the_group(world2):
 
 
 def test_pairing_tags_name_what_every_rank_shares():
-    """A tag is nonzero and fits its bits; it changes with the op, the shared sizes, the dtype, the
-    bias, the rows' layout and the path, and not with a size an uneven shard may change on one rank
-    (K of mm_all_reduce, N of all_gather_mm): ranks with uneven shards must not see a mismatch."""
+    """A tag is nonzero and fits its bits; it changes with the op, M, K and N, the dtype, the bias,
+    the rows' layout, the path and the call site. K (of mm_all_reduce; N of all_gather_mm) is a
+    size an uneven shard may change on one rank, but a symmetric path, the only one that carries
+    a tag, runs only where every rank has the same (``shards.py``); it is what tells apart the
+    all-reduces of a decode step, which share M and N."""
     call = Call(AR, 64, 4096, 8192, torch.bfloat16, 2)
     tag = base.pairing_tag(call, "one_shot")
     assert 0 < tag <= TAG_MASK and tag == base.pairing_tag(Call(AR, 64, 4096, 8192, torch.bfloat16, 2), "one_shot")
     others = [base.pairing_tag(call, "two_shot"),
               base.pairing_tag(dataclasses.replace(call, m=65), "one_shot"),
               base.pairing_tag(dataclasses.replace(call, n=8193), "one_shot"),
+              base.pairing_tag(dataclasses.replace(call, k=2048), "one_shot"),
               base.pairing_tag(dataclasses.replace(call, dtype=torch.float16), "one_shot"),
               base.pairing_tag(dataclasses.replace(call, bias=True), "one_shot"),
-              base.pairing_tag(dataclasses.replace(call, op=RS), "one_shot")]
-    assert tag not in others
-    assert base.pairing_tag(dataclasses.replace(call, k=2048), "one_shot") == tag
+              base.pairing_tag(dataclasses.replace(call, op=RS), "one_shot"),
+              base.pairing_tag(call, "one_shot", site=7)]
+    assert tag not in others and base.pairing_tag(call, "one_shot", site=0) == tag
     gather = Call(AG, 512, 4096, 1024, torch.bfloat16, 2)
-    assert base.pairing_tag(dataclasses.replace(gather, n=1000), "fused") == base.pairing_tag(gather, "fused")
+    assert base.pairing_tag(dataclasses.replace(gather, n=1000), "fused") != base.pairing_tag(gather, "fused")
     assert base.pairing_tag(dataclasses.replace(gather, k=4000), "fused") != base.pairing_tag(gather, "fused")
+    # an 8B-class TP=2 decode step (M=8, hidden 4096): o_proj, down_proj and the q/k/v and w1/w3
+    # input gradients all-reduce [8, 4096]; with K their tags differ
+    kinds = [Call(AR, 8, k, 4096, torch.bfloat16, 2) for k in (2048, 7168, 3072, 14336)]
+    assert len({base.pairing_tag(c, "one_shot") for c in kinds}) == 4
     # tags spread: a thousand calls of one op that differ in M take most of the tag values
     assert len({base.pairing_tag(dataclasses.replace(call, m=m), "one_shot") for m in range(1, 1001)}) > 600
 

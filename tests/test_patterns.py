@@ -210,6 +210,50 @@ def test_rank_local_sizes_do_not_steer_the_rewrite(world2, pattern):
     assert decisions(16, min_mnk=shared * SHARDED_DIM) != decisions(16, min_mnk=shared * SHARDED_DIM + 1)
 
 
+def _sites(code: str, op: str) -> list[int]:
+    """The call site (the last argument) of each call of ``op`` in the generated code."""
+    call = f"torch.ops.{op}.default("
+    return [int(line.split(call)[1].rsplit(")", 1)[0].rsplit(",", 1)[1]) for line in code.splitlines() if call in line]
+
+
+def test_every_fused_call_has_a_call_site_alike_on_every_rank(world2):
+    """The graph pass numbers each fused call (the ops' ``site``), which ``COMMFUSE_VERIFY`` and
+    the pairing check compare: three calls alike in every size get three sites; compiling the
+    program again, or with another rank's K (an uneven shard), gives the same numbers (nothing
+    rank-local goes in: no shapes, compile counters or names); a program that skips one of the
+    calls shares no site with it, so its calls never pass for the other's. Every op carries one."""
+    def program(skip=None):
+        def f(x, w0, w1, w2):
+            for i, w in enumerate((w0, w1, w2)):
+                if i != skip:
+                    x = _ar(x @ w)[:, :w0.shape[0]]
+            return x
+        return f
+
+    def sites(k: int, skip=None) -> list[int]:
+        torch._dynamo.reset()
+        ws = [torch.randn(k, 48) for _ in range(3)]
+        _, code = compile_code(program(skip), torch.randn(8, k), *ws)
+        return _sites(code, AR)
+
+    three = sites(16)
+    assert len(three) == 3 == len(set(three)) and all(s > 0 for s in three)
+    assert sites(16) == three and sites(17) == three
+    skipped = sites(16, skip=1)
+    assert len(skipped) == 2 and not set(skipped) & set(three)
+    torch._dynamo.reset()
+    w1, w2 = torch.randn(64, 32), torch.randn(32, 64)
+
+    def f(x, w1, w2):
+        h = F.linear(_ag(x), w1)
+        return _ar(F.linear(torch.relu(h), w2)), funcol.reduce_scatter_tensor(F.linear(h, w2), "sum", 0,
+                                                                              dist.group.WORLD)
+
+    _, code = compile_code(f, torch.randn(8, 32), w1, w2)
+    every = [_sites(code, op) for op in (AR, AG, "commfuse.mm_reduce_scatter")]
+    assert [len(s) for s in every] == [1, 1, 1] and len({s[0] for s in every}) == 3
+
+
 def test_launch_bound_sizes_stay_unfused_without_cuda_graphs(world2):
     """Decode-sized outputs: the fused op's host cost exceeds its GPU saving unless the graph runs
     as a CUDA graph, so they fuse only with cudagraphs on (or a bound of 0)."""
@@ -304,7 +348,7 @@ def test_all_gather_mm_gathered_kept_for_other_users(world2):
     assert_fused(code, AG, C10D_AG)
     rec = _only("all_gather_mm")
     assert rec.shape == (32, 32, 48)  # wq: the widest
-    assert "True)" in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered
+    assert "True, " in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered, then the site
     for got, want in zip(out, f(shard, wq, wk, wv)):  # the fused product and the gathered tensor's users
         torch.testing.assert_close(got, want)
 

@@ -73,7 +73,7 @@ def test_tp_subgroup_of_a_2d_mesh(dp, tp):
     tp_name = mesh["tp"].get_group().group_name
     assert (tp_name != dist.group.WORLD.group_name) == (dp > 1)
     assert len(fused) == 2 and {r.group for r in fused} == {tp_name}
-    assert calls(code, "commfuse.mm_all_reduce") == 2 and f"'{tp_name}')" in code
+    assert calls(code, "commfuse.mm_all_reduce") == 2 and f"'{tp_name}', " in code
 
 
 def test_two_tp_groups_in_one_graph():
@@ -181,3 +181,74 @@ def test_ranks_that_disagree_about_a_shape_get_a_clear_error():
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_verify_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
+
+
+def _skip_worker(rank: int, init_file: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from commfuse import env
+    from commfuse.runtime import groups
+
+    torch._inductor.config.fx_graph_cache = False
+    # a check that let the skipped call pass leaves rank 0 waiting in the next check: fail in seconds
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    group = dist.group.WORLD
+    name = group.group_name
+    torch.manual_seed(rank)
+    x, ws = torch.randn(8, 32), [torch.randn(32, 32) for _ in range(3)]
+    with env.override(verify=True):
+        # compiled: one rank's program skips the middle call of three (its graph has two); the
+        # graph pass numbers the calls from the graph's calls, so no two calls of the two
+        # programs meet with one site and every rank raises at the first call, not after a wrong sum
+        def three(x, w0, w1, w2):
+            for w in (w0, w1, w2):
+                x = funcol.all_reduce(x @ w, "sum", group)
+            return x
+
+        def two(x, w0, w1, w2):
+            for w in (w0, w2):
+                x = funcol.all_reduce(x @ w, "sum", group)
+            return x
+
+        torch._dynamo.reset()
+        step = torch.compile(three if rank == 0 else two, backend=commfuse.backend(min_mnk=0), fullgraph=True)
+        with pytest.raises(RuntimeError, match=r"disagree about call 0 of the group: .*\(site: \d+ here, \d+ there; "
+                           r"site \d+ is forward#\d+ mm_all_reduce_default"):
+            step(x, *ws)
+        groups.release(name)
+
+        # hand-written calls from three sites, alike in every size; rank 1 skips the second
+        sites = (11, 12, 13) if rank == 0 else (11, 13)
+        torch.ops.commfuse.mm_all_reduce(x, ws[0], None, name, sites[0])
+        with pytest.raises(RuntimeError, match=r"disagree about call 1 of the group: rank \d and rank \d differ "
+                           rf"\(site: {sites[1]} here, {13 if rank == 0 else 12} there\)"):
+            torch.ops.commfuse.mm_all_reduce(x, ws[1], None, name, sites[1])
+        groups.release(name)  # every rank together: the counts start over
+
+        # the same program on both ranks, sharded unevenly (K of 17 and 16): the sites are alike
+        # (shapes are not part of them) and every call passes
+        k = 17 if rank == 0 else 16
+        torch._dynamo.reset()
+        step = torch.compile(lambda x, w0, w1: funcol.all_reduce(funcol.all_reduce(x @ w0, "sum", group)[:, :k] @ w1,
+                                                                "sum", group),
+                             backend=commfuse.backend(min_mnk=0), fullgraph=True)
+        out = step(torch.randn(8, k), torch.randn(k, 32), torch.randn(k, 32))
+        assert out.shape == (8, 32) and groups.get(name).calls == 2
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_skipped_call_among_alike_calls_is_an_error_on_every_rank():
+    """With COMMFUSE_VERIFY=1, a rank that skips one of three calls alike in every size raises on
+    every rank at the first call after the skipped one, naming the call sites (hand-written
+    calls pass theirs; the graph pass numbers compiled ones), instead of a wrong sum on both ranks
+    and a check that waits for a call the peer never makes."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_skip_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)

@@ -5,6 +5,10 @@ It runs as Inductor's ``post_grad_custom_post_pass`` (after Inductor's own patte
 from shapes, dtypes, groups and module metadata only, never rank-local state, so every rank
 compiles the same graph; of the shapes, only the sizes every rank shares (a shard's K or N may
 differ between ranks where a layer is sharded unevenly: ``patterns.common.SHARDED_DIM``).
+
+Each fused call gets a call site (``number_sites``): a number, the same on every rank for the same
+program, that ``COMMFUSE_VERIFY`` and the pairing check compare, so a rank that skipped a call is
+found even where the calls around it look alike.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import itertools
 import logging
 import math
 import pathlib
+import zlib
 from typing import Any
 
 import torch
@@ -33,7 +38,7 @@ from ..config import Settings
 from . import alike
 from ..exclusion import any_instance_excluded, module_stack, unmatched_names
 from ..patterns import merge_sums
-from ..runtime import groups, policy, rules
+from ..runtime import groups, policy, rules, verify
 from ..runtime.facts import local_facts
 from ..runtime.paths.base import Call, row_slabs, rows_dim
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
@@ -42,8 +47,9 @@ from ..report import MatchRecord, configure_logging, log, note, record
 _graph_numbers = itertools.count()
 _FUSED_OPS = (torch.ops.commfuse.mm_all_reduce.default, torch.ops.commfuse.all_gather_mm.default,
               torch.ops.commfuse.mm_reduce_scatter.default)
-#: Where each fused op takes its group name.
+#: Where each fused op takes its group name, and its call site (its last argument).
 _GROUP_ARG = dict(zip(_FUSED_OPS, (3, 5, 6)))
+_SITE_ARG = dict(zip(_FUSED_OPS, (4, 7, 7)))
 
 
 @functools.lru_cache(1)
@@ -136,10 +142,33 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         note(f"{label}: {_why_no_candidates(graph)}")
     if fused:
         stable_topological_sort(graph)
+        number_sites(graph, label)
         graph.lint()
         for group, nbytes in workspace_plan(graph).items():
             groups.plan(group, nbytes)
     return fused
+
+
+def number_sites(graph: fx.Graph, label: str) -> None:
+    """Give every fused call of ``graph`` its call site (the ops' ``site`` argument): a hash of
+    the graph's fused calls in order (each its op and its module's name) and of the call's place
+    among them. Only what every rank compiles alike goes in (no shapes, which an uneven shard
+    makes differ; no group or node names, no compile counters), so every rank numbers the same
+    program alike, and two calls of one graph, or of graphs with other calls, get other numbers.
+    The same graph run for several layers (a region compiled once) gives their calls the same
+    sites: there the count and the sizes (K in the pairing tag) tell them apart."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _FUSED_OPS]
+    modules = []
+    for node in nodes:
+        stack = module_stack(node)
+        modules.append(stack[-1][0] if stack else "")
+    kind = label.split("#")[0]  # forward or backward (the number is this process's count)
+    calls = ";".join(f"{n.target.__name__.split('.')[0]} {m}" for n, m in zip(nodes, modules))
+    for i, (node, module) in enumerate(zip(nodes, modules)):
+        site = 1 + zlib.crc32(f"{kind}|{calls}|{i}".encode()) % ((1 << 31) - 1)
+        at = _SITE_ARG[node.target]
+        node.args = (*node.args[:at], site)
+        verify.name_site(site, f"{label} {node.name}" + (f" in {module}" if module else ""))
 
 
 def _call(node: fx.Node) -> Call | None:

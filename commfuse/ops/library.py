@@ -7,6 +7,12 @@ shapes, dtypes and (contiguous) strides. The real ones validate their arguments,
 unfused computation (``runtime/reference.py``) on any device, or on CUDA the run-time's entry
 (``runtime/entry.py``), which picks a path.
 
+Every op ends with ``int site=0``: the call site, a number the graph pass gives each fused call
+(the same on every rank for the same program; 0 where unknown: hand-written calls, graphs compiled
+before the argument existed). It changes no result: ``COMMFUSE_VERIFY`` and the pairing check
+compare it, so a rank that skipped a call meets a peer's call of another site and raises, even
+where the two calls look alike (``runtime/verify.py``, ``runtime/paths/base.pairing_tag``).
+
 Each op's unfused equivalent::
 
     mm_all_reduce(a, b, bias, g)          == all_reduce(a @ b + bias, "sum", g)
@@ -90,15 +96,15 @@ def _group_size(op: str, group_name: str) -> int:
 #: they run inside compiled graphs, whose backward is a graph of its own (``_no_gradient``).
 _LIB = torch.library.Library("commfuse", "DEF")
 _TAGS = (torch.Tag.pt2_compliant_tag,)
-_LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name) -> Tensor", tags=_TAGS)
+_LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name, int site=0) -> Tensor", tags=_TAGS)
 _LIB.define("all_gather_mm(Tensor shard, Tensor b, Tensor? bias, int gather_dim, int world_size, str group_name, "
-            "bool return_gathered) -> (Tensor, Tensor)", tags=_TAGS)
+            "bool return_gathered, int site=0) -> (Tensor, Tensor)", tags=_TAGS)
 _LIB.define("mm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int[] shape, int scatter_dim, int world_size, "
-            "str group_name) -> Tensor", tags=_TAGS)
+            "str group_name, int site=0) -> Tensor", tags=_TAGS)
 
 
 def mm_all_reduce(
-    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str, site: int = 0
 ) -> torch.Tensor:
     """``all_reduce_sum(a @ b + bias)`` over ``group_name``; every rank returns the reduced sum.
 
@@ -107,12 +113,12 @@ def mm_all_reduce(
     """
     _validate_mm_all_reduce(a, b, bias, group_name)
     return _entry().reference_call("mm_all_reduce", group_name, (a, b, bias),
-                                   lambda: reference.mm_all_reduce(a, b, bias, group_name))
+                                   lambda: reference.mm_all_reduce(a, b, bias, group_name), site=site)
 
 
-def _mm_all_reduce_cuda(a, b, bias, group_name):
+def _mm_all_reduce_cuda(a, b, bias, group_name, site=0):
     _validate_mm_all_reduce(a, b, bias, group_name)
-    return _entry().mm_all_reduce(a, b, bias, group_name)
+    return _entry().mm_all_reduce(a, b, bias, group_name, site)
 
 
 _runtime_entry = None
@@ -137,7 +143,7 @@ def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
 
 
 @torch.library.register_fake("commfuse::mm_all_reduce")
-def _(a, b, bias, group_name):
+def _(a, b, bias, group_name, site=0):
     _check_matmul_args("mm_all_reduce", a, b, bias)
     return a.new_empty((a.shape[0], b.shape[1]))
 
@@ -163,6 +169,7 @@ def all_gather_mm(
     world_size: int,
     group_name: str,
     return_gathered: bool,
+    site: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather ``shard`` along ``gather_dim`` over ``group_name``, flatten the leading dimensions
     and multiply by ``b`` (plus ``bias``).
@@ -174,14 +181,14 @@ def all_gather_mm(
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     out, gathered = _entry().reference_call(
         "all_gather_mm", group_name, (shard, b, bias, gather_dim),
-        lambda: reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name), world_size)
+        lambda: reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name), world_size, site)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
-def _all_gather_mm_cuda(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
+def _all_gather_mm_cuda(shard, b, bias, gather_dim, world_size, group_name, return_gathered, site=0):
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
     out, gathered = _entry().all_gather_mm(shard, b, bias, gather_dim, world_size, group_name,
-                                           return_gathered=return_gathered)
+                                           return_gathered=return_gathered, site=site)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
@@ -207,7 +214,7 @@ def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) 
 
 
 @torch.library.register_fake("commfuse::all_gather_mm")
-def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered):
+def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered, site=0):
     _check_gather_args(shard, b, gather_dim, world_size)
     shape = _gathered_shape(shard, gather_dim, world_size)
     rows = math.prod(shape[:-1])
@@ -248,6 +255,7 @@ def mm_reduce_scatter(
     scatter_dim: int,
     world_size: int,
     group_name: str,
+    site: int = 0,
 ) -> torch.Tensor:
     """``(a @ b + bias)`` viewed as ``shape`` (one ``-1`` allowed, as in ``view``), summed over
     ``group_name`` and split along ``scatter_dim``: rank r returns share r of the sum (``shape``
@@ -255,12 +263,13 @@ def mm_reduce_scatter(
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
     return _entry().reference_call(
         "mm_reduce_scatter", group_name, (a, b, bias, shape, scatter_dim),
-        lambda: reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name), world_size)
+        lambda: reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name), world_size,
+        site)
 
 
-def _mm_reduce_scatter_cuda(a, b, bias, shape, scatter_dim, world_size, group_name):
+def _mm_reduce_scatter_cuda(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    return _entry().mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return _entry().mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name, site)
 
 
 def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name) -> None:
@@ -275,7 +284,7 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
 
 
 @torch.library.register_fake("commfuse::mm_reduce_scatter")
-def _(a, b, bias, shape, scatter_dim, world_size, group_name):
+def _(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
     _check_matmul_args("mm_reduce_scatter", a, b, bias)
     _check_scatter_args(a, b, shape, scatter_dim, world_size)
     return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]))

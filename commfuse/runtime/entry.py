@@ -8,11 +8,13 @@ For every call, in order:
    (a rank re-warming its graphs meets its peer's replays, which hold no agreement);
 3. at the group's first call, and at its first after a setting changed, the ranks compare the
    settings they must set alike (``alike.py``: through the group's store, no collective); then,
-   with ``COMMFUSE_VERIFY``, every rank checks it makes the same call (``verify.py``);
+   with ``COMMFUSE_VERIFY``, every rank checks it makes the same call, from the same call site
+   (``verify.py``);
 4. the call's plan, decided once per signature and kept (``Plan``): the group's agreed facts
    (a collective on its first call), whether every rank has the same rank-local size
    (``shards.py``), the path (``policy.py``) and its configuration;
-5. the path runs.
+5. the path runs, with the plan's context for the call's site (with ``COMMFUSE_PAIRING_CHECK``
+   the site is part of the call's pairing tag: ``Plan.at``).
 
 A plan is kept per (op, shapes, dtype, group, device, capture state) and dropped whenever what it
 was decided from changes (``groups.generation``: facts agreed, a capture recorded, a group
@@ -34,7 +36,7 @@ from . import alike, errors, groups, policy, reference, shards, tuning, verify
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, make_context,
-                         row_slabs, rows_dim)
+                         pairing_tag, row_slabs, rows_dim)
 from .paths.common import PATHS, ran
 
 #: Plans kept (one per call signature); all dropped when full, as dynamic shapes make new ones.
@@ -43,12 +45,34 @@ PLAN_LIMIT = 1024
 DECISION_LIMIT = 1024
 
 
+#: Contexts a plan keeps per call site (``Plan.at``); all dropped when full.
+SITE_LIMIT = 256
+
+
 @dataclasses.dataclass
 class Plan:
     call: Call
     decision: policy.Decision
     context: Context
     generation: int
+    #: site -> the context with that site's pairing tag (the plan is kept per signature, and many
+    #: sites share one: every layer's o_proj)
+    sites: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def at(self, site: int) -> Context:
+        """The context a call from ``site`` runs with: the plan's own, but with the pairing check
+        on a tag that names the site too (``base.pairing_tag``), so that calls alike in every size
+        but made from different sites of a program do not pair unnoticed."""
+        ctx = self.context
+        if not site or not ctx.tag:
+            return ctx
+        sited = self.sites.get(site)
+        if sited is None:
+            if len(self.sites) >= SITE_LIMIT:
+                self.sites.clear()
+            sited = self.sites[site] = dataclasses.replace(
+                ctx, tag=pairing_tag(self.call, self.decision.path.name, site))
+        return sited
 
 
 _plans: dict[tuple, Plan] = {}
@@ -131,11 +155,11 @@ def _remember(op: str, call: Call, group, decision: policy.Decision) -> None:
     decisions[sig] = (decision.name, decision.source, decision.reason)
 
 
-def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_size: int = 0
+def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_size: int = 0, site: int = 0
            ) -> tuple[Any, bool, bool]:
     """Steps 1-3: (group, capturing, twin: run NCCL with nothing before it). ``shared()``: what of
     the call every rank shares (not the rank-local size of an unevenly sharded dimension), for
-    ``verify``."""
+    ``verify``, which also compares the call's ``site``."""
     group = groups.get(group_name)
     if world_size and world_size != group.world:  # a group re-created under its name with other ranks
         raise RuntimeError(f"commfuse.{op}: the graph's collective spans {world_size} ranks but group "
@@ -154,18 +178,20 @@ def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_
         if group.settings_of is not env.current():  # first call, or settings changed: agree first
             alike.agree_at_call(group, op)
         if verify.enabled():
-            verify.same_call(group, op, group.calls, **shared())
+            verify.same_call(group, op, group.calls, site=site, **shared())
         group.calls += 1
     return group, capturing, False
 
 
-def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str) -> torch.Tensor:
-    """``all_reduce_sum(a @ b + bias)`` on CUDA (``ops/library.py`` validated the arguments)."""
+def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str, site: int = 0
+                  ) -> torch.Tensor:
+    """``all_reduce_sum(a @ b + bias)`` on CUDA (``ops/library.py`` validated the arguments);
+    ``site``: the call site (``ops/library.py``)."""
     op = "mm_all_reduce"
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     shapes = (tuple(a.shape), tuple(b.shape), a.dtype)
     group, capturing, twin = _enter(op, group_name, shapes, m * n * a.dtype.itemsize,
-                                    lambda: shared_mm_all_reduce(a, b, bias))
+                                    lambda: shared_mm_all_reduce(a, b, bias), site=site)
     args = MmAllReduceArgs(a, b, bias, group_name)
     if twin:
         ran(op, "nccl")
@@ -174,17 +200,17 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     plan = _decide(group, op, key, shapes, lambda: Call(op, m, k, n, a.dtype, group.world, bias is not None), k,
                    a.device, capturing)
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.context, args)
+    return plan.decision.path.run(plan.at(site), args)
 
 
 def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
-                  world_size: int, group_name: str, return_gathered: bool = True):
+                  world_size: int, group_name: str, return_gathered: bool = True, site: int = 0):
     """``(all_gather(shard) @ b + bias, gathered or None)`` on CUDA."""
     op = "all_gather_mm"
     k, n = shard.shape[-1], b.shape[1]
     shapes = (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim)
     group, capturing, twin = _enter(op, group_name, shapes, 0, lambda: shared_all_gather_mm(shard, b, bias, gather_dim),
-                                    world_size)
+                                    world_size, site)
     args = AllGatherMmArgs(shard, b, bias, gather_dim, world_size, group_name, return_gathered)
     if twin:
         ran(op, "nccl")
@@ -198,18 +224,19 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
     plan = _decide(group, op, key, shapes, call, n, shard.device, capturing)  # N is the rank's own size here
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.context, args)
+    return plan.decision.path.run(plan.at(site), args)
 
 
 def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list,
-                      scatter_dim: int, world_size: int, group_name: str) -> torch.Tensor:
+                      scatter_dim: int, world_size: int, group_name: str, site: int = 0) -> torch.Tensor:
     """This rank's share of ``sum(a @ b + bias)`` viewed as ``shape``, on CUDA."""
     op = "mm_reduce_scatter"
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     shape = reference.resolve_shape(shape, m * n)
     shapes = (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim)
     group, capturing, twin = _enter(op, group_name, shapes, 0,
-                                    lambda: shared_mm_reduce_scatter(a, b, bias, shape, scatter_dim), world_size)
+                                    lambda: shared_mm_reduce_scatter(a, b, bias, shape, scatter_dim), world_size,
+                                    site)
     args = MmReduceScatterArgs(a, b, bias, shape, scatter_dim, world_size, group_name)
     if twin:
         ran(op, "nccl")
@@ -222,7 +249,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
     plan = _decide(group, op, key, shapes, call, k, a.device, capturing)
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.context, args)
+    return plan.decision.path.run(plan.at(site), args)
 
 
 def shared_mm_all_reduce(a, b, bias) -> dict:
@@ -244,11 +271,11 @@ _SHARED = {"mm_all_reduce": shared_mm_all_reduce, "all_gather_mm": shared_all_ga
            "mm_reduce_scatter": shared_mm_reduce_scatter}
 
 
-def reference_call(op: str, group_name: str, args: tuple, compute, world_size: int = 0):
+def reference_call(op: str, group_name: str, args: tuple, compute, world_size: int = 0, site: int = 0):
     """A call on a device without symmetric paths (the CPU, gloo, the fake backend): the group's
     call count and ``COMMFUSE_VERIFY`` as on CUDA (``args``: what ``shared_<op>`` takes), then the
     unfused computation ``compute()``."""
-    _enter(op, group_name, (), 0, lambda: _SHARED[op](*args), world_size)
+    _enter(op, group_name, (), 0, lambda: _SHARED[op](*args), world_size, site)
     return compute()
 
 

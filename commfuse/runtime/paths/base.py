@@ -132,14 +132,18 @@ def make_context(call: Call, facts: GroupFacts, group, path: "Path", variant: di
     return Context(call, facts, group, path.tagged_config(config), pairing_tag(call, path.name))
 
 
-def pairing_tag(call: Call, path: str) -> int:
+def pairing_tag(call: Call, path: str, site: int = 0) -> int:
     """A nonzero ``TAG_BITS``-bit name of what every rank's same call is (``kernels/codes.py``):
-    the op, the sizes every rank shares (not a rank-local size an uneven shard may change: K of
-    ``mm_all_reduce`` and ``mm_reduce_scatter``, N of ``all_gather_mm``), the dtype, the bias,
-    the rows' layout and the path. Two calls with the same tag are not told apart (1 in 1023 of
-    unlike calls)."""
-    shared = call.k if call.op == "all_gather_mm" else call.n
-    text = f"{call.op} {call.m} {shared} {call.dtype} {call.bias} {call.rows_dim} {call.slabs} {path}"
+    the op, M, K and N, the dtype, the bias, the rows' layout, the path and the call site (the
+    graph pass's, ``ops/library.py``; 0 where unknown). The rank-local size of an unevenly
+    sharded layer (K of ``mm_all_reduce`` and ``mm_reduce_scatter``, N of ``all_gather_mm``) is
+    part of it too: a symmetric path runs only where every rank has the same (``shards.py``), and
+    it is what tells apart a decode step's all-reduces, which share M and N (o_proj, down_proj,
+    the input gradients). Two calls with the same tag are not told apart (1 in 1023 of unlike
+    calls)."""
+    text = f"{call.op} {call.m} {call.k} {call.n} {call.dtype} {call.bias} {call.rows_dim} {call.slabs} {path}"
+    if site:
+        text += f" @{site}"
     return 1 + zlib.crc32(text.encode()) % TAG_MASK
 
 

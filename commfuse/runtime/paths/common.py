@@ -55,6 +55,12 @@ def workspace(ctx, nbytes: int, device: torch.device):
     return groups.workspace(ctx.group, nbytes, device)
 
 
+# The two doors to a group's flags: every launch of a kernel that signals or waits on them is
+# inside one (tests/test_one_door.py). A wait passes once its peer's count is at least its own,
+# so only the host's order of calls, kept on the device (``Workspace.order``), pairs each call
+# with its peers' same call. (Each door orders inline: a nested context manager would add host
+# time to every call of a decode step.)
+
 @contextlib.contextmanager
 def exchange(ctx, ws, op: str):
     """Start a call's epoch (its count and ``ctx.tag``), after the workspace's previous call on the
@@ -75,6 +81,19 @@ def exchange(ctx, ws, op: str):
         raise
     if record:  # after the call's work: side streams rejoined the caller's stream before this
         ws.last_event.record(stream)
+
+
+@contextlib.contextmanager
+def lane_exchange(lane, capturing: bool):
+    """A graph-lane call (its epochs live on the device, in the lane's counters): eagerly, after
+    the lane's previous call (``GraphLane.order``, as ``exchange`` orders the workspace's); in a
+    capture, the replays run in the order of the stream they are launched on (a replay has no
+    host step: replay one group's graphs from one stream)."""
+    stream = torch.cuda.current_stream(lane.buffer.device) if lane.buffer.is_cuda and not capturing else None
+    record = lane.order(stream) if stream is not None else False
+    yield
+    if record:
+        lane.last_event.record(stream)
 
 
 def matmul_into(a, b, bias, out) -> None:

@@ -21,7 +21,7 @@ from .. import reference
 from .. import groups
 from ..workspace import GRAPH_SLOTS, graph_lane_capacity
 from .base import Call, Context, Path, symmetric_support
-from .common import ran_instead, warn_once
+from .common import lane_exchange, ran_instead, warn_once
 from .split_k import support as split_k_support
 
 
@@ -74,20 +74,17 @@ class GraphLane(Path):
             return reference.mm_all_reduce(a, b, bias, args.group_name)
         if capturing:
             groups.mark_replayed(group)
-            record = False
-        else:  # eager lane calls from two streams run in host order, as the workspace's do
-            stream = torch.cuda.current_stream(a.device) if a.is_cuda else None
-            record = lane.order(stream) if stream is not None else False
         m, n = a.shape[0], b.shape[1]
         if ctx.config is not None:  # few rows: the split-K kernel, in the lane
             out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-            fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)(flag_value(0, ctx.tag))
+            launch = fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)
+            with lane_exchange(lane, capturing):  # eager calls from two streams: in host order
+                launch(flag_value(0, ctx.tag))
         else:
-            partial = reference.matmul(a, b, bias)
-            out = torch.empty_like(partial)
-            exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP, ctx.tag)
-        if record:
-            lane.last_event.record(stream)
+            with lane_exchange(lane, capturing):
+                partial = reference.matmul(a, b, bias)
+                out = torch.empty_like(partial)
+                exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP, ctx.tag)
         return out
 
 
