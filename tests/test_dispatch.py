@@ -1054,7 +1054,8 @@ def test_a_kept_lane_is_freed_once_the_graphs_that_captured_it_are_gone(fresh_gr
         pass
 
     manager = TreeManager()
-    monkeypatch.setattr(groups, "_capture_owner", lambda: manager)
+    recording = weakref.ref(manager)
+    monkeypatch.setattr(groups, "_capture_owner", lambda: recording())
     group = groups.get(group_name())
     group.lane = _lane_of(group)
     groups.mark_replayed(group)  # two captured calls of one recording
