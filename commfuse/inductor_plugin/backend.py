@@ -1,4 +1,6 @@
-"""The ``torch.compile`` backend: Inductor, unchanged, plus the commfuse post-grad pass.
+"""The ``torch.compile`` backend: Inductor, unchanged, plus the commfuse post-grad pass; where that
+pass fused, each run of the compiled graph is followed by a read of its groups' error words
+(``runtime/errors.py``, ``watch_runs``), so a wait that timed out in a CUDA-graph replay raises.
 
 ``torch.compile(model, backend="commfuse")`` finds this module through the
 ``torch_dynamo_backends`` entry point, so no import of commfuse is needed. Importing it registers
