@@ -165,4 +165,4 @@ def test_each_graph_counts_the_bytes_its_capture_reserved(fake_capture, monkeypa
         for epoch in (1, 2):  # seen, then captured
             ce_graphs.run(ws, epoch, key, lambda side: None, 0)
     assert len(fake_capture) == 3 and len(ws.graphs) == 2
-    assert ce_graphs.graph_bytes(ws) == 2 * (3 << 20)
+    assert ws.graph_bytes() == 2 * (3 << 20)

@@ -167,12 +167,6 @@ def _reserved(device: int) -> int:
     return torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
 
 
-def graph_bytes(ws) -> int:
-    """What ``ws``'s copy-engine graphs hold: each one's memory pool (its cuBLAS workspace, its
-    intermediates), as measured when it was captured."""
-    return sum(getattr(graph, "commfuse_bytes", 0) for graph in ws.graphs.values())
-
-
 def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
     """Run a copy-engine call on GPU ``device`` whose work is ``body(sides)`` (kernels reading the
     epoch from ``ws.epoch_cell``; ``sides``: the streams its pulls, adds and barriers run on, None for the
@@ -190,6 +184,7 @@ def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
             before = _reserved(device)
             graph = _capture(body, device)
             # its pool is its own: what the allocator reserved meanwhile is this graph's
+            # (``Workspace.graph_bytes``)
             graph.commfuse_bytes = max(0, _reserved(device) - before)
         except Exception as exc:  # noqa: BLE001 - nothing of the call ran: run it eagerly
             _give_up(exc, device, ws)

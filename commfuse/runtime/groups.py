@@ -414,14 +414,12 @@ def memory() -> list[dict]:
     """Per group: the symmetric bytes this rank holds for it (workspace, graph lane), the CUDA
     graphs its copy-engine calls keep (how many, and the bytes of their memory pools), and its
     members. Two meshes over the same ranks are two groups and pay twice."""
-    from .ce_graphs import graph_bytes  # noqa: PLC0415  (ce_graphs imports this module)
-
     rows = []
     for group in all_groups():
         ws, lane = group.workspace, group.lane
         rows.append(dict(group=group.name, ranks=list(group.members), workspace_bytes=ws.nbytes if ws else 0,
                          lane_bytes=lane.nbytes if lane else 0, ce_graphs=len(ws.graphs) if ws else 0,
-                         ce_graph_bytes=graph_bytes(ws) if ws else 0,
+                         ce_graph_bytes=ws.graph_bytes() if ws else 0,
                          data_bytes_per_parity=ws.data_bytes if ws else 0))
     rows.append(dict(group="(lanes of dropped groups, kept for their CUDA graphs)", ranks=[], workspace_bytes=0,
                      lane_bytes=sum(g.lane.nbytes for g in _held), ce_graphs=0, ce_graph_bytes=0,

@@ -210,4 +210,4 @@ def test_memory_reports_the_bytes_of_copy_engine_graphs(monkeypatch):
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), (a.float() @ b.float()), rtol=2e-2, atol=2e-1)
     row = [r for r in groups.memory() if r["group"] == "one-device-ce"][0]
-    assert row["ce_graphs"] == 1 and row["ce_graph_bytes"] == ce_graphs.graph_bytes(ws) > 0
+    assert row["ce_graphs"] == 1 and row["ce_graph_bytes"] == ws.graph_bytes() > 0
