@@ -231,6 +231,48 @@ def test_a_failure_reported_during_a_run_raises_at_the_end_of_that_run(world2, m
     torch.testing.assert_close(compiled(x, w), f(x, w))
 
 
+def test_a_failure_in_a_backward_graph_raises_at_the_next_forward_run(world2, monkeypatch):
+    """Autograd runs the backward graph with no wrapper of the backend's around it: the forward
+    graph's callable also reads the words of the groups its backward graph calls (noted when
+    autograd compiled it), so a wait that timed out in a backward replay raises at the next
+    forward run."""
+    from commfuse.runtime import groups, reference
+
+    g = dist.group.WORLD
+    commfuse.release_all()
+
+    class ColwiseGrad(torch.autograd.Function):  # identity forward, all_reduce backward
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return funcol.all_reduce(grad, "sum", g)
+
+    def f(x, w):
+        return F.linear(ColwiseGrad.apply(x), w)
+
+    compiled = torch.compile(f, backend=commfuse.backend(min_mnk=0), fullgraph=True)
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+    compiled(x, w).sum().backward()  # compiles both graphs: the backward's all-reduce fuses
+    assert [r.graph.startswith("backward") for r in commfuse.report().fused] == [True]
+    real = reference.mm_all_reduce
+
+    def replayed_kernel_times_out(a, b, bias, group_name):
+        out = real(a, b, bias, group_name)
+        groups.get(group_name).err[:5] = torch.tensor([1, 1, 1, 0, 9], dtype=torch.int32)
+        return out
+
+    monkeypatch.setattr(reference, "mm_all_reduce", replayed_kernel_times_out)
+    compiled(x, w).sum().backward()  # the word is written in the backward graph's run
+    monkeypatch.setattr(reference, "mm_all_reduce", real)
+    with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: on group '0', rank 1 timed out .* waiting for "
+                                           r"rank 0 .* in call 9 of the group"):
+        compiled(x, w)
+    commfuse.release_all()
+
+
 def test_the_returned_callable_keeps_inductors_convention_and_no_inputs(world2):
     """Wrapped only where the pass fused (or a backward graph may follow): Inductor's attributes
     (its ``_boxed_call`` flag among them) are kept, a boxed call's list reaches Inductor's callable
