@@ -103,7 +103,7 @@ def after_run(watch: Watch) -> None:
     refuses calls. Reads pinned host words only: no synchronisation, so a replay that is still
     running is seen at a later run, the first after it completed. A CUDA graph's replay has no
     host step of its own, so this is where its timed-out waits become an exception."""
-    for group in groups_mod._groups.values():
+    for group in tuple(groups_mod._groups.values()):  # (another thread may make a group meanwhile)
         if watch.every or group.name in watch.names:
             if group.err_host[0] and not group.broken:
                 check(group, _RUN)
