@@ -95,9 +95,10 @@ def test_a_timeout_in_a_replay_raises_at_the_first_run_after_it(monkeypatch):
     assert time.perf_counter() - began < BOUND_S / 2
     stream.synchronize()  # the replay's wait timed out and it completed
     assert int(lane.err[0]) == 1
+    # (the call is named where the lane's device count is past 0: "in call N of the group's graph lane")
     with pytest.raises(RuntimeError, match=rf"mm_all_reduce \(graph lane\): on group '{name}', rank 0 timed out "
-                                           rf"after 1 s waiting for rank 1 \(group ranks 0 and 1\) in call \d+ "
-                                           rf".*noticed when a compiled graph of commfuse ops"):
+                                           rf"after 1 s waiting for rank 1 \(group ranks 0 and 1\).*"
+                                           rf"noticed when a compiled graph of commfuse ops"):
         run()
     with pytest.raises(RuntimeError, match=rf"Group '{name}' refuses further calls"):
         run()
