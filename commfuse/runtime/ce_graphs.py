@@ -132,6 +132,7 @@ def _give_up(exc: BaseException, device: int, ws) -> None:
     """Graphs off for the process after a failed capture, every workspace's dropped."""
     _disabled.append(f"{type(exc).__name__}: {exc}")
     for each in [ws, *(g.workspace for g in groups.all_groups() if g.workspace is not None)]:
+        groups.let_go(*each.graphs.values())
         each.graphs.clear()
         each.graphs_seen.clear()
     if _still_capturing(device):
