@@ -90,8 +90,9 @@ class Group:
 
 
 _groups: dict[tuple[str, str], Group] = {}
-#: Dropped groups whose graph lane captured graphs may still replay: the lanes are never freed while
-#: the process runs, and their error words are still read (``errors.check_errors``, every call).
+#: Dropped groups whose graph lane captured graphs may still replay: a lane is kept while a graph
+#: that captured it may (``_drop_unreplayable``, ``free_kept_lanes``), and its error word is still
+#: read (``errors.check_errors``, every call).
 _held: list[Group] = []
 #: Buffers and graphs let go of while a stream was capturing: freed at the first chance outside it.
 _deferred: list = []
@@ -144,7 +145,8 @@ def get(name: str, pg=None) -> Group:
     if group is not None and group.ref() is pg:
         global _calls
         _calls += 1
-        if _calls % SWEEP_EVERY == 0 and (len(_groups) > 1 or _held):  # a destroyed subgroup's buffers go soon
+        # a destroyed subgroup's buffers, and kept lanes no graph replays any more, go soon
+        if _calls % SWEEP_EVERY == 0 and (len(_groups) > 1 or _held):
             with _lock:
                 _sweep()
         if _deferred:
@@ -208,8 +210,9 @@ def _drop_unreplayable() -> None:
 def free_kept_lanes() -> None:
     """Free every graph lane kept for CUDA graphs captured before a ``release``: call it once no
     such graph will replay again (you deleted your own ``torch.cuda.CUDAGraph`` objects, or reset
-    Inductor's graphs): a later replay of one would touch freed memory. Lanes whose graphs were all
-    Inductor's are freed without it, once those graphs are gone."""
+    Inductor's graphs): a later replay of one would touch freed memory. Call it on every rank
+    together (a later ``release`` restarts the kept lanes collectively). Lanes whose graphs were
+    all Inductor's are freed without it, once those graphs are gone."""
     with _lock:
         for group in _held:
             let_go(group.lane)
@@ -384,8 +387,8 @@ def release(group_name: str | None = None) -> None:
     """Free the symmetric memory of one group (``group_name``) or of every group, and forget their
     state (tests, teardown, recovery after a timeout; the next call allocates anew, collectively).
     Call it on every rank together. Graph lanes that captured CUDA graphs may still replay are kept
-    (never freed while the process runs), their epochs restarted together: replays after this
-    touch no freed memory and pair with the peers' replays."""
+    (until those graphs are gone, or ``free_kept_lanes``), their epochs restarted together: replays
+    after this touch no freed memory and pair with the peers' replays."""
     with _lock:
         # graph owners that are garbage now are gone on every rank alike before the restarts below,
         # which are collective: a lane one rank frees here and its peer keeps would pair no restart
