@@ -283,12 +283,14 @@ def _reduce_results(group, times: list[float], failed: list[bool], lasting: list
 # ---------------------------------------------------------------------------------------------
 # Measuring a candidate on synthetic inputs
 #
-# A measurement is a generator that yields between its phases (warm-up, check, timing) and returns
-# the median µs. Its phases issue no process-group collective of their own, so a candidate that
+# A measurement is a generator that yields between its phases (first run, warm-up, check, timing)
+# and returns the median µs. The tuner runs every candidate's first phase, then the rest of each
+# (``Tuner.tune``). Its phases issue no process-group collective of their own, so a candidate that
 # raises on one rank leaves the ranks' collectives paired: the tuner agrees after every phase
 # whether any rank failed, and every rank skips the rest of that candidate together. The NCCL
 # candidate is the exception: its calls are collectives, and one that fails on one rank midway is
-# as fatal to the job as any failed NCCL call. Tests inject measurements that only return a time.
+# as fatal to the job as any failed NCCL call. Tests inject measurements that only return a time
+# (after an optional compile step).
 
 
 @dataclasses.dataclass
