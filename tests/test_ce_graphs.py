@@ -149,3 +149,20 @@ def test_graphs_can_be_turned_off(monkeypatch):
         monkeypatch.delenv("COMMFUSE_CE_GRAPHS")
         env.reload()
     assert ce_graphs.enabled()
+
+
+def test_each_graph_counts_the_bytes_its_capture_reserved(fake_capture, monkeypatch):
+    """A copy-engine graph's pool (its cuBLAS workspace, its intermediates) is measured at its
+    capture, so ``groups.memory()`` reports bytes, not only a count; a graph pushed out of the
+    workspace's graphs takes its bytes with it."""
+    reserved = iter(range(0, 10 * (3 << 20), 3 << 20))  # each capture reserves 3 MiB
+    monkeypatch.setattr(ce_graphs, "_reserved", lambda device: next(reserved))
+    monkeypatch.setattr(ce_graphs, "GRAPH_LIMIT", 2)
+    ws = _workspace()
+    tensors = [torch.randn(4, 3) for _ in range(3)]
+    for a in tensors:
+        key = ce_graphs.key(ws, 0, (a, None), (4,))
+        for epoch in (1, 2):  # seen, then captured
+            ce_graphs.run(ws, epoch, key, lambda side: None, 0)
+    assert len(fake_capture) == 3 and len(ws.graphs) == 2
+    assert ws.graph_bytes() == 2 * (3 << 20)

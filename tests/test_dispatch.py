@@ -1003,5 +1003,99 @@ def test_memory_lists_each_groups_symmetric_bytes(fresh_groups):
     row = [r for r in groups.memory() if r["group"] == name][0]
     assert row["workspace_bytes"] == wsmod.HEADER_BYTES + 2 * (1 << 12)
     assert row["data_bytes_per_parity"] == 1 << 12 and row["ranks"] == [0, 1]
+    assert row["ce_graphs"] == 0 and row["ce_graph_bytes"] == 0
+
+    class Graph:  # a copy-engine call's CUDA graph, its pool measured at capture
+        commfuse_bytes = 40 << 20
+
+    group.workspace.graphs.update({"a": Graph(), "b": Graph()})
+    row = [r for r in groups.memory() if r["group"] == name][0]
+    assert row["ce_graphs"] == 2 and row["ce_graph_bytes"] == 80 << 20
     groups.release(name)
     assert not [r for r in groups.memory() if r["group"] == name]
+
+
+def test_what_is_let_go_of_while_capturing_is_freed_after_the_capture(fresh_groups, monkeypatch):
+    """Freeing a symmetric buffer synchronises the device, which a CUDA-graph capture forbids. A
+    sweep of destroyed groups (at a group's creation, or every ``SWEEP_EVERY`` calls) and a
+    ``release`` may come inside a capture: what they drop waits until the first call outside it."""
+    import gc
+
+    world, gone = _destroyed_subgroup()
+    swept = weakref.ref(gone.workspace)
+    monkeypatch.setattr(groups, "_capturing", lambda: True)
+    new_sub = dist.new_group([0, 1])
+    groups.get(new_sub.group_name)  # a group is made: the sweep drops the destroyed one's state
+    assert gone.workspace is None and gone not in groups.all_groups()
+    name = group_name()
+    world.workspace = _workspace(name=name, err=world.err)
+    released = weakref.ref(world.workspace)
+    groups.release(name)
+    assert world.workspace is None and world not in groups.all_groups()
+    gc.collect()
+    assert swept() is not None and released() is not None  # still capturing: not freed
+    groups.get(new_sub.group_name)  # a call while the capture goes on frees nothing either
+    gc.collect()
+    assert swept() is not None and released() is not None
+    monkeypatch.setattr(groups, "_capturing", lambda: False)
+    groups.get(new_sub.group_name)  # the first call after the capture frees them
+    gc.collect()
+    assert swept() is None and released() is None
+    dist.destroy_process_group(new_sub)
+
+
+def _lane_of(group, data_bytes=4096):
+    buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8)
+    return wsmod.GraphLane(group.name, 0, 2, buf, torch.zeros(2, dtype=torch.int64), data_bytes, 8, err=group.err)
+
+
+def test_a_kept_lane_is_freed_once_the_graphs_that_captured_it_are_gone(fresh_groups, monkeypatch):
+    """A lane that captured graphs may replay is kept past ``release_all``, but not for ever: once
+    every owner of those graphs (Inductor's graph tree managers) is gone, no replay can reach it,
+    and the next sweep or release frees it."""
+    import gc
+
+    monkeypatch.setattr(groups, "_held", [])  # (lanes of groups other tests dropped)
+
+    class TreeManager:  # what records Inductor's CUDA graphs (``reduce-overhead``)
+        pass
+
+    manager = TreeManager()
+    recording = weakref.ref(manager)
+    monkeypatch.setattr(groups, "_capture_owner", lambda: recording())
+    group = groups.get(group_name())
+    group.lane = _lane_of(group)
+    groups.mark_replayed(group)  # two captured calls of one recording
+    groups.mark_replayed(group)
+    assert len(group.graph_owners) == 1
+    lane = weakref.ref(group.lane)
+    commfuse.release_all()
+    assert groups.held() == [group] and lane() is not None  # its graphs may replay
+    commfuse.release_all()
+    assert groups.held() == [group] and lane() is not None
+    del manager  # the graphs went (torch._dynamo.reset(), the compiled model collected)
+    commfuse.release_all()
+    gc.collect()
+    assert groups.held() == [] and lane() is None
+    held_row = [r for r in groups.memory() if r["ranks"] == []][0]
+    assert held_row["lane_bytes"] == 0
+
+
+def test_a_lane_a_graph_of_unknown_owner_captured_is_kept_until_told(fresh_groups, monkeypatch):
+    """A capture commfuse cannot trace to an owner (the user's own ``torch.cuda.graph``) keeps the
+    lane until ``free_kept_lanes()`` says no such graph replays any more."""
+    import gc
+
+    monkeypatch.setattr(groups, "_held", [])
+    monkeypatch.setattr(groups, "_capture_owner", lambda: None)
+    group = groups.get(group_name())
+    group.lane = _lane_of(group)
+    groups.mark_replayed(group)
+    lane = weakref.ref(group.lane)
+    commfuse.release_all()
+    commfuse.release_all()
+    gc.collect()
+    assert groups.held() == [group] and lane() is not None
+    groups.free_kept_lanes()
+    gc.collect()
+    assert groups.held() == [] and lane() is None

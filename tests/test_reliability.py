@@ -252,3 +252,136 @@ def test_a_skipped_call_among_alike_calls_is_an_error_on_every_rank():
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_skip_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
+
+
+def _capturing_backend(backend):
+    """``backend`` that also keeps what it returned (the callable Dynamo runs)."""
+    returned = []
+
+    def compile_graph(gm, example_inputs, **kw):
+        returned.append(backend(gm, example_inputs, **kw))
+        return returned[-1]
+
+    return compile_graph, returned
+
+
+def test_a_failure_reported_during_a_run_raises_at_the_end_of_that_run(world2, monkeypatch):
+    """A CUDA-graph replay has no host step: a wait that times out in it only writes its group's
+    error word while the replay runs. The callable the backend returns reads the words of its
+    graph's groups after each run (no synchronisation), so the run during which the word was
+    written raises, naming the group, the op, the global ranks and the call; later runs refuse
+    until ``release_all``. Here the CPU op writes the word after its own entry checks, as a
+    replayed kernel would."""
+    from commfuse.runtime import groups, reference
+
+    g = dist.group.WORLD
+    commfuse.release_all()
+
+    def f(x, w):
+        return funcol.all_reduce(x @ w, "sum", g)
+
+    compiled = torch.compile(f, backend=commfuse.backend(min_mnk=0), fullgraph=True)
+    x, w = torch.randn(4, 8), torch.randn(8, 16)
+    torch.testing.assert_close(compiled(x, w), f(x, w))  # a clean run returns
+    real = reference.mm_all_reduce
+
+    def replayed_kernel_times_out(a, b, bias, group_name):
+        out = real(a, b, bias, group_name)
+        groups.get(group_name).err[:5] = torch.tensor([1, 1, 0, 1, 3], dtype=torch.int32)
+        return out
+
+    monkeypatch.setattr(reference, "mm_all_reduce", replayed_kernel_times_out)
+    with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: on group '0', rank 0 timed out .* waiting for "
+                                           r"rank 1 \(group ranks 0 and 1\) in call 3 of the group \(noticed when "
+                                           r"a compiled graph of commfuse ops"):
+        compiled(x, w)
+    monkeypatch.setattr(reference, "mm_all_reduce", real)
+    with pytest.raises(RuntimeError, match="refuses further calls"):
+        compiled(x, w)
+    commfuse.release_all()
+    torch.testing.assert_close(compiled(x, w), f(x, w))
+
+
+def test_a_failure_in_a_backward_graph_raises_at_the_next_forward_run(world2, monkeypatch):
+    """Autograd runs the backward graph with no wrapper of the backend's around it: the forward
+    graph's callable also reads the words of the groups its backward graph calls (noted when
+    autograd compiled it), so a wait that timed out in a backward replay raises at the next
+    forward run."""
+    from commfuse.runtime import groups, reference
+
+    g = dist.group.WORLD
+    commfuse.release_all()
+
+    class ColwiseGrad(torch.autograd.Function):  # identity forward, all_reduce backward
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return funcol.all_reduce(grad, "sum", g)
+
+    def f(x, w):
+        return F.linear(ColwiseGrad.apply(x), w)
+
+    compiled = torch.compile(f, backend=commfuse.backend(min_mnk=0), fullgraph=True)
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+    compiled(x, w).sum().backward()  # compiles both graphs: the backward's all-reduce fuses
+    assert [r.graph.startswith("backward") for r in commfuse.report().fused] == [True]
+    real = reference.mm_all_reduce
+
+    def replayed_kernel_times_out(a, b, bias, group_name):
+        out = real(a, b, bias, group_name)
+        groups.get(group_name).err[:5] = torch.tensor([1, 1, 1, 0, 9], dtype=torch.int32)
+        return out
+
+    monkeypatch.setattr(reference, "mm_all_reduce", replayed_kernel_times_out)
+    compiled(x, w).sum().backward()  # the word is written in the backward graph's run
+    monkeypatch.setattr(reference, "mm_all_reduce", real)
+    with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: on group '0', rank 1 timed out .* waiting for "
+                                           r"rank 0 .* in call 9 of the group"):
+        compiled(x, w)
+    commfuse.release_all()
+
+
+def test_the_returned_callable_keeps_inductors_convention_and_no_inputs(world2):
+    """Wrapped only where the pass fused (or a backward graph may follow): Inductor's attributes
+    (its ``_boxed_call`` flag among them) are kept, a boxed call's list reaches Inductor's callable
+    as given (which empties it), and no input outlives the run through the wrapper."""
+    import gc
+    import weakref
+
+    from commfuse.runtime import errors
+
+    g = dist.group.WORLD
+    compile_graph, returned = _capturing_backend(commfuse.backend(min_mnk=0))
+    with torch.no_grad():
+        torch.compile(lambda x, w: torch.relu(x @ w), backend=compile_graph, fullgraph=True)(
+            torch.randn(4, 8), torch.randn(8, 16))
+    assert not hasattr(returned[-1], "commfuse_watch")  # nothing fused, no backward: Inductor's own
+
+    compiled = torch.compile(lambda x, w: funcol.all_reduce(x @ w, "sum", g), backend=compile_graph,
+                             fullgraph=True)
+    x, w = torch.randn(4, 8), torch.randn(8, 16)
+    compiled(x, w)
+    run = returned[-1]
+    assert run.commfuse_watch.names == {g.group_name}
+    assert getattr(run, "_boxed_call", None) == getattr(run.__wrapped__, "_boxed_call", None)
+    kept = weakref.ref(x)
+    out = compiled(x, w)
+    del x, out
+    gc.collect()
+    assert kept() is None
+
+    got = []
+
+    def boxed(args):
+        got.append(args)
+        args.clear()  # Inductor frees the inputs as it goes
+        return ("out",)
+
+    boxed._boxed_call = True
+    watched = errors.watch_runs(boxed, errors.Watch())
+    args = [torch.randn(2)]
+    assert watched._boxed_call is True and watched(args) == ("out",)
+    assert got[0] is args and args == []

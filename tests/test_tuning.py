@@ -180,6 +180,105 @@ def test_ranks_agree_on_every_answer(world):
     assert first["no_inputs"] == [True, True]
 
 
+def _compile_first_worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    name = dist.group.WORLD.group_name
+    group = groups.get(name)
+    out = {}
+    with env.override(cache_dir=tmp, tune_margin="0.03"):
+        # 1. every candidate compiled on every rank, under the ordinary bound, then a barrier,
+        # then the timings under the tuning bound
+        events = []
+        real_barrier = dist.barrier
+
+        def barrier(*a, **k):
+            events.append(["barrier"])
+            return real_barrier(*a, **k)
+
+        def compiler(path, sig, variant=None):
+            events.append(["compile", path.name, group.tuning_timeout_ns])
+
+        def timer(path, sig, variant=None):
+            events.append(["time", path.name, group.tuning_timeout_ns])
+            return {"fused": 10.0, "nccl": 100.0}.get(path.name, 50.0)
+
+        dist.barrier = barrier
+        try:
+            with env.override(cache_dir=tmp):
+                tuner = tuning.Tuner(group, GroupFacts.simulated(world), torch.device("cpu"), timer=timer,
+                                     compiler=compiler)
+            tuner.tune(tuning.Signature.of(Call("mm_all_reduce", 4096, 4096, 8192, BF16, world)))
+        finally:
+            dist.barrier = real_barrier
+        out["events"] = events
+        # 2. a candidate whose wait timed out on one rank is excluded from this run and kept as
+        # transient: later runs (new processes: new tuners reading the cache) tune it again, up to
+        # TRANSIENT_TRIES runs; a candidate that failed otherwise stays excluded
+        calls = []
+
+        def times_out(path, sig, variant=None):
+            calls.append(path.name)
+            if path.name == "fused" and rank == 0:  # what a kernel whose wait timed out leaves
+                group.err[:5] = torch.tensor([1, 1, 0, 1, 5], dtype=torch.int32)
+            if path.name == "one_shot" and rank == world - 1:
+                raise RuntimeError("wrong on this rank")
+            return {"fused": 10.0, "one_shot": 5.0, "nccl": 100.0}.get(path.name, 50.0)
+
+        call = Call("mm_all_reduce", 8192, 2048, 4096, BF16, world)
+        runs = []
+        for _ in range(tuning.TRANSIENT_TRIES + 1):
+            dist.barrier()  # (rank 0 wrote the cache: every rank's next tuner reads the same file)
+            calls.clear()
+            tuner = _tuner(name, world, times_out, tmp)
+            first = tuner.answer(call, capturing=False, may_tune=True)
+            again = tuner.answer(call, capturing=False, may_tune=True)  # this run tuned it: kept
+            entry = tuner.entries[tuning.Signature.of(call).text()]
+            runs.append([first, again, bool(calls), sorted(entry.failed), entry.transient, entry.tries])
+        out["transient"] = runs
+        # 3. a retry that succeeds keeps the candidate for good
+        healthy = {"fused": 10.0, "nccl": 100.0}
+        other = Call("mm_all_reduce", 8192, 2048, 2048, BF16, world)
+        dist.barrier()
+        first = _tuner(name, world, times_out, tmp).answer(other, capturing=False, may_tune=True)
+        dist.barrier()
+        retried = _tuner(name, world, lambda path, sig, variant=None: healthy.get(path.name, 50.0), tmp)
+        second = retried.answer(other, capturing=False, may_tune=True)
+        entry = retried.entries[tuning.Signature.of(other).text()]
+        out["recovered"] = [first, second, entry.transient, entry.failed]
+    with open(os.path.join(results, f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_candidates_compile_before_any_bounded_wait_and_timeouts_are_retried_later():
+    """A first compile that takes one rank longer than the tuning bound more than its peer must not
+    decide the answer: every candidate runs once (its compile) on every rank under the ordinary
+    bound, then a barrier, then the bounded warm-up and timing. A timed-out wait during tuning is
+    cached as transient, not as a permanent exclusion."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
+        mp.spawn(_compile_first_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
+                 join=True)
+        outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
+    assert outs[1]["transient"] == outs[0]["transient"] and outs[1]["recovered"] == outs[0]["recovered"]
+    events = outs[0]["events"]
+    kinds = [e[0] for e in events]
+    compiled = kinds.index("barrier")
+    assert set(kinds[:compiled]) == {"compile"} and set(kinds[compiled + 1:]) == {"time"}
+    assert [e[1] for e in events[:compiled]] == [e[1] for e in events[compiled + 1:]]  # every candidate
+    assert {e[2] for e in events[:compiled]} == {None}  # the ordinary bound
+    assert {e[2] for e in events[compiled + 1:]} == {int(tuning.TUNING_TIMEOUT_S * 1e9)}
+    runs = outs[0]["transient"]
+    tries = tuning.TRANSIENT_TRIES
+    for i, (first, again, tuned, failed, transient, count) in enumerate(runs):
+        assert first == again and first not in ("fused", "one_shot")
+        assert failed == ["fused", "one_shot"] and transient == ["fused"]  # one_shot: not a timeout
+        assert tuned == (i < tries) and count == min(i + 1, tries)  # tuned again until the last try
+    first, second, transient, failed = outs[0]["recovered"]
+    assert first != "fused" and second == "fused" and transient == [] and failed == []
+
+
 def test_cache_reads_agree_or_are_dropped(tmp_path):
     """Ranks whose files differ (one rank's cache written mid-run) agree to use none."""
     entries = {"a": tuning.Entry("fused", "fused", {"fused": 1.0}, [], 0.03)}

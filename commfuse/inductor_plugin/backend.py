@@ -1,4 +1,6 @@
-"""The ``torch.compile`` backend: Inductor, unchanged, plus the commfuse post-grad pass.
+"""The ``torch.compile`` backend: Inductor, unchanged, plus the commfuse post-grad pass; where that
+pass fused, each run of the compiled graph is followed by a read of its groups' error words
+(``runtime/errors.py``, ``watch_runs``), so a wait that timed out in a CUDA-graph replay raises.
 
 ``torch.compile(model, backend="commfuse")`` finds this module through the
 ``torch_dynamo_backends`` entry point, so no import of commfuse is needed. Importing it registers
@@ -16,8 +18,9 @@ import torch
 
 from .. import env
 from ..config import DEFAULT_MIN_MNK, Settings
+from ..runtime import errors
 from . import alike
-from .graph_pass import CommfusePass
+from .graph_pass import _FUSED_OPS, _GROUP_ARG, CommfusePass
 
 
 @functools.lru_cache(1)
@@ -65,6 +68,34 @@ def mode_options(mode: str | None, where: str) -> dict[str, Any]:
     return dict(list_mode_options(mode))
 
 
+class _WatchedPass(CommfusePass):
+    """The commfuse pass of one compile, which notes the groups its fused ops call in ``watch``
+    (the forward graph now, the backward graph when autograd compiles it). Its cache key is the
+    pass's: the watch does not change the graph."""
+
+    def __init__(self, settings: Settings, chained: Any, watch: errors.Watch):
+        super().__init__(settings, chained=chained)
+        self.watch = watch
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        super().__call__(graph)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in _FUSED_OPS:
+                self.watch.names.add(str(node.args[_GROUP_ARG[node.target]]))
+
+
+def _cache_hits() -> int:
+    """Graphs Inductor or AOTAutograd took from their caches so far (the pass does not run for them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def _may_train(example_inputs: list) -> bool:
+    """Whether autograd may compile a backward graph later (the pass may then fuse there)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
 class CommfuseBackend:
     """A configured backend: ``torch.compile(model, backend=commfuse.backend(...))``.
 
@@ -92,9 +123,18 @@ class CommfuseBackend:
         user_pass = inductor_config.post_grad_custom_post_pass
         if isinstance(user_pass, CommfusePass):  # nested commfuse backends: keep the outer chain
             user_pass = user_pass.chained
-        patches["post_grad_custom_post_pass"] = CommfusePass(self.settings, chained=user_pass)
+        watch = errors.Watch()
+        patches["post_grad_custom_post_pass"] = _WatchedPass(self.settings, user_pass, watch)
+        hits = _cache_hits()
         # compile_fx applies the patches to the lazily compiled backward graph as well.
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        if _cache_hits() != hits:  # a cached graph: which groups it calls is not known here
+            watch.every = True
+        if not (watch.names or watch.every or _may_train(example_inputs)):
+            return compiled  # no commfuse op in it, and no backward graph to come
+        # A wait that times out inside a CUDA-graph replay only writes its group's error word (the
+        # replay has no host step): each run reads the words of the graph's groups afterwards.
+        return errors.watch_runs(compiled, watch)
 
     def __repr__(self) -> str:
         return f"CommfuseBackend({self.settings!r})"

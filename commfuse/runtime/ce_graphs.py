@@ -132,6 +132,7 @@ def _give_up(exc: BaseException, device: int, ws) -> None:
     """Graphs off for the process after a failed capture, every workspace's dropped."""
     _disabled.append(f"{type(exc).__name__}: {exc}")
     for each in [ws, *(g.workspace for g in groups.all_groups() if g.workspace is not None)]:
+        groups.let_go(*each.graphs.values())
         each.graphs.clear()
         each.graphs_seen.clear()
     if _still_capturing(device):
@@ -150,7 +151,7 @@ def drop_since(ws, before: tuple[frozenset, frozenset]) -> None:
     """Forget the graphs and sightings ``ws`` gained since ``keys(ws)`` gave ``before``: the tuner's
     synthetic calls, whose addresses no real call repeats, must not hold graph slots and pools."""
     for key in set(ws.graphs) - before[0]:
-        del ws.graphs[key]
+        groups.let_go(ws.graphs.pop(key))
     for key in set(ws.graphs_seen) - before[1]:
         del ws.graphs_seen[key]
 
@@ -158,8 +159,13 @@ def drop_since(ws, before: tuple[frozenset, frozenset]) -> None:
 def _remember(table: dict, key, value, limit: int) -> None:
     table.pop(key, None)
     if len(table) >= limit:
-        del table[next(iter(table))]  # the least recently used
+        groups.let_go(table.pop(next(iter(table))))  # the least recently used
     table[key] = value
+
+
+def _reserved(device: int) -> int:
+    """The bytes PyTorch's caching allocator holds on ``device`` (private graph pools included)."""
+    return torch.cuda.memory_reserved(device) if torch.cuda.is_available() else 0
 
 
 def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
@@ -176,7 +182,11 @@ def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
             body(None)
             return "eager"
         try:  # the second: captured
+            before = _reserved(device)
             graph = _capture(body, device)
+            # its pool is its own: what the allocator reserved meanwhile is this graph's
+            # (``Workspace.graph_bytes``)
+            graph.commfuse_bytes = max(0, _reserved(device) - before)
         except Exception as exc:  # noqa: BLE001 - nothing of the call ran: run it eagerly
             _give_up(exc, device, ws)
             COUNTS["eager"] += 1

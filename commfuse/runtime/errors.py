@@ -18,6 +18,8 @@ since have paired its waits with this rank's later calls.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..kernels.codes import ERR_MISMATCH, ERR_TIMEOUT, GRAPH_LANE_OP, OPS
@@ -77,3 +79,54 @@ def check_held(during: str) -> None:
     for group in groups_mod.held():
         if group.err_host[0] and not group.broken:
             check(group, f"{during}; the wait was in a CUDA graph captured before release_all()")
+
+
+class Watch:
+    """The groups whose error words a compiled graph's runs read (``watch_runs``): the names of the
+    groups its commfuse ops call, filled by the graph pass as the forward and then the backward
+    graph are compiled, or ``every`` group where the pass did not run (a graph from Inductor's
+    cache)."""
+
+    __slots__ = ("names", "every")
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.every = False
+
+
+#: What noticed the errors a compiled graph's run raises (its CUDA-graph replays report there).
+_RUN = "a compiled graph of commfuse ops"
+
+
+def after_run(watch: Watch) -> None:
+    """Raise if a kernel of a group ``watch`` names reported a failure, or if such a group already
+    refuses calls. Reads pinned host words only: no synchronisation, so a replay that is still
+    running is seen at a later run, the first after it completed. A CUDA graph's replay has no
+    host step of its own, so this is where its timed-out waits become an exception."""
+    for group in tuple(groups_mod._groups.values()):  # (another thread may make a group meanwhile)
+        if watch.every or group.name in watch.names:
+            if group.err_host[0] and not group.broken:
+                check(group, _RUN)
+            if group.broken:  # the graph would only replay NaN: refuse, as eager calls do
+                raise RuntimeError(group.broken)
+    if groups_mod._held:
+        check_held(_RUN)
+
+
+def watch_runs(compiled, watch: Watch):
+    """``compiled`` (what Inductor returned), each run followed by ``after_run(watch)``.
+
+    The arguments pass through untouched, so Inductor's calling convention holds either way: a
+    boxed callable (``_boxed_call``, copied with the other attributes) gets the caller's list and
+    empties it, and this wrapper keeps no reference to the inputs after the call."""
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        out = compiled(*args, **kwargs)
+        del args, kwargs  # (an unboxed call's inputs are not kept alive past the graph's own use)
+        if watch.names or watch.every:
+            after_run(watch)
+        return out
+
+    run.commfuse_watch = watch
+    return run

@@ -7,12 +7,20 @@ object belongs to the old group (its members, its epochs, its sizes): it is drop
 group starts afresh, collectively, as every rank re-creates its groups alike. A group that went
 away (its object collected, or its name no longer resolving) loses its state within
 ``SWEEP_EVERY`` calls on other groups, when a group is made, or at ``release()``, and its buffers
-are freed, except graph lanes that captured CUDA graphs may still replay.
+are freed, except graph lanes that captured CUDA graphs may still replay (``_held``: freed once
+no graph that captured them is left, or by ``free_kept_lanes``).
+
+Every release of symmetric memory or of cached CUDA graphs goes through ``let_go``: freeing a
+symmetric buffer synchronises the device, which a CUDA-graph capture forbids (the capture fails,
+and a throw from the destructor aborts the process), and a sweep or a re-created group can come
+inside a capture. What is let go of while this thread's stream captures waits in ``_deferred``
+until the first call outside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import weakref
@@ -61,6 +69,11 @@ class Group:
     #: the side streams of this group's overlapped paths, per device: never shared between groups,
     #: so two groups issued in different orders on different ranks cannot wait on each other
     streams: dict = dataclasses.field(default_factory=dict)
+    #: weak references to the owners of the CUDA graphs that captured the lane (Inductor's graph
+    #: tree managers), and whether a capture had no owner commfuse can see (the user's own
+    #: ``torch.cuda.graph``): a kept lane is freed once every owner is gone and there was none
+    graph_owners: list = dataclasses.field(default_factory=list)
+    unowned_capture: bool = False
 
     def __post_init__(self) -> None:
         self.err_host = self.err.numpy()  # read per call without a tensor op
@@ -80,9 +93,13 @@ class Group:
 
 
 _groups: dict[tuple[str, str], Group] = {}
-#: Dropped groups whose graph lane captured graphs may still replay: the lanes are never freed while
-#: the process runs, and their error words are still read (``errors.check_errors``, every call).
+#: Dropped groups whose graph lane captured graphs may still replay: a lane is kept while a graph
+#: that captured it may (``_drop_unreplayable``, ``free_kept_lanes``), and its error word is still
+#: read (``errors.check_errors``, every call).
 _held: list[Group] = []
+#: Buffers and graphs let go of while a stream was capturing: freed at the first chance outside it.
+_deferred: list = []
+_CUDA = torch.cuda.is_available()
 _planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
 _lock = threading.Lock()
 #: Bumped whenever state that call plans depend on changes (``entry.py`` drops stale plans).
@@ -95,6 +112,24 @@ _calls = 0
 def bump() -> None:
     global generation
     generation += 1
+
+
+def _capturing() -> bool:
+    """Whether this thread's current stream is capturing a CUDA graph."""
+    return _CUDA and torch.cuda.is_current_stream_capturing()
+
+
+def let_go(*things) -> None:
+    """Release ``things`` (workspaces, lanes, CUDA graphs): now, or, while this thread's stream
+    captures a CUDA graph, at the first chance outside the capture (``free_deferred``)."""
+    _deferred.extend(t for t in things if t is not None)
+    free_deferred()
+
+
+def free_deferred() -> None:
+    """Free what ``let_go`` deferred, unless this thread's stream is capturing."""
+    if _deferred and not _capturing():
+        _deferred.clear()
 
 
 def _members(pg) -> tuple[int, ...]:
@@ -113,9 +148,12 @@ def get(name: str, pg=None) -> Group:
     if group is not None and group.ref() is pg:
         global _calls
         _calls += 1
-        if _calls % SWEEP_EVERY == 0 and len(_groups) > 1:  # a destroyed subgroup's buffers go soon
+        # a destroyed subgroup's buffers, and kept lanes no graph replays any more, go soon
+        if _calls % SWEEP_EVERY == 0 and (len(_groups) > 1 or _held):
             with _lock:
                 _sweep()
+        if _deferred:
+            free_deferred()
         return group
     with _lock:
         group = _groups.get(key)
@@ -128,6 +166,7 @@ def get(name: str, pg=None) -> Group:
         _groups[key] = group
         _sweep()
         bump()
+        free_deferred()
         return group
 
 
@@ -137,9 +176,52 @@ def _retire(group: Group) -> None:
     if group.lane is not None and group.replayed:
         _held.append(group)  # keeps its lane (and the lane's buffer) alive
     else:
+        let_go(group.lane)
         group.lane = None
+    let_go(group.workspace)  # (with it, its copy-engine graphs)
     group.workspace = None
     bump()
+
+
+def _capture_owner():
+    """What owns the CUDA graph this thread is capturing, where commfuse can see it: the graph
+    tree manager of Inductor's ``mode="reduce-overhead"`` recording on its own stream, else None."""
+    try:
+        from torch._inductor import cudagraph_trees  # noqa: PLC0415  (only inside a capture)
+
+        if not torch._C._is_key_in_tls("tree_manager_containers"):
+            return None
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        if manager is not None and manager.stream == torch.cuda.current_stream():
+            return manager
+    except Exception:  # noqa: BLE001 - another torch's internals: an owner not seen (kept until told)
+        log.debug("commfuse: the owner of a CUDA-graph capture could not be told", exc_info=True)
+    return None
+
+
+def _drop_unreplayable() -> None:
+    """Free the kept lanes no graph can replay any more: every capture that used them was recorded
+    by a graph tree manager of Inductor's, and each of those managers is gone (its graphs with it)."""
+    for group in list(_held):
+        if group.graph_owners and not group.unowned_capture and all(r() is None for r in group.graph_owners):
+            _held.remove(group)
+            let_go(group.lane)
+            group.lane = None
+            bump()
+
+
+def free_kept_lanes() -> None:
+    """Free every graph lane kept for CUDA graphs captured before a ``release``: call it once no
+    such graph will replay again (you deleted your own ``torch.cuda.CUDAGraph`` objects, or reset
+    Inductor's graphs): a later replay of one would touch freed memory. Call it on every rank
+    together (a later ``release`` restarts the kept lanes collectively). Lanes whose graphs were
+    all Inductor's are freed without it, once those graphs are gone."""
+    with _lock:
+        for group in _held:
+            let_go(group.lane)
+            group.lane = None
+        _held.clear()
+        bump()
 
 
 def _sweep() -> None:
@@ -154,6 +236,7 @@ def _sweep() -> None:
                 alive = False
         if not alive:
             _retire(group)
+    _drop_unreplayable()
 
 
 def plan(group_name: str, data_bytes: int) -> None:
@@ -211,6 +294,7 @@ def _allocate(group: Group, data_bytes: int, device: torch.device) -> None:
     if ws is not None:  # every rank must be done with the old buffer before anyone frees it
         torch.cuda.synchronize(device)
         dist.barrier(group=pg)
+        let_go(ws)
     settings = env.current()
     timeout = group.tuning_timeout_ns or int(settings.timeout_s * 1e9)
 
@@ -246,7 +330,13 @@ def lane(group: Group) -> GraphLane | None:
 
 
 def mark_replayed(group: Group) -> None:
-    """A CUDA-graph capture launched the group's lane: its replays will keep using it."""
+    """A CUDA-graph capture launched the group's lane: its replays will keep using it (and the lane
+    is kept, past a ``release``, while that graph's owner lives)."""
+    owner = _capture_owner()
+    if owner is None:
+        group.unowned_capture = True
+    elif not any(r() is owner for r in group.graph_owners):
+        group.graph_owners.append(weakref.ref(owner))
     if not group.replayed:
         group.replayed = True
         bump()
@@ -300,9 +390,12 @@ def release(group_name: str | None = None) -> None:
     """Free the symmetric memory of one group (``group_name``) or of every group, and forget their
     state (tests, teardown, recovery after a timeout; the next call allocates anew, collectively).
     Call it on every rank together. Graph lanes that captured CUDA graphs may still replay are kept
-    (never freed while the process runs), their epochs restarted together: replays after this
-    touch no freed memory and pair with the peers' replays."""
+    (until those graphs are gone, or ``free_kept_lanes``), their epochs restarted together: replays
+    after this touch no freed memory and pair with the peers' replays."""
     with _lock:
+        # graph owners that are garbage now are gone on every rank alike before the restarts below,
+        # which are collective: a lane one rank frees here and its peer keeps would pair no restart
+        gc.collect()
         _sweep()
         # in the same order on every rank (the restarts are collective): the lanes kept by earlier
         # releases (a timeout in an old graph's replay may have left them out of step), then the
@@ -325,16 +418,18 @@ def release_all() -> None:
 
 def memory() -> list[dict]:
     """Per group: the symmetric bytes this rank holds for it (workspace, graph lane), the CUDA
-    graphs its copy-engine calls keep, and its members. Two meshes over the same ranks are two
-    groups and pay twice."""
+    graphs its copy-engine calls keep (how many, and the bytes of their memory pools), and its
+    members. Two meshes over the same ranks are two groups and pay twice."""
     rows = []
     for group in all_groups():
         ws, lane = group.workspace, group.lane
         rows.append(dict(group=group.name, ranks=list(group.members), workspace_bytes=ws.nbytes if ws else 0,
                          lane_bytes=lane.nbytes if lane else 0, ce_graphs=len(ws.graphs) if ws else 0,
+                         ce_graph_bytes=ws.graph_bytes() if ws else 0,
                          data_bytes_per_parity=ws.data_bytes if ws else 0))
     rows.append(dict(group="(lanes of dropped groups, kept for their CUDA graphs)", ranks=[], workspace_bytes=0,
-                     lane_bytes=sum(g.lane.nbytes for g in _held), ce_graphs=0, data_bytes_per_parity=0))
+                     lane_bytes=sum(g.lane.nbytes for g in _held), ce_graphs=0, ce_graph_bytes=0,
+                     data_bytes_per_parity=0))
     return rows
 
 

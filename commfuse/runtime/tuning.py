@@ -9,12 +9,17 @@ rank of its group together:
 1. the ranks check that they tune the same signature (its hash, reduced over the group: a
    mismatch is an error on every rank, never divergent choices);
 2. every rank runs the same candidates (the paths whose ``supports`` accepts the call; NCCL
-   always), in the same order, each for a fixed number of warm-up and timed iterations (no time
-   budget, which would differ by rank), on synthetic inputs of the call's shapes (never the user's
-   tensors), each output checked against the unfused result of the same inputs, NaN-poisoned
-   memory under it;
+   always), in the same order: first each one once, under the ordinary wait bound, which compiles
+   and loads its kernels (a first compile may take one rank far longer than its peer), then a
+   barrier, then each for a fixed number of warm-up and timed iterations under the short tuning
+   bound (no time budget, which would differ by rank), on synthetic inputs of the call's shapes
+   (never the user's tensors), each output checked against the unfused result of the same inputs,
+   NaN-poisoned memory under it;
 3. one collective reduces the timings (max over ranks) and the failures (any rank's failure or
-   timeout excludes the candidate everywhere), and every rank takes the same argmin;
+   timeout excludes the candidate everywhere), and every rank takes the same argmin. A candidate
+   whose only failures were timed-out waits is kept in the cache as *transient*: a later run (a
+   new process) tunes the signature again, up to ``TRANSIENT_TRIES`` runs in all, where a
+   candidate that failed otherwise stays excluded;
 4. the rules' choice is kept unless another candidate beats it by ``COMMFUSE_TUNE_MARGIN``.
 
 Dynamic token counts are bucketed to powers of two and the bucket's largest M is timed, so one
@@ -50,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from ..kernels.codes import ERR_TIMEOUT
 from . import errors, groups
 from .facts import GroupFacts
 from .paths import REGISTRY
@@ -58,11 +64,16 @@ from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmRedu
 log = logging.getLogger("commfuse")
 
 FORMAT = 1
-#: Iterations per candidate: warm-up (compiles, allocates) and timed.
+#: Iterations per candidate, after its first run (which compiles it): warm-up and timed.
 WARMUP, ITERS = 3, 10
-#: Every wait of a tuning run is bounded by this many seconds (not the real calls' bound): a
-#: candidate that times out is excluded on every rank, and the group recovers collectively.
+#: Every wait of a tuning run after the candidates' first runs is bounded by this many seconds
+#: (not the real calls' bound): a candidate that times out is excluded on every rank for this run,
+#: and the group recovers collectively.
 TUNING_TIMEOUT_S = 10.0
+#: Runs (processes) that tune a signature whose candidates only timed out, before the exclusion
+#: is kept for good: a slow moment (another job on the GPU, a cold file cache) must not exclude a
+#: path until ``tune --clear``.
+TRANSIENT_TRIES = 3
 #: The checked output's largest relative error against the unfused result (fp32 sums of bf16
 #: products differ by rounding).
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
@@ -115,15 +126,23 @@ class Entry:
     times_us: dict  # candidate -> max-over-ranks median µs (inf: failed somewhere)
     failed: list
     margin: float
+    transient: list = dataclasses.field(default_factory=list)  # failed: only timed-out waits, on any rank
+    tries: int = 1  # runs that tuned this signature in a row with transient failures
 
     def as_json(self) -> dict:
         return {"choice": self.choice, "rules": self.rules, "margin": self.margin, "failed": self.failed,
+                "transient": self.transient, "tries": self.tries,
                 "times_us": {k: (None if math.isinf(v) else round(v, 2)) for k, v in self.times_us.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Entry":
         times = {k: (math.inf if v is None else float(v)) for k, v in data["times_us"].items()}
-        return cls(data["choice"], data["rules"], times, list(data.get("failed", [])), float(data["margin"]))
+        return cls(data["choice"], data["rules"], times, list(data.get("failed", [])), float(data["margin"]),
+                   list(data.get("transient", [])), int(data.get("tries", 1)))
+
+    def retry(self) -> bool:
+        """Whether a later run tunes this signature again: some candidate failed only by timing out."""
+        return bool(self.transient) and self.tries < TRANSIENT_TRIES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,25 +267,30 @@ def _any(group, flag: bool, device) -> bool:
     return bool(t.item())
 
 
-def _reduce_results(group, times: list[float], failed: list[bool], device) -> tuple[list[float], list[bool]]:
-    """One collective: the slowest rank's time and any rank's failure, per candidate."""
+def _reduce_results(group, times: list[float], failed: list[bool], lasting: list[bool], device
+                    ) -> tuple[list[float], list[bool], list[bool]]:
+    """One collective: the slowest rank's time, any rank's failure and any rank's failure other
+    than a timed-out wait, per candidate."""
     big = 1e30
-    t = torch.tensor([min(x, big) for x in times] + [float(f) for f in failed], dtype=torch.float64, device=device)
+    t = torch.tensor([min(x, big) for x in times] + [float(f) for f in failed] + [float(f) for f in lasting],
+                     dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg())
     n = len(times)
     worst = [math.inf if x >= big else float(x) for x in t[:n].tolist()]
-    return worst, [bool(x) for x in t[n:].tolist()]
+    return worst, [bool(x) for x in t[n:2 * n].tolist()], [bool(x) for x in t[2 * n:].tolist()]
 
 
 # ---------------------------------------------------------------------------------------------
 # Measuring a candidate on synthetic inputs
 #
-# A measurement is a generator that yields between its phases (warm-up, check, timing) and returns
-# the median µs. Its phases issue no process-group collective of their own, so a candidate that
+# A measurement is a generator that yields between its phases (first run, warm-up, check, timing)
+# and returns the median µs. The tuner runs every candidate's first phase, then the rest of each
+# (``Tuner.tune``). Its phases issue no process-group collective of their own, so a candidate that
 # raises on one rank leaves the ranks' collectives paired: the tuner agrees after every phase
 # whether any rank failed, and every rank skips the rest of that candidate together. The NCCL
 # candidate is the exception: its calls are collectives, and one that fails on one rank midway is
-# as fatal to the job as any failed NCCL call. Tests inject measurements that only return a time.
+# as fatal to the job as any failed NCCL call. Tests inject measurements that only return a time
+# (after an optional compile step).
 
 
 @dataclasses.dataclass
@@ -334,10 +358,13 @@ def prepare(sig: Signature, group, facts: GroupFacts, device, candidates: list[P
 
 
 def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, variant: dict | None = None):
-    """Warm up ``path`` (with a rule's ``variant``), check its output, time it: yields between the
-    phases, returns the median µs of ``ITERS`` calls; raises if the output is wrong."""
+    """Run ``path`` (with a rule's ``variant``) once, which compiles it, warm it up, check its
+    output, time it: yields between the phases, returns the median µs of ``ITERS`` calls; raises
+    if the output is wrong."""
     call, args, want = prepared.call, prepared.args, prepared.want
     ctx = make_context(call, facts, group, path, variant)
+    path.run(ctx, args)
+    yield
     for _ in range(WARMUP):
         path.run(ctx, args)
     yield
@@ -407,21 +434,38 @@ def _phase(step) -> tuple[bool, bool, float | None]:
         return True, True, None
 
 
-def _one_phase(timer, *args):
-    """An injected timer as a one-phase measurement (it runs, and may raise, at the first step)."""
+def _injected(timer, compiler, *args):
+    """An injected timer as a measurement: its first phase runs ``compiler`` (if any), the second
+    the timer (either may raise)."""
+    if compiler is not None:
+        compiler(*args)
+    yield
     return timer(*args)
-    yield  # a generator
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """One candidate's measurement while a signature is tuned, on this rank."""
+
+    path: Path
+    step: object  # the measurement (a generator), None once it ended
+    failed: bool = False  # here, in any phase
+    lasting: bool = False  # here, otherwise than by a timed-out wait
+    value: float | None = None
 
 
 class Tuner:
     """One group's tuned answers: the cache's (agreed) and those tuned since.
 
     ``timer(path, sig, variant)``, for tests: a measurement that returns a time (no prepared
-    inputs, no device work); by default the candidates run on the device (``measure``)."""
+    inputs, no device work), after ``compiler(path, sig, variant)`` for every candidate; by
+    default the candidates run on the device (``measure``)."""
 
-    def __init__(self, group, facts: GroupFacts, device, timer: Callable | None = None):
+    def __init__(self, group, facts: GroupFacts, device, timer: Callable | None = None,
+                 compiler: Callable | None = None):
         self.group, self.facts, self.device = group, facts, device
-        self.timer = timer
+        self.timer, self.compiler = timer, compiler
+        self.fresh: set[str] = set()  # signatures tuned by this process (never again in it)
         self.key = machine_key(facts)
         self.path = cache_path(self.key)
         self.entries: dict[str, Entry] = {}
@@ -441,7 +485,8 @@ class Tuner:
         """The kept answer for ``call``, tuned now (collective) if ``may_tune`` and none is kept."""
         sig = Signature.of(call, capture=capturing)
         entry = self.entries.get(sig.text())
-        if entry is None and may_tune:
+        # (every rank holds the same entries, agreed, and tunes the same signatures: alike)
+        if may_tune and (entry is None or (entry.retry() and sig.text() not in self.fresh)):
             entry = self.tune(sig)
             if call.op == "mm_all_reduce" and call.exchanged_bytes <= self.facts.lane_bytes:
                 self.tune(Signature.of(call, capture=True))  # what a later capture will ask for
@@ -472,6 +517,26 @@ class Tuner:
         groups.bump()
         raise RuntimeError(group.broken)
 
+    def _advance(self, sig: Signature, run: _Candidate) -> None:
+        """One phase of ``run``'s measurement, then every rank agrees whether any failed in it:
+        every rank leaves a candidate after the same phase, so collectives stay paired."""
+        group, device = self.group, self.device
+        done, failed_here, value = _phase(run.step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        word = int(group.err_host[0])  # a wait that timed out (or met another call) here
+        run.failed = run.failed or failed_here or bool(word)
+        run.lasting = run.lasting or failed_here or (bool(word) and word != ERR_TIMEOUT)
+        any_fail = _any(group, failed_here or bool(word), device)
+        if done:
+            run.value = value
+        if done or any_fail:
+            run.step.close()
+            run.step = None
+        if any_fail:  # epochs may be out of step: start them over together
+            log.info("commfuse: tuning %s: %s failed on a rank; excluded from this run", sig.text(), run.path.name)
+            _recover(group, device)
+
     def tune(self, sig: Signature) -> Entry:
         """Every rank together: time the candidates of ``sig`` and keep the agreed answer."""
         from . import ce_graphs, policy  # noqa: PLC0415  (policy asks this module for answers: a lazy edge)
@@ -487,47 +552,54 @@ class Tuner:
         candidates = policy.candidates(call, self.facts, capturing=sig.capture)
         rules = policy.rules_choice(call, self.facts, capture=sig.capture).name
         lane_variant = policy.rules_choice(call, self.facts, capture=True).variant
-        times, failed = [], []
+        prepared = seen = None
+        if self.timer is None:
+            prepared = prepare(sig, group, self.facts, device, candidates)
+            if prepared is None:  # some rank could not make the inputs: the rules decide, untimed
+                entry = Entry(rules, rules, {p.name: math.inf for p in candidates}, [p.name for p in candidates],
+                              env.current().tune_margin)
+                self.entries[sig.text()] = entry  # (this process only: a later run tunes it)
+                self.fresh.add(sig.text())
+                groups.bump()
+                return entry
+            seen = ce_graphs.keys(group.workspace) if group.workspace is not None else None
+        runs = []
+        for path in candidates:
+            variant = lane_variant if path.name == "graph" else None
+            if self.timer is not None:
+                step = _injected(self.timer, self.compiler, path, sig, variant)
+            else:
+                step = measure(path, prepared, group, self.facts, device, variant)
+            runs.append(_Candidate(path, step))
+        # Every candidate's first run (its compile and load, which may take one rank far longer
+        # than its peer) under the ordinary wait bound, on every rank, before any bounded wait.
+        for run in runs:
+            self._advance(sig, run)
+        if group.world > 1:
+            dist.barrier(group=group.pg())
         with _short_waits(group, TUNING_TIMEOUT_S):
-            prepared = seen = None
-            if self.timer is None:
-                prepared = prepare(sig, group, self.facts, device, candidates)
-                if prepared is None:  # some rank could not make the inputs: the rules decide, untimed
-                    entry = Entry(rules, rules, {p.name: math.inf for p in candidates}, [p.name for p in candidates],
-                                  env.current().tune_margin)
-                    self.entries[sig.text()] = entry  # (this process only: a later run tunes it)
-                    groups.bump()
-                    return entry
-                seen = ce_graphs.keys(group.workspace) if group.workspace is not None else None
-            for path in candidates:
-                variant = lane_variant if path.name == "graph" else None
-                if self.timer is not None:
-                    step = _one_phase(self.timer, path, sig, variant)
-                else:
-                    step = measure(path, prepared, group, self.facts, device, variant)
-                value, local_fail, any_fail, done = None, False, False, False
-                while not done:
-                    done, local_fail, value = _phase(step)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                        local_fail = local_fail or bool(group.err_host[0])  # a wait timed out here
-                    any_fail = _any(group, local_fail, device)
-                    done = done or any_fail  # every rank leaves the candidate after the same phase
-                step.close()
-                if any_fail:  # epochs may be out of step: start them over together
-                    log.info("commfuse: tuning %s: %s failed on a rank; excluded", sig.text(), path.name)
-                    _recover(group, device)
-                times.append(math.inf if local_fail or value is None else float(value))
-                failed.append(local_fail)
-            if seen is not None and group.workspace is not None:
-                ce_graphs.drop_since(group.workspace, seen)
-        worst, bad = _reduce_results(group, times, failed, device) if group.world > 1 else (times, failed)
+            for run in runs:
+                while run.step is not None:
+                    self._advance(sig, run)
+        if seen is not None and group.workspace is not None:
+            ce_graphs.drop_since(group.workspace, seen)
+        times = [math.inf if r.failed or r.value is None else float(r.value) for r in runs]
+        failed, lasting = [r.failed for r in runs], [r.lasting for r in runs]
+        worst, bad, lasting = (_reduce_results(group, times, failed, lasting, device) if group.world > 1
+                               else (times, failed, lasting))
         margin = env.current().tune_margin
         ok = {p.name: t for p, t, f in zip(candidates, worst, bad) if not f and math.isfinite(t)}
         best = min(ok, key=ok.get) if ok else "nccl"
         choice = rules if rules in ok and ok[best] >= ok[rules] * (1 - margin) else best
+        transient = [p.name for p, f, lf in zip(candidates, bad, lasting) if f and not lf]
+        before = self.entries.get(sig.text())
+        tries = before.tries + 1 if transient and before is not None and before.transient else 1
         entry = Entry(choice, rules, {p.name: t for p, t in zip(candidates, worst)},
-                      [p.name for p, f in zip(candidates, bad) if f], margin)
+                      [p.name for p, f in zip(candidates, bad) if f], margin, transient, tries)
+        if transient:
+            log.warning("commfuse: tuning %s: %s timed out on a rank (try %d of %d: tuned again in a later run)",
+                        sig.text(), ", ".join(transient), tries, TRANSIENT_TRIES)
+        self.fresh.add(sig.text())
         self.entries[sig.text()] = entry
         self.tuned += 1
         spent = time.perf_counter() - began

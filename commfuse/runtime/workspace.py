@@ -170,6 +170,11 @@ class Workspace:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    def graph_bytes(self) -> int:
+        """What the copy-engine graphs hold: each one's memory pool (its cuBLAS workspace, its
+        intermediates), as measured when it was captured (``ce_graphs.run``)."""
+        return sum(getattr(graph, "commfuse_bytes", 0) for graph in self.graphs.values())
+
     def kept(self, key, make):
         """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept, the
         least recently used dropped first (a plan per row count: dynamic shapes would otherwise

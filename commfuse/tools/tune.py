@@ -104,7 +104,10 @@ def table(path: pathlib.Path, key: dict) -> str:
         ratio = (f"{e.times_us[e.choice] / e.times_us[e.rules]:.3f}"
                  if e.rules in e.times_us and e.choice in e.times_us and math.isfinite(e.times_us[e.rules])
                  and math.isfinite(e.times_us[e.choice]) and e.times_us[e.rules] > 0 else "-")
-        times = ", ".join(f"{name} {_time(us)}" for name, us in e.times_us.items())
+        times = ", ".join(f"{name} {'timed out' if name in e.transient else _time(us)}"
+                          for name, us in e.times_us.items())
+        if e.retry():
+            times += f" (tuned again in a later run: try {e.tries} of {tuning.TRANSIENT_TRIES})"
         lines.append(f"| {sig} | {e.choice} | {e.rules} | {e.margin:g} | {ratio} | {times} |")
     return "\n".join(lines)
 
