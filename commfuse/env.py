@@ -124,10 +124,10 @@ SETTINGS: tuple[Setting, ...] = (
             "becomes an error naming the op, the ranks and the group", minimum=1e-9, maximum=1e9, scope=LIVE,
             unlike="each rank waits its own bound; the first to give up reports the late peer"),
     Setting("COMMFUSE_VERIFY", "switch", False, "before every fused call, check with a small collective that "
-            "every rank makes the same call (shapes, dtypes, call count); for debugging", scope=ALIKE,
+            "every rank makes the same call (shapes, dtypes, call site, call count); for debugging", scope=ALIKE,
             unlike=_AGREED + " (`TORCH_DISTRIBUTED_DEBUG=DETAIL` counts as on), before any check's collective"),
     Setting("COMMFUSE_PAIRING_CHECK", "switch", False, "every symmetric call's flags carry a tag of its op, "
-            "shapes and path beside the call count; a rank that meets another call at the same count (a skipped "
+            "shapes (K too), call site and path beside the call count; a rank that meets another call at the same count (a skipped "
             "or reordered call) raises instead of summing it; split-K then exchanges with flags, not LL words",
             paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_ALGO", "choice", None, "force one path for every call of the ops that have it "
