@@ -92,6 +92,8 @@ TORCHTITAN_EXPECTED = {
     ("spmd_types", True): ((["all_gather_mm"] * 2 + ["mm_reduce_scatter"] * 2,
                             ["all_gather_mm"] * 2 + ["mm_reduce_scatter"] * 2), 1),
     ("spmd_types", False): ((["mm_all_reduce"] * 2, ["mm_all_reduce"] * 2), 1),
+    ("full_dtensor", True): ((["all_gather_mm"] * 2 + ["mm_reduce_scatter"] * 2,
+                              ["all_gather_mm"] * 2 + ["mm_reduce_scatter"] * 2), 1),
 }
 
 
@@ -106,7 +108,8 @@ def _sdpa_instead_of_flex(q, k, v, *, block_mask=None, scale=None, enable_gqa=Fa
 
 def _torchtitan_worker(rank: int, init_file: str) -> None:
     _init(rank, init_file)
-    from torchtitan.distributed import ParallelDims
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed import ParallelDims, full_dtensor
     from torchtitan.distributed import utils as titan_utils
     from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.models.common.attention import FlexAttention
@@ -114,6 +117,7 @@ def _torchtitan_worker(rank: int, init_file: str) -> None:
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     FlexAttention._compiled_flex_attn = staticmethod(_sdpa_instead_of_flex)
+    titan_dims.device_type = "cpu"  # without an accelerator it would build CUDA meshes for DTensor
     for (backend, sp), ((fwd, bwd), merged) in TORCHTITAN_EXPECTED.items():
         titan_utils.set_spmd_backend(backend)
         config = model_registry("debugmodel").model
@@ -131,6 +135,9 @@ def _torchtitan_worker(rank: int, init_file: str) -> None:
         masks = model.get_attention_masks(positions=positions)
         if backend == "spmd_types":
             ids, _, _ = annotate_input_spmd_types(dims, ids, ids.clone(), {"positions": positions})
+        elif backend == "full_dtensor":
+            ids, _, extra = full_dtensor.parallelize_inputs(dims, ids, ids.clone(), {"positions": positions})
+            positions = extra["positions"]
         context = titan_utils.get_spmd_context(parallel_dims=dims)
 
         def run():

@@ -294,7 +294,7 @@ def test_all_gather_mm_dtensor_layout_dim1(world):
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "backward"])
-def test_all_gather_mm_through_permuted_copy(world, train):
+def test_all_gather_mm_through_permuted_copy(world2, train):
     """The mirror image of the permuted reduce-scatter: the shard's dim 1 moved to the front of a
     contiguous copy, gathered along dim 0, permuted back and copied, multiplied. In training the
     backward of the permuted reduce-scatter is this form (without the first copy)."""
@@ -309,7 +309,7 @@ def test_all_gather_mm_through_permuted_copy(world, train):
     assert_fused(code, AG, C10D_AG)
     assert re.search(r"all_gather_mm\.default\((arg0_1|tangents_1), [^\n]*, None, 1, \d, '", code), code
     if not train:
-        assert out.shape == (2, 8 * world, 24)
+        assert out.shape == (2, 8 * world2, 24)
         torch.testing.assert_close(out, f(x, w))
 
 

@@ -20,8 +20,8 @@ dimension of [B, S, D] written as a scatter along dim 0 of the contiguous [S, B,
 result permuted back. The copy (``clone``, in any memory format: it changes no value) is optional.
 
 Skipped, with the reason recorded: reduce ops other than sum, an input that is not a matmul
-(through views, DTensor's split/cat and the permuted copy), a partial with other users, a scatter along the last
-dimension, and the common guards (dtype, size threshold, excluded modules).
+(through views, DTensor's split/cat and the permuted copy), a partial with other users, a scatter
+along the last dimension, and the common guards (dtype, size threshold, excluded modules).
 """
 
 from __future__ import annotations
