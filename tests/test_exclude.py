@@ -208,7 +208,8 @@ def _wrap_forwards_in_closures(net: nn.Module) -> nn.Module:
     return net
 
 
-@pytest.mark.parametrize("pattern", ["layers.1.proj", "layers.1.forward.__closure__.0.cell_contents.__self__.proj"],
+@pytest.mark.parametrize("pattern", ["layers.1.proj",
+                                     "layers.1.forward.__closure__.0.cell_contents.__self__.proj"],
                          ids=["plain", "full_spelling"])
 def test_names_through_closures_are_plain(world2, pattern):
     run(_wrap_forwards_in_closures(Net()), commfuse.backend(min_mnk=0, exclude=[pattern]))

@@ -101,7 +101,10 @@ def _worker(rank: int, init_file: str) -> None:
     x = torch.randn(2, 8, 32, requires_grad=True)
     w = torch.randn(24, 32, requires_grad=True)
     total = sum(_gather_all(F.linear(x.detach().double(), w.detach().double())))
-    scatter = lambda y: funcol.reduce_scatter_tensor(y.permute(1, 0, 2).contiguous(), "sum", 0, group)  # noqa: E731
+
+    def scatter(y):
+        return funcol.reduce_scatter_tensor(y.permute(1, 0, 2).contiguous(), "sum", 0, group)
+
     fn = lambda x, w: scatter(F.linear(x, w)).permute(1, 0, 2)  # noqa: E731
     reference = total.chunk(WORLD, dim=1)[rank]
     fused = _compare("mm_reduce_scatter through a permuted copy", fn, [x, w], reference)

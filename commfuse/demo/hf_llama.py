@@ -68,10 +68,14 @@ def parallelize_by_own_plan(model, mesh):
                              f"(it maps {', '.join([*STYLES, *GRAD_SUMMED])})")
     parallel.parallelize_module(model.model, mesh, plan)
     group = mesh.get_group()
+
+    def sum_grad(param):
+        torch.distributed.all_reduce(param.grad, group=group)
+
     for name, module in model.model.named_modules():
         if any(fnmatch.fnmatchcase(name, p) for p in grad_summed):
             for param in module.parameters(recurse=False):
-                param.register_post_accumulate_grad_hook(lambda p: torch.distributed.all_reduce(p.grad, group=group))
+                param.register_post_accumulate_grad_hook(sum_grad)
     return model
 
 
