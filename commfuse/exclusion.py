@@ -11,7 +11,14 @@ Three ways, all resolved against the ``nn_module_stack`` that Dynamo records on 
   at a local or global of the compiled frame (``L['self']``, ``L['args'][0]`` where a decorator
   wraps ``forward``, as transformers does, ``G['model']`` in a compiled function): that root is
   dropped (``L['args']`` with its index), so names are relative to the module the frame reaches;
-  a list of modules keeps its index (``L['mods'][1].mlp`` is ``1.mlp``).
+  a list of modules keeps its index (``L['mods'][1].mlp`` is ``1.mlp``). Names are the tree as the
+  user wrote it: where a framework wraps a forward in a closure (torchtitan's redistributing
+  wrapper), Dynamo reaches the inner modules through the closure
+  (``attention.forward.__closure__.0.cell_contents.__self__.wo``), and where a wrapper module sits
+  in the tree (``torch.compile``'s ``_orig_mod``, activation checkpointing's
+  ``_checkpoint_wrapped_module``, FSDP1's ``_fsdp_wrapped_module``) its attribute is a segment of
+  its own: both are dropped (``attention.wo``). A pattern written against the full spelling still
+  matches.
 
 A match is excluded when any module on its matmul's stack is, so excluding a block excludes
 everything inside it. An excluded instance stays excluded when a library later swaps its class for
@@ -100,19 +107,59 @@ _ROOT = re.compile(r"^(?:L\[['\"]args['\"]\]\[\d+\]|[LG]\[['\"][^'\"]+['\"]\]|[L
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
-def qualified_name(dynamo_path: str) -> str:
-    """``"L['self'].layers[0]._modules['mlp']"`` -> ``"layers.0.mlp"``; ``"L['args'][0].layers.1"``
-    -> ``"layers.1"``; ``"G['model'].layers[1]"`` -> ``"layers.1"``."""
+#: Attributes that lead from a module to itself or to the module it wraps, not to a child: a bound
+#: method's object, a decorated function's original, and the wrapper modules' inner attribute.
+_WRAPPER_SEGMENTS = frozenset({"__self__", "__func__", "__wrapped__", "_orig_mod", "_checkpoint_wrapped_module",
+                               "_fsdp_wrapped_module"})
+
+
+def full_name(dynamo_path: str) -> str:
+    """The path with its root and indexing syntax removed, every segment kept:
+    ``"L['self'].layers[0]._modules['mlp']"`` -> ``"layers.0.mlp"``."""
     path = _ROOT.sub("", dynamo_path)
     path = _INDEX.sub(r".\1", path)
     path = path.replace("._modules.", ".").replace("_modules.", "")
     return path.strip(".")
 
 
+def plain_name(name: str) -> str:
+    """``full_name``'s result without closure and wrapper segments:
+    ``"attention.forward.__closure__.0.cell_contents.__self__.wo"`` -> ``"attention.wo"``."""
+    parts, out, i = name.split(".") if name else [], [], 0
+    while i < len(parts):
+        part = parts[i]
+        if part == "__closure__":  # fn.__closure__[i].cell_contents: drop fn and the cell too
+            if out and i > 0 and out[-1] == parts[i - 1]:
+                out.pop()
+            i += 2 + (i + 2 < len(parts) and parts[i + 2] == "cell_contents")
+            continue
+        if part not in _WRAPPER_SEGMENTS:
+            out.append(part)
+        i += 1
+    return ".".join(out)
+
+
+def qualified_name(dynamo_path: str) -> str:
+    """``"L['self'].layers[0]._modules['mlp']"`` -> ``"layers.0.mlp"``; ``"L['args'][0].layers.1"``
+    -> ``"layers.1"``; ``"G['model'].layers[1]"`` -> ``"layers.1"``;
+    ``"L['self'].attention.forward.__closure__[0].cell_contents.__self__.wo"`` -> ``"attention.wo"``."""
+    return plain_name(full_name(dynamo_path))
+
+
 def module_stack(node) -> list[tuple[str, object]]:
     """``[(qualified name, module class), ...]`` outermost first, for a forward or backward node."""
+    return [(plain_name(name), cls) for name, cls in _full_stack(node)]
+
+
+def _full_stack(node) -> list[tuple[str, object]]:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    return [(qualified_name(path), cls) for path, cls in stack.values()]
+    return [(full_name(path), cls) for path, cls in stack.values()]
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """The plain name first, then the full one where it differs (patterns may use either)."""
+    plain = plain_name(name)
+    return (plain,) if plain == name else (plain, name)
 
 
 def _class_matches(cls: object, excluded: tuple[type, ...]) -> bool:
@@ -124,14 +171,15 @@ def _class_matches(cls: object, excluded: tuple[type, ...]) -> bool:
 
 def excluded_by(node, settings) -> str | None:
     """Why ``node`` is excluded (a sentence), or None if it may fuse."""
-    for name, cls in module_stack(node):
+    for full, cls in _full_stack(node):
+        name = plain_name(full)
         if isinstance(cls, type) and _marked(cls):
             return f"module {name or '<root>'} was opted out with commfuse.exclude()"
         if settings.exclude_classes and _class_matches(cls, settings.exclude_classes):
             shown = cls.__name__ if isinstance(cls, type) else cls
             return f"module {name or '<root>'} is a {shown}, an excluded class"
         for pattern in settings.exclude_names:
-            if name and fnmatch.fnmatchcase(name, pattern):
+            if name and any(fnmatch.fnmatchcase(n, pattern) for n in _spellings(full)):
                 return f"module {name} matches excluded name pattern {pattern!r}"
     return None
 
@@ -142,7 +190,9 @@ def unmatched_names(nodes, settings) -> list[tuple[str, list[str]]]:
     with the module names closest to it."""
     if not settings.exclude_names:
         return []
-    names = sorted({name for node in nodes for name, _ in module_stack(node) if name})
+    fulls = {full for node in nodes for full, _ in _full_stack(node) if full}
+    names = sorted({plain_name(full) for full in fulls} - {""})
+    spellings = {s for full in fulls for s in _spellings(full)}
     return [(pattern, difflib.get_close_matches(pattern, names, n=3, cutoff=0.5))
             for pattern in settings.exclude_names
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in names)]
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in spellings)]

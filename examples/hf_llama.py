@@ -3,9 +3,11 @@ tensor-parallel plan, compiled with ``backend="commfuse"`` and checked against e
 
     torchrun --nproc_per_node=2 examples/hf_llama.py             # 8B-class sizes on GPUs
     torchrun --nproc_per_node=2 examples/hf_llama.py --small     # tiny sizes (the default on CPU)
+    torchrun --nproc_per_node=2 examples/hf_llama.py --arch qwen3   # Qwen2, Qwen3, Mistral, Gemma 3 alike
 
 The plan is the model's own ``config.base_model_tp_plan``, applied with DTensor
-(``commfuse/demo/hf_llama.py`` says how and why). Needs ``pip install transformers``. Rank 0 prints
+(``commfuse/demo/hf_llama.py`` says how and why, and which plan styles it maps: those of the
+Llama, Qwen, Mistral and Gemma plans; another style raises, naming it). Needs ``pip install transformers``. Rank 0 prints
 what fused and the logits' error against eager; one rank has nothing to exchange, so nothing to
 fuse: that run checks the logits and says so.
 """
@@ -29,6 +31,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--small", action="store_true", help="small sizes (the default on CPU)")
+    p.add_argument("--arch", choices=sorted(hf_llama.ARCHS), default="llama", help="the transformers model")
     args = p.parse_args()
     exit_unless_launched("examples/hf_llama.py", "examples/hf_llama.py")
     hf_llama.require_transformers()
@@ -37,7 +40,7 @@ def main() -> None:
     device, dtype = init_distributed()
     small = args.small or device.type != "cuda"
     cfg = sized_config(small, args.layers, dist.get_world_size())
-    model = hf_llama.build(cfg, device, dtype).eval()
+    model = hf_llama.build(cfg, device, dtype, args.arch).eval()
     model = hf_llama.parallelize_by_own_plan(model, init_device_mesh(device.type, (dist.get_world_size(),)))
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=device)

@@ -163,6 +163,13 @@ def test_qualified_name_normalisation():
     assert qualified_name("G.model.layers.0") == "layers.0"
     assert qualified_name("L['mods'][1].mlp") == "1.mlp"  # a list of modules keeps its index
     assert qualified_name("G['pair'][0]") == "0"
+    # a forward replaced by a closure over the bound method (torchtitan), wrapper modules
+    assert qualified_name("L['self']._modules['attention'].forward.__closure__[0].cell_contents"
+                          ".__self__._modules['wo']") == "attention.wo"
+    assert qualified_name("L['fn'].__closure__[0].cell_contents.layers[0]") == "layers.0"
+    assert qualified_name("L['self'].layers[0]._checkpoint_wrapped_module.attn") == "layers.0.attn"
+    assert qualified_name("L['self']._orig_mod.layers.1") == "layers.1"
+    assert qualified_name("L['self'].forward_.lin") == "forward_.lin"  # only a closure drops its function
 
 
 def _deco(fn):
@@ -187,6 +194,29 @@ def test_exclude_name_under_a_decorated_forward(world2):
     run(DecoratedNet(), commfuse.backend(min_mnk=0, exclude=["layers.1.*"]))
     assert fused_modules() == ["layers.0.proj", "layers.2.proj"]
     assert skipped("excluded name pattern") == ["layers.1.proj"]
+
+
+def _wrap_forwards_in_closures(net: nn.Module) -> nn.Module:
+    """As torchtitan's parallelize does: each block's ``forward`` becomes a closure over the bound
+    method, so Dynamo reaches the block's children through ``forward.__closure__``."""
+    for block in net.layers:
+        def wrap(fn):
+            def forward_with_redistribution(*args, **kwargs):
+                return fn(*args, **kwargs)
+            return forward_with_redistribution
+        block.forward = wrap(block.forward)
+    return net
+
+
+@pytest.mark.parametrize("pattern", ["layers.1.proj",
+                                     "layers.1.forward.__closure__.0.cell_contents.__self__.proj"],
+                         ids=["plain", "full_spelling"])
+def test_names_through_closures_are_plain(world2, pattern):
+    run(_wrap_forwards_in_closures(Net()), commfuse.backend(min_mnk=0, exclude=[pattern]))
+    assert fused_modules() == ["layers.0.proj", "layers.2.proj"]
+    assert skipped("excluded name pattern") == ["layers.1.proj"]
+    assert all("__closure__" not in r.module for r in commfuse.report()), commfuse.report()
+    assert not commfuse.report().notes  # both spellings matched a module
 
 
 def test_exclude_survives_a_later_class_swap(world2):

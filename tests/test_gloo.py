@@ -95,6 +95,33 @@ def _worker(rank: int, init_file: str) -> None:
         fused = _compare(f"mm_reduce_scatter dim={scatter_dim} {shape}", fn, [x, w], reference)
         assert any(r.pattern == "mm_reduce_scatter" for r in fused)
 
+    # torchtitan's sequence-parallel form: the scattered dim permuted to the front of a contiguous
+    # copy, scattered along dim 0, permuted back; once more with the waited tensor also read as it
+    # is (a forward saves it for the backward), and with summed partials (merged first).
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    w = torch.randn(24, 32, requires_grad=True)
+    total = sum(_gather_all(F.linear(x.detach().double(), w.detach().double())))
+
+    def scatter(y):
+        return funcol.reduce_scatter_tensor(y.permute(1, 0, 2).contiguous(), "sum", 0, group)
+
+    fn = lambda x, w: scatter(F.linear(x, w)).permute(1, 0, 2)  # noqa: E731
+    reference = total.chunk(WORLD, dim=1)[rank]
+    fused = _compare("mm_reduce_scatter through a permuted copy", fn, [x, w], reference)
+    assert sorted(r.pattern for r in fused) == ["all_gather_mm", "mm_reduce_scatter"], commfuse.report()
+
+    def saved(x, w):
+        y = scatter(F.linear(x, w))
+        return y.permute(1, 0, 2) * y.permute(1, 0, 2).sum()
+
+    fused = _compare("permuted copy, waited tensor saved", saved, [x, w], reference * reference.sum())
+    assert "mm_reduce_scatter" in [r.pattern for r in fused], commfuse.report()
+    x2, w2 = torch.randn(2, 8, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True)
+    total2 = total + sum(_gather_all(F.linear(x2.detach().double(), w2.detach().double())))
+    fn = lambda x, w, x2, w2: scatter(F.linear(x, w) + F.linear(x2, w2)).permute(1, 0, 2)  # noqa: E731
+    _compare("merged sum through a permuted copy", fn, [x, w, x2, w2], total2.chunk(WORLD, dim=1)[rank])
+    assert [r.reason for r in commfuse.report().merged] == ["merged 2 partials of one reduction (K=32+16)"]
+
     # merge_sums: all-reduced partials summed (DTensor's q/k/v input gradients), and partials summed
     # then reduce-scattered (the sequence-parallel form): one matmul of the concatenations, reduced once.
     x1, x2 = torch.randn(4, 16, 32, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)

@@ -5,6 +5,8 @@ Fake process groups of 2, 4 and 8 ranks; the generated code is read back with ru
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -335,6 +337,26 @@ def test_all_gather_mm_dtensor_layout_dim1(world):
     torch.testing.assert_close(out, f(shard, w))  # the fake all-gather repeats the shard along dim 1
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "backward"])
+def test_all_gather_mm_through_permuted_copy(world2, train):
+    """The mirror image of the permuted reduce-scatter: the shard's dim 1 moved to the front of a
+    contiguous copy, gathered along dim 0, permuted back and copied, multiplied. In training the
+    backward of the permuted reduce-scatter is this form (without the first copy)."""
+    x, w = torch.randn(2, 8, 32, requires_grad=train), torch.randn(24, 32, requires_grad=train)
+
+    def f(x, w):
+        if train:
+            return _rs_permuted(F.linear(x, w))
+        return F.linear(_ag(x.permute(1, 0, 2).contiguous()).permute(1, 0, 2).contiguous(), w)
+
+    out, code = compile_code(f, x, w, train=train)
+    assert_fused(code, AG, C10D_AG)
+    assert re.search(r"all_gather_mm\.default\((arg0_1|tangents_1), [^\n]*, None, 1, \d, '", code), code
+    if not train:
+        assert out.shape == (2, 8 * world2, 24)
+        torch.testing.assert_close(out, f(x, w))
+
+
 def test_all_gather_mm_gathered_kept_for_other_users(world2):
     """QKV-style fan-out plus a direct use: the widest matmul fuses, the rest read the gathered."""
     shard = torch.randn(16, 32)
@@ -575,6 +597,59 @@ def test_mm_reduce_scatter_dtensor_layout_dim1(world):
     assert_fused(code, RS, C10D_RS)
     assert "aten.cat" not in code and out.shape == (2, 8, 24)
     torch.testing.assert_close(out, f(x, w))  # rank 0 of the fake group keeps block 0
+
+
+def _rs_permuted(y, perm=(1, 0, 2)):
+    """torchtitan's sequence-parallel reduce-scatter: the scattered dim moved to the front, a
+    contiguous copy scattered along dim 0, the result permuted back."""
+    inverse = [perm.index(i) for i in range(len(perm))]
+    return _rs(y.permute(*perm).contiguous()).permute(*inverse)
+
+
+@pytest.mark.parametrize("perm", [(1, 0, 2), (1, 2, 0)], ids=["seq_to_front", "rotated"])
+def test_mm_reduce_scatter_through_permuted_copy(world, perm):
+    """The copy, the permutes and the collective all go: one fused scatter along dim 1."""
+    x, w = torch.randn(2, 8 * world, 32), torch.randn(24, 32)
+    if perm == (1, 2, 0):  # dim 2 (N) becomes the middle one; still a scatter along dim 1
+        f = lambda x, w: _rs(F.linear(x, w).permute(*perm).contiguous())  # noqa: E731
+    else:
+        f = lambda x, w: _rs_permuted(F.linear(x, w), perm)  # noqa: E731
+    out, code = compile_code(f, x, w)
+    assert_fused(code, RS, C10D_RS)
+    assert "aten.clone" not in code and "torch.ops.commfuse.mm_reduce_scatter.default(" in code
+    assert re.search(r"\[2, \d+, 24\], 1, \d, '", code), code  # the [B, S, N] view, scattered along dim 1
+    torch.testing.assert_close(out, f(x, w))
+
+
+def test_mm_reduce_scatter_through_permuted_copy_saved_for_backward(world2):
+    """In training the forward also returns the waited [S/2, B, D] tensor (saved for the backward):
+    that reader gets a contiguous permuted copy of the fused result, with the traced strides."""
+    x, w = torch.randn(2, 16, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+
+    def f(x, w):
+        y = _rs(F.linear(x, w).permute(1, 0, 2).contiguous())
+        return y.permute(1, 0, 2) * y.permute(1, 0, 2).sum()  # y itself is saved for the backward
+
+    out, code = compile_code(f, x, w, train=True)
+    fwd = [r for r in commfuse.report() if r.pattern == "mm_reduce_scatter" and r.graph.startswith("forward")]
+    assert [r.fused for r in fwd] == [True], commfuse.report()
+    assert calls(code, RS) == 1 and C10D_RS not in code.split("def call")[1], code
+    assert out.shape == (2, 8, 24)
+
+
+def test_merged_sum_through_permuted_copy(world2):
+    """The w1/w3 input gradients of a sequence-parallel backward: summed, permuted, copied,
+    reduce-scattered. merge_sums sees through the copy; the merged matmul then fuses."""
+    x1, w1, x2, w2 = torch.randn(2, 16, 32), torch.randn(24, 32), torch.randn(2, 16, 16), torch.randn(24, 16)
+
+    def f(x1, w1, x2, w2):
+        return _rs_permuted(F.linear(x1, w1) + F.linear(x2, w2))
+
+    out, code = compile_code(f, x1, w1, x2, w2)
+    assert_fused(code, RS, C10D_RS)
+    (merged,) = commfuse.report().merged
+    assert merged.reason == "merged 2 partials of one reduction (K=32+16)"
+    assert out.shape == (2, 8, 24)
 
 
 @pytest.mark.parametrize("case, reason", [("max", "reduce op 'max' is not sum"), ("partial_used", "other users")])

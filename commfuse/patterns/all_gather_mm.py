@@ -7,6 +7,8 @@ row-parallel one under it)::
              w  = wait_tensor(ag)
              G  = w                                      # gather along dim 0, or DTensor's form
                 | cat(split(w, n, 0)[0..world-1], d)     # for a gather along dim d
+                | permute(w, inverse of p)               # for a gather along dim d = p[0] when
+                                                         # ag's input is permute(shard, p), maybe copied
              r  = reshape(G, [-1, K])                    # when G is not 2-D
              mm = mm(r, b) | addmm(bias, r, b)   -> users
              (other users of G or r, e.g. saved for backward or the Q/K/V siblings)
@@ -58,6 +60,26 @@ NAME = "all_gather_mm"
 ANCHORS = (c10d.all_gather_into_tensor.default,)
 
 
+def _permuted(ag: fx.Node, wait: fx.Node) -> tuple[fx.Node, fx.Node, int, list[fx.Node], list[fx.Node]] | None:
+    """The mirror image of the reduce-scatter's permuted copy (the backward of torchtitan's
+    sequence-parallel reduce-scatter): ``permute(wait(all_gather(clone?(permute(shard, p)))), q)``
+    with ``q`` undoing ``p``, maybe copied again, is ``shard`` gathered along ``p[0]``. Returns
+    (shard, gathered, p[0], nodes after the wait, nodes before the all-gather), consumers first."""
+    from .mm_reduce_scatter import _inverts, unpermute
+
+    shard, perm, before = unpermute(ag.args[0])
+    if perm is None or any(len(n.users) != 1 for n in before) or len(wait.users) != 1:
+        return None
+    (back,) = wait.users
+    if not _inverts(back, perm):
+        return None
+    gathered, after = back, [back]
+    if len(back.users) == 1 and is_call(next(iter(back.users)), (aten.clone.default,)):
+        gathered = next(iter(back.users))
+        after = [gathered, back]
+    return shard, gathered, perm[0], after, before
+
+
 def _split_cat(wait: fx.Node, world_size: int) -> tuple[fx.Node, int, list[fx.Node]] | None:
     """DTensor gathers along dim d as cat(split(wait, n, 0), d); return (cat, d, nodes) if so."""
     if len(wait.users) != 1:
@@ -76,6 +98,8 @@ def _split_cat(wait: fx.Node, world_size: int) -> tuple[fx.Node, int, list[fx.No
 @dataclasses.dataclass
 class AllGatherMmMatch:
     all_gather: fx.Node
+    source: fx.Node  # the shard the fused op gathers (the all-gather's input, unpermuted)
+    before: list[fx.Node]  # clone/permute nodes between source and the all-gather (consumers first)
     wait: fx.Node
     gathered: fx.Node  # the node holding the gathered tensor in its final layout
     layout: list[fx.Node]  # split/getitem/cat nodes between wait and gathered (consumers first)
@@ -86,10 +110,6 @@ class AllGatherMmMatch:
     bias: fx.Node | None
     return_gathered: bool
 
-    @property
-    def shard(self) -> fx.Node:
-        return self.all_gather.args[0]
-
     @classmethod
     def from_anchor(cls, ag: fx.Node, settings) -> "AllGatherMmMatch":
         world_size = arg(ag, 1, "group_size")
@@ -97,7 +117,14 @@ class AllGatherMmMatch:
         if len(waits) != 1 or not is_call(waits[0], (c10d.wait_tensor.default,)):
             raise Skip("all_gather result is not read through a single wait_tensor")
         wait = waits[0]
-        gathered, dim, layout = _split_cat(wait, world_size) or (wait, 0, [])
+        source, before = ag.args[0], []
+        found = _split_cat(wait, world_size)
+        if found:
+            gathered, dim, layout = found
+        elif permuted := _permuted(ag, wait):
+            source, gathered, dim, layout, before = permuted
+        else:
+            gathered, dim, layout = wait, 0, []
         if dim >= val(gathered).dim() - 1:
             raise Skip(f"gathers along dim {dim}, the matmul's K dimension")
         k = val(gathered).shape[-1]
@@ -129,7 +156,7 @@ class AllGatherMmMatch:
             return_gathered = set(gathered.users) != needed or (
                 reshape is not None and len(reshape.users) > 1
             )
-            return cls(ag, wait, gathered, layout, dim, reshape, mm, b, bias, return_gathered)
+            return cls(ag, source, before, wait, gathered, layout, dim, reshape, mm, b, bias, return_gathered)
         raise first_skip
 
     def replace(self, graph: fx.Graph) -> fx.Node:
@@ -137,7 +164,7 @@ class AllGatherMmMatch:
         ag = self.all_gather
         fused = insert_call(
             graph, self.mm, torch.ops.commfuse.all_gather_mm.default,
-            (self.shard, self.b, self.bias, self.gather_dim, arg(ag, 1, "group_size"),
+            (self.source, self.b, self.bias, self.gather_dim, arg(ag, 1, "group_size"),
              arg(ag, 2, "group_name"), self.return_gathered), self.mm,
         )
         self.mm.replace_all_uses_with(insert_getitem(graph, fused, 0, self.mm))
@@ -146,7 +173,7 @@ class AllGatherMmMatch:
             graph.erase_node(self.reshape)
         if self.return_gathered:
             self.gathered.replace_all_uses_with(insert_getitem(graph, fused, 1, self.gathered))
-        for node in [*self.layout, self.wait, ag]:
+        for node in [*self.layout, self.wait, ag, *self.before]:
             graph.erase_node(node)
         return fused
 

@@ -36,7 +36,7 @@ import torch.fx as fx
 from ..config import merge_sums_allowed
 from .common import MATMUL_OPS, VIEW_OPS, Skip, arg, aten, c10d, check_fusable, depends_on
 from .common import insert_call, is_call, matmul_through_views, val
-from .mm_reduce_scatter import unsplit
+from .mm_reduce_scatter import unpermute, unsplit
 
 NAME = "merge_sums"
 _ADD = aten.add.Tensor
@@ -193,14 +193,17 @@ def _erase(graph: fx.Graph, adds: list[fx.Node], terms: list[Term]) -> None:
 
 
 def _collective_inputs(graph: fx.Graph):
-    """Each sum-reducing collective's input, seen through views and DTensor's split/cat."""
+    """Each sum-reducing collective's input, seen through views, DTensor's split/cat and the
+    permuted copy (as the reduce-scatter pattern sees them)."""
     for node in graph.nodes:
         if is_call(node, (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)):
             if str(arg(node, 1, "reduceOp")).lower() != "sum":
                 continue
             x = node.args[0]
-            if node.target is c10d.reduce_scatter_tensor.default:  # DTensor's split/cat, as its pattern sees it
-                x = unsplit(x, arg(node, 2, "group_size"))[0]
+            if node.target is c10d.reduce_scatter_tensor.default:  # as its pattern sees it
+                x, _, layout = unsplit(x, arg(node, 2, "group_size"))
+                if not layout:
+                    x = unpermute(x)[0]
             while is_call(x, VIEW_OPS) and len(x.users) == 1:
                 x = x.args[0]
             yield node, x

@@ -7,14 +7,21 @@ column-parallel one under it)::
              v  = reshape(mm, shape)                      # zero or more views
              x  = v                                       # scatter along dim 0, or DTensor's form
                 | cat(split(v, n, d)[0..world-1], 0)      # for a scatter along dim d
+                | clone(permute(v, p))                    # for a scatter along dim d = p[0]
              rs = reduce_scatter_tensor(x, "sum", world, g)
              w  = wait_tensor(rs)  -> users
+             (permute(w, inverse of p)                    # the permuted form's usual reader)
 
     after:   f  = commfuse.mm_reduce_scatter(a, b, bias, shape, d, world, g)  -> users of w
+             (permute(w, inverse of p)  -> f; any other reader of w -> clone(permute(f, p)))
+
+The permuted form is torchtitan's sequence-parallel reduce-scatter: a scatter along the sequence
+dimension of [B, S, D] written as a scatter along dim 0 of the contiguous [S, B, D] copy, with the
+result permuted back. The copy (``clone``, in any memory format: it changes no value) is optional.
 
 Skipped, with the reason recorded: reduce ops other than sum, an input that is not a matmul
-(through views and DTensor's split/cat), a partial with other users, a scatter along the last
-dimension, and the common guards (dtype, size threshold, excluded modules).
+(through views, DTensor's split/cat and the permuted copy), a partial with other users, a scatter
+along the last dimension, and the common guards (dtype, size threshold, excluded modules).
 """
 
 from __future__ import annotations
@@ -60,6 +67,31 @@ def unsplit(x: fx.Node, world: int) -> tuple[fx.Node, int, list[fx.Node]]:
     return x, 0, []
 
 
+def unpermute(x: fx.Node) -> tuple[fx.Node, list[int] | None, list[fx.Node]]:
+    """(tensor before ``clone(permute(., p))``, p, the clone/permute nodes) or (x, None, []).
+
+    Chunking dim 0 of ``permute(v, p)`` chunks dim ``p[0]`` of ``v``: the reduce-scatter of the
+    permuted copy is the permuted reduce-scatter of ``v`` along ``p[0]``. Each node must have no
+    other reader, or the unpermuted partial would still be needed."""
+    nodes = []
+    if is_call(x, (aten.clone.default,)) and len(x.users) == 1:
+        nodes.append(x)
+        x = x.args[0]
+    if is_call(x, (aten.permute.default,)) and len(x.users) == 1:
+        source = x.args[0]
+        perm = [normalize_dim(d, source) for d in arg(x, 1, "dims")]
+        return source, perm, [*nodes, x]
+    return (nodes[0] if nodes else x), None, []
+
+
+def _inverts(node: fx.Node, perm: list[int]) -> bool:
+    """Whether ``node`` is ``permute(., q)`` with ``q`` undoing ``perm``."""
+    if not is_call(node, (aten.permute.default,)):
+        return False
+    q = [normalize_dim(d, node.args[0]) for d in arg(node, 1, "dims")]
+    return [perm[i] for i in q] == list(range(len(perm)))
+
+
 @dataclasses.dataclass
 class MmReduceScatterMatch:
     reduce_scatter: fx.Node
@@ -72,12 +104,17 @@ class MmReduceScatterMatch:
     bias: fx.Node | None
     shape: list[int]
     scatter_dim: int
+    perm: list[int] | None  # the permutation of the permuted-copy form (None: not that form)
 
     @classmethod
     def from_anchor(cls, rs: fx.Node, settings) -> "MmReduceScatterMatch":
         require_sum(rs)
         world = arg(rs, 2, "group_size")
         x, dim, layout = unsplit(rs.args[0], world)
+        perm = None
+        if not layout:
+            x, perm, layout = unpermute(rs.args[0])
+            dim = perm[0] if perm else 0
         mm, views = matmul_through_views(x, "reduce_scatter")
         try:
             a, b, bias = matmul_operands(mm)
@@ -93,7 +130,7 @@ class MmReduceScatterMatch:
             check_fusable(mm, a, b, bias, settings)
         except Skip as exc:
             raise Skip(str(exc), mm=mm) from None
-        return cls(rs, waits, layout, views, mm, a, b, bias, shape, dim)
+        return cls(rs, waits, layout, views, mm, a, b, bias, shape, dim, perm)
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         rs = self.reduce_scatter
@@ -103,10 +140,32 @@ class MmReduceScatterMatch:
              arg(rs, 3, "group_name")), self.mm,
         )
         for wait in self.waits:
-            wait.replace_all_uses_with(out)
+            if self.perm is None:
+                wait.replace_all_uses_with(out)
+            else:
+                self._unpermute_readers(graph, wait, out)
         for node in [*self.waits, rs, *self.layout, *self.views, self.mm]:  # consumers first
             graph.erase_node(node)
         return out
+
+    def _unpermute_readers(self, graph: fx.Graph, wait: fx.Node, out: fx.Node) -> None:
+        """``wait`` holds ``permute(out, perm)`` in a contiguous copy: readers that permute it back
+        read ``out``; any other (a forward output saved for the backward) reads such a copy, so
+        its values and strides stay the ones the graph was traced with."""
+        copy = None
+        for user in list(wait.users):
+            if _inverts(user, self.perm):
+                user.replace_all_uses_with(out)
+                graph.erase_node(user)
+                continue
+            if copy is None:
+                rs = self.reduce_scatter
+                permuted = insert_call(graph, rs, aten.permute.default, (out, self.perm), wait)
+                with graph.inserting_before(rs):
+                    copy = graph.call_function(aten.clone.default, (permuted,),
+                                               {"memory_format": torch.contiguous_format})
+                copy.meta.update(wait.meta)  # the same shape, strides and provenance
+            user.replace_input_with(wait, copy)
 
 
 MATCH = MmReduceScatterMatch
