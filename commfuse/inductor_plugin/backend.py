@@ -16,7 +16,10 @@ import torch
 
 from .. import env
 from ..config import DEFAULT_MIN_MNK, Settings
+from . import cached
 from .graph_pass import CommfusePass
+
+cached.install()  # a graph the FX graph cache serves brings its decisions back into the report
 
 
 @functools.lru_cache(1)
@@ -92,7 +95,7 @@ class CommfuseBackend:
             user_pass = user_pass.chained
         patches["post_grad_custom_post_pass"] = CommfusePass(self.settings, chained=user_pass)
         # compile_fx applies the patches to the lazily compiled backward graph as well.
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(gm, example_inputs, inner_compile=cached.compile_inner, config_patches=patches)
 
     def __repr__(self) -> str:
         return f"CommfuseBackend({self.settings!r})"
