@@ -117,3 +117,45 @@ def test_tune_runs_a_script_as_main_with_tuning_on_first_use(tmp_path, monkeypat
         env.reload()
     assert seen.read_text() == "__main__ first-use --steps 2"
     assert f"commfuse tune: {script}: 0 call signatures tuned in 0.0 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [("explain",), ("tune", "--show"), ("bench", "table", "ops.json"), ("bench", "ops"),
+                                  ("bench", "model")])
+def test_a_bad_setting_ends_every_command_in_one_line(argv):
+    """``explain`` and ``tune`` printed a 30-line traceback for a bad ``COMMFUSE_*`` value."""
+    proc = _run("-m", "commfuse", *argv, env={"COMMFUSE_TUNE": "always"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"python -m commfuse {argv[0]}: COMMFUSE_TUNE='always' is not one of off, cache, "
+                           "first-use\n"), proc.stderr
+
+
+def test_a_misspelt_setting_warns_in_one_line_on_the_command_line():
+    proc = _run("-m", "commfuse", "tune", "--show", "--gpu", "sm_90", env={"COMMFUSE_TIMEOUT": "5"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ("python -m commfuse tune: warning: COMMFUSE_TIMEOUT is not a commfuse setting and is "
+                           "ignored; did you mean COMMFUSE_TIMEOUT_S?\n"), proc.stderr
+
+
+@pytest.mark.parametrize("argv", [("explain", "--gpu", "sm90"), ("explain", "--gpu", "sm_abc"),
+                                  ("tune", "--show", "--gpu", "H2000")])
+def test_an_unknown_gpu_is_refused_in_one_line_before_any_work(argv):
+    """``explain --gpu sm90`` showed every call as NCCL and ``--gpu sm_abc`` the default rules, both
+    after a 15 s compile, with status 0."""
+    start = time.perf_counter()
+    proc = _run("-m", "commfuse", *argv)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--gpu {argv[-1]!r} is not a known architecture (sm_80, sm_86, sm_89, sm_90, sm_100) or GPU (A100, A10, " \
+           "L40S, H100 PCIe, H100, H200, B200)" in proc.stderr
+    assert time.perf_counter() - start < 15  # no compile
+
+
+@pytest.mark.parametrize("gpu, want", [
+    ("sm_90", ("sm_90", "NVIDIA H200", 132)), ("h100", ("sm_90", "NVIDIA H100", 132)),
+    ("NVIDIA  H100 PCIe", ("sm_90", "NVIDIA H100 PCIe", 114)), ("sm_80", ("sm_80", "NVIDIA A100", 108)),
+    ("B200", ("sm_100", "NVIDIA B200", 148))])
+def test_a_simulated_gpu_takes_its_sm_count_from_the_table(gpu, want):
+    from commfuse.tools import machine
+
+    assert machine.resolve(gpu) == want
+    facts = machine.simulated(2, gpu)
+    assert (facts.arch, facts.name, facts.sms) == want

@@ -139,6 +139,7 @@ def backend(
     the backend is built, naming the variable, not inside the first compile.
     """
     env.validate()
+    patterns = _checked_arguments(patterns, mode, tune)
     if tune is not None:
         env.set(tune=tune)
     settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk,
@@ -146,6 +147,46 @@ def backend(
     config = mode_options(mode, "commfuse.backend(mode=...)")
     config.update(inductor_options(inductor_config, "commfuse.backend(inductor_config=...)"))
     return CommfuseBackend(settings, config)
+
+
+def _checked_arguments(patterns: Any, mode: Any, tune: Any) -> tuple[str, ...] | None:
+    """``backend()``'s ``patterns``, ``mode`` and ``tune`` checked by type and value, each error
+    naming the argument as the caller wrote it (not the ``COMMFUSE_*`` setting ``tune`` sets);
+    ``patterns`` as a tuple. An empty ``patterns`` warns: such a backend fuses nothing."""
+    import warnings
+
+    from ..config import PATTERNS
+
+    if tune is not None:
+        if not isinstance(tune, str):
+            raise TypeError(f"commfuse.backend: tune must be a str, one of {', '.join(map(repr, env.TUNE_MODES))}; "
+                            f"got {tune!r}")
+        if tune.strip().lower() not in env.TUNE_MODES:
+            raise ValueError(f"commfuse.backend: tune={tune!r} is not one of {', '.join(map(repr, env.TUNE_MODES))}")
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"commfuse.backend: mode must be a str (an Inductor mode), got {mode!r}")
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    elif not isinstance(patterns, Iterable):
+        raise TypeError(f"commfuse.backend: patterns must be a list of pattern names from {list(PATTERNS)}, "
+                        f"got {patterns!r}")
+    patterns = tuple(patterns)
+    wrong = [p for p in patterns if not isinstance(p, str)]
+    if wrong:
+        raise TypeError(f"commfuse.backend: patterns must name patterns as str, got {wrong[0]!r}; "
+                        f"known: {list(PATTERNS)}")
+    unknown = [p for p in patterns if p not in PATTERNS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], PATTERNS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"commfuse.backend: patterns has {unknown[0]!r}, not a pattern{hint} "
+                         f"(known: {list(PATTERNS)})")
+    if not patterns:
+        warnings.warn("commfuse.backend: patterns=[] enables no rewrite: this backend fuses nothing (it is "
+                      "Inductor alone); leave patterns out for all of them", stacklevel=env.user_stacklevel())
+    return patterns
 
 
 #: What ``backend="commfuse"`` resolves to: default settings.

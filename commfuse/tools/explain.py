@@ -52,9 +52,10 @@ def parser(prog: str = "python -m commfuse explain") -> argparse.ArgumentParser:
                    help="outputs up to this size stay unfused without CUDA graphs (default: the backend's)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help='decide as a mode="reduce-overhead" compile would (launch-bound sizes fuse)')
-    p.add_argument("--gpu", default="sm_90", metavar="ARCH",
-                   help="the simulated GPU whose paths are shown (default sm_90: H200; an architecture without "
-                   "rules of its own takes the default table)")
+    p.add_argument("--gpu", default="sm_90", metavar="ARCH|GPU",
+                   help="the simulated GPU whose paths are shown: an architecture (sm_80, sm_86, sm_89, sm_90, "
+                   "sm_100) or a GPU (A100, A10, L40S, H100, 'H100 PCIe', H200, B200); default sm_90 (H200). An "
+                   "architecture without rules of its own takes the default table")
     p.add_argument("--gpus", type=int, default=None,
                    help="ranks of the simulated group (default: --world-size; the calls keep the shapes the "
                    "--world-size split gives)")
@@ -210,7 +211,13 @@ def paths(rep, arch: str, world: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain") -> int:
+    from . import machine
+
     args = parser(prog).parse_args(argv)
+    try:  # before the compile, which takes a while
+        machine.resolve(args.gpu)
+    except ValueError as exc:
+        raise SystemExit(f"commfuse explain: --gpu {exc}") from None
     mode = "inference" if args.inference else "training step (forward + backward)"
     print(f"commfuse explain: {MODELS[args.model]}; {args.layers} layers, dim {args.dim}, "
           f"{args.dtype}, fake process group of {args.world_size} ranks on the CPU; {mode}",
@@ -221,8 +228,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain"
     print(rep)
     gpus = args.gpus or args.world_size
     if rep.fused:
-        from . import machine
-
         facts = machine.simulated(gpus, args.gpu)
         print(f"\nPaths on {gpus} simulated {args.gpu} GPUs ({facts.name}, {facts.sms} SMs), one line per fused "
               "call: where it is, the call, the path, where the choice comes from:")
