@@ -219,8 +219,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain"
     except ValueError as exc:
         raise SystemExit(f"commfuse explain: --gpu {exc}") from None
     mode = "inference" if args.inference else "training step (forward + backward)"
-    print(f"commfuse explain: {MODELS[args.model]}; {args.layers} layers, dim {args.dim}, "
-          f"{args.dtype}, fake process group of {args.world_size} ranks on the CPU; {mode}",
+    from . import count
+
+    print(f"commfuse explain: {MODELS[args.model]}; {count(args.layers, 'layer')}, dim {args.dim}, "
+          f"{args.dtype}, fake process group of {count(args.world_size, 'rank')} on the CPU; {mode}",
           flush=True)
     start = time.time()
     rep = run(args)
@@ -229,8 +231,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain"
     gpus = args.gpus or args.world_size
     if rep.fused:
         facts = machine.simulated(gpus, args.gpu)
-        print(f"\nPaths on {gpus} simulated {args.gpu} GPUs ({facts.name}, {facts.sms} SMs), one line per fused "
-              "call: where it is, the call, the path, where the choice comes from:")
+        print(f"\nPaths on {count(gpus, 'simulated ' + args.gpu + ' GPU')} ({facts.name}, {facts.sms} SMs), "
+              "one line per fused call: where it is, the call, the path, where the choice comes from:")
         print("\n".join(paths(rep, args.gpu, gpus)))
     print("\nSet TORCH_LOGS=commfuse (or COMMFUSE_LOG=1) to see these decisions as your own model compiles, "
           "or read commfuse.report() after the first call.")
