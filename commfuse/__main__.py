@@ -45,10 +45,24 @@ def main(argv: list[str]) -> int:
         module = importlib.import_module(COMMANDS[argv[0]][0])
         return module.main(argv[1:], prog=prog)
     except (ValueError, TypeError, OSError) as exc:
+        _leave_group()
         if not _user_error(exc):
             raise
         print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BaseException:
+        _leave_group()
+        raise
+
+
+def _leave_group() -> None:
+    """A command that failed under torchrun leaves its process group before the interpreter's
+    teardown (``commfuse.demo.shutdown``; no barrier: a peer may not get that far)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from commfuse.demo import shutdown
+
+        shutdown(agree=False)
 
 
 def _short_warnings(prog: str) -> None:

@@ -624,7 +624,9 @@ def run_ops(args) -> int:
             json.dump(records, f, indent=1)
         print(_table(records))
         print(f"\nwrote {out}")
-    dist.destroy_process_group()
+    from commfuse.demo import shutdown
+
+    shutdown()
     return 0
 
 

@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commfuse.demo import hf_llama, init_distributed
+from commfuse.demo import hf_llama, init_distributed, shutdown
 
 BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
 MODES = ("prefill", "train", "decode", "decode_cg", "loss")
@@ -605,5 +605,5 @@ def main(args) -> int:
         dist.barrier()
         sys.stdout.flush()
         os._exit(0)
-    dist.destroy_process_group()
+    shutdown()
     return 0

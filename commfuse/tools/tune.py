@@ -222,7 +222,7 @@ def run_model(args) -> int:
     import torch.distributed as dist
 
     from commfuse import env
-    from commfuse.demo import init_distributed
+    from commfuse.demo import init_distributed, shutdown
     from commfuse.demo import transformer as demo
 
     from .bench_model import _allow_many_compiles, _build, _compile, _make_step
@@ -255,7 +255,7 @@ def run_model(args) -> int:
                 run("decode", batch, torch.tensor([args.context], device=device))
     if _rank() == 0:
         print(tally.summary(f"the bundled model ({kind})"), flush=True)
-    dist.destroy_process_group()
+    shutdown()
     return 0
 
 
