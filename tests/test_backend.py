@@ -99,7 +99,7 @@ def test_backend_sizes_must_be_whole_numbers(kwargs):
     (dict(patterns=5), TypeError, "commfuse.backend: patterns must be a list of pattern names"),
     (dict(patterns=[Settings]), TypeError, "commfuse.backend: patterns must name patterns as str"),
     (dict(patterns=["mm_allreduce"]), ValueError,
-     "commfuse.backend: patterns has 'mm_allreduce', not a pattern; did you mean 'mm_all_reduce'?"),
+     "commfuse.backend: patterns has an unknown pattern 'mm_allreduce'; did you mean 'mm_all_reduce'?"),
     (dict(mode=1), TypeError, "commfuse.backend: mode must be a str"),
 ])
 def test_backend_arguments_are_checked_by_type_and_value(kwargs, error, message):

@@ -181,7 +181,7 @@ def _checked_arguments(patterns: Any, mode: Any, tune: Any) -> tuple[str, ...] |
     if unknown:
         close = difflib.get_close_matches(unknown[0], PATTERNS, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"commfuse.backend: patterns has {unknown[0]!r}, not a pattern{hint} "
+        raise ValueError(f"commfuse.backend: patterns has an unknown pattern {unknown[0]!r}{hint} "
                          f"(known: {list(PATTERNS)})")
     if not patterns:
         warnings.warn("commfuse.backend: patterns=[] enables no rewrite: this backend fuses nothing (it is "
