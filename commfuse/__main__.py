@@ -71,6 +71,8 @@ def _short_warnings(prog: str) -> None:
     import warnings
 
     default = warnings.showwarning
+    if getattr(default, "_commfuse", False):  # main() called again in one process
+        return
 
     def show(message, category, filename, lineno, file=None, line=None):
         if str(message).startswith("commfuse"):
@@ -78,6 +80,7 @@ def _short_warnings(prog: str) -> None:
         else:
             default(message, category, filename, lineno, file, line)
 
+    show._commfuse = True
     warnings.showwarning = show
 
 

@@ -297,8 +297,7 @@ def user_stacklevel() -> int:
 def validate() -> Values:
     """Parse every setting now (``ValueError`` naming the first bad one) and warn once about an
     unknown or removed ``COMMFUSE_*`` name. ``commfuse.backend(...)`` and the graph pass call it."""
-    values = _parse_environment(os.environ)  # raises on the first bad value, named
-    for name in unknown_names():
+    for name in unknown_names():  # first: a misspelt name may be why another value is wrong
         if name not in _warned:
             _warned.add(name)
             # Only names that do something, compared without the prefix every name shares (with
@@ -312,6 +311,7 @@ def validate() -> Values:
         if name in os.environ and name not in _warned:
             _warned.add(name)
             warnings.warn(f"commfuse: {name} no longer exists and is ignored: {fate}", stacklevel=user_stacklevel())
+    values = _parse_environment(os.environ)  # raises on the first bad value, named
     values.update(_program)
     if _current is not None and not _overrides and dict(_current.values) != values:
         _changed()  # the environment changed since it was read: take the new values
