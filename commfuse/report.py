@@ -166,9 +166,9 @@ class Report(list):
         else:
             reasons = collections.Counter(r.reason for r in self.skipped)
             merged = f", {len(self.merged)} sums merged" if self.merged else ""
-            cached = sum(r.cached for r in self)
-            cached = f" ({cached} of them from the FX graph cache, decided when the graph was compiled)" \
-                if cached else ""
+            n_cached = sum(r.cached for r in self)
+            cached = (f" ({n_cached} of them from the FX graph cache, decided when the graph was compiled)"
+                      if n_cached else "")
             lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}{cached}"]
             lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
