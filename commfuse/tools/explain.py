@@ -62,6 +62,30 @@ def parser(prog: str = "python -m commfuse explain") -> argparse.ArgumentParser:
     return p
 
 
+def _kv_heads(args: argparse.Namespace) -> int:
+    return args.kv_heads or min(max(4, args.world_size), args.heads)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Exit in one line for sizes the model cannot take (before the compile, which takes a while)."""
+    from commfuse.tools import machine
+
+    sizes = ("world_size", "layers", "dim", "heads", "kv_heads", "ffn_dim", "batch", "seq", "gpus")
+    for name in sizes:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"commfuse explain: --{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.dim % args.heads:
+        raise SystemExit(f"commfuse explain: --dim {args.dim} is not divisible by --heads {args.heads}")
+    if args.heads % _kv_heads(args):
+        raise SystemExit(f"commfuse explain: --heads {args.heads} is not divisible by the key/value heads "
+                         f"{_kv_heads(args)} (--kv-heads)")
+    try:
+        machine.resolve(args.gpu)
+    except ValueError as exc:
+        raise SystemExit(f"commfuse explain: --gpu {exc}") from None
+
+
 def run(args: argparse.Namespace):
     """Build, compile and run the model; return the report of this compile."""
     import torch.distributed as dist
@@ -72,15 +96,12 @@ def run(args: argparse.Namespace):
     from commfuse.config import DEFAULT_MIN_MNK
     from commfuse.demo import transformer as demo
 
-    if args.world_size < 1:
-        raise SystemExit(f"commfuse explain: --world-size must be at least 1, got {args.world_size}")
-    if args.gpus is not None and args.gpus < 1:
-        raise SystemExit(f"commfuse explain: --gpus must be at least 1, got {args.gpus}")
+    check(args)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     world = dist.get_world_size()
     torch.manual_seed(0)
-    kv_heads = args.kv_heads or min(max(4, world), args.heads)
+    kv_heads = _kv_heads(args)
     cfg = demo.Config(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=kv_heads, ffn_dim=args.ffn_dim)
     dtype = getattr(torch, args.dtype)
@@ -214,10 +235,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain"
     from . import machine
 
     args = parser(prog).parse_args(argv)
-    try:  # before the compile, which takes a while
-        machine.resolve(args.gpu)
-    except ValueError as exc:
-        raise SystemExit(f"commfuse explain: --gpu {exc}") from None
+    check(args)
     mode = "inference" if args.inference else "training step (forward + backward)"
     from . import count
 
