@@ -119,6 +119,8 @@ def test_model_defaults_on_the_cpu_are_small_and_said_first():
     assert (args.layers, args.seq, args.models) == (3, 2048, "dtensor,sp,hooks")
     assert plan[1].startswith("3 layers (8B-class sizes), batch 4, sequence 2048; 10 steps")
     assert bench_model.header(torch.device("cpu"), 1).startswith("commfuse bench model: 1 rank, cpu")
+    with pytest.raises(SystemExit, match="^commfuse bench model: --seq must be at least 1, got 0$"):
+        bench_model.fill_defaults(bench.parser().parse_args(["model", "--seq", "0"]), cuda=False)
 
 
 def test_tuned_table_puts_the_rules_and_the_tuned_choice_side_by_side(tmp_path):

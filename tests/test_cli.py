@@ -165,3 +165,10 @@ def test_a_simulated_gpu_takes_its_sm_count_from_the_table(gpu, want):
     assert machine.resolve(gpu) == want
     facts = machine.simulated(2, gpu)
     assert (facts.arch, facts.name, facts.sms) == want
+
+
+def test_tune_refuses_a_world_size_below_one():
+    from commfuse.tools import tune
+
+    with pytest.raises(SystemExit, match="^commfuse tune: --gpus must be at least 1, got 0$"):
+        tune.main(["--show", "--gpu", "sm_90", "--gpus", "0"])

@@ -529,6 +529,9 @@ def fill_defaults(args, cuda: bool) -> list[str]:
     for option, value in MODEL_DEFAULTS["cuda" if cuda else "cpu"].items():
         if getattr(args, option) is None:
             setattr(args, option, value)
+    for option in ("layers", "batch", "seq", "context", "iters", "rounds"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"commfuse bench model: --{option} must be at least 1, got {getattr(args, option)}")
     modes = [m for m in args.modes.split(",") if m and (cuda or m != "decode_cg")]
     decode = (f", decode batches {args.decode_batches} from context {args.context}"
               if any(m.startswith("decode") for m in modes) else "")

@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = p.parse_args(argv)
     if script_args and (args.script or args.show or args.clear or args.model):
         p.error("give either -- SCRIPT [ARGS...] or one of --show, --clear, --model")
+    for name in ("gpus", "layers", "batch", "seq", "context"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"commfuse tune: --{name} must be at least 1, got {value}")
     if args.gpu is not None:
         from . import machine
 
