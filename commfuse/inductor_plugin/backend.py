@@ -116,7 +116,8 @@ def backend(
     Args:
         exclude: module classes, module instances, or qualified-name patterns (``fnmatch``, relative
             to the compiled module, e.g. ``"layers.0.*"``) whose matmuls stay unfused.
-        patterns: which rewrites run, from ``commfuse.PATTERNS`` (default: all).
+        patterns: which rewrites run, names from ``commfuse.PATTERNS`` (default: all; an empty
+            list warns: that backend fuses nothing).
         min_mnk: matmuls with M*N*K below this stay unfused (the dimension a rank's shard may size
             differently from its peers', K of an all-reduced or reduce-scattered product, N of an
             all-gathered one, counts as 64: ranks with unevenly sharded layers decide alike).
@@ -135,8 +136,10 @@ def backend(
             machine, never tune), ``"first-use"`` (a call signature without an answer is tuned by
             every rank together at its first call).
 
-    The ``COMMFUSE_*`` environment settings are checked here too, so a malformed one fails when
-    the backend is built, naming the variable, not inside the first compile.
+    Every argument is checked here by type and value, an error naming it (``tune=True`` is
+    refused, not read as ``"cache"``). The ``COMMFUSE_*`` environment settings are checked here
+    too, so a malformed one fails when the backend is built, naming the variable, not inside the
+    first compile.
     """
     env.validate()
     patterns = _checked_arguments(patterns, mode, tune)
