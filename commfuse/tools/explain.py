@@ -126,7 +126,8 @@ def run(args: argparse.Namespace):
                                inductor_config={"triton.cudagraphs": True} if args.cuda_graphs else None)
     compiled = torch.compile(model, backend=backend)
     commfuse.clear_report()
-    # Caches off: a cached graph skips the pass and would leave its decisions out of the report.
+    # Caches off: each fused call's path below is read from the nodes the pass makes (a cached graph
+    # brings its decisions back, not its nodes).
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False), _calls_of_fused_nodes() as calls:
         if args.inference:
