@@ -35,8 +35,68 @@ def main(argv: list[str]) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:], prog=f"python -m commfuse {argv[0]}")
+    from commfuse import env
+
+    prog = f"python -m commfuse {argv[0]}"
+    _short_warnings(prog)
+    try:  # a malformed COMMFUSE_* setting: its one line before any work, not a traceback from inside it
+        if not {"-h", "--help"} & set(argv[1:]):
+            env.validate()
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        return module.main(argv[1:], prog=prog)
+    except (ValueError, TypeError, OSError) as exc:
+        _leave_group()
+        if not _user_error(exc):
+            raise
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except BaseException:
+        _leave_group()
+        raise
+
+
+def _leave_group() -> None:
+    """A command that failed under torchrun leaves its process group before the interpreter's
+    teardown (``commfuse.demo.shutdown``; no barrier: a peer may not get that far)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from commfuse.demo import shutdown
+
+        shutdown(agree=False)
+
+
+def _short_warnings(prog: str) -> None:
+    """commfuse's warnings as one line naming the command: on the command line the frame a warning
+    points at is runpy's, not the user's."""
+    import warnings
+
+    default = warnings.showwarning
+    if getattr(default, "_commfuse", False):  # main() called again in one process
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith("commfuse"):
+            print(f"{prog}: warning: {_one_line(message)}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show._commfuse = True
+    warnings.showwarning = show
+
+
+def _user_error(exc: Exception) -> bool:
+    """What a user got wrong: a bad ``COMMFUSE_*`` value or argument (commfuse's ``ValueError`` /
+    ``TypeError``, whose messages start with ``commfuse``) or a file that cannot be read."""
+    if isinstance(exc, OSError):
+        return exc.filename is not None
+    return str(exc).startswith("commfuse")
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    text = " ".join(str(exc).split())
+    return text[len("commfuse: "):] if text.startswith("commfuse: ") else text
 
 
 if __name__ == "__main__":

@@ -319,20 +319,42 @@ def unknown_names(environ=None) -> list[str]:
     return sorted(n for n in environ if n.startswith(PREFIX) and n not in _BY_NAME and n not in REMOVED)
 
 
+#: Frames a warning should not point at: commfuse's own, and torch's (the graph pass runs inside
+#: ``torch.compile``), so it names the user's line that built the backend or compiled.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m)) + os.sep for m in (__file__,))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn``, called by the function calling this one, that
+    points at the first frame outside commfuse and torch: the user's code."""
+    import sys
+
+    roots = _LIBRARY_DIRS + tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                                  for m in (sys.modules.get("torch"),) if m is not None and m.__file__)
+    frame, level = sys._getframe(2), 2  # 1: the function that warns
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(roots):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 def validate() -> Values:
     """Parse every setting now (``ValueError`` naming the first bad one) and warn once about an
     unknown or removed ``COMMFUSE_*`` name. ``commfuse.backend(...)`` and the graph pass call it."""
-    values = _parse_environment(os.environ)  # raises on the first bad value, named
-    for name in unknown_names():
+    for name in unknown_names():  # first: a misspelt name may be why another value is wrong
         if name not in _warned:
             _warned.add(name)
-            close = difflib.get_close_matches(name, list(_BY_NAME) + list(REMOVED), n=3)
+            # Only names that do something, compared without the prefix every name shares (with
+            # it, COMMFUSE_RS_PUL was "close" to COMMFUSE_LOG).
+            fields = [n[len(PREFIX):] for n in _BY_NAME]
+            close = [PREFIX + c for c in difflib.get_close_matches(name[len(PREFIX):], fields, n=3)]
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            warnings.warn(f"commfuse: {name} is not a commfuse setting and is ignored{hint}", stacklevel=2)
+            warnings.warn(f"commfuse: {name} is not a commfuse setting and is ignored{hint}",
+                          stacklevel=user_stacklevel())
     for name, fate in REMOVED.items():
         if name in os.environ and name not in _warned:
             _warned.add(name)
-            warnings.warn(f"commfuse: {name} no longer exists and is ignored: {fate}", stacklevel=2)
+            warnings.warn(f"commfuse: {name} no longer exists and is ignored: {fate}", stacklevel=user_stacklevel())
+    values = _parse_environment(os.environ)  # raises on the first bad value, named
     values.update(_program)
     if _current is not None and not _overrides and dict(_current.values) != values:
         _changed()  # the environment changed since it was read: take the new values

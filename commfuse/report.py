@@ -11,10 +11,12 @@ handler of commfuse's own, read when commfuse is imported and again whenever the
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -93,6 +95,12 @@ _register_with_torch_logs()
 configure_logging()
 
 
+#: How a record or note read back from the FX graph cache says so.
+CACHED_MARK = "[from the FX graph cache]"
+#: How the note of a cached graph whose decisions were not kept begins (what its code calls follows).
+CACHED_WITHOUT_DECISIONS = "a graph from the FX graph cache"
+
+
 @dataclasses.dataclass(frozen=True)
 class MatchRecord:
     pattern: str  # "merge_sums" | "mm_all_reduce" | "all_gather_mm" | "mm_reduce_scatter"
@@ -105,6 +113,9 @@ class MatchRecord:
     dtype: str | None = None
     group: str | None = None
     module: str | None = None  # qualified name of the module the matmul came from
+    #: Read back with a graph Inductor's FX graph cache served: decided when that graph was
+    #: compiled (maybe by another process), not by a pass run in this one.
+    cached: bool = False
 
     @property
     def merge(self) -> bool:
@@ -116,9 +127,10 @@ class MatchRecord:
         shape = "x".join(str(s) for s in self.shape) if self.shape else "-"
         where = f" in {self.module}" if self.module else ""
         tail = f": {self.reason}" if self.merge or not self.fused else ""
+        cached = f" {CACHED_MARK}" if self.cached else ""
         return (
             f"{what} {self.pattern:<17} {self.graph:<12} {self.collective}<-{self.matmul or '?'}"
-            f" MKN={shape} {self.dtype or ''} group={self.group}{where}{tail}"
+            f" MKN={shape} {self.dtype or ''} group={self.group}{where}{tail}{cached}"
         )
 
 
@@ -149,11 +161,15 @@ class Report(list):
 
     def summary(self) -> str:
         if not self and self.notes:  # "0 fused, 0 skipped" would not say why
-            lines = ["commfuse: no candidates"]
+            kept = not any(n.startswith(CACHED_WITHOUT_DECISIONS) for n in self.notes)
+            lines = ["commfuse: no candidates" if kept else "commfuse: no decisions kept for the cached graphs"]
         else:
             reasons = collections.Counter(r.reason for r in self.skipped)
             merged = f", {len(self.merged)} sums merged" if self.merged else ""
-            lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}"]
+            n_cached = sum(r.cached for r in self)
+            cached = (f" ({n_cached} of them from the FX graph cache, decided when the graph was compiled)"
+                      if n_cached else "")
+            lines = [f"commfuse: {len(self.fused)} fused, {len(self.skipped)} skipped{merged}{cached}"]
             lines += [f"  {n} x {reason}" for reason, n in reasons.most_common()]
         return "\n".join(lines + [f"  note: {note}" for note in self.notes])
 
@@ -166,15 +182,53 @@ class Report(list):
         return "\n".join(lines)
 
 
+#: Open ``capture()`` blocks, each the records and notes made inside it.
+_captures: list["Captured"] = []
+
+
+@dataclasses.dataclass
+class Captured:
+    records: list[MatchRecord] = dataclasses.field(default_factory=list)
+    notes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[Captured]:
+    """The records and notes the pass makes inside the block (what one graph's compile decided)."""
+    got = Captured()
+    _captures.append(got)
+    try:
+        yield got
+    finally:
+        _captures.remove(got)
+
+
 def record(rec: MatchRecord) -> None:
     _records.append(rec)
+    for got in _captures:
+        got.records.append(rec)
     log.info("%s", rec.line())
 
 
 def note(text: str, level: int = logging.INFO) -> None:
     """Keep ``text`` for ``Report.notes`` and log it."""
     _notes.append(text)
+    for got in _captures:
+        got.notes.append((text, level))
     log.log(level, "%s", text)
+
+
+def replay(records: list[MatchRecord], notes: list[tuple[str, int]]) -> None:
+    """Keep and log a cached graph's decisions as a compile would, each marked as from the cache
+    (``capture`` blocks do not take them: they are not this process's decisions)."""
+    for rec in records:
+        rec = dataclasses.replace(rec, cached=True)
+        _records.append(rec)
+        log.info("%s", rec.line())
+    for text, level in notes:
+        text = f"{text} {CACHED_MARK}"
+        _notes.append(text)
+        log.log(level, "%s", text)
 
 
 def _calls() -> list[tuple]:
@@ -190,8 +244,9 @@ def report() -> Report:
     """Decisions from every graph the pass has rewritten in this process (newest last), and the
     run-time's path per call site so far (``Report.calls``).
 
-    Graphs served from Inductor's FX graph cache skip the pass and add nothing here; ``python -m
-    commfuse explain`` and ``torch._inductor.config.fx_graph_cache = False`` show every decision.
+    A graph served from Inductor's FX graph cache skips the pass: its decisions, kept beside the
+    cache entry when it was compiled, are read back and marked ``cached``
+    (``inductor_plugin/cached.py``).
     """
     return Report(_records, _notes, _calls())
 

@@ -21,11 +21,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
-from commfuse.demo import exit_unless_launched, init_distributed
+from commfuse.demo import exit_unless_launched, init_distributed, shutdown
 from commfuse.demo import transformer as demo
 
 
 def main() -> None:
+    args = parse_args()
+    exit_unless_launched("examples/tp_transformer.py", "examples/tp_transformer.py")
+    device, dtype = init_distributed()
+    try:
+        run(args, device, dtype)
+    except BaseException:
+        shutdown(agree=False)  # a peer may never reach the barrier: leave without one
+        raise
+    shutdown()  # every rank done: in order, before the interpreter's own teardown
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["dtensor", "sp", "hooks"], default="dtensor")
     p.add_argument("--layers", type=int, default=2)
@@ -33,10 +45,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--small", action="store_true", help="small sizes (the default on CPU)")
     p.add_argument("--exclude", action="append", default=[], help="qualified-name pattern to opt out")
-    args = p.parse_args()
-    exit_unless_launched("examples/tp_transformer.py", "examples/tp_transformer.py")
+    return p.parse_args()
 
-    device, dtype = init_distributed()
+
+def run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     small = args.small or device.type != "cuda"
     cfg = demo.sized_config(small, args.layers, world)
@@ -59,7 +71,8 @@ def main() -> None:
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     if rank == 0:
         print(commfuse.report())
-        print(f"relative error of commfuse vs eager: {err:.2e} ({dtype}, {world} ranks, {device.type})")
+        ranks = f"{world} rank{'' if world == 1 else 's'}"
+        print(f"relative error of commfuse vs eager: {err:.2e} ({dtype}, {ranks}, {device.type})")
         if world == 1:
             print("one rank: nothing to exchange, so nothing to fuse; launch two or more to see fusion "
                   "(torchrun --nproc_per_node=2 examples/tp_transformer.py)")
@@ -68,7 +81,6 @@ def main() -> None:
         raise SystemExit(f"rank {rank}: relative error {err:.2e} exceeds {tol}")
     if world > 1 and not commfuse.report().fused and not args.exclude:
         raise SystemExit(f"rank {rank}: nothing fused, so the check compared Inductor with eager")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

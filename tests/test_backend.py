@@ -91,6 +91,37 @@ def test_backend_sizes_must_be_whole_numbers(kwargs):
         commfuse.backend(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(tune=True), TypeError, "commfuse.backend: tune must be a str, one of 'off', 'cache', 'first-use'; got True"),
+    (dict(tune=1), TypeError, "commfuse.backend: tune must be a str, one of 'off', 'cache', 'first-use'; got 1"),
+    (dict(tune=["cache"]), TypeError, "commfuse.backend: tune must be a str"),
+    (dict(tune="always"), ValueError, "commfuse.backend: tune='always' is not one of 'off', 'cache', 'first-use'"),
+    (dict(patterns=5), TypeError, "commfuse.backend: patterns must be a list of pattern names"),
+    (dict(patterns=[Settings]), TypeError, "commfuse.backend: patterns must name patterns as str"),
+    (dict(patterns=["mm_allreduce"]), ValueError,
+     "commfuse.backend: patterns has an unknown pattern 'mm_allreduce'; did you mean 'mm_all_reduce'?"),
+    (dict(mode=1), TypeError, "commfuse.backend: mode must be a str"),
+])
+def test_backend_arguments_are_checked_by_type_and_value(kwargs, error, message):
+    """``tune=True``, ``1`` and ``['cache']`` acted as ``"cache"``; ``tune='always'`` was refused
+    naming ``COMMFUSE_TUNE``, which the caller never set."""
+    from commfuse import env
+
+    before = env.current().tune
+    with pytest.raises(error) as info:
+        commfuse.backend(**kwargs)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "COMMFUSE_" not in str(info.value)
+    assert env.current().tune == before  # a refused tune= set nothing
+
+
+def test_a_backend_with_no_patterns_warns_at_the_callers_line():
+    with pytest.warns(UserWarning, match=r"patterns=\[\] enables no rewrite: this backend fuses nothing") as got:
+        built = commfuse.backend(patterns=[])
+    assert built.settings.patterns == ()
+    assert [w.filename for w in got] == [__file__]
+
+
 class ConfigProbe(CustomGraphPass):
     """Records the Inductor settings in force while the post-grad passes run."""
 

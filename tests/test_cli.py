@@ -117,3 +117,58 @@ def test_tune_runs_a_script_as_main_with_tuning_on_first_use(tmp_path, monkeypat
         env.reload()
     assert seen.read_text() == "__main__ first-use --steps 2"
     assert f"commfuse tune: {script}: 0 call signatures tuned in 0.0 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [("explain",), ("tune", "--show"), ("bench", "table", "ops.json"), ("bench", "ops"),
+                                  ("bench", "model")])
+def test_a_bad_setting_ends_every_command_in_one_line(argv, monkeypatch, capsys):
+    """``explain`` and ``tune`` printed a 30-line traceback for a bad ``COMMFUSE_*`` value."""
+    from commfuse.__main__ import main
+
+    monkeypatch.setenv("COMMFUSE_TUNE", "always")
+    assert main(list(argv)) == 2
+    assert capsys.readouterr().err == (f"python -m commfuse {argv[0]}: COMMFUSE_TUNE='always' is not one of off, "
+                                       "cache, first-use\n")
+
+
+def test_a_bad_setting_and_a_misspelt_one_on_the_command_line():
+    """The same from a shell: one line each, the warning naming the command (not runpy's frame)."""
+    proc = _run("-m", "commfuse", "explain", env={"COMMFUSE_TUNE": "always", "COMMFUSE_TIMEOUT": "5"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr == ("python -m commfuse explain: warning: COMMFUSE_TIMEOUT is not a commfuse setting and is "
+                           "ignored; did you mean COMMFUSE_TIMEOUT_S?\n"
+                           "python -m commfuse explain: COMMFUSE_TUNE='always' is not one of off, cache, first-use\n")
+
+
+@pytest.mark.parametrize("argv", [("explain", "--gpu", "sm90"), ("explain", "--gpu", "sm_abc"),
+                                  ("tune", "--show", "--gpu", "H2000")])
+def test_an_unknown_gpu_is_refused_in_one_line_before_any_work(argv, monkeypatch):
+    """``explain --gpu sm90`` showed every call as NCCL and ``--gpu sm_abc`` the default rules, both
+    after a 15 s compile, with status 0."""
+    from commfuse.__main__ import main
+    from commfuse.tools import explain
+
+    monkeypatch.setattr(explain, "run", lambda args: pytest.fail("compiled before checking --gpu"))
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert str(info.value) == (f"commfuse {argv[0]}: --gpu {argv[-1]!r} is not a known architecture (sm_80, sm_86, "
+                               "sm_89, sm_90, sm_100) or GPU (A100, A10, L40S, H100 PCIe, H100, H200, B200)")
+
+
+@pytest.mark.parametrize("gpu, want", [
+    ("sm_90", ("sm_90", "NVIDIA H200", 132)), ("h100", ("sm_90", "NVIDIA H100", 132)),
+    ("NVIDIA  H100 PCIe", ("sm_90", "NVIDIA H100 PCIe", 114)), ("sm_80", ("sm_80", "NVIDIA A100", 108)),
+    ("B200", ("sm_100", "NVIDIA B200", 148))])
+def test_a_simulated_gpu_takes_its_sm_count_from_the_table(gpu, want):
+    from commfuse.tools import machine
+
+    assert machine.resolve(gpu) == want
+    facts = machine.simulated(2, gpu)
+    assert (facts.arch, facts.name, facts.sms) == want
+
+
+def test_tune_refuses_a_world_size_below_one():
+    from commfuse.tools import tune
+
+    with pytest.raises(SystemExit, match="^commfuse tune: --gpus must be at least 1, got 0$"):
+        tune.main(["--show", "--gpu", "sm_90", "--gpus", "0"])

@@ -130,6 +130,22 @@ def test_an_unknown_setting_name_warns_once_with_the_close_names(monkeypatch):
         env.validate()
 
 
+def test_a_misspelt_name_is_told_only_of_settings_that_exist_at_the_callers_line(monkeypatch):
+    """``COMMFUSE_RS_PUL`` was told "did you mean COMMFUSE_RS_PULL", a setting removed long ago, and
+    the warning named commfuse's own line."""
+    import commfuse
+
+    monkeypatch.setenv("COMMFUSE_RS_PUL", "1")
+    monkeypatch.setenv("COMMFUSE_TIMEOUT", "5")
+    with pytest.warns(UserWarning) as got:
+        commfuse.backend()
+    messages = sorted(str(w.message) for w in got)
+    assert messages == ["commfuse: COMMFUSE_RS_PUL is not a commfuse setting and is ignored",
+                        "commfuse: COMMFUSE_TIMEOUT is not a commfuse setting and is ignored; did you mean "
+                        "COMMFUSE_TIMEOUT_S?"]
+    assert {w.filename for w in got} == {__file__}
+
+
 def test_a_removed_setting_still_set_warns_once_with_its_fate(monkeypatch):
     monkeypatch.setenv("COMMFUSE_RS_PULL", "1")
     with pytest.warns(UserWarning, match="COMMFUSE_RS_PULL no longer exists.*lost on every shape"):

@@ -118,3 +118,22 @@ def test_explain_prints_the_path_of_every_fused_call():
     assert all("[rules: " in line and "(sm_90 world 2)]" in line for line in lines)
     gpus = _explain("--model", "sp", "--layers", "1", "--batch", "2", "--seq", "256", "--inference", "--gpu", "sm_80")
     assert "Paths on 2 simulated sm_80 GPUs" in gpus and "(default world 2)]" in gpus
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dim", "7"], "--dim 7 is not divisible by --heads 8"),
+    (["--layers", "-1"], "--layers must be at least 1, got -1"),
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--seq", "0"], "--seq must be at least 1, got 0"),
+    (["--gpus", "0"], "--gpus must be at least 1, got 0"),
+    (["--heads", "6", "--dim", "240"], "--heads 6 is not divisible by the key/value heads 4 (--kv-heads)"),
+])
+def test_sizes_the_model_cannot_take_are_one_line_before_the_compile(argv, message, monkeypatch):
+    """``--dim 7`` and ``--seq 0`` ended in a Dynamo traceback, ``--batch 0`` compiled for minutes,
+    ``--layers -1`` reported "0 fused" with status 0."""
+    from commfuse.tools import explain
+
+    monkeypatch.setattr(explain, "run", lambda args: pytest.fail("compiled before checking the sizes"))
+    with pytest.raises(SystemExit) as info:
+        explain.main(argv)
+    assert str(info.value) == f"commfuse explain: {message}"

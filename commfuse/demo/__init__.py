@@ -45,3 +45,35 @@ def init_distributed():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     return (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+
+
+def shutdown(agree: bool = True) -> None:
+    """Leave the process group in order (the examples' and commands' last step, on every rank).
+
+    With ``agree`` (a run that ended normally on every rank), a barrier first: no rank tears down
+    while a peer still waits on it. Then commfuse's per-group state (symmetric memory, graph lanes)
+    is released, Dynamo's compiled graphs are dropped, and the process groups destroyed, while the
+    interpreter is whole. A gloo group left to interpreter finalization (not destroyed, or still
+    referenced by compiled code) can abort the process after its output: torch's gloo worker
+    threads then destroy work that holds Python objects (``terminate called without an active
+    exception``, pytorch/pytorch#190489; the fix proposed in torch, an ``atexit`` destroy in
+    ``init_process_group``, pytorch/pytorch#179291, was not merged). Without ``agree`` (an error
+    path, where a peer may never reach a barrier) only the local teardown runs.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    if agree:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier()
+    groups = sys.modules.get("commfuse.runtime.groups")
+    if groups is not None and agree:  # collective (the graph lanes restart together)
+        groups.release()
+    torch._dynamo.reset()
+    gc.collect()
+    dist.destroy_process_group()

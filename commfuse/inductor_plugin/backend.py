@@ -19,8 +19,10 @@ import torch
 from .. import env
 from ..config import DEFAULT_MIN_MNK, Settings
 from ..runtime import errors
-from . import alike
+from . import alike, cached
 from .graph_pass import _FUSED_OPS, _GROUP_ARG, CommfusePass
+
+cached.install()  # a graph the FX graph cache serves brings its decisions back into the report
 
 
 @functools.lru_cache(1)
@@ -127,7 +129,8 @@ class CommfuseBackend:
         patches["post_grad_custom_post_pass"] = _WatchedPass(self.settings, user_pass, watch)
         hits = _cache_hits()
         # compile_fx applies the patches to the lazily compiled backward graph as well.
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, inner_compile=cached.compile_inner,
+                              config_patches=patches)
         if _cache_hits() != hits:  # a cached graph: which groups it calls is not known here
             watch.every = True
         if not (watch.names or watch.every or _may_train(example_inputs)):
@@ -155,7 +158,8 @@ def backend(
     Args:
         exclude: module classes, module instances, or qualified-name patterns (``fnmatch``, relative
             to the compiled module, e.g. ``"layers.0.*"``) whose matmuls stay unfused.
-        patterns: which rewrites run, from ``commfuse.PATTERNS`` (default: all).
+        patterns: which rewrites run, names from ``commfuse.PATTERNS`` (default: all; an empty
+            list warns: that backend fuses nothing).
         min_mnk: matmuls with M*N*K below this stay unfused (the dimension a rank's shard may size
             differently from its peers', K of an all-reduced or reduce-scattered product, N of an
             all-gathered one, counts as 64: ranks with unevenly sharded layers decide alike).
@@ -174,10 +178,13 @@ def backend(
             machine, never tune), ``"first-use"`` (a call signature without an answer is tuned by
             every rank together at its first call).
 
-    The ``COMMFUSE_*`` environment settings are checked here too, so a malformed one fails when
-    the backend is built, naming the variable, not inside the first compile.
+    Every argument is checked here by type and value, an error naming it (``tune=True`` is
+    refused, not read as ``"cache"``). The ``COMMFUSE_*`` environment settings are checked here
+    too, so a malformed one fails when the backend is built, naming the variable, not inside the
+    first compile.
     """
     env.validate()
+    patterns = _checked_arguments(patterns, mode, tune)
     if tune is not None:
         env.set(tune=tune)
     settings = Settings.build(patterns=patterns, exclude=exclude, min_mnk=min_mnk,
@@ -185,6 +192,46 @@ def backend(
     config = mode_options(mode, "commfuse.backend(mode=...)")
     config.update(inductor_options(inductor_config, "commfuse.backend(inductor_config=...)"))
     return CommfuseBackend(settings, config)
+
+
+def _checked_arguments(patterns: Any, mode: Any, tune: Any) -> tuple[str, ...] | None:
+    """``backend()``'s ``patterns``, ``mode`` and ``tune`` checked by type and value, each error
+    naming the argument as the caller wrote it (not the ``COMMFUSE_*`` setting ``tune`` sets);
+    ``patterns`` as a tuple. An empty ``patterns`` warns: such a backend fuses nothing."""
+    import warnings
+
+    from ..config import PATTERNS
+
+    if tune is not None:
+        if not isinstance(tune, str):
+            raise TypeError(f"commfuse.backend: tune must be a str, one of {', '.join(map(repr, env.TUNE_MODES))}; "
+                            f"got {tune!r}")
+        if tune.strip().lower() not in env.TUNE_MODES:
+            raise ValueError(f"commfuse.backend: tune={tune!r} is not one of {', '.join(map(repr, env.TUNE_MODES))}")
+    if mode is not None and not isinstance(mode, str):
+        raise TypeError(f"commfuse.backend: mode must be a str (an Inductor mode), got {mode!r}")
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    elif not isinstance(patterns, Iterable):
+        raise TypeError(f"commfuse.backend: patterns must be a list of pattern names from {list(PATTERNS)}, "
+                        f"got {patterns!r}")
+    patterns = tuple(patterns)
+    wrong = [p for p in patterns if not isinstance(p, str)]
+    if wrong:
+        raise TypeError(f"commfuse.backend: patterns must name patterns as str, got {wrong[0]!r}; "
+                        f"known: {list(PATTERNS)}")
+    unknown = [p for p in patterns if p not in PATTERNS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], PATTERNS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"commfuse.backend: patterns has an unknown pattern {unknown[0]!r}{hint} "
+                         f"(known: {list(PATTERNS)})")
+    if not patterns:
+        warnings.warn("commfuse.backend: patterns=[] enables no rewrite: this backend fuses nothing (it is "
+                      "Inductor alone); leave patterns out for all of them", stacklevel=env.user_stacklevel())
+    return patterns
 
 
 #: What ``backend="commfuse"`` resolves to: default settings.

@@ -287,11 +287,13 @@ def bench_shape(op: str, m: int, k: int, n: int, dtype, group, iris: bool = Fals
     _settle(t, {"unfused": (case.unfused, None), "commfuse_default": (case.commfuse, None)})
     exchanges = [t[key] for key in ("nccl_ar", "nccl_ag", "nccl_rs", "one_shot_ar", "two_shot_ar", "symm_ag",
                                     "symm_rs", "torch_symm_one_shot_ar", "torch_symm_two_shot_ar") if t.get(key)]
-    unfused_alternatives = [t["unfused"]] + [peers[key] for key in ("torch_symm_one_shot", "torch_symm_two_shot")
-                                             if peers.get(key)]
-    return dict(op=op, M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=case.world,
-                path=case.rules(), unfused_us=t["unfused"], best_unfused_us=min(unfused_alternatives),
-                commfuse_us=t["commfuse_default"], floor_us=max(t["mm"], min(exchanges)), parts=t, peers=peers)
+    for where, key in BEST_UNFUSED.get(op, ()):  # one not measured here is recorded as failed
+        (peers if where == "peers" else t).setdefault(key, None)
+    rec = dict(op=op, M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=case.world,
+               path=case.rules(), unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
+               floor_us=max(t["mm"], min(exchanges)), parts=t, peers=peers)
+    rec["best_unfused_us"] = best_unfused_us(rec) or t["unfused"]
+    return rec
 
 
 def bench_tuned(op: str, m: int, k: int, n: int, dtype, group, tuner) -> dict:
@@ -321,29 +323,74 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values))
 
 
+#: What every record of an ops file needs for the table.
+_FIELDS = ("op", "M", "K", "N", "unfused_us", "commfuse_us", "floor_us", "peers", "parts")
+#: The unfused alternatives to cuBLAS + NCCL per op: (where, key) of each, all after cuBLAS: torch
+#: symmetric memory's one-/two-shot all-reduce and commfuse's own one-shot (its ``one_shot`` path
+#: forced: the matmul, then the exchange). The other ops have none measured.
+BEST_UNFUSED = {"mm_all_reduce": (("peers", "torch_symm_one_shot"), ("peers", "torch_symm_two_shot"),
+                                  ("parts", "commfuse_one_shot"))}
+
+
+def best_unfused_us(rec: dict) -> float | None:
+    """The fastest unfused computation of a record: cuBLAS + NCCL or an alternative of
+    ``BEST_UNFUSED`` (one measured as failed, ``None``, is left out); None for an op without
+    alternatives. ``ValueError`` if the record lacks one of them: a file from before they were
+    recorded cannot give the figure, and unfused alone would overstate the speed-up."""
+    alternatives = BEST_UNFUSED.get(rec["op"])
+    if alternatives is None:
+        return None
+    missing = [f"{where}.{key}" for where, key in alternatives if key not in rec[where]]
+    if missing:
+        raise ValueError(f"{_name(rec)} has no {', '.join(missing)}, which the best unfused needs: a file from "
+                         "before those were timed (re-run bench ops)")
+    return min([rec["unfused_us"]] + [rec[where][key] for where, key in alternatives if rec[where][key]])
+
+
+def _name(rec: dict) -> str:
+    return f"the record of {rec.get('op')} {rec.get('M')}x{rec.get('K')}x{rec.get('N')}"
+
+
+def _checked(records) -> list[dict]:
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError("not a list of bench ops records")
+    for rec in records:
+        missing = [f for f in _FIELDS if f not in rec]
+        if missing:
+            raise ValueError(f"{_name(rec)} has no {', '.join(missing)}: not a bench ops record")
+    return records
+
+
 def _table(records) -> str:
     if records and "tuned" in records[0]:
         return _tuned_table(records)
+    records = _checked(records)
     lines = ["| op | M | K | N | path | unfused µs | best unfused µs | commfuse µs | floor µs | speed-up "
              "| vs best unfused | of floor | best peer | fastest |", "|---" * 14 + "|"]
+    best_of = {id(r): best_unfused_us(r) for r in records}
     for r in records:
         peers = {k: v for k, v in r["peers"].items() if v}
         best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
         best_s = f"{best[0]} {best[1]:.0f} ({r['unfused_us'] / best[1]:.2f}x)" if best else "-"
         fastest = min({"unfused": r["unfused_us"], "commfuse": r["commfuse_us"], **peers}.items(),
                       key=lambda kv: kv[1])[0]
-        best_unfused = r.get("best_unfused_us", r["unfused_us"])
+        best_unfused = best_of[id(r)]
+        vs_best = (f"{best_unfused:.0f} | " if best_unfused else "- | ",
+                   f"{best_unfused / r['commfuse_us']:.2f}x" if best_unfused else "-")
         lines.append(f"| {r['op']} | {r['M']} | {r['K']} | {r['N']} | {r.get('path', '-')} | {r['unfused_us']:.0f} | "
-                     f"{best_unfused:.0f} | {r['commfuse_us']:.0f} | {r['floor_us']:.0f} | "
-                     f"{r['unfused_us'] / r['commfuse_us']:.2f}x | {best_unfused / r['commfuse_us']:.2f}x | "
+                     f"{vs_best[0]}{r['commfuse_us']:.0f} | {r['floor_us']:.0f} | "
+                     f"{r['unfused_us'] / r['commfuse_us']:.2f}x | {vs_best[1]} | "
                      f"{r['commfuse_us'] / r['floor_us']:.2f} | {best_s} | {fastest} |")
     for op in sorted({r["op"] for r in records}):
         rs = [r for r in records if r["op"] == op]
         ratios = [r["unfused_us"] / r["commfuse_us"] for r in rs]
-        best = [r.get("best_unfused_us", r["unfused_us"]) / r["commfuse_us"] for r in rs]
         near = sum(r["commfuse_us"] / r["floor_us"] <= 1.2 for r in rs)
+        over_best = ""
+        if op in BEST_UNFUSED:
+            best = [best_of[id(r)] / r["commfuse_us"] for r in rs]
+            over_best = f"; over the best unfused {_geomean(best):.3f}x (min {min(best):.3f}x)"
         lines.append(f"\n{op}: geomean speed-up {_geomean(ratios):.3f}x over {len(ratios)} shapes, min "
-                     f"{min(ratios):.3f}x, max {max(ratios):.3f}x; over the best unfused {_geomean(best):.3f}x; "
+                     f"{min(ratios):.3f}x, max {max(ratios):.3f}x{over_best}; "
                      f"{near} of {len(rs)} within 1.2x of the floor")
     return "\n".join(lines)
 
@@ -388,58 +435,114 @@ def plot(json_path: str, png_path: str) -> None:
 
 
 def table(json_path: str) -> str:
+    """The markdown table of an ops file; ``ValueError`` for a file that is not JSON or whose
+    records lack what the table shows (never a figure computed from less)."""
     with open(json_path) as f:
-        return _table(json.load(f))
+        try:
+            records = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{json_path} is not JSON ({exc})") from None
+    try:
+        return _table(records)
+    except ValueError as exc:
+        raise ValueError(f"{json_path}: {exc}") from None
+
+
+#: ``bench model``'s defaults: on GPUs the README's runs (8B-class layers); on the CPU, where the
+#: ops run the unfused computation and every compile takes seconds, a run of about a minute.
+MODEL_DEFAULTS = {
+    "cuda": dict(models="dtensor,sp,hooks", modes="prefill,decode,decode_cg,train", decode_batches="4,32",
+                 context=2048, backends="eager,inductor,inductor_mptp,commfuse,floor", layers=4, batch=4, seq=2048,
+                 iters=10, rounds=3),
+    "cpu": dict(models="dtensor", modes="prefill,decode,train", decode_batches="4", context=128,
+                backends="eager,inductor,commfuse", layers=1, batch=2, seq=128, iters=4, rounds=2),
+}
+
+
+def _default(option: str) -> str:
+    gpu, cpu = MODEL_DEFAULTS["cuda"][option], MODEL_DEFAULTS["cpu"][option]
+    return f"default on GPUs {gpu}, on the CPU {cpu}"
 
 
 def parser(prog: str = "python -m commfuse bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["ops", "model", "plot", "table", "model-table", "model-plot"],
-                   help="ops: the op benchmark (CUDA GPUs, under torchrun); model: the model benchmark (under "
-                   "torchrun, GPUs or CPU ranks); table / plot: an ops JSON as a table / a plot; model-table / "
-                   "model-plot: model JSON files")
-    p.add_argument("files", nargs="*", help="plot: OPS_JSON OUT_PNG; table: OPS_JSON; model-table: "
-                   "MODEL_JSON...; model-plot: MODEL_JSON... OUT_PNG")
-    p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--shapes", choices=["default", "square"], default="default",
-                   help="square: M=K=N from 256 to 4096 in steps of 128")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json, "
-                   "ops_tuned.json with --tuned)")
-    p.add_argument("--iris", action="store_true", help="ops: also Iris's own matmul_all_reduce on its heap")
-    p.add_argument("--tuned", action="store_true", help="ops: per shape the rules' choice and the tuned "
-                   "choice (the tuner run on the group), both timed, side by side")
-    p.add_argument("--cache", action="store_true", help="ops --tuned: keep the tuned answers in this "
-                   "machine's tuning cache (default: a temporary directory)")
-    p.add_argument("--models", default="dtensor,sp,hooks",
-                   help="model: which TP splits (also: hf, transformers' LlamaForCausalLM)")
-    p.add_argument("--modes", default="prefill,decode,decode_cg,train",
-                   help="model: which modes (decode_cg: decode under CUDA graphs, GPUs only; "
-                   "also loss: loss curves against eager)")
-    p.add_argument("--decode-batches", default="4,32", help="model: decode batch sizes")
-    p.add_argument("--context", type=int, default=2048, help="model: KV-cache length decoding starts at")
-    p.add_argument("--backends", default="eager,inductor,inductor_mptp,commfuse,floor",
-                   help="model: also commfuse@PATH (a forced path) and commfuse@KEY=VALUE+... (settings, "
-                   "e.g. commfuse@MERGE_SUMS=0)")
-    p.add_argument("--layers", type=int, default=4, help="model: decoder layers")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="model: alternating rounds over the backends (--iters steps split among them)")
-    p.add_argument("--loss-steps", type=int, default=50, help="model: training steps of the loss mode")
-    p.add_argument("--small", action="store_true", help="model: small sizes (the default on CPU)")
-    p.add_argument("--call-times", type=int, default=0, metavar="STEPS",
-                   help="model: after the timed rounds, STEPS more commfuse steps with every commfuse call "
-                   "timed by CUDA events, each call's median against the same call alone (GPUs; prefill "
-                   "and train)")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{ops,model,table,plot,model-table,model-plot}",
+                           help="COMMAND --help describes each one's options")
+
+    ops = sub.add_parser("ops", help="time the ops against unfused cuBLAS + NCCL (CUDA GPUs, under torchrun)",
+                         description="Time commfuse's ops against the unfused cuBLAS + NCCL computation and peers, "
+                         "one run per shape (CUDA GPUs, under torchrun --nproc_per_node=N). Prints a markdown table "
+                         "and writes the records as JSON.")
+    ops.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops to time (default: {','.join(OPS)})")
+    ops.add_argument("--shapes", choices=["default", "square"], default="default",
+                     help="default: each op's standard shapes (the README's table); square: M=K=N from 256 to "
+                     "4096 in steps of 128")
+    ops.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                     help="operand dtype (default bfloat16)")
+    ops.add_argument("--limit", type=int, default=0, help="only the first N shapes per op (smoke runs; 0: all)")
+    ops.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<machine>/ops.json, "
+                     "ops_tuned.json with --tuned)")
+    ops.add_argument("--iris", action="store_true", help="also Iris's own matmul_all_reduce on its heap")
+    ops.add_argument("--tuned", action="store_true", help="per shape the rules' choice and the tuned choice (the "
+                     "tuner run on the group), both timed, side by side")
+    ops.add_argument("--cache", action="store_true", help="with --tuned: keep the tuned answers in this machine's "
+                     "tuning cache (default: a temporary directory)")
+
+    model = sub.add_parser("model", help="time a TP model per backend (under torchrun, GPUs or CPU ranks)",
+                           description="Time the bundled Llama-style TP model per backend, in alternating rounds "
+                           "(under torchrun --nproc_per_node=N; CUDA GPUs, or gloo ranks on the CPU, where the ops "
+                           "run the unfused computation). Prints what it will run first, then a line per case. "
+                           "Defaults differ on GPUs (the README's runs) and on the CPU (small sizes).")
+    model.add_argument("--models", default=None, help="comma-separated TP splits: dtensor, sp (sequence-parallel), "
+                       f"hooks (gpt-fast style), hf (transformers' LlamaForCausalLM); {_default('models')}")
+    model.add_argument("--modes", default=None, help="comma-separated modes: prefill, decode, decode_cg (decode "
+                       "under CUDA graphs, GPUs only), train, loss (loss curves against eager); "
+                       f"{_default('modes')}")
+    model.add_argument("--decode-batches", default=None, help=f"decode batch sizes; {_default('decode_batches')}")
+    model.add_argument("--context", type=int, default=None,
+                       help=f"KV-cache length decoding starts at; {_default('context')}")
+    model.add_argument("--backends", default=None,
+                       help="comma-separated: eager, inductor, inductor_mptp (Inductor's async TP), commfuse, "
+                       "floor (collectives replaced by local stand-ins), also commfuse@PATH (a forced path) and "
+                       f"commfuse@KEY=VALUE+... (settings, e.g. commfuse@MERGE_SUMS=0); {_default('backends')}")
+    model.add_argument("--layers", type=int, default=None, help=f"decoder layers; {_default('layers')}")
+    model.add_argument("--batch", type=int, default=None, help=f"prefill and training batch; {_default('batch')}")
+    model.add_argument("--seq", type=int, default=None,
+                       help=f"prefill and training sequence length; {_default('seq')}")
+    model.add_argument("--iters", type=int, default=None,
+                       help=f"timed steps per backend, split among the rounds; {_default('iters')}")
+    model.add_argument("--rounds", type=int, default=None,
+                       help=f"alternating rounds over the backends; {_default('rounds')}")
+    model.add_argument("--loss-steps", type=int, default=50, help="training steps of the loss mode (default 50)")
+    model.add_argument("--small", action="store_true",
+                       help="small layer sizes (dim 256) on GPUs too (the CPU always uses them)")
+    model.add_argument("--call-times", type=int, default=0, metavar="STEPS",
+                       help="after the timed rounds, STEPS more commfuse steps with every commfuse call timed by "
+                       "CUDA events, each call's median against the same call alone (GPUs; prefill and train)")
+    model.add_argument("--out", default=None, help="JSON path for the records (default: none written)")
+
+    table = sub.add_parser("table", help="an ops JSON file as a markdown table",
+                           description="An ops JSON file (bench ops --out) as a markdown table with geomeans.")
+    table.add_argument("ops_json", help="the file bench ops wrote")
+    plot = sub.add_parser("plot", help="an ops JSON file as a PNG plot",
+                          description="Speed-up over unfused per shape (and the floor's bound), one plot per op.")
+    plot.add_argument("ops_json", help="the file bench ops wrote")
+    plot.add_argument("out_png", help="the PNG to write")
+    model_table = sub.add_parser("model-table", help="model JSON files as a markdown table",
+                                 description="Model JSON files (bench model --out) as one markdown table.")
+    model_table.add_argument("model_json", nargs="+", help="files bench model wrote (a later file's record of a "
+                             "case wins)")
+    model_plot = sub.add_parser("model-plot", help="model JSON files as a PNG plot",
+                                description="Step time of commfuse and of the floor relative to Inductor's, per "
+                                "model and mode.")
+    model_plot.add_argument("model_json", nargs="+", help="files bench model wrote (a later file's record of a "
+                            "case wins)")
+    model_plot.add_argument("out_png", help="the PNG to write")
     return p
 
 
 def main(argv=None, prog: str = "python -m commfuse bench") -> int:
-    p = parser(prog)
-    args = p.parse_args(argv)
+    args = parser(prog).parse_args(argv)
     if args.what in ("ops", "model"):  # GPU and torchrun problems as one line, not a traceback
         from commfuse.demo import exit_unless_launched
 
@@ -448,31 +551,26 @@ def main(argv=None, prog: str = "python -m commfuse bench") -> int:
         from . import bench_model
 
         return bench_model.main(args)
-    if args.what == "plot":
-        if len(args.files) != 2:
-            p.error("plot takes OPS_JSON OUT_PNG")
-        plot(*args.files)
-        return 0
-    if args.what == "model-table":
-        from . import bench_model
+    if args.what == "ops":
+        return run_ops(args)
+    try:
+        if args.what == "plot":
+            plot(args.ops_json, args.out_png)
+        elif args.what == "model-table":
+            from . import bench_model
 
-        if not args.files:
-            p.error("model-table takes one or more model JSON files")
-        print(bench_model.table(args.files))
-        return 0
-    if args.what == "model-plot":
-        from . import bench_model
+            print(bench_model.table(args.model_json))
+        elif args.what == "model-plot":
+            from . import bench_model
 
-        if len(args.files) < 2:
-            p.error("model-plot takes one or more model JSON files and OUT_PNG")
-        bench_model.plot(args.files[:-1], args.files[-1])
-        return 0
-    if args.what == "table":
-        if len(args.files) != 1:
-            p.error("table takes OPS_JSON")
-        print(table(args.files[0]))
-        return 0
-    return run_ops(args)
+            bench_model.plot(args.model_json, args.out_png)
+        else:
+            print(table(args.ops_json))
+    except OSError as exc:  # a missing or unreadable file: one line
+        raise SystemExit(f"commfuse bench {args.what}: {exc.strerror or exc}: {exc.filename}") from None
+    except ValueError as exc:  # not JSON, or records without the fields the table needs
+        raise SystemExit(f"commfuse bench {args.what}: {exc}") from None
+    return 0
 
 
 def _run_shapes(todo, dtype, group, tuner, iris: bool) -> list[dict]:
@@ -526,7 +624,9 @@ def run_ops(args) -> int:
             json.dump(records, f, indent=1)
         print(_table(records))
         print(f"\nwrote {out}")
-    dist.destroy_process_group()
+    from commfuse.demo import shutdown
+
+    shutdown()
     return 0
 
 

@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commfuse.demo import hf_llama, init_distributed
+from commfuse.demo import hf_llama, init_distributed, shutdown
 
 BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
 MODES = ("prefill", "train", "decode", "decode_cg", "loss")
@@ -319,7 +319,9 @@ CPU_NOTE = "unfused computation: no fusion runs on the CPU"
 
 def header(device, world: int) -> str:
     """The run's first line (rank 0, stderr)."""
-    line = f"commfuse bench model: {world} ranks, {device.type}"
+    from . import count
+
+    line = f"commfuse bench model: {count(world, 'rank')}, {device.type}"
     if device.type != "cuda":
         line += (". On the CPU the commfuse ops run the unfused computation (no fusion runs on the CPU): "
                  "the timings compare Inductor with that, not with fusion")
@@ -518,9 +520,31 @@ def _write(path: str | None, records: list) -> None:
             json.dump(records, f, indent=1)
 
 
+def fill_defaults(args, cuda: bool) -> list[str]:
+    """Set each option left unset to its default on GPUs or on the CPU (``bench.MODEL_DEFAULTS``);
+    return what will run, in words."""
+    from . import count
+    from .bench import MODEL_DEFAULTS
+
+    for option, value in MODEL_DEFAULTS["cuda" if cuda else "cpu"].items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
+    for option in ("layers", "batch", "seq", "context", "iters", "rounds"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"commfuse bench model: --{option} must be at least 1, got {getattr(args, option)}")
+    modes = [m for m in args.modes.split(",") if m and (cuda or m != "decode_cg")]
+    decode = (f", decode batches {args.decode_batches} from context {args.context}"
+              if any(m.startswith("decode") for m in modes) else "")
+    return [f"models {args.models}; modes {','.join(modes)}; backends {args.backends}",
+            f"{count(args.layers, 'layer')} ({'small' if args.small or not cuda else '8B-class'} sizes), batch "
+            f"{args.batch}, sequence {args.seq}{decode}; {count(args.iters, 'step')} per backend in "
+            f"{count(args.rounds, 'alternating round')}"]
+
+
 def main(args) -> int:
     from commfuse.demo import transformer as demo
 
+    plan = fill_defaults(args, torch.cuda.is_available())
     backends = [b for b in args.backends.split(",") if b]
     for backend in backends:  # a misspelt setting fails now, not after the other backends compiled
         base, _, algo = backend.partition("@")
@@ -543,6 +567,7 @@ def main(args) -> int:
     cuda = device.type == "cuda"
     if dist.get_rank() == 0:
         print(header(device, dist.get_world_size()), file=sys.stderr, flush=True)
+        print("commfuse bench model: will run " + "; ".join(plan), file=sys.stderr, flush=True)
     cfg = demo.sized_config(args.small or not cuda, args.layers, dist.get_world_size())
     records = []
     for kind in args.models.split(","):
@@ -583,5 +608,5 @@ def main(args) -> int:
         dist.barrier()
         sys.stdout.flush()
         os._exit(0)
-    dist.destroy_process_group()
+    shutdown()
     return 0

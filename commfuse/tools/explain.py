@@ -52,13 +52,38 @@ def parser(prog: str = "python -m commfuse explain") -> argparse.ArgumentParser:
                    help="outputs up to this size stay unfused without CUDA graphs (default: the backend's)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help='decide as a mode="reduce-overhead" compile would (launch-bound sizes fuse)')
-    p.add_argument("--gpu", default="sm_90", metavar="ARCH",
-                   help="the simulated GPU whose paths are shown (default sm_90: H200; an architecture without "
-                   "rules of its own takes the default table)")
+    p.add_argument("--gpu", default="sm_90", metavar="ARCH|GPU",
+                   help="the simulated GPU whose paths are shown: an architecture (sm_80, sm_86, sm_89, sm_90, "
+                   "sm_100) or a GPU (A100, A10, L40S, H100, 'H100 PCIe', H200, B200); default sm_90 (H200). An "
+                   "architecture without rules of its own takes the default table")
     p.add_argument("--gpus", type=int, default=None,
                    help="ranks of the simulated group (default: --world-size; the calls keep the shapes the "
                    "--world-size split gives)")
     return p
+
+
+def _kv_heads(args: argparse.Namespace) -> int:
+    return args.kv_heads or min(max(4, args.world_size), args.heads)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Exit in one line for sizes the model cannot take (before the compile, which takes a while)."""
+    from commfuse.tools import machine
+
+    sizes = ("world_size", "layers", "dim", "heads", "kv_heads", "ffn_dim", "batch", "seq", "gpus")
+    for name in sizes:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"commfuse explain: --{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.dim % args.heads:
+        raise SystemExit(f"commfuse explain: --dim {args.dim} is not divisible by --heads {args.heads}")
+    if args.heads % _kv_heads(args):
+        raise SystemExit(f"commfuse explain: --heads {args.heads} is not divisible by the key/value heads "
+                         f"{_kv_heads(args)} (--kv-heads)")
+    try:
+        machine.resolve(args.gpu)
+    except ValueError as exc:
+        raise SystemExit(f"commfuse explain: --gpu {exc}") from None
 
 
 def run(args: argparse.Namespace):
@@ -71,15 +96,12 @@ def run(args: argparse.Namespace):
     from commfuse.config import DEFAULT_MIN_MNK
     from commfuse.demo import transformer as demo
 
-    if args.world_size < 1:
-        raise SystemExit(f"commfuse explain: --world-size must be at least 1, got {args.world_size}")
-    if args.gpus is not None and args.gpus < 1:
-        raise SystemExit(f"commfuse explain: --gpus must be at least 1, got {args.gpus}")
+    check(args)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     world = dist.get_world_size()
     torch.manual_seed(0)
-    kv_heads = args.kv_heads or min(max(4, world), args.heads)
+    kv_heads = _kv_heads(args)
     cfg = demo.Config(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=kv_heads, ffn_dim=args.ffn_dim)
     dtype = getattr(torch, args.dtype)
@@ -104,7 +126,8 @@ def run(args: argparse.Namespace):
                                inductor_config={"triton.cudagraphs": True} if args.cuda_graphs else None)
     compiled = torch.compile(model, backend=backend)
     commfuse.clear_report()
-    # Caches off: a cached graph skips the pass and would leave its decisions out of the report.
+    # Caches off: each fused call's path below is read from the nodes the pass makes (a cached graph
+    # brings its decisions back, not its nodes).
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False), _calls_of_fused_nodes() as calls:
         if args.inference:
@@ -210,10 +233,15 @@ def paths(rep, arch: str, world: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain") -> int:
+    from . import machine
+
     args = parser(prog).parse_args(argv)
+    check(args)
     mode = "inference" if args.inference else "training step (forward + backward)"
-    print(f"commfuse explain: {MODELS[args.model]}; {args.layers} layers, dim {args.dim}, "
-          f"{args.dtype}, fake process group of {args.world_size} ranks on the CPU; {mode}",
+    from . import count
+
+    print(f"commfuse explain: {MODELS[args.model]}; {count(args.layers, 'layer')}, dim {args.dim}, "
+          f"{args.dtype}, fake process group of {count(args.world_size, 'rank')} on the CPU; {mode}",
           flush=True)
     start = time.time()
     rep = run(args)
@@ -221,11 +249,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain"
     print(rep)
     gpus = args.gpus or args.world_size
     if rep.fused:
-        from . import machine
-
         facts = machine.simulated(gpus, args.gpu)
-        print(f"\nPaths on {gpus} simulated {args.gpu} GPUs ({facts.name}, {facts.sms} SMs), one line per fused "
-              "call: where it is, the call, the path, where the choice comes from:")
+        print(f"\nPaths on {count(gpus, 'simulated ' + args.gpu + ' GPU')} ({facts.name}, {facts.sms} SMs), "
+              "one line per fused call: where it is, the call, the path, where the choice comes from:")
         print("\n".join(paths(rep, args.gpu, gpus)))
     print("\nSet TORCH_LOGS=commfuse (or COMMFUSE_LOG=1) to see these decisions as your own model compiles, "
           "or read commfuse.report() after the first call.")

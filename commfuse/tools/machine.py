@@ -14,8 +14,33 @@ from commfuse import env
 from commfuse.runtime.facts import GroupFacts, local_facts
 from commfuse.runtime.workspace import ALIGN, round_up
 
-#: What ``--gpu sm_90`` stands for: the GPU the sm_90 rules were measured on.
-KNOWN = {"sm_90": ("NVIDIA H200", 132)}
+#: The GPUs a tool may simulate: name -> (architecture, SM count of that model).
+GPUS = {
+    "A100": ("sm_80", 108),
+    "A10": ("sm_86", 72),
+    "L40S": ("sm_89", 142),
+    "H100 PCIe": ("sm_90", 114),
+    "H100": ("sm_90", 132),  # SXM
+    "H200": ("sm_90", 132),
+    "B200": ("sm_100", 148),
+}
+#: What ``--gpu ARCH`` stands for, per known architecture: one GPU of it (for sm_90 the one its
+#: rules were measured on).
+ARCHS = {"sm_80": "A100", "sm_86": "A10", "sm_89": "L40S", "sm_90": "H200", "sm_100": "B200"}
+
+
+def resolve(gpu: str) -> tuple[str, str, int]:
+    """(architecture, name, SM count) of ``gpu``: a known architecture (``sm_90``) or GPU name
+    (``H100``, ``NVIDIA H200``, any case); ``ValueError`` saying which are known otherwise."""
+    text = " ".join(str(gpu).split())
+    if text.lower() in ARCHS:
+        name = ARCHS[text.lower()]
+        return text.lower(), f"NVIDIA {name}", GPUS[name][1]
+    bare = text[len("nvidia "):] if text.lower().startswith("nvidia ") else text
+    for name, (arch, sms) in GPUS.items():
+        if bare.lower() == name.lower():
+            return arch, f"NVIDIA {name}", sms
+    raise ValueError(f"{gpu!r} is not a known architecture ({', '.join(ARCHS)}) or GPU ({', '.join(GPUS)})")
 
 
 def _settings() -> dict:
@@ -23,9 +48,9 @@ def _settings() -> dict:
     return dict(provider=settings.symm_provider, lane_bytes=round_up(settings.graph_bytes, ALIGN))
 
 
-def simulated(world: int, arch: str = "sm_90") -> GroupFacts:
-    """Facts of ``world`` ranks of one host, each with a GPU of ``arch``, every pair peers."""
-    name, sms = KNOWN.get(arch, (f"simulated {arch} GPU", 132))
+def simulated(world: int, gpu: str = "sm_90") -> GroupFacts:
+    """Facts of ``world`` ranks of one host, each with a GPU ``gpu`` (``resolve``), every pair peers."""
+    arch, name, sms = resolve(gpu)
     return GroupFacts.simulated(world, arch=arch, name=name, sms=sms, **_settings())
 
 

@@ -91,5 +91,7 @@ def finish(records: list, out: str | None) -> int:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(records, f, indent=1)
-    dist.destroy_process_group()
+    from commfuse.demo import shutdown
+
+    shutdown()
     return 0

@@ -44,8 +44,9 @@ def parser(prog: str = PROG) -> argparse.ArgumentParser:
     what.add_argument("--model", choices=MODELS, help="tune every call of the bundled model (under torchrun)")
     p.add_argument("--all", action="store_true", help="--clear: every cache file in the directory")
     p.add_argument("--gpus", type=int, default=None, help="--show / --clear: only this world size")
-    p.add_argument("--gpu", default=None, metavar="ARCH",
-                   help="--show / --clear: a simulated GPU of this architecture (sm_90) instead of this machine's")
+    p.add_argument("--gpu", default=None, metavar="ARCH|GPU",
+                   help="--show / --clear: a simulated GPU instead of this machine's: an architecture (sm_80, "
+                   "sm_86, sm_89, sm_90, sm_100) or a GPU (A100, A10, L40S, H100, 'H100 PCIe', H200, B200)")
     p.add_argument("--layers", type=int, default=2, help="--model: decoder layers")
     p.add_argument("--batch", type=int, default=4, help="--model: prefill and training batch")
     p.add_argument("--seq", type=int, default=2048, help="--model: prefill and training sequence length")
@@ -224,7 +225,7 @@ def run_model(args) -> int:
     import torch.distributed as dist
 
     from commfuse import env
-    from commfuse.demo import init_distributed
+    from commfuse.demo import init_distributed, shutdown
     from commfuse.demo import transformer as demo
 
     from .bench_model import _allow_many_compiles, _build, _compile, _make_step
@@ -257,7 +258,7 @@ def run_model(args) -> int:
                 run("decode", batch, torch.tensor([args.context], device=device))
     if _rank() == 0:
         print(tally.summary(f"the bundled model ({kind})"), flush=True)
-    dist.destroy_process_group()
+    shutdown()
     return 0
 
 
@@ -271,6 +272,17 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     args = p.parse_args(argv)
     if script_args and (args.script or args.show or args.clear or args.model):
         p.error("give either -- SCRIPT [ARGS...] or one of --show, --clear, --model")
+    for name in ("gpus", "layers", "batch", "seq", "context"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"commfuse tune: --{name} must be at least 1, got {value}")
+    if args.gpu is not None:
+        from . import machine
+
+        try:
+            machine.resolve(args.gpu)
+        except ValueError as exc:
+            raise SystemExit(f"commfuse tune: --gpu {exc}") from None
     if args.show:
         return show(args)
     if args.clear:
