@@ -42,6 +42,7 @@ import torch.distributed._functional_collectives as funcol
 
 from commfuse import env
 
+from .bench_model import MODEL_DEFAULTS
 from .timing import commit, time_us
 
 MM_AR_SHAPES = [(m, k, n) for m in (16, 128, 1024, 4096, 8192)
@@ -446,17 +447,6 @@ def table(json_path: str) -> str:
         return _table(records)
     except ValueError as exc:
         raise ValueError(f"{json_path}: {exc}") from None
-
-
-#: ``bench model``'s defaults: on GPUs the README's runs (8B-class layers); on the CPU, where the
-#: ops run the unfused computation and every compile takes seconds, a run of about a minute.
-MODEL_DEFAULTS = {
-    "cuda": dict(models="dtensor,sp,hooks", modes="prefill,decode,decode_cg,train", decode_batches="4,32",
-                 context=2048, backends="eager,inductor,inductor_mptp,commfuse,floor", layers=4, batch=4, seq=2048,
-                 iters=10, rounds=3),
-    "cpu": dict(models="dtensor", modes="prefill,decode,train", decode_batches="4", context=128,
-                backends="eager,inductor,commfuse", layers=1, batch=2, seq=128, iters=4, rounds=2),
-}
 
 
 def _default(option: str) -> str:

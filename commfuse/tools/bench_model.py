@@ -520,11 +520,22 @@ def _write(path: str | None, records: list) -> None:
             json.dump(records, f, indent=1)
 
 
+#: ``bench model``'s defaults: on GPUs the README's runs (8B-class layers); on the CPU, where the
+#: ops run the unfused computation and every compile takes seconds, a run of about a minute.
+MODEL_DEFAULTS = {
+    "cuda": dict(models="dtensor,sp,hooks", modes="prefill,decode,decode_cg,train", decode_batches="4,32",
+                 context=2048, backends="eager,inductor,inductor_mptp,commfuse,floor", layers=4, batch=4, seq=2048,
+                 iters=10, rounds=3),
+    "cpu": dict(models="dtensor", modes="prefill,decode,train", decode_batches="4", context=128,
+                backends="eager,inductor,commfuse", layers=1, batch=2, seq=128, iters=4, rounds=2),
+}
+
+
+
 def fill_defaults(args, cuda: bool) -> list[str]:
-    """Set each option left unset to its default on GPUs or on the CPU (``bench.MODEL_DEFAULTS``);
+    """Set each option left unset to its default on GPUs or on the CPU (``MODEL_DEFAULTS``);
     return what will run, in words."""
     from . import count
-    from .bench import MODEL_DEFAULTS
 
     for option, value in MODEL_DEFAULTS["cuda" if cuda else "cpu"].items():
         if getattr(args, option) is None:
