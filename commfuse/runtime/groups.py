@@ -409,6 +409,7 @@ def release(group_name: str | None = None) -> None:
                 _restart_kept_lane(group)
                 _retire(group)
         bump()
+    free_deferred()  # (nothing may have been retired now, yet an earlier capture deferred frees)
 
 
 def release_all() -> None:
