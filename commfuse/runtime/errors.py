@@ -86,8 +86,8 @@ def check_held(during: str) -> None:
 class Watch:
     """The groups whose error words a compiled graph's runs read (``watch_runs``): the names of the
     groups its commfuse ops call, filled by the graph pass as the forward and then the backward
-    graph are compiled, or ``every`` group where the pass did not run (a graph from Inductor's
-    cache)."""
+    graph are compiled, or ``every`` group where the pass did not run for a graph that calls
+    them (one a cache served whose code calls a commfuse op: ``inductor_plugin/backend.py``)."""
 
     __slots__ = ("names", "every")
 
