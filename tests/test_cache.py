@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import commfuse
@@ -130,3 +131,107 @@ def test_different_settings_do_not_share_cache_entries(world2):
         torch.compile(f, backend=commfuse.backend(min_mnk=10**9))(a, w)  # must not reuse the fused graph
         assert CALL_COUNTS["mm_all_reduce"] == before
         assert "below the size threshold" in commfuse.report()[-1].reason
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; its backward all-reduces the gradient (a column-parallel layer's input)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_reduce(grad, "sum", dist.group.WORLD)
+
+
+def _compile_keeping(fn, backend):
+    """``torch.compile(fn)`` through ``backend``, and the list of callables the backend returned."""
+    returned = []
+
+    def keep(gm, example_inputs, **kwargs):
+        returned.append(backend(gm, example_inputs, **kwargs))
+        return returned[-1]
+
+    return torch.compile(fn, backend=keep, fullgraph=True), returned
+
+
+def _caches(aot: bool = False):
+    """Inductor's FX graph cache on (fresh); AOTAutograd's on only if ``aot``: without it each graph
+    is looked up on its own, the backward when autograd first needs it."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=True))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=aot))
+    stack.enter_context(_fresh_cache()())
+    return stack
+
+
+def test_a_backward_graph_from_the_cache_is_watched(world2):
+    """The backward graph is compiled lazily, at the first backward: one that comes from the FX
+    graph cache (the pass did not run: its groups are unknown) is watched for every group, even
+    when the forward graph was compiled afresh."""
+    from commfuse.runtime import groups
+
+    backend = commfuse.backend(min_mnk=0, launch_bound_bytes=0)
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+    with _caches():
+        compiled, _ = _compile_keeping(lambda x, w: F.linear(_GradAllReduce.apply(x), w), backend)
+        compiled(x, w).sum().backward()
+        assert [r.graph.startswith("backward") for r in commfuse.report().fused] == [True]
+        torch._dynamo.reset()
+        counters.clear()
+        # another forward graph (a miss), the same backward graph (a hit)
+        compiled, returned = _compile_keeping(lambda x, w: (F.linear(_GradAllReduce.apply(x), w),
+                                                            (x.detach() * 2).sum()), backend)
+        out = compiled(x, w)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1 and not counters["inductor"]["fxgraph_cache_hit"]
+        out[0].sum().backward()
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
+    assert returned[-1].commfuse_watch.every
+    group = groups.get(dist.group.WORLD.group_name)
+    group.broken = "group refuses calls"
+    try:
+        with pytest.raises(RuntimeError, match="group refuses calls"):
+            compiled(x, w)
+    finally:
+        commfuse.release_all()
+
+
+@pytest.mark.parametrize("aot", [False, True], ids=["fx-cache", "aot-cache"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_a_cached_graph_is_watched_only_if_its_code_calls_commfuse_ops(world2, aot, fused):
+    """A graph a cache served (Inductor's FX graph cache, alone or through AOTAutograd's) is looked
+    at as it loads: one whose code calls commfuse ops reads every group's error word after its
+    runs (the pass did not run: its groups are unknown), one that calls none reads no word, so a
+    broken group elsewhere does not make its runs raise."""
+    from commfuse.runtime import groups
+
+    backend = commfuse.backend(min_mnk=0, launch_bound_bytes=0)
+    x, w = torch.randn(8, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+
+    def f(x, w):
+        y = F.linear(x, w)
+        return funcol.all_reduce(y, "sum", dist.group.WORLD) if fused else torch.relu(y)
+
+    with _caches(aot):
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled, returned = _compile_keeping(f, backend)
+            compiled(x, w).sum().backward()
+        assert counters["inductor"]["fxgraph_cache_hit"] == 2  # forward and backward
+        assert counters["aot_autograd"]["autograd_cache_hit"] == int(aot)
+    watch = returned[-1].commfuse_watch  # (wrapped: a backward graph was to come)
+    assert watch.every == fused and not watch.names
+    group = groups.get(dist.group.WORLD.group_name)
+    group.broken = "group refuses calls"
+    try:
+        if fused:
+            with pytest.raises(RuntimeError, match="group refuses calls"):
+                compiled(x, w)
+        else:
+            compiled(x, w)
+    finally:
+        commfuse.release_all()

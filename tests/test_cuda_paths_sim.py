@@ -715,7 +715,7 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
 
 def _capturing(monkeypatch, state: list) -> None:
     """A CUDA-graph capture, as the entry and the graph lane ask for it, while ``state[0]``."""
-    monkeypatch.setattr(entry, "_CUDA", True)
+    monkeypatch.setattr(groups, "_CUDA", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state[0])
 
 

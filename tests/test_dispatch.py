@@ -1044,6 +1044,39 @@ def test_what_is_let_go_of_while_capturing_is_freed_after_the_capture(fresh_grou
     dist.destroy_process_group(new_sub)
 
 
+@pytest.mark.parametrize("where", ["after_run", "check_errors", "release"])
+def test_what_a_capture_let_go_of_is_freed_in_a_loop_of_replays_only(fresh_groups, monkeypatch, where):
+    """Under ``mode="reduce-overhead"`` every step after the recording may be a replay: no eager
+    call reaches ``groups.get``. What the recording let go of is freed after the next run of a
+    compiled graph (``errors.after_run``), at ``check_errors`` and at ``release``."""
+    import gc
+
+    class Buffer:  # a workspace dropped while a capture was recording
+        pass
+
+    name = group_name()
+    groups.get(name)
+    monkeypatch.setattr(groups, "_capturing", lambda: True)
+    dropped = Buffer()
+    gone = weakref.ref(dropped)
+    groups.let_go(dropped)
+    del dropped
+    errors.after_run(errors.Watch())  # still inside the capture: kept
+    gc.collect()
+    assert gone() is not None
+    monkeypatch.setattr(groups, "_capturing", lambda: False)
+    if where == "after_run":
+        watch = errors.Watch()
+        watch.names.add(name)
+        errors.after_run(watch)
+    elif where == "check_errors":
+        errors.check_errors()
+    else:
+        groups.release("no such group")
+    gc.collect()
+    assert gone() is None and not groups._deferred
+
+
 def _lane_of(group, data_bytes=4096):
     buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * data_bytes, dtype=torch.uint8)
     return wsmod.GraphLane(group.name, 0, 2, buf, torch.zeros(2, dtype=torch.int64), data_bytes, 8, err=group.err)

@@ -10,7 +10,8 @@ calls after ``GraphLane.order``). This reads every path module and fails on a la
 so the next path keeps the rule too.
 
 What launches: the exchange launchers of ``kernels/exchange.py``, the launches the fused kernels'
-``prepare`` returns, and the copy-engine graphs' replays (``runtime/ce_graphs.run``). A module-level
+``prepare`` returns (however they are held: a name, an attribute, a tuple's element, what
+``ws.kept`` keeps), and the copy-engine graphs' replays (``runtime/ce_graphs.run``). A module-level
 helper that launches outside a door (``ag_pull.pull``) counts as a launch where it is called. Every
 function of the kernels (and of ``ce_graphs``) handed a workspace or a lane must be named below,
 so a new launcher cannot slip past unclassified.
@@ -114,13 +115,56 @@ class _Module:
             return self.functions[func.id]
         return None
 
+    def _makes(self, value) -> str | None:
+        """What makes a launch in ``value``, if its result is one: a ``MAKES`` call, one kept by
+        ``ws.kept(key, lambda: ...)`` (any call handed a lambda that makes one), or a name or
+        attribute bound to one (``_bind``)."""
+        if isinstance(value, ast.NamedExpr):
+            return self._makes(value.value)
+        if isinstance(value, ast.Name) and value.id in self.made:
+            return f"{value.id} (a prepared launch)"
+        if isinstance(value, ast.Attribute) and value.attr in self.made_attrs:
+            return f".{value.attr} (a prepared launch)"
+        if not isinstance(value, ast.Call):
+            return None
+        named = self._named(value.func)
+        if named in MAKES:
+            return ".".join(named) + "(...)"
+        for arg in [*value.args, *(k.value for k in value.keywords)]:
+            if isinstance(arg, ast.Lambda) and self._makes(arg.body):
+                return f"{self._makes(arg.body)} (kept)"
+        return None
+
+    def _bind(self, target, value) -> bool:
+        """Note the names and attributes ``target`` binds to a launch; whether any was new."""
+        if isinstance(target, (ast.Tuple, ast.List)):
+            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                return any([self._bind(t, v) for t, v in zip(target.elts, value.elts)])
+            return any([self._bind(t, value) for t in target.elts])  # (unpacked: each may be one)
+        if isinstance(target, ast.Starred):
+            return self._bind(target.value, value)
+        if not self._makes(value):
+            return False
+        if isinstance(target, ast.Name) and target.id not in self.made:
+            self.made.add(target.id)
+            return True
+        if isinstance(target, ast.Attribute) and target.attr not in self.made_attrs:
+            self.made_attrs.add(target.attr)
+            return True
+        return False
+
     def launches(self, launching: set[tuple[str, str]]):
         """Each call that launches: (call node, what it calls)."""
-        made: set[str] = set()  # names bound to a launch (``launch = fused_x.prepare(...)``)
-        for node in ast.walk(self.tree):
-            value = node.value if isinstance(node, ast.Assign) else None
-            if isinstance(value, ast.Call) and self._named(value.func) in MAKES:
-                made.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        self.made: set[str] = set()  # names bound to a launch (``launch = fused_x.prepare(...)``)
+        self.made_attrs: set[str] = set()  # attributes bound to one (``self.launch = ...``)
+        new = True
+        while new:  # (a name bound to another name bound to a launch)
+            new = False
+            for node in ast.walk(self.tree):
+                if isinstance(node, ast.Assign):
+                    new = any([self._bind(t, node.value) for t in node.targets]) or new
+                elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                    new = self._bind(node.target, node.value) or new
         for node in ast.walk(self.tree):
             if not isinstance(node, ast.Call):
                 continue
@@ -128,10 +172,8 @@ class _Module:
             named = self._named(func)
             if named in LAUNCHES:
                 what = ".".join(named)
-            elif isinstance(func, ast.Call) and self._named(func.func) in MAKES:
-                what = ".".join(self._named(func.func)) + "(...)"
-            elif isinstance(func, ast.Name) and func.id in made:
-                what = f"{func.id} (a prepared launch)"
+            elif self._makes(func):
+                what = self._makes(func)
             elif isinstance(func, ast.Name) and self.helpers.get(func.id) in launching:
                 what = ".".join(self.helpers[func.id])
             if what:
@@ -180,6 +222,16 @@ def test_every_path_launches_its_exchanging_kernels_through_a_door():
     ("launch = fused_split_k.prepare(ws, a, b, None, out, cfg)\n"
      "        with epoch_of(ctx, ws, 'op') as (epoch, parity):\n            launch(epoch, parity)", False),
     ("fused_split_k.misfit(ws, 1, 1, cfg, None, False)", False),
+    # a launch kept on an attribute, unpacked from a tuple, kept by the workspace, or named twice
+    ("self.launch = fused_split_k.prepare(ws, a, b, None, out, cfg)\n        self.launch(1, 0)", True),
+    ("launch, n = fused_split_k.prepare(ws, a, b, None, out, cfg), 1\n        launch(1, 0)", True),
+    ("launch = ws.kept('k', lambda: fused_split_k.prepare(ws, a, b, None, out, cfg))\n        launch(1, 0)", True),
+    ("ws.kept('k', make=lambda: fused_split_k.prepare(ws, a, b, None, out, cfg))(1, 0)", True),
+    ("(go := fused_split_k.prepare(ws, a, b, None, out, cfg))\n        go(1, 0)", True),
+    ("first = fused_split_k.prepare(ws, a, b, None, out, cfg)\n        again = first\n        again(1, 0)", True),
+    ("self.launch = ws.kept('k', lambda: fused_split_k.prepare(ws, a, b, None, out, cfg))\n"
+     "        with epoch_of(ctx, ws, 'op') as (epoch, parity):\n            self.launch(epoch, parity)", False),
+    ("launch, n = fused_split_k.prepare(ws, a, b, None, out, cfg), 1\n        n(1, 0)", False),
 ])
 def test_the_check_finds_launches_outside_the_doors(tmp_path, body, found):
     """The check itself, on a path module written for it."""

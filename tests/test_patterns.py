@@ -256,6 +256,32 @@ def test_every_fused_call_has_a_call_site_alike_on_every_rank(world2):
     assert [len(s) for s in every] == [1, 1, 1] and len({s[0] for s in every}) == 3
 
 
+def test_call_sites_come_from_the_graphs_code_not_its_module_names(world2):
+    """Inductor's FX graph cache key hashes a graph's code, not its nodes' module names: a graph
+    loaded from that cache keeps the sites of the program that wrote it. So the same code under
+    other module names must get the same sites (ranks whose caches differ then still number alike),
+    and the module's name still says where a site is."""
+    from commfuse.runtime import verify
+
+    class Block(torch.nn.Module):
+        def __init__(self, name: str):
+            super().__init__()
+            self.name = name
+            setattr(self, name, torch.nn.Linear(16, 48, bias=False))
+
+        def forward(self, x):
+            return _ar(getattr(self, self.name)(x))
+
+    def sites(name: str) -> list[int]:
+        torch._dynamo.reset()
+        _, code = compile_code(Block(name), torch.randn(8, 16))
+        return _sites(code, AR)
+
+    first = sites("up")
+    assert len(first) == 1 and sites("down") == first
+    assert verify.SITES[first[0]].endswith(" in down")
+
+
 def test_launch_bound_sizes_stay_unfused_without_cuda_graphs(world2):
     """Decode-sized outputs: the fused op's host cost exceeds its GPU saving unless the graph runs
     as a CUDA graph, so they fuse only with cudagraphs on (or a bound of 0)."""

@@ -279,6 +279,41 @@ def test_candidates_compile_before_any_bounded_wait_and_timeouts_are_retried_lat
     assert first != "fused" and second == "fused" and transient == [] and failed == []
 
 
+def _timeout_fails_check_worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    group = groups.get(dist.group.WORLD.group_name)
+
+    def timer(path, sig, variant=None):
+        if path.name == "fused":  # rank 0's wait timed out: NaN in its output, and in what rank 1 read of it
+            if rank == 0:
+                group.err[:5] = torch.tensor([1, 1, 0, 1, 5], dtype=torch.int32)
+            raise RuntimeError("fused is wrong on this rank (relative error nan)")
+        if path.name == "one_shot" and rank == 1:  # wrong with no timeout anywhere
+            raise RuntimeError("one_shot is wrong on this rank (relative error 1.0)")
+        return {"nccl": 100.0}.get(path.name, 50.0)
+
+    with env.override(cache_dir=tmp):
+        tuner = tuning.Tuner(group, GroupFacts.simulated(world), torch.device("cpu"), timer=timer)
+        entry = tuner.tune(tuning.Signature.of(Call("mm_all_reduce", 8192, 2048, 4096, BF16, world)))
+    with open(os.path.join(results, f"{rank}.json"), "w") as f:
+        json.dump([sorted(entry.failed), entry.transient], f)
+    dist.destroy_process_group()
+
+
+def test_a_check_that_fails_with_a_timed_out_wait_is_transient():
+    """A wait that times out leaves NaN where the late peer's data would go, so the candidate's
+    check fails in the same phase, on the rank that timed out and on a peer that read its output:
+    that failure is the timeout's (transient), not the candidate's. A wrong result with no timeout
+    on any rank stays excluded."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
+        mp.spawn(_timeout_fails_check_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
+                 join=True)
+        outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
+    assert outs[0] == outs[1] == [["fused", "one_shot"], ["fused"]]
+
+
 def test_cache_reads_agree_or_are_dropped(tmp_path):
     """Ranks whose files differ (one rank's cache written mid-run) agree to use none."""
     entries = {"a": tuning.Entry("fused", "fused", {"fused": 1.0}, [], 0.03)}

@@ -1,6 +1,7 @@
 """The ``torch.compile`` backend: Inductor, unchanged, plus the commfuse post-grad pass; where that
-pass fused, each run of the compiled graph is followed by a read of its groups' error words
-(``runtime/errors.py``, ``watch_runs``), so a wait that timed out in a CUDA-graph replay raises.
+pass fused (or a graph from a cache calls commfuse ops), each run of the compiled graph is
+followed by a read of its groups' error words (``runtime/errors.py``, ``watch_runs``), so a wait
+that timed out in a CUDA-graph replay raises.
 
 ``torch.compile(model, backend="commfuse")`` finds this module through the
 ``torch_dynamo_backends`` entry point, so no import of commfuse is needed. Importing it registers
@@ -93,6 +94,26 @@ def _cache_hits() -> int:
     return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
 
 
+def _note_cached(watch: errors.Watch, graph: Any) -> None:
+    """A graph the cache served (the pass did not run: its groups are unknown): watched for every
+    group if its code calls a commfuse op (or its code is not there to read), else not at all."""
+    code = getattr(graph, "source_code", None)
+    if not isinstance(code, str) or cached.calls_commfuse(code):
+        watch.every = True
+
+
+def _watched_inner(gm: torch.fx.GraphModule, example_inputs: Any, *, watch: errors.Watch, **kwargs: Any) -> Any:
+    """The inner compile of one graph (the forward now, the backward when autograd first needs
+    it, maybe on another thread), hearing of a graph the FX graph cache serves (``_note_cached``)."""
+    if not cached.installed():  # hits not seen one by one: any hit watches every group
+        hits = _cache_hits()
+        compiled = cached.compile_inner(gm, example_inputs, **kwargs)
+        watch.every = watch.every or _cache_hits() != hits
+        return compiled
+    with cached.hits_to(functools.partial(_note_cached, watch)):
+        return cached.compile_inner(gm, example_inputs, **kwargs)
+
+
 def _may_train(example_inputs: list) -> bool:
     """Whether autograd may compile a backward graph later (the pass may then fuse there)."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
@@ -128,10 +149,12 @@ class CommfuseBackend:
         watch = errors.Watch()
         patches["post_grad_custom_post_pass"] = _WatchedPass(self.settings, user_pass, watch)
         hits = _cache_hits()
-        # compile_fx applies the patches to the lazily compiled backward graph as well.
-        compiled = compile_fx(gm, example_inputs, inner_compile=cached.compile_inner,
-                              config_patches=patches)
-        if _cache_hits() != hits:  # a cached graph: which groups it calls is not known here
+        # compile_fx applies the patches, and the inner compile, to the lazily compiled backward
+        # graph as well; AOTAutograd's cache serves both graphs here, without the inner compile.
+        with cached.hits_to(functools.partial(_note_cached, watch)):
+            compiled = compile_fx(gm, example_inputs, inner_compile=functools.partial(_watched_inner, watch=watch),
+                                  config_patches=patches)
+        if not cached.installed() and _cache_hits() != hits:  # hits not seen one by one
             watch.every = True
         if not (watch.names or watch.every or _may_train(example_inputs)):
             return compiled  # no commfuse op in it, and no backward graph to come

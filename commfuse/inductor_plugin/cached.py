@@ -11,7 +11,8 @@ skipped" about code that holds fused ops. The decisions travel beside the cache 
   goes through ``FxGraphCache.cache_hit_post_compile``, which ``install()`` wraps: the file of the
   loaded graph's key is read back into the report, each record marked as from the cache. A graph
   without such a file (a remote cache, a removed directory) is re-derived from its code: a note
-  counts the commfuse ops the cached code calls.
+  counts the commfuse ops the cached code calls. The backend also hears of each hit there
+  (``hits_to``), to watch the error words of a loaded graph that calls commfuse ops.
 
 ``cache_hit_post_compile`` is internal to Inductor (the same signature in torch 2.11 to 2.13);
 where it is missing only the read-back is lost, never the compile.
@@ -20,12 +21,15 @@ where it is missing only the read-back is lost, never the compile.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..report import CACHED_WITHOUT_DECISIONS, Captured, MatchRecord, capture, log, replay
@@ -83,6 +87,37 @@ def from_code(source: str) -> str:
     return f"{CACHED_WITHOUT_DECISIONS} calls {found} (its decisions were not kept, so skips are not listed)"
 
 
+def calls_commfuse(source: str) -> bool:
+    """Whether a graph's generated code calls a commfuse op."""
+    return _OP_CALL.search(source) is not None
+
+
+#: Per thread: who is told of each graph the FX graph cache serves (``hits_to``).
+_told = threading.local()
+
+
+@contextlib.contextmanager
+def hits_to(listener: Callable[[Any], None]) -> Iterator[None]:
+    """Hand ``listener`` each graph (a ``CompiledFxGraph``) the FX graph cache serves in this
+    thread meanwhile, through Inductor's cache or AOTAutograd's."""
+    before = getattr(_told, "listener", None)
+    _told.listener = listener
+    try:
+        yield
+    finally:
+        _told.listener = before
+
+
+def installed() -> bool:
+    """Whether cache hits are seen one by one (``install`` found ``cache_hit_post_compile``)."""
+    try:
+        from torch._inductor.codecache import FxGraphCache
+    except ImportError:
+        return False
+    hook = FxGraphCache.__dict__.get("cache_hit_post_compile")
+    return isinstance(hook, staticmethod) and getattr(hook.__func__, "_commfuse", False)
+
+
 def on_hit(graph: Any) -> None:
     """Read the decisions of a graph the FX graph cache served back into the report."""
     key = getattr(graph, "_fx_graph_cache_key", None)
@@ -120,6 +155,9 @@ def install() -> None:
 
     def cache_hit_post_compile(graph, *args, **kwargs):
         result = real(graph, *args, **kwargs)
+        listener = getattr(_told, "listener", None)
+        if listener is not None:
+            listener(graph)
         try:
             on_hit(graph)
         except Exception as exc:  # noqa: BLE001 - the report must never break a load

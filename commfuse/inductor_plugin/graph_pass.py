@@ -151,24 +151,46 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
 
 def number_sites(graph: fx.Graph, label: str) -> None:
     """Give every fused call of ``graph`` its call site (the ops' ``site`` argument): a hash of
-    the graph's fused calls in order (each its op and its module's name) and of the call's place
-    among them. Only what every rank compiles alike goes in (no shapes, which an uneven shard
-    makes differ; no group or node names, no compile counters), so every rank numbers the same
-    program alike, and two calls of one graph, or of graphs with other calls, get other numbers.
-    The same graph run for several layers (a region compiled once) gives their calls the same
-    sites: there the count and the sizes (K in the pairing tag) tell them apart."""
+    the graph's kind (forward or backward) and of its fused calls in order (each its op and its
+    arguments that are neither tensors, sizes, its group nor its site: whether it adds a bias, the
+    gather or scatter dimension, the world size), and of the call's place among them.
+
+    Only what Inductor's FX graph cache key covers goes in (the graph's code), so a graph loaded
+    from that cache carries the sites this process would have given it, and ranks whose caches
+    hold different graphs still number the same program alike. Module names are not in the key
+    (they are node metadata), so they name a site in messages (``verify.name_site``) but never
+    feed its number. Nothing rank-local goes in either: no shapes, which an uneven shard makes
+    differ, no group or node names, no compile counters. Two calls of one graph get other
+    numbers; graphs whose fused calls are alike in op, order and these arguments (the same block
+    compiled for several layers, or two modules with the same collectives) share their sites:
+    there the call count and the sizes (K in the pairing tag) tell them apart."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _FUSED_OPS]
-    modules = []
-    for node in nodes:
-        stack = module_stack(node)
-        modules.append(stack[-1][0] if stack else "")
     kind = label.split("#")[0]  # forward or backward (the number is this process's count)
-    calls = ";".join(f"{n.target.__name__.split('.')[0]} {m}" for n, m in zip(nodes, modules))
-    for i, (node, module) in enumerate(zip(nodes, modules)):
+    calls = ";".join(_site_part(n) for n in nodes)
+    for i, node in enumerate(nodes):
         site = 1 + zlib.crc32(f"{kind}|{calls}|{i}".encode()) % ((1 << 31) - 1)
         at = _SITE_ARG[node.target]
         node.args = (*node.args[:at], site)
+        stack = module_stack(node)
+        module = stack[-1][0] if stack else ""
         verify.name_site(site, f"{label} {node.name}" + (f" in {module}" if module else ""))
+
+
+def _site_part(node: fx.Node) -> str:
+    """What of a fused call goes into its site: its op, and of its arguments before the site the
+    plain flags and dimensions (a tensor, or None in its place, as such; sizes and the group
+    left out)."""
+    parts = [node.target.__name__.split(".")[0]]
+    for i, arg in enumerate(node.args[:_SITE_ARG[node.target]]):
+        if i == _GROUP_ARG[node.target]:
+            continue
+        if isinstance(arg, fx.Node):
+            parts.append("t")
+        elif arg is None:
+            parts.append("-")
+        elif isinstance(arg, (bool, int)):
+            parts.append(str(arg))
+    return " ".join(parts)
 
 
 def _call(node: fx.Node) -> Call | None:

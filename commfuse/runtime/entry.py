@@ -98,13 +98,6 @@ env.on_change(forget)
 launch.configure(env.current().fast_launch)
 
 
-_CUDA = torch.cuda.is_available()
-
-
-def _capturing() -> bool:
-    return _CUDA and torch.cuda.is_current_stream_capturing()
-
-
 def _meets_replays(group, op: str, call: Call) -> bool:
     """An eager call that takes the group's replayed graph lane: it may meet a peer's replays,
     which join no check (``_enter``), so ``COMMFUSE_VERIFY`` does not make it agree on sizes."""
@@ -170,7 +163,7 @@ def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_
         errors.check_held(op)
     if group.broken:
         raise RuntimeError(group.broken)
-    capturing = _capturing()
+    capturing = groups._capturing()
     if groups.captured_to_nccl(group, op, key, capturing):
         return group, capturing, True
     lane = op == "mm_all_reduce" and 0 < lane_bytes <= groups.replayed_lane_bytes(group)

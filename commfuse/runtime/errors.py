@@ -70,6 +70,8 @@ def check_errors() -> None:
     a CUDA graph captured before ``release_all`` that still replays on a dropped group's lane."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if groups_mod._deferred:
+        groups_mod.free_deferred()
     for group in groups_mod.all_groups() + groups_mod.held():
         check(group)
 
@@ -84,8 +86,8 @@ def check_held(during: str) -> None:
 class Watch:
     """The groups whose error words a compiled graph's runs read (``watch_runs``): the names of the
     groups its commfuse ops call, filled by the graph pass as the forward and then the backward
-    graph are compiled, or ``every`` group where the pass did not run (a graph from Inductor's
-    cache)."""
+    graph are compiled, or ``every`` group where the pass did not run for a graph that calls
+    them (one a cache served whose code calls a commfuse op: ``inductor_plugin/backend.py``)."""
 
     __slots__ = ("names", "every")
 
@@ -102,7 +104,11 @@ def after_run(watch: Watch) -> None:
     """Raise if a kernel of a group ``watch`` names reported a failure, or if such a group already
     refuses calls. Reads pinned host words only: no synchronisation, so a replay that is still
     running is seen at a later run, the first after it completed. A CUDA graph's replay has no
-    host step of its own, so this is where its timed-out waits become an exception."""
+    host step of its own, so this is where its timed-out waits become an exception. It is also
+    where what a capture let go of (``groups.let_go``) is freed when every later step only replays:
+    no eager call, which would free it, may come."""
+    if groups_mod._deferred:
+        groups_mod.free_deferred()
     for group in tuple(groups_mod._groups.values()):  # (another thread may make a group meanwhile)
         if watch.every or group.name in watch.names:
             if group.err_host[0] and not group.broken:

@@ -115,7 +115,8 @@ def bump() -> None:
 
 
 def _capturing() -> bool:
-    """Whether this thread's current stream is capturing a CUDA graph."""
+    """Whether this thread's current stream is capturing a CUDA graph (a capture on another
+    thread in ``capture_error_mode="global"`` is not seen: docs/reliability.md)."""
     return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
@@ -409,6 +410,7 @@ def release(group_name: str | None = None) -> None:
                 _restart_kept_lane(group)
                 _retire(group)
         bump()
+    free_deferred()  # (nothing may have been retired now, yet an earlier capture deferred frees)
 
 
 def release_all() -> None:

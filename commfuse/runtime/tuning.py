@@ -17,7 +17,8 @@ rank of its group together:
    NaN-poisoned memory under it;
 3. one collective reduces the timings (max over ranks) and the failures (any rank's failure or
    timeout excludes the candidate everywhere), and every rank takes the same argmin. A candidate
-   whose only failures were timed-out waits is kept in the cache as *transient*: a later run (a
+   whose only failures were timed-out waits (and the failed checks of a phase in which some
+   rank's wait timed out: the NaN a timeout leaves) is kept in the cache as *transient*: a later run (a
    new process) tunes the signature again, up to ``TRANSIENT_TRIES`` runs in all, where a
    candidate that failed otherwise stays excluded;
 4. the rules' choice is kept unless another candidate beats it by ``COMMFUSE_TUNE_MARGIN``.
@@ -267,10 +268,19 @@ def _any(group, flag: bool, device) -> bool:
     return bool(t.item())
 
 
+def _any_each(group, flags: tuple[bool, ...], device) -> tuple[bool, ...]:
+    """Per flag, whether any rank of ``group`` raised it (one collective)."""
+    if group.world <= 1:
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg())
+    return tuple(bool(x) for x in t.tolist())
+
+
 def _reduce_results(group, times: list[float], failed: list[bool], lasting: list[bool], device
                     ) -> tuple[list[float], list[bool], list[bool]]:
-    """One collective: the slowest rank's time, any rank's failure and any rank's failure other
-    than a timed-out wait, per candidate."""
+    """One collective: the slowest rank's time, any rank's failure and any rank's lasting failure
+    (``_Candidate.lasting``), per candidate."""
     big = 1e30
     t = torch.tensor([min(x, big) for x in times] + [float(f) for f in failed] + [float(f) for f in lasting],
                      dtype=torch.float64, device=device)
@@ -450,7 +460,7 @@ class _Candidate:
     path: Path
     step: object  # the measurement (a generator), None once it ended
     failed: bool = False  # here, in any phase
-    lasting: bool = False  # here, otherwise than by a timed-out wait
+    lasting: bool = False  # here, in a phase where no rank's wait timed out (or by a mismatch)
     value: float | None = None
 
 
@@ -525,9 +535,12 @@ class Tuner:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         word = int(group.err_host[0])  # a wait that timed out (or met another call) here
+        any_fail, any_timeout = _any_each(group, (failed_here or bool(word), word == ERR_TIMEOUT), device)
         run.failed = run.failed or failed_here or bool(word)
-        run.lasting = run.lasting or failed_here or (bool(word) and word != ERR_TIMEOUT)
-        any_fail = _any(group, failed_here or bool(word), device)
+        # A timed-out wait leaves NaN where the late peer's data would go, so the check of the
+        # same phase fails too, on this rank or on a peer that read this rank's output: with a
+        # timeout on any rank in the phase, a failed check is the timeout's, not the candidate's.
+        run.lasting = run.lasting or (bool(word) and word != ERR_TIMEOUT) or (failed_here and not any_timeout)
         if done:
             run.value = value
         if done or any_fail:

@@ -137,9 +137,10 @@ def pairing_tag(call: Call, path: str, site: int = 0) -> int:
     the op, M, K and N, the dtype, the bias, the rows' layout, the path and the call site (the
     graph pass's, ``ops/library.py``; 0 where unknown). The rank-local size of an unevenly
     sharded layer (K of ``mm_all_reduce`` and ``mm_reduce_scatter``, N of ``all_gather_mm``) is
-    part of it too: a symmetric path runs only where every rank has the same (``shards.py``), and
-    it is what tells apart a decode step's all-reduces, which share M and N (o_proj, down_proj,
-    the input gradients). Two calls with the same tag are not told apart (1 in 1023 of unlike
+    part of it too: a symmetric path runs only where the shard agreement found every rank's the
+    same (``shards.py``; not guarded where an even layer comes before an uneven one, unless with
+    ``COMMFUSE_VERIFY``), and it is what tells apart a decode step's all-reduces, which share M
+    and N (o_proj, down_proj, the input gradients). Two calls with the same tag are not told apart (1 in 1023 of unlike
     calls)."""
     text = f"{call.op} {call.m} {call.k} {call.n} {call.dtype} {call.bias} {call.rows_dim} {call.slabs} {path}"
     if site:
