@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
+from commfuse.config import LAUNCH_BOUND
+
 WORLD = 2
 
 
@@ -130,8 +132,8 @@ def _compile_worker(rank: int, init_file: str) -> None:
     x, w = torch.randn(16, 32), torch.randn(32, 24)
     cases = [
         (dict(COMMFUSE_MERGE_SUMS=mine("1", "0")), {}, [("COMMFUSE_MERGE_SUMS", "on", "off")]),
-        (dict(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576")), {},
-         [("COMMFUSE_LAUNCH_BOUND_BYTES", "0", "1048576")]),
+        (dict(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576")), {}, [(LAUNCH_BOUND, "0", "1048576")]),
+        ({}, dict(launch_bound_bytes=mine(None, 4096)), [(LAUNCH_BOUND, "0", "4096")]),
         ({}, dict(min_mnk=mine(0, 1 << 15)), [("backend(min_mnk=...)", "0", "32768")]),
         ({}, dict(patterns=mine(["mm_all_reduce"], ["all_gather_mm"])),
          [("backend(patterns=...)", "[mm_all_reduce]", "[all_gather_mm]")]),
@@ -146,13 +148,17 @@ def _compile_worker(rank: int, init_file: str) -> None:
                                             r"must be alike: " + _names(*named)):
             torch.compile(f, backend=backend, fullgraph=True)(x, w)
         assert not commfuse.report()  # raised by the backend, before the graph pass saw the graph
-    # alike on every rank: compiled, fused, and the sum of both ranks' products
-    _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0")
+    # alike on every rank: compiled, fused, and the sum of both ranks' products; the same launch
+    # bound in force, from the environment on one rank and the backend's argument on the other, and
+    # the same patterns in another order, are alike
+    _settings(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576"))
     torch._dynamo.reset()
     commfuse.clear_report()
     torch.manual_seed(rank)
     x, w = torch.randn(16, 32), torch.randn(32, 24)
-    got = torch.compile(f, backend=commfuse.backend(min_mnk=0), fullgraph=True)(x, w)
+    backend = commfuse.backend(min_mnk=0, launch_bound_bytes=mine(None, 0),
+                               patterns=mine(["mm_all_reduce", "merge_sums"], ["merge_sums", "mm_all_reduce"]))
+    got = torch.compile(f, backend=backend, fullgraph=True)(x, w)
     every = [torch.empty_like(got) for _ in range(WORLD)]
     dist.all_gather(every, x @ w)
     torch.testing.assert_close(got, sum(every))
@@ -165,7 +171,9 @@ def test_compile_time_settings_that_differ_are_one_error_on_every_rank():
     """The launch bound, merge sums and the backend's ``min_mnk``, ``patterns`` and ``exclude`` decide
     whether a call fuses: set differently, one rank called commfuse where its peer called NCCL, and
     no check of commfuse's ran on both. Now compiling the graph raises on both ranks, naming the
-    setting and both values, before Inductor compiles anything."""
+    setting and both values, before Inductor compiles anything. The launch bound compared is the
+    one in force (the environment's on one rank and the backend's argument on the other, alike, is
+    no error), and ``patterns`` in another order are alike."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_compile_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
 
@@ -198,3 +206,22 @@ def test_the_backend_finds_the_groups_of_collectives_and_of_dtensors(world2):
     torch.compile(mlp, backend=backend)(torch.randn(4, 8))
     assert seen[1] == [mesh.get_group().group_name]
     assert sub.group_name not in seen[1]  # only the groups the graph uses
+
+
+def test_settings_that_fuse_alike_compare_alike(monkeypatch):
+    """What the ranks compare at compile time is what decides the fusions: the launch bound in
+    force, whether the environment or the backend's argument set it, and the set of patterns."""
+    from commfuse import env
+    from commfuse.config import PATTERNS, Settings
+
+    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
+    env.reload()
+    from_env = Settings.build(patterns=PATTERNS).alike()
+    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTES", "1048576")
+    env.reload()
+    from_argument = Settings.build(patterns=PATTERNS[::-1], launch_bound_bytes=0).alike()
+    assert from_env == from_argument and from_env[LAUNCH_BOUND] == 0
+    assert Settings.build(launch_bound_bytes=4096).alike()[LAUNCH_BOUND] == 4096
+    assert Settings.build(patterns=["mm_all_reduce"], launch_bound_bytes=0).alike() != from_argument
+    monkeypatch.delenv("COMMFUSE_LAUNCH_BOUND_BYTES")
+    env.reload()
