@@ -208,6 +208,42 @@ def test_the_backend_finds_the_groups_of_collectives_and_of_dtensors(world2):
     assert sub.group_name not in seen[1]  # only the groups the graph uses
 
 
+def _live_worker(rank: int, init_file: str, cache: str) -> None:
+    from commfuse import env
+    from commfuse.runtime import entry, groups, tuning  # noqa: F401  (entry: drops tuners on a change)
+    from commfuse.runtime.facts import GroupFacts
+    from commfuse.runtime.paths.base import Call
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=20))
+    _settings(COMMFUSE_TUNE="cache", COMMFUSE_CACHE_DIR=cache)
+    group = groups.get(dist.group.WORLD.group_name)
+    facts, cpu = GroupFacts.simulated(WORLD), torch.device("cpu")
+    call = Call("mm_all_reduce", 64, 64, 64, torch.bfloat16, WORLD)
+    tuning.answer(group, call, facts, cpu, False)  # every rank: the group's tuner, its cache agreed
+    tuner = tuning._tuners[id(group)]
+    # settings that may differ, changed on rank 0 only: its next answer starts no collective
+    with env.override(log="info" if rank == 0 else None, timeout_s=300 if rank == 0 else None):
+        tuning.answer(group, call, facts, cpu, False)
+    assert tuning._tuners[id(group)] is tuner
+    mine = torch.tensor([float(10 + rank)])
+    dist.all_reduce(mine)  # the program's next collective meets its peer's
+    assert mine.item() == 21.0
+    # a must-be-alike one, changed on every rank: a new tuner, its cache agreed anew
+    with env.override(tune_margin="0.05"):
+        tuning.answer(group, call, facts, cpu, False)
+        assert tuning._tuners[id(group)] is not tuner
+    dist.destroy_process_group()
+
+
+def test_a_setting_that_may_differ_changed_on_one_rank_starts_no_collective(tmp_path):
+    """``COMMFUSE_LOG`` or ``COMMFUSE_TIMEOUT_S`` changed on one rank mid-run keeps the tuners and the
+    cache their ranks agreed on. Before, the change dropped that rank's tuner, and the next answer
+    agreed on a cache again, alone: an all-reduce its peer never joined (a hang, or one that met the
+    program's own next collective)."""
+    mp.spawn(_live_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+
+
 def test_settings_that_fuse_alike_compare_alike(monkeypatch):
     """What the ranks compare at compile time is what decides the fusions: the launch bound in
     force, whether the environment or the backend's argument set it, and the set of patterns."""
