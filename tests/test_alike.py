@@ -92,17 +92,20 @@ def _run_time_worker(rank: int, init_file: str) -> None:
     # made alike on every rank it goes through (what tests that force a path do) ...
     with env.override(algo="nccl", tune_margin="0.1"):
         torch.testing.assert_close(_call(group), got)
-    # ... and made on one rank only, it is an error on every rank naming it
+    # ... and made with different values on the ranks, it is an error on every rank naming it
     with env.override(algo=mine("one_shot", "two_shot")):
         with pytest.raises(RuntimeError, match=_names(("COMMFUSE_ALGO", "one_shot", "two_shot"))):
             _call(group)
     torch.testing.assert_close(_call(group), got)  # back to settings every rank agreed on
 
-    # a rank that compares while its peer never does waits the bound, then names the peer
+    # made on one rank only, while its peer goes on without comparing: the rank that changed waits
+    # the bound, then names the peer and what it changed since the ranks last agreed
     with env.override(timeout_s=2, algo="nccl" if rank == 0 else None):
         if rank == 0:
             with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: rank 0 of group .* waited 2 s "
-                                                   r"\(COMMFUSE_TIMEOUT_S\) for rank\(s\) \[1\] to publish"):
+                                                   r"\(COMMFUSE_TIMEOUT_S\) for rank\(s\) \[1\] to publish"
+                                                   r".*this rank changed COMMFUSE_ALGO \(unset -> nccl\) since "
+                                                   r"the ranks last agreed"):
                 _call(group)
         dist.barrier()
     dist.destroy_process_group()
@@ -112,9 +115,10 @@ def test_run_time_settings_that_differ_are_one_error_on_every_rank():
     """``COMMFUSE_TUNE_MARGIN``, ``COMMFUSE_ALGO``, ``COMMFUSE_VERIFY`` on one rank only, the
     pairing check, tuning, the graph lane's size and the provider, each set differently on the two
     ranks: the first call raises on both, naming the setting and both values (before, the call ran:
-    a silent wrong sum on the GPU, or a hang in VERIFY's collective); an ``env.override`` made on
-    every rank goes through, one made on one rank raises on both; a rank whose peer never compares
-    waits ``COMMFUSE_TIMEOUT_S``, then raises naming the peer."""
+    a silent wrong sum on the GPU, or a hang in VERIFY's collective); an ``env.override`` made alike
+    on every rank goes through, one made with different values raises on both; one made on one
+    rank only, whose peer never compares, makes that rank wait ``COMMFUSE_TIMEOUT_S``, then raise
+    naming the peer and the setting it changed (its peer, which compared nothing, cannot name it)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_run_time_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
 
