@@ -210,6 +210,61 @@ def test_the_backend_finds_the_groups_of_collectives_and_of_dtensors(world2):
     torch.compile(mlp, backend=backend)(torch.randn(4, 8))
     assert seen[1] == [mesh.get_group().group_name]
     assert sub.group_name not in seen[1]  # only the groups the graph uses
+    # a collective inside an autograd.Function (a tensor-parallel layer's): Dynamo's graph holds it
+    # only in the subgraphs of a higher-order op
+    torch.compile(lambda x, w: _Reduce.apply(x @ w, sub), backend=backend, fullgraph=True)(
+        torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True))
+    assert seen[2] == [sub.group_name]
+
+
+class _Reduce(torch.autograd.Function):
+    """A tensor-parallel layer's all-reduce (Megatron's g): summed forward, passed-through backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return funcol.all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _cache_worker(rank: int, init_files: list, caches: str) -> None:
+    import commfuse
+    from torch._dynamo.utils import counters
+
+    torch._inductor.config.fx_graph_cache = True
+    _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0", COMMFUSE_TIMEOUT_S="10")
+    fn = lambda x, w: _Reduce.apply(x @ w, dist.group.WORLD)  # noqa: E731
+    for run, init_file in enumerate(init_files):
+        # run 0 fills each rank's cache; run 1, a new process group (as a new process: nothing
+        # compared yet), finds rank 0's cache full and rank 1's empty
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, f"{rank}-{run if rank else 0}")
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=30))
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        counters.clear()
+        torch.manual_seed(rank)
+        x, w = torch.randn(16, 32, requires_grad=True), torch.randn(32, 24, requires_grad=True)
+        got = torch.compile(fn, backend=commfuse.backend(min_mnk=0), fullgraph=True)(x, w)
+        every = [torch.empty_like(got) for _ in range(WORLD)]
+        dist.all_gather(every, (x @ w).detach())
+        torch.testing.assert_close(got, sum(every))
+        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        assert bool(hits) == (run == 1 and rank == 0), hits  # the pass ran on rank 1 only
+        assert bool(commfuse.report().fused) == (hits == 0)
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_inductor_caches_differ_compile_alike(tmp_path):
+    """The backend compares the compile-time settings for a group used only inside an
+    ``autograd.Function`` (in a higher-order op's subgraph) on every rank; the graph pass, which a
+    rank whose Inductor cache holds the graph skips, compares nothing. Before, the backend did not
+    see the group and the pass compared on the rank that compiled only: that rank waited for a
+    peer that never published, and raised after ``COMMFUSE_TIMEOUT_S`` on settings that were alike."""
+    files = [str(tmp_path / "rendezvous-0"), str(tmp_path / "rendezvous-1")]
+    mp.spawn(_cache_worker, args=(files, str(tmp_path)), nprocs=WORLD, join=True)
 
 
 def _live_worker(rank: int, init_file: str, cache: str) -> None:

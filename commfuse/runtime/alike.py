@@ -10,10 +10,11 @@ rank raises the same error, naming each differing setting and every rank's value
 * at a group's first commfuse call outside a capture, and at its first after a must-be-alike
   setting changed (``env.override``, ``env.reload``): the run-time settings (``agree_at_call``,
   before ``COMMFUSE_VERIFY``'s check and the group's facts; on the CPU's reference path too);
-* when a graph is compiled for a group: the settings that decide *whether* a call fuses (the
-  launch bound, merge sums, the backend's ``min_mnk``, ``patterns``, ``exclude``), which act at
-  compile time, so a rank that fuses a call and a peer that leaves it to NCCL never both reach
-  commfuse (``agree_compiled``, from the backend and the graph pass).
+* when Dynamo hands the backend a graph that uses a group: the settings that decide *whether* a
+  call fuses (the launch bound, merge sums, the backend's ``min_mnk``, ``patterns``, ``exclude``),
+  which act at compile time, so a rank that fuses a call and a peer that leaves it to NCCL never
+  both reach commfuse (``agree_compiled``). Only the backend compares them: it is called on every
+  rank for every graph, where Inductor's caches may skip the graph pass on some ranks only.
 
 A rank that waits in vain for its peers (a change made on some ranks only) names, in its error,
 the settings it changed since the ranks last agreed.
@@ -140,26 +141,42 @@ def agree_at_call(group, op: str) -> None:
     group.settings_of = values
 
 
-#: group name -> [the process group, the compile-time settings its ranks agreed on, comparisons so far]
+#: group name -> [the process group, the compile-time settings its ranks agreed on (as text),
+#: comparisons so far, the settings of the last agreement]
 _compiled: dict[str, list] = {}
 
 
-def agree_compiled(group_name: str, mine: dict[str, Any]) -> None:
-    """Every rank of the group together, when a graph is compiled for it: compare the settings
-    that decide whether a call fuses. Settings the ranks agreed on once are not compared again;
-    new ones are compared as the group's n-th comparison with each peer's n-th (ranks compile the
-    same graphs in the same order, and a comparison that failed counts too, so a later one never
-    reads a peer's earlier values)."""
+def _compiled_entry(group_name: str) -> list | None:
     try:
         pg = _resolve_process_group(group_name)
     except Exception:  # noqa: BLE001 - a name that does not resolve is the graph pass's to report
-        return
+        return None
     if not _comparable(pg):
+        return None
+    return _count(_compiled, pg, set(), 0, None)
+
+
+def agree_compiled(group_name: str, mine: dict[str, Any]) -> None:
+    """Every rank of the group together, when Dynamo hands the backend a graph that uses it:
+    compare the settings that decide whether a call fuses. Settings the ranks agreed on once are
+    not compared again; new ones are compared as the group's n-th comparison with each peer's n-th
+    (every rank's backend is handed the same graphs in the same order, whatever Inductor's caches
+    hold, and a comparison that failed counts too, so a later one never reads a peer's earlier
+    values)."""
+    entry = _compiled_entry(group_name)
+    if entry is None:
         return
     text = json.dumps(mine, sort_keys=True)
-    entry = _count(_compiled, pg, set(), 0)
     if text in entry[1]:
         return
     entry[2] += 1
-    compare(pg, f"compile/{entry[2] - 1}", mine, "commfuse: compiling a graph")
+    compare(entry[0](), f"compile/{entry[2] - 1}", mine, "commfuse: compiling a graph", changes(entry[3], mine))
     entry[1].add(text)
+    entry[3] = mine
+
+
+def compiled_agreed(group_name: str, mine: dict[str, Any]) -> bool:
+    """Whether the ranks of the group agreed on ``mine`` (or have no peers to compare with): read
+    here only, never a wait."""
+    entry = _compiled_entry(group_name)
+    return entry is None or json.dumps(mine, sort_keys=True) in entry[1]
