@@ -6,9 +6,11 @@ hang or a silent wrong sum; settings that may differ do not stop anything."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import tempfile
+import time
 
 import pytest
 import torch
@@ -229,9 +231,24 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
+class _Notes(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
 def _cache_worker(rank: int, init_files: list, caches: str) -> None:
     import commfuse
     from torch._dynamo.utils import counters
+
+    from commfuse.config import Settings
+    from commfuse.inductor_plugin import alike
+
+    notes = _Notes()
+    logging.getLogger("commfuse").addHandler(notes)
 
     torch._inductor.config.fx_graph_cache = True
     _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0", COMMFUSE_TIMEOUT_S="10")
@@ -254,6 +271,13 @@ def _cache_worker(rank: int, init_files: list, caches: str) -> None:
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         assert bool(hits) == (run == 1 and rank == 0), hits  # the pass ran on rank 1 only
         assert bool(commfuse.report().fused) == (hits == 0)
+        if run == 1:
+            assert not any("did not compare" in note for note in notes.seen), notes.seen
+            # settings the backend did not compare for a group the pass fused on: a warning, not a wait
+            began = time.monotonic()
+            alike.warn_unagreed([dist.group.WORLD.group_name], Settings(min_mnk=7), "a graph")
+            assert time.monotonic() - began < 5
+            assert any("a graph fused calls on group" in note and "did not compare" in note for note in notes.seen)
         dist.destroy_process_group()
 
 
