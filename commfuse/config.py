@@ -23,6 +23,10 @@ DEFAULT_MIN_MNK = 1 << 15
 #: one of them excludes its members.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
+#: How the compile-time comparison names the launch bound in force.
+LAUNCH_BOUND = "launch bound (backend(launch_bound_bytes=...), else COMMFUSE_LAUNCH_BOUND_BYTES)"
+
+
 def default_launch_bound_bytes() -> int:
     """``COMMFUSE_LAUNCH_BOUND_BYTES`` (bytes; 0 fuses every size). Without CUDA graphs, matmuls
     whose exchanged tensor is at most this many bytes stay unfused: they are launch-bound (decode),
@@ -110,12 +114,12 @@ class Settings:
     def alike(self) -> dict[str, Any]:
         """What every rank of a group must compile with alike: the settings that decide whether a
         call fuses (``runtime/alike.py`` compares them). Excluded module instances are marked on
-        the modules themselves and are not among them."""
+        the modules themselves and are not among them. The launch bound is the one in force,
+        wherever it came from (``launch_bound_bytes`` or ``COMMFUSE_LAUNCH_BOUND_BYTES``), and
+        ``patterns`` a set (the pass applies them in its own order): ranks that fuse alike agree."""
         classes = sorted(f"{c.__module__}.{c.__qualname__}" for c in self.exclude_classes)
-        bound = ("COMMFUSE_LAUNCH_BOUND_BYTES" if self.launch_bound_bytes is None
-                 else "backend(launch_bound_bytes=...)")
-        return {"COMMFUSE_MERGE_SUMS": merge_sums_allowed(), bound: self.launch_bound(),
-                "backend(min_mnk=...)": self.min_mnk, "backend(patterns=...)": list(self.patterns),
+        return {"COMMFUSE_MERGE_SUMS": merge_sums_allowed(), LAUNCH_BOUND: self.launch_bound(),
+                "backend(min_mnk=...)": self.min_mnk, "backend(patterns=...)": sorted(self.patterns),
                 "backend(exclude=...)": classes + sorted(self.exclude_names)}
 
     def launch_bound(self) -> int:

@@ -105,15 +105,18 @@ TUNE_MODES = ("off", "cache", "first-use")
 #: or collectives for one call (a wrong sum or a hang), so the ranks compare their values: those
 #: with ``compile`` when a graph is compiled for the group (``runtime/alike.py``), the others at the
 #: group's first call and again after any change (``override``); a difference is one error on
-#: every rank naming each differing setting and its value per rank.
+#: every rank naming each differing setting and its value per rank. A change made on some ranks
+#: only is compared by those ranks alone: they raise after ``COMMFUSE_TIMEOUT_S`` naming it and the
+#: ranks that did not compare, which are not told (their next collective waits its own bound).
 #: ``local``: may differ between ranks (it changes how this rank does its part, never what it
 #: exchanges), fixed for the run.
 #: ``live``: may differ between ranks and may change mid-run.
 ALIKE, LOCAL, LIVE = "alike", "local", "live"
 SCOPES = (ALIKE, LOCAL, LIVE)
 
-_AGREED = ("an error on every rank at the group's first commfuse call (and its first after a change), naming it "
-           "and each rank's value")
+_AGREED = ("an error on every rank at the group's first commfuse call (and its first after a change made on every "
+           "rank), naming it and each rank's value; changed on some ranks only, an error on those ranks, after "
+           "`COMMFUSE_TIMEOUT_S`, naming it and the ranks that did not compare")
 _COMPILED = "an error on every rank when a graph is compiled for the group, naming it and each rank's value"
 
 SETTINGS: tuple[Setting, ...] = (
@@ -125,7 +128,8 @@ SETTINGS: tuple[Setting, ...] = (
             unlike="each rank waits its own bound; the first to give up reports the late peer"),
     Setting("COMMFUSE_VERIFY", "switch", False, "before every fused call, check with a small collective that "
             "every rank makes the same call (shapes, dtypes, call site, call count); for debugging", scope=ALIKE,
-            unlike=_AGREED + " (`TORCH_DISTRIBUTED_DEBUG=DETAIL` counts as on), before any check's collective"),
+            unlike=_AGREED + "; compared before any check's collective (`TORCH_DISTRIBUTED_DEBUG=DETAIL` "
+            "counts as on)"),
     Setting("COMMFUSE_PAIRING_CHECK", "switch", False, "every symmetric call's flags carry a tag of its op, "
             "shapes (K too), call site and path beside the call count; a rank that meets another call at the same count (a skipped "
             "or reordered call) raises instead of summing it; split-K then exchanges with flags, not LL words",
@@ -290,8 +294,11 @@ def override(**values: Any) -> Iterator[Values]:
 
     A must-be-alike setting (``ALIKE``) changed here is compared again between the ranks of each
     group at the group's next commfuse call (``runtime/alike.py``): make the same override on
-    every rank (what tests that force a path between calls do), or every rank gets an error
-    naming it."""
+    every rank (what tests that force a path between calls do). Made with different values on
+    the ranks, it is an error on every rank naming it; made on some ranks only, those ranks wait
+    ``COMMFUSE_TIMEOUT_S`` for the others, then raise naming it and the ranks that did not
+    compare, and the others, which compared nothing, are not told: their next collective waits
+    for its own bound."""
     layer = _layer(values)
     _overrides.append(layer)
     _changed()

@@ -6,15 +6,19 @@ hang or a silent wrong sum; settings that may differ do not stop anything."""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import tempfile
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
+
+from commfuse.config import LAUNCH_BOUND
 
 WORLD = 2
 
@@ -90,17 +94,20 @@ def _run_time_worker(rank: int, init_file: str) -> None:
     # made alike on every rank it goes through (what tests that force a path do) ...
     with env.override(algo="nccl", tune_margin="0.1"):
         torch.testing.assert_close(_call(group), got)
-    # ... and made on one rank only, it is an error on every rank naming it
+    # ... and made with different values on the ranks, it is an error on every rank naming it
     with env.override(algo=mine("one_shot", "two_shot")):
         with pytest.raises(RuntimeError, match=_names(("COMMFUSE_ALGO", "one_shot", "two_shot"))):
             _call(group)
     torch.testing.assert_close(_call(group), got)  # back to settings every rank agreed on
 
-    # a rank that compares while its peer never does waits the bound, then names the peer
+    # made on one rank only, while its peer goes on without comparing: the rank that changed waits
+    # the bound, then names the peer and what it changed since the ranks last agreed
     with env.override(timeout_s=2, algo="nccl" if rank == 0 else None):
         if rank == 0:
             with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: rank 0 of group .* waited 2 s "
-                                                   r"\(COMMFUSE_TIMEOUT_S\) for rank\(s\) \[1\] to publish"):
+                                                   r"\(COMMFUSE_TIMEOUT_S\) for rank\(s\) \[1\] to publish"
+                                                   r".*this rank changed COMMFUSE_ALGO \(unset -> nccl\) since "
+                                                   r"the ranks last agreed"):
                 _call(group)
         dist.barrier()
     dist.destroy_process_group()
@@ -110,9 +117,10 @@ def test_run_time_settings_that_differ_are_one_error_on_every_rank():
     """``COMMFUSE_TUNE_MARGIN``, ``COMMFUSE_ALGO``, ``COMMFUSE_VERIFY`` on one rank only, the
     pairing check, tuning, the graph lane's size and the provider, each set differently on the two
     ranks: the first call raises on both, naming the setting and both values (before, the call ran:
-    a silent wrong sum on the GPU, or a hang in VERIFY's collective); an ``env.override`` made on
-    every rank goes through, one made on one rank raises on both; a rank whose peer never compares
-    waits ``COMMFUSE_TIMEOUT_S``, then raises naming the peer."""
+    a silent wrong sum on the GPU, or a hang in VERIFY's collective); an ``env.override`` made alike
+    on every rank goes through, one made with different values raises on both; one made on one
+    rank only, whose peer never compares, makes that rank wait ``COMMFUSE_TIMEOUT_S``, then raise
+    naming the peer and the setting it changed (its peer, which compared nothing, cannot name it)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_run_time_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
 
@@ -130,8 +138,8 @@ def _compile_worker(rank: int, init_file: str) -> None:
     x, w = torch.randn(16, 32), torch.randn(32, 24)
     cases = [
         (dict(COMMFUSE_MERGE_SUMS=mine("1", "0")), {}, [("COMMFUSE_MERGE_SUMS", "on", "off")]),
-        (dict(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576")), {},
-         [("COMMFUSE_LAUNCH_BOUND_BYTES", "0", "1048576")]),
+        (dict(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576")), {}, [(LAUNCH_BOUND, "0", "1048576")]),
+        ({}, dict(launch_bound_bytes=mine(None, 4096)), [(LAUNCH_BOUND, "0", "4096")]),
         ({}, dict(min_mnk=mine(0, 1 << 15)), [("backend(min_mnk=...)", "0", "32768")]),
         ({}, dict(patterns=mine(["mm_all_reduce"], ["all_gather_mm"])),
          [("backend(patterns=...)", "[mm_all_reduce]", "[all_gather_mm]")]),
@@ -146,13 +154,17 @@ def _compile_worker(rank: int, init_file: str) -> None:
                                             r"must be alike: " + _names(*named)):
             torch.compile(f, backend=backend, fullgraph=True)(x, w)
         assert not commfuse.report()  # raised by the backend, before the graph pass saw the graph
-    # alike on every rank: compiled, fused, and the sum of both ranks' products
-    _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0")
+    # alike on every rank: compiled, fused, and the sum of both ranks' products; the same launch
+    # bound in force, from the environment on one rank and the backend's argument on the other, and
+    # the same patterns in another order, are alike
+    _settings(COMMFUSE_LAUNCH_BOUND_BYTES=mine("0", "1048576"))
     torch._dynamo.reset()
     commfuse.clear_report()
     torch.manual_seed(rank)
     x, w = torch.randn(16, 32), torch.randn(32, 24)
-    got = torch.compile(f, backend=commfuse.backend(min_mnk=0), fullgraph=True)(x, w)
+    backend = commfuse.backend(min_mnk=0, launch_bound_bytes=mine(None, 0),
+                               patterns=mine(["mm_all_reduce", "merge_sums"], ["merge_sums", "mm_all_reduce"]))
+    got = torch.compile(f, backend=backend, fullgraph=True)(x, w)
     every = [torch.empty_like(got) for _ in range(WORLD)]
     dist.all_gather(every, x @ w)
     torch.testing.assert_close(got, sum(every))
@@ -165,7 +177,9 @@ def test_compile_time_settings_that_differ_are_one_error_on_every_rank():
     """The launch bound, merge sums and the backend's ``min_mnk``, ``patterns`` and ``exclude`` decide
     whether a call fuses: set differently, one rank called commfuse where its peer called NCCL, and
     no check of commfuse's ran on both. Now compiling the graph raises on both ranks, naming the
-    setting and both values, before Inductor compiles anything."""
+    setting and both values, before Inductor compiles anything. The launch bound compared is the
+    one in force (the environment's on one rank and the backend's argument on the other, alike, is
+    no error), and ``patterns`` in another order are alike."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_compile_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
 
@@ -198,3 +212,135 @@ def test_the_backend_finds_the_groups_of_collectives_and_of_dtensors(world2):
     torch.compile(mlp, backend=backend)(torch.randn(4, 8))
     assert seen[1] == [mesh.get_group().group_name]
     assert sub.group_name not in seen[1]  # only the groups the graph uses
+    # a collective inside an autograd.Function (a tensor-parallel layer's): Dynamo's graph holds it
+    # only in the subgraphs of a higher-order op
+    torch.compile(lambda x, w: _Reduce.apply(x @ w, sub), backend=backend, fullgraph=True)(
+        torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True))
+    assert seen[2] == [sub.group_name]
+
+
+class _Reduce(torch.autograd.Function):
+    """A tensor-parallel layer's all-reduce (Megatron's g): summed forward, passed-through backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return funcol.all_reduce(x, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Notes(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+def _cache_worker(rank: int, init_files: list, caches: str) -> None:
+    import commfuse
+    from torch._dynamo.utils import counters
+
+    from commfuse.config import Settings
+    from commfuse.inductor_plugin import alike
+
+    notes = _Notes()
+    logging.getLogger("commfuse").addHandler(notes)
+
+    torch._inductor.config.fx_graph_cache = True
+    _settings(COMMFUSE_LAUNCH_BOUND_BYTES="0", COMMFUSE_TIMEOUT_S="10")
+    fn = lambda x, w: _Reduce.apply(x @ w, dist.group.WORLD)  # noqa: E731
+    for run, init_file in enumerate(init_files):
+        # run 0 fills each rank's cache; run 1, a new process group (as a new process: nothing
+        # compared yet), finds rank 0's cache full and rank 1's empty
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, f"{rank}-{run if rank else 0}")
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=30))
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        counters.clear()
+        torch.manual_seed(rank)
+        x, w = torch.randn(16, 32, requires_grad=True), torch.randn(32, 24, requires_grad=True)
+        got = torch.compile(fn, backend=commfuse.backend(min_mnk=0), fullgraph=True)(x, w)
+        every = [torch.empty_like(got) for _ in range(WORLD)]
+        dist.all_gather(every, (x @ w).detach())
+        torch.testing.assert_close(got, sum(every))
+        hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        assert bool(hits) == (run == 1 and rank == 0), hits  # the pass ran on rank 1 only
+        assert bool(commfuse.report().fused) == (hits == 0)
+        if run == 1:
+            assert not any("did not compare" in note for note in notes.seen), notes.seen
+            # settings the backend did not compare for a group the pass fused on: a warning, not a wait
+            began = time.monotonic()
+            alike.warn_unagreed([dist.group.WORLD.group_name], Settings(min_mnk=7), "a graph")
+            assert time.monotonic() - began < 5
+            assert any("a graph fused calls on group" in note and "did not compare" in note for note in notes.seen)
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_inductor_caches_differ_compile_alike(tmp_path):
+    """The backend compares the compile-time settings for a group used only inside an
+    ``autograd.Function`` (in a higher-order op's subgraph) on every rank; the graph pass, which a
+    rank whose Inductor cache holds the graph skips, compares nothing. Before, the backend did not
+    see the group and the pass compared on the rank that compiled only: that rank waited for a
+    peer that never published, and raised after ``COMMFUSE_TIMEOUT_S`` on settings that were alike."""
+    files = [str(tmp_path / "rendezvous-0"), str(tmp_path / "rendezvous-1")]
+    mp.spawn(_cache_worker, args=(files, str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def _live_worker(rank: int, init_file: str, cache: str) -> None:
+    from commfuse import env
+    from commfuse.runtime import entry, groups, tuning  # noqa: F401  (entry: drops tuners on a change)
+    from commfuse.runtime.facts import GroupFacts
+    from commfuse.runtime.paths.base import Call
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=20))
+    _settings(COMMFUSE_TUNE="cache", COMMFUSE_CACHE_DIR=cache)
+    group = groups.get(dist.group.WORLD.group_name)
+    facts, cpu = GroupFacts.simulated(WORLD), torch.device("cpu")
+    call = Call("mm_all_reduce", 64, 64, 64, torch.bfloat16, WORLD)
+    tuning.answer(group, call, facts, cpu, False)  # every rank: the group's tuner, its cache agreed
+    tuner = tuning._tuners[id(group)]
+    # settings that may differ, changed on rank 0 only: its next answer starts no collective
+    with env.override(log="info" if rank == 0 else None, timeout_s=300 if rank == 0 else None):
+        tuning.answer(group, call, facts, cpu, False)
+    assert tuning._tuners[id(group)] is tuner
+    mine = torch.tensor([float(10 + rank)])
+    dist.all_reduce(mine)  # the program's next collective meets its peer's
+    assert mine.item() == 21.0
+    # a must-be-alike one, changed on every rank: a new tuner, its cache agreed anew
+    with env.override(tune_margin="0.05"):
+        tuning.answer(group, call, facts, cpu, False)
+        assert tuning._tuners[id(group)] is not tuner
+    dist.destroy_process_group()
+
+
+def test_a_setting_that_may_differ_changed_on_one_rank_starts_no_collective(tmp_path):
+    """``COMMFUSE_LOG`` or ``COMMFUSE_TIMEOUT_S`` changed on one rank mid-run keeps the tuners and the
+    cache their ranks agreed on. Before, the change dropped that rank's tuner, and the next answer
+    agreed on a cache again, alone: an all-reduce its peer never joined (a hang, or one that met the
+    program's own next collective)."""
+    mp.spawn(_live_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+
+
+def test_settings_that_fuse_alike_compare_alike(monkeypatch):
+    """What the ranks compare at compile time is what decides the fusions: the launch bound in
+    force, whether the environment or the backend's argument set it, and the set of patterns."""
+    from commfuse import env
+    from commfuse.config import PATTERNS, Settings
+
+    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
+    env.reload()
+    from_env = Settings.build(patterns=PATTERNS).alike()
+    monkeypatch.setenv("COMMFUSE_LAUNCH_BOUND_BYTES", "1048576")
+    env.reload()
+    from_argument = Settings.build(patterns=PATTERNS[::-1], launch_bound_bytes=0).alike()
+    assert from_env == from_argument and from_env[LAUNCH_BOUND] == 0
+    assert Settings.build(launch_bound_bytes=4096).alike()[LAUNCH_BOUND] == 4096
+    assert Settings.build(patterns=["mm_all_reduce"], launch_bound_bytes=0).alike() != from_argument
+    monkeypatch.delenv("COMMFUSE_LAUNCH_BOUND_BYTES")
+    env.reload()

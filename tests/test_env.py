@@ -210,4 +210,7 @@ def test_the_settings_the_ranks_compare_are_the_must_be_alike_ones():
     assert set(at_compile) == {"COMMFUSE_LAUNCH_BOUND_BYTES", "COMMFUSE_MERGE_SUMS"}
     assert not {"COMMFUSE_TIMEOUT_S", "COMMFUSE_LOG", "COMMFUSE_FAST_LAUNCH"} & (set(at_call) | set(at_compile))
     assert config.Settings().alike()["COMMFUSE_MERGE_SUMS"] is True
-    assert "backend(launch_bound_bytes=...)" in config.Settings(launch_bound_bytes=0).alike()
+    # the launch bound in force, under one name wherever it came from
+    assert config.Settings(launch_bound_bytes=0).alike()[config.LAUNCH_BOUND] == 0
+    assert config.Settings().alike()[config.LAUNCH_BOUND] == values.launch_bound_bytes
+    assert "COMMFUSE_LAUNCH_BOUND_BYTES" not in config.Settings().alike()

@@ -97,7 +97,6 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
     (fusions and merged sums) were made."""
     label = graph_label(graph, next(_graph_numbers))
     env.validate()  # a malformed setting fails here, named, not inside a rewrite or a collective call
-    alike.agree(graph, settings)  # groups the backend's graph did not show (compared there already: no wait)
     configure_logging()  # COMMFUSE_LOG set after the import
     log.debug("pass on %s: %d nodes", label, len(graph.nodes))
     for pattern, close in unmatched_names(graph.nodes, settings):
@@ -146,6 +145,8 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         graph.lint()
         for group, nbytes in workspace_plan(graph).items():
             groups.plan(group, nbytes)
+        alike.warn_unagreed((n.args[_GROUP_ARG[n.target]] for n in graph.nodes
+                             if n.op == "call_function" and n.target in _FUSED_OPS), settings, label)
     return fused
 
 

@@ -10,10 +10,14 @@ rank raises the same error, naming each differing setting and every rank's value
 * at a group's first commfuse call outside a capture, and at its first after a must-be-alike
   setting changed (``env.override``, ``env.reload``): the run-time settings (``agree_at_call``,
   before ``COMMFUSE_VERIFY``'s check and the group's facts; on the CPU's reference path too);
-* when a graph is compiled for a group: the settings that decide *whether* a call fuses (the
-  launch bound, merge sums, the backend's ``min_mnk``, ``patterns``, ``exclude``), which act at
-  compile time, so a rank that fuses a call and a peer that leaves it to NCCL never both reach
-  commfuse (``agree_compiled``, from the backend and the graph pass).
+* when Dynamo hands the backend a graph that uses a group: the settings that decide *whether* a
+  call fuses (the launch bound, merge sums, the backend's ``min_mnk``, ``patterns``, ``exclude``),
+  which act at compile time, so a rank that fuses a call and a peer that leaves it to NCCL never
+  both reach commfuse (``agree_compiled``). Only the backend compares them: it is called on every
+  rank for every graph, where Inductor's caches may skip the graph pass on some ranks only.
+
+A rank that waits in vain for its peers (a change made on some ranks only) names, in its error,
+the settings it changed since the ranks last agreed.
 
 The fake test backend has no peers to compare with: nothing is compared there.
 """
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_store, _resolve_process_group
 
 from .. import env
+from .groups import _members
 
 _PREFIX = "commfuse/alike"
 
@@ -53,18 +58,22 @@ def _comparable(pg) -> bool:
         return False
 
 
-def _members(pg) -> list[int]:
-    try:
-        return list(dist.get_process_group_ranks(pg))
-    except Exception:  # noqa: BLE001 - a backend that does not say: group ranks
-        return list(range(pg.size()))
+def changes(before: dict[str, Any] | None, mine: dict[str, Any]) -> str:
+    """What ``mine`` changed since ``before`` (the values the ranks last agreed on), as the error
+    of a rank whose peers did not compare shows it: ``COMMFUSE_ALGO (unset -> one_shot)``."""
+    if before is None:
+        return ""
+    names = sorted(set(before) | set(mine))
+    return ", ".join(f"{name} ({_shown(before.get(name))} -> {_shown(mine.get(name))})"
+                     for name in names if before.get(name) != mine.get(name))
 
 
-def compare(pg, where: str, mine: dict[str, Any], what: str) -> None:
+def compare(pg, where: str, mine: dict[str, Any], what: str, changed: str = "") -> None:
     """Write ``mine`` under ``where`` in ``pg``'s store and read every rank's; raise on every rank,
-    in the same words, if any value differs, or if a rank did not write within the wait bound."""
+    in the same words, if any value differs, or if a rank did not write within the wait bound
+    (``changed``: what this rank changed since the ranks last agreed, for that error)."""
     store = _get_process_group_store(pg)
-    rank, world, members = pg.rank(), pg.size(), _members(pg)
+    rank, world, ranks = pg.rank(), pg.size(), _members(pg)
     prefix = f"{_PREFIX}/{pg.group_name}/{where}/"
     store.set(prefix + str(rank), json.dumps(mine, sort_keys=True))
     keys = [prefix + str(r) for r in range(world)]
@@ -72,16 +81,19 @@ def compare(pg, where: str, mine: dict[str, Any], what: str) -> None:
     try:
         store.wait(keys, datetime.timedelta(seconds=bound))
     except Exception as exc:  # noqa: BLE001 - the store's timeout error: say who is missing
-        missing = [members[r] for r, key in enumerate(keys) if not store.check([key])]
+        missing = [ranks[r] for r, key in enumerate(keys) if not store.check([key])]
+        why = (f"this rank changed {changed} since the ranks last agreed: a must-be-alike setting "
+               "changed on some ranks only (env.override, env.reload) must be changed on every rank"
+               if changed else "every rank of the group must reach this point together")
         raise RuntimeError(
-            f"{what}: rank {members[rank]} of group {pg.group_name!r} waited {bound:g} s "
+            f"{what}: rank {ranks[rank]} of group {pg.group_name!r} waited {bound:g} s "
             f"(COMMFUSE_TIMEOUT_S) for rank(s) {missing} to publish their settings ({type(exc).__name__}); "
-            "every rank of the group must reach this point together") from None
+            f"{why}") from None
     every = [json.loads(store.get(key)) for key in keys]
     names = sorted({name for values in every for name in values})
     differ = [name for name in names if any(values.get(name) != every[0].get(name) for values in every)]
     if differ:
-        shown = "; ".join(f"{name} (" + ", ".join(f"rank {members[r]}: {_shown(values.get(name))}"
+        shown = "; ".join(f"{name} (" + ", ".join(f"rank {ranks[r]}: {_shown(values.get(name))}"
                                                   for r, values in enumerate(every)) + ")" for name in differ)
         raise RuntimeError(
             f"{what}: the ranks of group {pg.group_name!r} differ in settings that must be alike: "
@@ -121,35 +133,50 @@ def agree_at_call(group, op: str) -> None:
     pg = group.pg()
     if _comparable(pg):
         mine = runtime_settings()
-        key = tuple(sorted(mine.items()))
         entry = _count(_calls, pg, 0, None)
-        if key != entry[2]:
+        if mine != entry[2]:
             entry[1] += 1  # a failed comparison counts too: every rank moves on alike
-            compare(pg, f"call/{entry[1] - 1}", mine, f"commfuse.{op}")
-            entry[2] = key
+            compare(pg, f"call/{entry[1] - 1}", mine, f"commfuse.{op}", changes(entry[2], mine))
+            entry[2] = mine
     group.settings_of = values
 
 
-#: group name -> [the process group, the compile-time settings its ranks agreed on, comparisons so far]
+#: group name -> [the process group, the compile-time settings its ranks agreed on (as text),
+#: comparisons so far, the settings of the last agreement]
 _compiled: dict[str, list] = {}
 
 
-def agree_compiled(group_name: str, mine: dict[str, Any]) -> None:
-    """Every rank of the group together, when a graph is compiled for it: compare the settings
-    that decide whether a call fuses. Settings the ranks agreed on once are not compared again;
-    new ones are compared as the group's n-th comparison with each peer's n-th (ranks compile the
-    same graphs in the same order, and a comparison that failed counts too, so a later one never
-    reads a peer's earlier values)."""
+def _compiled_entry(group_name: str) -> list | None:
     try:
         pg = _resolve_process_group(group_name)
     except Exception:  # noqa: BLE001 - a name that does not resolve is the graph pass's to report
-        return
+        return None
     if not _comparable(pg):
+        return None
+    return _count(_compiled, pg, set(), 0, None)
+
+
+def agree_compiled(group_name: str, mine: dict[str, Any]) -> None:
+    """Every rank of the group together, when Dynamo hands the backend a graph that uses it:
+    compare the settings that decide whether a call fuses. Settings the ranks agreed on once are
+    not compared again; new ones are compared as the group's n-th comparison with each peer's n-th
+    (every rank's backend is handed the same graphs in the same order, whatever Inductor's caches
+    hold, and a comparison that failed counts too, so a later one never reads a peer's earlier
+    values)."""
+    entry = _compiled_entry(group_name)
+    if entry is None:
         return
     text = json.dumps(mine, sort_keys=True)
-    entry = _count(_compiled, pg, set(), 0)
     if text in entry[1]:
         return
     entry[2] += 1
-    compare(pg, f"compile/{entry[2] - 1}", mine, "commfuse: compiling a graph")
+    compare(entry[0](), f"compile/{entry[2] - 1}", mine, "commfuse: compiling a graph", changes(entry[3], mine))
     entry[1].add(text)
+    entry[3] = mine
+
+
+def compiled_agreed(group_name: str, mine: dict[str, Any]) -> bool:
+    """Whether the ranks of the group agreed on ``mine`` (or have no peers to compare with): read
+    here only, never a wait."""
+    entry = _compiled_entry(group_name)
+    return entry is None or json.dumps(mine, sort_keys=True) in entry[1]

@@ -79,13 +79,25 @@ _plans: dict[tuple, Plan] = {}
 decisions: collections.OrderedDict = collections.OrderedDict()
 
 
+#: The run-time must-be-alike settings the kept tuners were made under.
+_tuned_under: tuple = env.current().alike(compile=False)
+
+
 def forget() -> None:
-    """Drop every kept plan and tuner (the settings changed, or tests); the groups' buffers take
-    the wait bound in force."""
+    """Drop every kept plan (the settings changed, or tests), and the tuners if a must-be-alike
+    setting changed; the groups' buffers take the wait bound in force.
+
+    A new tuner agrees on its cache with a collective. A must-be-alike setting changed on one rank
+    only is an error at the group's next call, before any collective (``alike.agree_at_call``);
+    a setting that may differ (logging, the wait bound) changed on one rank must start none, so
+    the tuners, and the cache their ranks agreed on, are kept across those changes."""
+    global _tuned_under
     _plans.clear()
-    tuning.forget()
-    groups.bump()
     settings = env.current()
+    if settings.alike(compile=False) != _tuned_under:
+        _tuned_under = settings.alike(compile=False)
+        tuning.forget()
+    groups.bump()
     launch.configure(settings.fast_launch)
     bound = int(settings.timeout_s * 1e9)
     for group in groups.all_groups():
