@@ -161,6 +161,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMFUSE_TUNE_MARGIN", "float", 0.03, "a tuned path replaces the rules' choice only if it is "
             "this fraction faster (part of the tuning cache's key)", minimum=0.0, maximum=0.5, paths=True,
             scope=ALIKE, unlike=_AGREED),
+    Setting("COMMFUSE_COMMIT", "text", "", "the commit the benchmarks write into their result records "
+            "(default: `git rev-parse HEAD` of the tree; a copy of the tree may carry a stale `.git`)",
+            scope=LOCAL, unlike="each rank's records name its own value; only rank 0 writes them"),
 )
 
 _SWEEP = ("a path configuration now: the benchmarks pass it (benchmarks/path_sweep.py), no setting "

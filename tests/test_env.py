@@ -12,6 +12,7 @@ import pytest
 import torch.fx as fx
 
 from commfuse import config, env
+from commfuse.tools import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -195,3 +196,10 @@ def test_the_settings_the_ranks_compare_are_the_must_be_alike_ones():
     assert not {"COMMFUSE_TIMEOUT_S", "COMMFUSE_LOG", "COMMFUSE_FAST_LAUNCH"} & (set(at_call) | set(at_compile))
     assert config.Settings().alike()["COMMFUSE_MERGE_SUMS"] is True
     assert "backend(launch_bound_bytes=...)" in config.Settings(launch_bound_bytes=0).alike()
+
+
+def test_the_benchmarks_commit_is_a_setting():
+    """The documented benchmark command sets ``COMMFUSE_COMMIT``: a setting, so no warning."""
+    assert env.unknown_names({"COMMFUSE_COMMIT": "abc1234"}) == []
+    with env.override(commit="abc1234"):
+        assert timing.commit() == "abc1234"

@@ -13,7 +13,9 @@ show). ``runtime/alike.py`` does the comparing.
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 
 from ..config import Settings
 from ..runtime import alike
@@ -39,9 +41,6 @@ def graph_groups(graph: fx.Graph) -> list[str]:
     """The names of the process groups ``graph`` runs collectives on, as far as it shows them: the
     group names of its functional collectives, and the meshes of its DTensors (Dynamo's graphs
     hold DTensor operations; their collectives appear only once AOT autograd traced them)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
     names: dict[str, None] = {}
     for node in graph.nodes:
         if node.op == "call_function" and _namespace(node.target) in _COLLECTIVES:

@@ -23,6 +23,7 @@ import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -204,8 +205,6 @@ _COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 def _why_no_candidates(graph: fx.Graph) -> str:
     """What a graph without any candidate says instead of "0 fused, 0 skipped"."""
-    import torch.distributed as dist
-
     if any(getattr(n.target, "namespace", None) in _COLLECTIVES for n in graph.nodes if n.op == "call_function"):
         return "no all-reduce, all-gather or reduce-scatter in this graph (only other collectives)"
     why = "no collectives in this graph"

@@ -8,10 +8,12 @@ without any communication (the ops benchmark compares it with cuBLAS).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from .launch import run as run_kernel
 
@@ -120,8 +122,6 @@ class TileConfig:
     @classmethod
     def parse(cls, text: str) -> "TileConfig":
         """The inverse of ``str``: ``128x256x64s3w8g8r16o1`` (``o1`` may be left out)."""
-        import re
-
         m = re.fullmatch(r"(\d+)x(\d+)x(\d+)s(\d+)w(\d+)g(\d+)r(\d+)(?:o(\d+))?", text.strip())
         if not m:
             raise ValueError(f"commfuse: tile config {text!r} is not like 128x256x64s3w8g8r16o1")
@@ -132,8 +132,6 @@ def ensure_allocator() -> None:
     """Kernels that make TMA descriptors on the device need global scratch memory, which Triton
     asks an allocator for at each launch; set one (the current stream's caching allocator)
     unless the process already has its own."""
-    from triton.runtime import _allocation
-
     current = _allocation._allocator  # a ContextVar: this thread's allocator
     if isinstance(current.get() if hasattr(current, "get") else current, _allocation.NullAllocator):
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,

@@ -193,16 +193,3 @@ def data_hash() -> str:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def first(table_: Table | None, op: str, call: Call, supported) -> tuple[Rule | None, Any]:
-    """The first rule of ``table_`` for ``op`` that matches ``call`` and whose path
-    ``supported(rule)`` accepts, with what ``supported`` returned for it; (None, None) if none."""
-    if table_ is None:
-        return None, None
-    for rule in table_.rules(op):
-        if rule.matches(call):
-            ok = supported(rule)
-            if ok is not None:
-                return rule, ok
-    return None, None

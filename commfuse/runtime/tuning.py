@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -166,8 +167,6 @@ def _nccl() -> str:
 def machine_key(facts: GroupFacts) -> dict:
     """What a kept answer is valid for: the GPUs, their links, the software, the settings that
     change which paths run. Never the group's name (a topology's answers serve every group of it)."""
-    import importlib.metadata
-
     import triton  # noqa: PLC0415  (the run-time already has it; kept out of ``import commfuse``)
 
     try:
