@@ -184,7 +184,7 @@ def check(problem: Problem, run) -> float:
 
 def sweep_shape(problem: Problem, facts, state, args, only) -> dict:
     """Check every candidate of one shape, then time the correct ones in interleaved rounds."""
-    from commfuse.runtime import policy
+    from commfuse.runtime import policy, running
     from commfuse.runtime.paths.base import Context
 
     from commfuse.tools.timing import time_us
@@ -197,7 +197,7 @@ def sweep_shape(problem: Problem, facts, state, args, only) -> dict:
             ctx = Context(problem.call, facts, state, config)
 
             def run(a, path=path, ctx=ctx):
-                return path.run(ctx, a)
+                return running.run(path, ctx, a)
             try:
                 errs[name] = check(problem, run)
             except Exception as exc:  # a configuration that does not fit the call: recorded

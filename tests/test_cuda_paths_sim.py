@@ -25,14 +25,15 @@ from commfuse import env
 from commfuse.kernels import exchange
 from commfuse.kernels import fused_split_k
 from commfuse.kernels.codes import count_of, flag_value, tag_of
-from commfuse.runtime import ce_graphs, entry, groups, shards, verify
+from commfuse.runtime import ce_graphs, entry, groups, running, shards, verify
 from commfuse.runtime import facts as facts_mod
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.paths import REGISTRY, ag_overlap, base, ce_all_reduce, common, rs_overlap
+from commfuse.runtime.paths import REGISTRY, base, ce_all_reduce, common, rs_overlap
 from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
                                          MAX_ROW_SLABS, row_slabs, rows_dim)
 from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.running import ag_overlap as ag_overlap_run, ce_all_reduce as ce_all_reduce_run, rs_overlap as rs_overlap_run
 from helpers import init_fake_pg
 
 AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
@@ -176,7 +177,7 @@ def run_path(sim, op, name, *args, config=None, **kw):
     call = _call_of(op, args, sim.world)
     path = REGISTRY[(op, name)]
     config = config if config is not None else path.config(call, sim.facts)
-    return path.run(Context(call, sim.facts, sim.group, config), args)
+    return running.run(path, Context(call, sim.facts, sim.group, config), args)
 
 
 def _inputs(world, m, k, n, bias_kind):
@@ -328,7 +329,7 @@ def test_the_pairing_check_takes_split_k_off_ll_words(sim, monkeypatch):
     cfg = path.config(call, sim.facts)
     for check in (False, True):
         with env.override(pairing_check=check):
-            path.run(base.make_context(call, sim.facts, sim.group, path), MmAllReduceArgs(a, b, None, "0"))
+            running.run(path, base.make_context(call, sim.facts, sim.group, path), MmAllReduceArgs(a, b, None, "0"))
     assert asked == [cfg.ll, False] and cfg.ll is not False
 
 
@@ -403,8 +404,8 @@ def test_copy_engine_side_work_spreads_over_its_three_streams(sim, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec[current[0]])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op_code, slot=0: log.append((current[0], "barrier", slot)))
-    real_sum, real_all_reduce = ce_all_reduce.sum_rank_order, exchange.all_reduce
-    monkeypatch.setattr(ce_all_reduce, "sum_rank_order", lambda parts, out: (
+    real_sum, real_all_reduce = ce_all_reduce_run.sum_rank_order, exchange.all_reduce
+    monkeypatch.setattr(ce_all_reduce_run, "sum_rank_order", lambda parts, out: (
         log.append((current[0], "add", out.storage_offset() // (rows * n))), real_sum(parts, out)))
     monkeypatch.setattr(exchange, "all_reduce", lambda *args, **kw: (
         log.append((current[0], "one_shot", kw.get("slot_base"))), real_all_reduce(*args, **kw)))
@@ -469,8 +470,8 @@ def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
 @pytest.mark.parametrize("bias_kind", [None, "1d"])
 def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind):
     overlapped = []
-    real = ag_overlap.overlapped
-    monkeypatch.setattr(ag_overlap, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
+    real = ag_overlap_run.overlapped
+    monkeypatch.setattr(ag_overlap_run, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
     torch.manual_seed(4)
     shards_ = [torch.randn(*shape) for _ in range(sim.world)]
     b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
@@ -538,8 +539,8 @@ def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of
     copy-engine overlap (3 of 5 rows: 2, 2, 1)."""
     slots, overlapped = [], []
     monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: slots.append(slot))
-    real = rs_overlap.overlapped
-    monkeypatch.setattr(rs_overlap, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
+    real = rs_overlap_run.overlapped
+    monkeypatch.setattr(rs_overlap_run, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
     m = rows_per_rank * sim.world
     shape = shape_of(sim.world)
     a, b, bias = _inputs(sim.world, m, 6, 7, bias_kind)

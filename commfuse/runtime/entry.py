@@ -32,7 +32,7 @@ import torch
 
 from .. import env
 from ..kernels import launch
-from . import alike, errors, groups, policy, reference, shards, tuning, verify
+from . import alike, errors, groups, policy, reference, running, shards, tuning, verify
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, make_context,
@@ -55,6 +55,8 @@ class Plan:
     decision: policy.Decision
     context: Context
     generation: int
+    #: what runs the decided path (``running.runner``)
+    run: Any
     #: site -> the context with that site's pairing tag (the plan is kept per signature, and many
     #: sites share one: every layer's o_proj)
     sites: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -126,7 +128,8 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
         decision = policy.choose(call, facts, capturing=capturing, lane_bytes=groups.replayed_lane_bytes(group),
                                  forced=settings.algo,
                                  tuned=lambda: tuning.answer(group, call, facts, device, capturing))
-    return Plan(call, decision, make_context(call, facts, group, decision.path, decision.variant), groups.generation)
+    return Plan(call, decision, make_context(call, facts, group, decision.path, decision.variant), groups.generation,
+                running.runner(decision.path))
 
 
 def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, device: torch.device,
@@ -200,7 +203,7 @@ def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, g
     plan = _decide(group, op, key, shapes, lambda: Call(op, m, k, n, a.dtype, group.world, bias is not None), k,
                    a.device, capturing)
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.at(site), args)
+    return plan.run(plan.decision.path, plan.at(site), args)
 
 
 def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
@@ -214,7 +217,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     args = AllGatherMmArgs(shard, b, bias, gather_dim, world_size, group_name, return_gathered)
     if twin:
         ran(op, "nccl")
-        return REGISTRY[(op, "nccl")].run(None, args)
+        return running.run(REGISTRY[(op, "nccl")], None, args)
     key = (op, *shapes, bias is not None, group_name, shard.device.index, capturing)
 
     def call() -> Call:
@@ -224,7 +227,7 @@ def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
     plan = _decide(group, op, key, shapes, call, n, shard.device, capturing)  # N is the rank's own size here
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.at(site), args)
+    return plan.run(plan.decision.path, plan.at(site), args)
 
 
 def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list,
@@ -240,7 +243,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     args = MmReduceScatterArgs(a, b, bias, shape, scatter_dim, world_size, group_name)
     if twin:
         ran(op, "nccl")
-        return REGISTRY[(op, "nccl")].run(None, args)
+        return running.run(REGISTRY[(op, "nccl")], None, args)
     key = (op, *shapes, bias is not None, group_name, a.device.index, capturing)
 
     def call() -> Call:
@@ -249,7 +252,7 @@ def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
     plan = _decide(group, op, key, shapes, call, k, a.device, capturing)
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.at(site), args)
+    return plan.run(plan.decision.path, plan.at(site), args)
 
 
 def shared_mm_all_reduce(a, b, bias) -> dict:

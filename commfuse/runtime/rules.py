@@ -37,7 +37,6 @@ import functools
 import hashlib
 import json
 import pathlib
-from typing import Any
 
 from .paths.base import Call
 

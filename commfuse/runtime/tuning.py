@@ -54,10 +54,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import triton
 
 from .. import env
 from ..kernels.codes import ERR_TIMEOUT
-from . import errors, groups
+from . import errors, groups, running
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path, make_context)
@@ -167,8 +168,6 @@ def _nccl() -> str:
 def machine_key(facts: GroupFacts) -> dict:
     """What a kept answer is valid for: the GPUs, their links, the software, the settings that
     change which paths run. Never the group's name (a topology's answers serve every group of it)."""
-    import triton  # noqa: PLC0415  (the run-time already has it; kept out of ``import commfuse``)
-
     try:
         version = importlib.metadata.version("commfuse")
     except importlib.metadata.PackageNotFoundError:  # a source tree that was not installed
@@ -351,8 +350,7 @@ def prepare(sig: Signature, group, facts: GroupFacts, device, candidates: list[P
     need = max([p.workspace_bytes(call) for p in candidates if p.symmetric], default=0)
     if need:
         groups.workspace(group, need, device)
-    reference = REGISTRY[(sig.op, "nccl")]
-    want = _output(reference.run(Context(call, facts, group), args)).float()
+    want = _output(running.run(REGISTRY[(sig.op, "nccl")], Context(call, facts, group), args)).float()
     return Prepared(call, args, want)
 
 
@@ -362,14 +360,15 @@ def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, va
     if the output is wrong."""
     call, args, want = prepared.call, prepared.args, prepared.want
     ctx = make_context(call, facts, group, path, variant)
-    path.run(ctx, args)
+    run = running.runner(path)
+    run(path, ctx, args)
     yield
     for _ in range(WARMUP):
-        path.run(ctx, args)
+        run(path, ctx, args)
     yield
     poison = torch.full((want.numel() * 2,), float("nan"), device=device, dtype=call.dtype)
     del poison  # the caching allocator hands the candidate's output this NaN-filled block
-    got = _output(path.run(ctx, args)).float()
+    got = _output(run(path, ctx, args)).float()
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     if not err <= TOLERANCE.get(call.dtype, 2e-2):
         raise RuntimeError(f"{path.name} is wrong on this rank (relative error {err:.2e})")
@@ -378,7 +377,7 @@ def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, va
     torch.cuda.synchronize(device)
     for start, end in events:
         start.record()
-        path.run(ctx, args)
+        run(path, ctx, args)
         end.record()
     torch.cuda.synchronize(device)
     times = sorted(s.elapsed_time(e) * 1e3 for s, e in events)

@@ -9,12 +9,15 @@ implementations. Each is one object in one module of this package, and says
 * ``workspace_bytes(call)``: the symmetric bytes per parity it needs (0 for NCCL);
 * ``config(call, facts, variant)``: its configuration for the call (tilings, chunks), from the
   same inputs; ``variant`` is what a rule of the table asked for, if anything;
-* ``run(ctx, args)``: the call itself, given the op's arguments and the decided configuration.
+
+and is run by its module of ``runtime/running/`` (``running.run(path, ctx, args)``), given the op's
+arguments and the decided configuration. Deciding is size arithmetic (``kernels/sizes/``) and
+imports no Triton; running imports the kernels.
 
 The policy (``policy.py``) asks the rules of the group's GPU (``rules.py``) which path a call
 takes; the graph pass sizes workspaces through ``workspace_bytes``; ``COMMFUSE_ALGO`` and the
-report use the names. Adding a path means adding a module here, its name to ``REGISTRY`` and, where
-it should run by default, a rule to the data.
+report use the names. Adding a path means adding a module here, its name to ``REGISTRY``, its running
+module to ``running/`` and, where it should run by default, a rule to the data.
 """
 
 from __future__ import annotations
@@ -173,9 +176,6 @@ class Path:
 
     def config(self, call: Call, facts: GroupFacts, variant: dict | None = None) -> Any:
         return None
-
-    def run(self, ctx: Context, args) -> Any:
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<path {self.op}:{self.name}>"
