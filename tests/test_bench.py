@@ -316,6 +316,7 @@ def test_call_times_case_rows(monkeypatch):
 def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     import pytest
 
+    from commfuse.runtime.spec import MM_ALL_REDUCE
     from commfuse.tools import call_times
 
     monkeypatch.setattr(call_times, "LIMIT", 2)
@@ -326,15 +327,15 @@ def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     counter = {}
 
-    @call_times.timed("mm_all_reduce", counter)
-    def entry(a, b):
+    @call_times.timed(counter)
+    def entry(spec, args, site=0):
         counter["mm_all_reduce:one_shot"] = counter.get("mm_all_reduce:one_shot", 0) + 1
-        return a @ b
+        return args.a @ args.b
 
     a, b = torch.ones(2, 3), torch.ones(3, 4)
     call_times.record(True)
     try:
-        outs = [entry(a, b) for _ in range(3)]
+        outs = [entry(MM_ALL_REDUCE, MM_ALL_REDUCE.Args(a, b, None, "g")) for _ in range(3)]
     finally:
         call_times.record(False)
     assert all(torch.equal(o, a @ b) for o in outs)  # the call past the limit still runs

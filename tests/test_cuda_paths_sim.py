@@ -32,7 +32,9 @@ from commfuse.runtime.facts import GroupFacts
 from commfuse.runtime.paths import REGISTRY, base, ce_all_reduce, common, rs_overlap
 from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
                                          MAX_ROW_SLABS, row_slabs, rows_dim)
+from commfuse.runtime import reference
 from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER
 from commfuse.runtime.running import ag_overlap as ag_overlap_run, ce_all_reduce as ce_all_reduce_run, rs_overlap as rs_overlap_run
 from helpers import init_fake_pg
 
@@ -146,6 +148,22 @@ def sim(request, monkeypatch):
         yield bufs
     groups.release_all()
 
+def _mm_all_reduce(a, b, bias, group_name, site=0):
+    """The op's CUDA call into the run-time, as ``ops/library.py`` makes it."""
+    return entry.run(MM_ALL_REDUCE, MM_ALL_REDUCE.Args(a, b, bias, group_name), site)
+
+
+def _all_gather_mm(shard, b, bias, gather_dim, world_size, group_name, return_gathered=True, site=0):
+    args = ALL_GATHER_MM.Args(shard, b, bias, gather_dim, world_size, group_name, return_gathered)
+    return entry.run(ALL_GATHER_MM, args, site)
+
+
+def _mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
+    shape = reference.resolve_shape(shape, a.shape[0] * b.shape[1])
+    args = MM_REDUCE_SCATTER.Args(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return entry.run(MM_REDUCE_SCATTER, args, site)
+
+
 
 def _args(op, *args, **kw):
     if op == AR:
@@ -213,7 +231,7 @@ def test_mm_all_reduce_paths(sim, algo, bias_kind):
         sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))  # what the peer's GEMM wrote
     before = _ran(AR)
     with env.override(algo=algo):
-        out = entry.mm_all_reduce(a[r], b[r], bias[r], "0")
+        out = _mm_all_reduce(a[r], b[r], bias[r], "0")
     want = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world))
     torch.testing.assert_close(out, want)
     assert _changed(AR, before) == [algo]
@@ -237,13 +255,13 @@ def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
     def calls():
         for p in sim.peers():
             sim.peer_data(p, (4 * world, 7)).copy_(_partial(a[p], b[p], None))
-        entry.mm_all_reduce(a[r], b[r], None, "0")
+        _mm_all_reduce(a[r], b[r], None, "0")
         for p in sim.peers():
             sim.peer_data(p, (4, 6)).copy_(a[p][:4])
-        entry.all_gather_mm(a[r][:4], b[r], None, 0, world, "0")
+        _all_gather_mm(a[r][:4], b[r], None, 0, world, "0")
         for p in sim.peers():
             sim.peer_data(p, (4 * world, 7)).copy_(_partial(a[p], b[p], None))
-        entry.mm_reduce_scatter(a[r], b[r], None, [4 * world, 7], 0, world, "0")
+        _mm_reduce_scatter(a[r], b[r], None, [4 * world, 7], 0, world, "0")
 
     with env.override(algo="one_shot", pairing_check=True):
         calls()
@@ -269,7 +287,7 @@ def _tags_of_calls(sim, monkeypatch, calls) -> list:
     with env.override(algo="one_shot", pairing_check=True):
         for k, site in calls:
             a, b, _ = _inputs(world, 4 * world, k, 7, None)
-            entry.mm_all_reduce(a[r], b[r], None, "0", *([site] if site else []))
+            _mm_all_reduce(a[r], b[r], None, "0", *([site] if site else []))
     return [(count_of(e), tag_of(e)) for e in seen]
 
 
@@ -458,7 +476,7 @@ def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
             for p in sim.peers():
                 sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
             made_before = len(made)
-            out = entry.mm_all_reduce(a[r], b[r], bias[r], "0")
+            out = _mm_all_reduce(a[r], b[r], bias[r], "0")
             assert len(made) - made_before == (sim.world if call < 2 else 0)  # every rank's view, per parity
             torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
 
@@ -481,7 +499,7 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
     mine = sim.peer_data(r, shape)  # where this call must leave its shard for the peers
     before = _ran(AG)
     with env.override(algo=algo):
-        out, gathered = entry.all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0")
+        out, gathered = _all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0")
     assert _changed(AG, before) == [algo]
     want_gathered = torch.cat(shards_, dim=gather_dim)
     torch.testing.assert_close(mine, shards_[r])
@@ -492,7 +510,7 @@ def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kin
         sim.peer_data(p, shape).copy_(shards_[p])  # the next call's parity
     mine = sim.peer_data(r, shape)
     with env.override(algo=algo):
-        out2, gathered2 = entry.all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0",
+        out2, gathered2 = _all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0",
                                               return_gathered=False)
     torch.testing.assert_close(mine, shards_[r])
     torch.testing.assert_close(out2, out)
@@ -511,7 +529,7 @@ def test_paths_count_the_path_that_ran(sim):
     for p in sim.peers():
         sim.peer_data(p, (slabs, 2, 6)).copy_(shards_[p])
     with env.override(algo="overlap"):
-        out, gathered = entry.all_gather_mm(shards_[sim.mine.rank], torch.randn(6, 5), None, 1, sim.world, "0")
+        out, gathered = _all_gather_mm(shards_[sim.mine.rank], torch.randn(6, 5), None, 1, sim.world, "0")
     torch.testing.assert_close(gathered, torch.cat(shards_, dim=1))
     assert PATHS["all_gather_mm:symm"] == before.get("all_gather_mm:symm", 0) + 1
     assert PATHS["all_gather_mm:overlap"] == before.get("all_gather_mm:overlap", 0)
@@ -520,7 +538,7 @@ def test_paths_count_the_path_that_ran(sim):
     for p in sim.peers():
         sim.peer_data(p, (m, 7)).copy_(a[p] @ b[p])
     with env.override(algo="ce_overlap"):
-        out = entry.mm_reduce_scatter(a[sim.mine.rank], b[sim.mine.rank], None, shape, 1, sim.world, "0")
+        out = _mm_reduce_scatter(a[sim.mine.rank], b[sim.mine.rank], None, shape, 1, sim.world, "0")
     want = sum(a[p] @ b[p] for p in range(sim.world)).view(shape).chunk(sim.world, dim=1)[sim.mine.rank]
     torch.testing.assert_close(out, want)
     assert PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
@@ -550,7 +568,7 @@ def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of
     if chunks is None:
         before = _ran(RS)
         with env.override(algo=algo):
-            out = entry.mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
+            out = _mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
         assert _changed(RS, before) == [algo]
     else:
         slabs = max(row_slabs(shape, rows_dim(shape, scatter_dim)), 1)
@@ -572,10 +590,10 @@ def test_forced_copy_engine_paths_with_no_rows_run_the_rules_choice(sim):
     a, b, bias = _inputs(sim.world, 0, 6, 7, "1d")
     before = dict(PATHS)
     with env.override(algo="ce_overlap"):
-        out = entry.mm_all_reduce(a[r], b[r], bias[r], "0")
+        out = _mm_all_reduce(a[r], b[r], bias[r], "0")
         assert out.shape == (0, 7) and sim.mine.broken is None and sim.mine.epoch == 0
         assert PATHS["mm_all_reduce:nccl"] == before.get("mm_all_reduce:nccl", 0) + 1
-        out = entry.mm_reduce_scatter(a[r], b[r], bias[r], [0, 7], 0, sim.world, "0")
+        out = _mm_reduce_scatter(a[r], b[r], bias[r], [0, 7], 0, sim.world, "0")
     assert out.shape == (0, 7) and sim.mine.broken is None
     assert PATHS["mm_reduce_scatter:nccl"] == before.get("mm_reduce_scatter:nccl", 0) + 1
     assert PATHS["mm_all_reduce:ce_overlap"] == before.get("mm_all_reduce:ce_overlap", 0)
@@ -623,7 +641,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
         for p in sim.peers():
             sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
         with env.override(algo=algo):
-            entry.mm_all_reduce(a[r], b[r], bias[r], "0")
+            _mm_all_reduce(a[r], b[r], bias[r], "0")
 
     def calls():
         call_times.record(True)
@@ -637,7 +655,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
                 sim.peer_data(p, (4, 6)).copy_(shards_[p])
             b = torch.randn(6, 5)
             with env.override(algo="symm"):  # an entry with a keyword argument
-                out, _ = entry.all_gather_mm(shards_[r], b, None, 0, sim.world, "0", return_gathered=False)
+                out, _ = _all_gather_mm(shards_[r], b, None, 0, sim.world, "0", return_gathered=False)
             torch.testing.assert_close(out, torch.cat(shards_) @ b)
         finally:
             call_times.record(False)
@@ -735,8 +753,8 @@ def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
     def run(capture, rows=4):
         capturing[0] = capture
         before = (_ran(AG), _ran(RS))
-        entry.all_gather_mm(shard[:rows], b, None, 0, world, "0")
-        entry.mm_reduce_scatter(a[:rows * world // 2], w, None, [rows * world // 2, 7], 0, world, "0")
+        _all_gather_mm(shard[:rows], b, None, 0, world, "0")
+        _mm_reduce_scatter(a[:rows * world // 2], w, None, [rows * world // 2, 7], 0, world, "0")
         return [_changed(AG, before[0])[0], _changed(RS, before[1])[0]]
 
     assert run(False) == ["symm", "symm"]  # before any capture
@@ -769,7 +787,7 @@ def test_a_captured_all_reduce_past_the_lane_makes_its_eager_twins_run_nccl(sim,
     def path(capture):
         capturing[0] = capture
         before = _ran(AR)
-        entry.mm_all_reduce(a, b, None, "0")
+        _mm_all_reduce(a, b, None, "0")
         return _changed(AR, before)
 
     assert path(False) == ["one_shot"]  # eagerly (every rank learns the call's sizes)
@@ -794,7 +812,7 @@ def test_eager_calls_that_fit_a_replayed_lane_take_it_unchecked(sim, monkeypatch
     _capturing(monkeypatch, [False])  # (the lane path asks CUDA)
     a, b = torch.randn(8, 6), torch.randn(6, 5)  # 160 bytes: fits; fp32: the staged one-shot, no split-K
     before = _ran(AR)
-    entry.mm_all_reduce(a, b, None, "0")  # the warm-up before a capture: the size agreed
+    _mm_all_reduce(a, b, None, "0")  # the warm-up before a capture: the size agreed
     assert _changed(AR, before) == ["one_shot"]
     group = groups.get("0")
     buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
@@ -806,13 +824,13 @@ def test_eager_calls_that_fit_a_replayed_lane_take_it_unchecked(sim, monkeypatch
     with env.override(verify=True):
         for _ in range(2):
             before = _ran(AR)
-            out = entry.mm_all_reduce(a, b, None, "0")
+            out = _mm_all_reduce(a, b, None, "0")
             assert _changed(AR, before) == ["graph"] and staged[-1] is group.lane
             torch.testing.assert_close(out, (a @ b) * sim.world)
         assert checked == [] and group.calls == calls and shards.LEARNED == learned
         big_a, big_b = torch.randn(40, 6), torch.randn(6, 40)  # 6400 bytes: past the lane
         before = _ran(AR)
-        entry.mm_all_reduce(big_a, big_b, None, "0")
+        _mm_all_reduce(big_a, big_b, None, "0")
         assert _changed(AR, before) == ["one_shot"] and checked == [(AR, calls)] and group.calls == calls + 1
         assert shards.LEARNED == learned + 1
 
@@ -832,14 +850,14 @@ def test_verify_checks_each_call_with_the_groups_call_count(sim, monkeypatch):
     a, b = torch.randn(4, 6), torch.randn(6, 5)
     with env.override(verify=True, algo="one_shot"):
         for count in range(3):
-            entry.mm_all_reduce(a, b, None, "0")
+            _mm_all_reduce(a, b, None, "0")
             assert group.calls == count + 1
         skip[0] = 1
         if sim.mine.rank == 1:
             return  # (this rank is the one a call behind: every answer it gets is its own)
         with pytest.raises(RuntimeError, match=r"commfuse\.mm_all_reduce: ranks of group '0' disagree about call 3 "
                                                r"of the group: rank \d and rank 1 differ \(call: 3 here, 2 there\)"):
-            entry.mm_all_reduce(a, b, None, "0")
+            _mm_all_reduce(a, b, None, "0")
 
 
 def test_ranks_whose_own_sizes_differ_run_nccl_and_agree_on_every_later_call(sim, monkeypatch):
@@ -860,7 +878,7 @@ def test_ranks_whose_own_sizes_differ_run_nccl_and_agree_on_every_later_call(sim
         a, b, _ = _inputs(sim.world, 4, k, 5, None)
         before, learned = _ran(AR), shards.LEARNED
         with env.override(algo="one_shot"):
-            entry.mm_all_reduce(a[r], b[r], None, "0")
+            _mm_all_reduce(a[r], b[r], None, "0")
         return _changed(AR, before), shards.LEARNED - learned
 
     assert call(6) == (["one_shot"], 1)
@@ -883,7 +901,7 @@ def test_verify_agrees_on_the_own_sizes_of_every_call(sim, monkeypatch):
     with env.override(verify=True, algo="one_shot"):
         learned = shards.LEARNED
         for _ in range(3):
-            entry.mm_all_reduce(a[r], b[r], None, "0")
+            _mm_all_reduce(a[r], b[r], None, "0")
         assert shards.LEARNED == learned + 3
 
 

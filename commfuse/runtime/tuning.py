@@ -61,7 +61,7 @@ from ..kernels.codes import ERR_TIMEOUT
 from . import errors, groups, running
 from .facts import GroupFacts
 from .paths import REGISTRY
-from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path, make_context)
+from .paths.base import (Call, Context, Path, make_context)
 
 log = logging.getLogger("commfuse")
 
@@ -112,10 +112,10 @@ class Signature:
     def call(self) -> Call:
         """The call a tuning run times: the bucket's largest M that the collective can cut (every
         rank's block, and each of its slabs, whole rows)."""
-        unit = 1 if self.op == "mm_all_reduce" else self.world * (self.slabs if self.rows_dim else 1)
-        m = max(unit, self.m // unit * unit)
-        return Call(self.op, m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
+        call = Call(self.op, self.m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
                     self.rows_dim, self.slabs)
+        unit = call.spec.rows_unit(call)
+        return dataclasses.replace(call, m=max(unit, self.m // unit * unit))
 
     def digest(self) -> int:
         return int.from_bytes(hashlib.sha256(self.text().encode()).digest()[:7], "little")
@@ -313,20 +313,7 @@ def _inputs(sig: Signature, group, device, seed: int):
     def rand(*shape):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) / 4).to(dtype)
 
-    world = sig.world
-    slabs = sig.slabs if sig.rows_dim else 1
-    dim = 1 if slabs > 1 else 0
-    b, bias = rand(call.k, call.n), (rand(call.n) if call.bias else None)
-    if sig.op == "mm_all_reduce":
-        args = MmAllReduceArgs(rand(call.m, call.k), b, bias, group.name)
-    elif sig.op == "all_gather_mm":
-        rows = call.m // world
-        shard = rand(slabs, rows // slabs, call.k) if dim else rand(rows, call.k)
-        args = AllGatherMmArgs(shard, b, bias, dim, world, group.name, False)
-    else:
-        shape = [slabs, call.m // slabs, call.n] if dim else [call.m, call.n]  # the product's view
-        args = MmReduceScatterArgs(rand(call.m, call.k), b, bias, shape, dim, world, group.name)
-    return call, args
+    return call, call.spec.inputs(call, group.name, rand)
 
 
 def _output(result) -> torch.Tensor:
@@ -486,7 +473,7 @@ class Tuner:
         # (every rank holds the same entries, agreed, and tunes the same signatures: alike)
         if may_tune and (entry is None or (entry.retry() and sig.text() not in self.fresh)):
             entry = self.tune(sig)
-            if call.op == "mm_all_reduce" and call.exchanged_bytes <= self.facts.lane_bytes:
+            if call.spec.graph_lane and call.exchanged_bytes <= self.facts.lane_bytes:
                 self.tune(Signature.of(call, capture=True))  # what a later capture will ask for
         if entry is None:
             return None
