@@ -203,3 +203,14 @@ def test_the_benchmarks_commit_is_a_setting():
     assert env.unknown_names({"COMMFUSE_COMMIT": "abc1234"}) == []
     with env.override(commit="abc1234"):
         assert timing.commit() == "abc1234"
+
+
+@pytest.mark.parametrize("former, now", [("symm", "pull"), ("overlap", "ce_overlap"), ("SYMM", "pull")])
+def test_commfuse_algo_takes_the_former_path_names(monkeypatch, former, now):
+    monkeypatch.setenv("COMMFUSE_ALGO", former)
+    env.reload()
+    try:
+        assert env.current().algo == now
+    finally:
+        monkeypatch.delenv("COMMFUSE_ALGO")
+        env.reload()

@@ -138,7 +138,8 @@ def test_tools_are_imported_by_nothing_else():
 #: What decides, at compile time and at a call: none of it may need Triton (or Iris).
 DECIDING = ["commfuse", "commfuse.inductor_plugin", "commfuse.inductor_plugin.graph_pass", "commfuse.patterns",
             "commfuse.report", "commfuse.config", "commfuse.exclusion", "commfuse.ops", "commfuse.runtime.policy",
-            "commfuse.runtime.rules", "commfuse.runtime.paths", "commfuse.kernels.sizes.fused_split_k",
+            "commfuse.runtime.rules", "commfuse.runtime.spec", "commfuse.runtime.rule_answers",
+            "commfuse.runtime.paths", "commfuse.kernels.sizes.fused_split_k",
             "commfuse.kernels.sizes.fused_all_reduce", "commfuse.kernels.sizes.fused_all_gather"]
 
 _WITHOUT_TRITON = """

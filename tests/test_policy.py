@@ -58,11 +58,11 @@ def test_each_condition_reads_the_call(table, when, hit, miss):
 
 
 def test_rows_dim_tells_the_row_layouts_apart(table):
-    table({"all_gather_mm": [{"path": "overlap", "when": {"rows_dim": 0}}, {"path": "symm"}]})
+    table({"all_gather_mm": [{"path": "ce_overlap", "when": {"rows_dim": 0}}, {"path": "pull"}]})
     rows = Call("all_gather_mm", 4096, 4096, 4096, BF16, 2)
     batch = Call("all_gather_mm", 4096, 4096, 4096, BF16, 2, rows_dim=1, slabs=2)
-    assert policy.choose(rows, FACTS).name == "overlap"
-    assert policy.choose(batch, FACTS).name == "symm"
+    assert policy.choose(rows, FACTS).name == "ce_overlap"
+    assert policy.choose(batch, FACTS).name == "pull"
 
 
 def test_an_op_the_table_leaves_out_runs_nccl(table):
@@ -81,7 +81,7 @@ def test_captured_calls_read_the_capture_rules(table):
     too_big = ar(1 << 15, n=1 << 14)  # past the lane
     assert policy.choose(too_big, FACTS, capturing=True).name == "nccl"
     # an op without capture rules: NCCL in a capture, whatever its eager rules say
-    table({"all_gather_mm": [{"path": "symm"}]})
+    table({"all_gather_mm": [{"path": "pull"}]})
     assert policy.choose(Call("all_gather_mm", 64, 64, 64, BF16, 2), FACTS, capturing=True).name == "nccl"
 
 
@@ -116,3 +116,11 @@ def test_a_rule_naming_a_path_the_op_lacks_is_an_error(table):
     table({"mm_all_reduce": [{"path": "no_such_path"}]})
     with pytest.raises(ValueError, match="no_such_path"):
         policy.choose(ar(64), FACTS)
+
+
+def test_former_path_names_are_read_as_the_paths_names_now(table):
+    """Rules data written with a former name (``symm``, the all-gather's ``overlap``) still reads."""
+    table({"all_gather_mm": [{"path": "overlap", "when": {"rows_dim": 0}}, {"path": "symm"}]})
+    rows = Call("all_gather_mm", 4096, 4096, 4096, BF16, 2)
+    assert policy.choose(rows, FACTS).name == "ce_overlap"
+    assert policy.choose(Call("all_gather_mm", 4096, 4096, 4096, BF16, 2, rows_dim=1, slabs=2), FACTS).name == "pull"

@@ -24,6 +24,7 @@ import pathlib
 import pytest
 import torch
 
+from commfuse.env import ALGO_ALIASES
 from commfuse.runtime import policy
 from commfuse.runtime.facts import GroupFacts
 from commfuse.runtime.paths import REGISTRY
@@ -41,6 +42,7 @@ def _calls(doc):
         for variant, path in zip(doc["variants"][op], answers):
             inputs = dict(zip(doc["variant_fields"][op], variant))
             plan = None if inputs["capture"] else planned[tuple(inputs[f] for f in doc["plan_fields"][op])]
+            path = ALGO_ALIASES.get(path, path)  # recorded under the paths' former names
             yield doc["ops"][op], m, k, n, DTYPES[dtype], world, inputs, path, plan, gsk, gsk_cfg
 
 

@@ -38,6 +38,7 @@ import hashlib
 import json
 import pathlib
 
+from ..env import ALGO_ALIASES
 from .paths.base import Call
 
 RULES_DIR = pathlib.Path(__file__).resolve().parent / "rules"
@@ -141,7 +142,7 @@ def _rule(data: dict, where: str) -> Rule:
                 raise ValueError(f"commfuse rules: {where}: {name} needs [low, high], got {bound!r}")
         elif name not in _FLAGS + _EQUALS:
             raise ValueError(f"commfuse rules: {where}: unknown condition {name!r}")
-    return Rule(data["path"], tuple((n, tuple(b) if isinstance(b, list) else b) for n, b in when.items()),
+    return Rule(ALGO_ALIASES.get(data["path"], data["path"]), tuple((n, tuple(b) if isinstance(b, list) else b) for n, b in when.items()),
                 tuple(sorted(data.get("variant", {}).items())), tuple(data.get("evidence", ())),
                 data.get("note", ""))
 

@@ -65,7 +65,9 @@ from .paths.base import (Call, Context, Path, make_context)
 
 log = logging.getLogger("commfuse")
 
-FORMAT = 1
+#: The cache file's format: 2 since paths were renamed (``symm`` is ``pull``, the all-gather's
+#: ``overlap`` is ``ce_overlap``), so answers kept under the former names are tuned anew.
+FORMAT = 2
 #: Iterations per candidate, after its first run (which compiles it): warm-up and timed.
 WARMUP, ITERS = 3, 10
 #: Every wait of a tuning run after the candidates' first runs is bounded by this many seconds

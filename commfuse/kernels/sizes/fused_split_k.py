@@ -124,7 +124,7 @@ def flag_slots(m: int, n: int, world: int, cfg: SplitConfig) -> int:
 def unsupported(m: int, k: int, n: int, dtype: torch.dtype, world: int, counters: int,
                 flag_limit: int) -> str | None:
     """Why this kernel cannot take the call beyond what the fused all-reduce kernel needs
-    (``runtime.paths.tile_all_reduce.fused_support``, which ``runtime.paths.split_k`` checks
+    (``runtime.paths.ar_fused.fused_support``, which ``runtime.paths.split_k`` checks
     first), or None."""
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"

@@ -16,7 +16,7 @@ def cdiv(x: int, y: int) -> int:
 class TileConfig:
     """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums
     instead of multiplying (0: the multiplying programs copy them, in the ticket order, which
-    ``runtime.paths.tile_all_reduce.tile_config`` picks for every call; 16, this class's default,
+    ``runtime.paths.ar_fused.tile_config`` picks for every call; 16, this class's default,
     where a path configuration asks for reducer programs);
     ``per_sm``: programs per SM (2 lets one program's epilogue stores drain while the other
     multiplies; the launcher lowers it to what the compiled kernel fits)."""

@@ -1,4 +1,4 @@
-"""``symm``: ``all_gather_mm`` as the shard copied into the symmetric workspace, one Triton kernel
+"""``pull``: ``all_gather_mm`` as the shard copied into the symmetric workspace, one Triton kernel
 that pulls every rank's shard into the gathered tensor, then cuBLAS.
 
     unfused:   all_gather (NCCL) -> mm
@@ -28,11 +28,11 @@ def gather_shape(shard: torch.Tensor, gather_dim: int, world: int) -> list:
 
 class AllGatherPull(Path):
     op = "all_gather_mm"
-    name = "symm"
+    name = "pull"
 
     def workspace_bytes(self, call: Call) -> int:
         return shard_bytes(call)
 
 
 
-SYMM = AllGatherPull()
+PULL = AllGatherPull()

@@ -1,4 +1,4 @@
-"""``symm``: ``mm_reduce_scatter`` as cuBLAS into the symmetric workspace, then one Triton kernel
+"""``pull``: ``mm_reduce_scatter`` as cuBLAS into the symmetric workspace, then one Triton kernel
 that pulls every rank's partial of this rank's share and sums them in rank order.
 
     unfused:   mm -> reduce_scatter (NCCL)
@@ -20,11 +20,11 @@ def scattered_shape(args) -> list:
 
 class ReduceScatterPull(Path):
     op = "mm_reduce_scatter"
-    name = "symm"
+    name = "pull"
 
     def workspace_bytes(self, call: Call) -> int:
         return call.m * call.n * call.itemsize
 
 
 
-SYMM = ReduceScatterPull()
+PULL = ReduceScatterPull()

@@ -17,7 +17,7 @@ import dataclasses
 from ...kernels.sizes import fused_split_k
 from ..workspace import COUNTER_BYTES, TILE_FLAG_SLOTS
 from .base import Call, Path
-from .tile_all_reduce import fused_support
+from .ar_fused import fused_support
 
 #: The workspace is sized for this many programs, more than any GPU has SMs: a group's agreed
 #: count (its smallest GPU's) never needs more slices, hence never more bytes, and the request is

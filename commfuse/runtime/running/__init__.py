@@ -11,19 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import paths
-from . import (after_gemm, ag_overlap, ag_pull, ce_all_reduce, graph_lane, nccl, rs_overlap, rs_pull, split_k,
-               tile_all_gather, tile_all_reduce, tile_reduce_scatter)
+from . import (after_gemm, ag_ce_overlap, ag_pull, ar_ce_overlap, ar_graph, nccl, rs_ce_overlap, rs_pull, split_k,
+               ag_fused, ar_fused, rs_fused)
 
 #: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``.
 RUNS: dict[paths.Path, Callable] = {
     paths.nccl.MM_ALL_REDUCE: nccl.run, paths.nccl.ALL_GATHER_MM: nccl.run, paths.nccl.MM_REDUCE_SCATTER: nccl.run,
     paths.after_gemm.ONE_SHOT: after_gemm.run, paths.after_gemm.TWO_SHOT: after_gemm.run,
-    paths.ce_all_reduce.CE_OVERLAP: ce_all_reduce.run, paths.graph_lane.GRAPH: graph_lane.run,
-    paths.tile_all_reduce.FUSED: tile_all_reduce.run, paths.split_k.SPLIT_K: split_k.run,
-    paths.ag_pull.SYMM: ag_pull.run, paths.ag_overlap.OVERLAP: ag_overlap.run,
-    paths.tile_all_gather.FUSED: tile_all_gather.run,
-    paths.rs_pull.SYMM: rs_pull.run, paths.rs_overlap.CE_OVERLAP: rs_overlap.run,
-    paths.tile_reduce_scatter.FUSED: tile_reduce_scatter.run,
+    paths.ar_ce_overlap.CE_OVERLAP: ar_ce_overlap.run, paths.ar_graph.GRAPH: ar_graph.run,
+    paths.ar_fused.FUSED: ar_fused.run, paths.split_k.SPLIT_K: split_k.run,
+    paths.ag_pull.PULL: ag_pull.run, paths.ag_ce_overlap.CE_OVERLAP: ag_ce_overlap.run,
+    paths.ag_fused.FUSED: ag_fused.run,
+    paths.rs_pull.PULL: rs_pull.run, paths.rs_ce_overlap.CE_OVERLAP: rs_ce_overlap.run,
+    paths.rs_fused.FUSED: rs_fused.run,
 }
 
 

@@ -1,21 +1,12 @@
-"""The CUDA paths' data movement, simulated on the CPU for 2, 4 and 8 ranks.
-
-The Triton exchange kernels (``kernels/exchange.py``, which the path modules import as a module)
-and the CUDA streams are replaced by stand-ins that read the peer's workspace directly (the peer's
-data is put there beforehand, as its GEMM or copy would have), so the index arithmetic of every
-path's ``run()`` (``runtime/paths/*.py``: chunking, shares, rank order, per-row bias slicing,
-gather layouts) is checked against the unfused computation without a GPU. Calls come in through
-the run-time's entry (``runtime/entry.py``: the group's state, its facts as an H200 group agreed
-them, the shard-size agreement, the policy with ``COMMFUSE_ALGO``) or, for a path configuration of
-a tool's choosing, straight into the path with a ``Context``. Synchronisation itself is covered by
-the GPU suite (tests/gpu); the order of calls on streams by ``Workspace.order`` here.
+"""The run-time's entry (``runtime/entry.py``), simulated on the CPU: each call's plan and path, the
+pairing check's tags, the eager twins of captured calls, ``COMMFUSE_VERIFY`` and the shard-size
+agreement, and the call timing that wraps the entry (``tools/call_times.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 
 import pytest
 import torch
@@ -24,18 +15,16 @@ import torch.distributed as dist
 from commfuse import env
 from commfuse.kernels import exchange
 from commfuse.kernels import fused_split_k
-from commfuse.kernels.codes import count_of, flag_value, tag_of
-from commfuse.runtime import ce_graphs, entry, groups, running, shards, verify
+from commfuse.kernels.codes import count_of, tag_of
+from commfuse.runtime import entry, groups, running, shards, verify
 from commfuse.runtime import facts as facts_mod
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.paths import REGISTRY, base, ce_all_reduce, common, rs_overlap
-from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
-                                         MAX_ROW_SLABS, row_slabs, rows_dim)
+from commfuse.runtime.paths import REGISTRY, base
+from commfuse.runtime.paths.base import (Call, MmAllReduceArgs, MAX_ROW_SLABS)
 from commfuse.runtime import reference
 from commfuse.runtime.paths.common import PATHS
 from commfuse.runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER
-from commfuse.runtime.running import ag_overlap as ag_overlap_run, ce_all_reduce as ce_all_reduce_run, rs_overlap as rs_overlap_run
 from helpers import init_fake_pg
 
 AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
@@ -164,40 +153,6 @@ def _mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name, s
     return entry.run(MM_REDUCE_SCATTER, args, site)
 
 
-
-def _args(op, *args, **kw):
-    if op == AR:
-        return MmAllReduceArgs(*args)
-    if op == AG:
-        kw.setdefault("return_gathered", True)
-        return AllGatherMmArgs(*args, **kw)
-    return MmReduceScatterArgs(*args)
-
-
-def _call_of(op, args, world) -> Call:
-    """The ``Call`` the entry makes of these arguments."""
-    if op == AR:
-        return Call(op, args.a.shape[0], args.a.shape[1], args.b.shape[1], args.a.dtype, world, args.bias is not None)
-    if op == AG:
-        shard, k = args.shard, args.shard.shape[-1]
-        dim = rows_dim(shard.shape, args.gather_dim)
-        return Call(op, shard.numel() // k * world, k, args.b.shape[1], shard.dtype, world, args.bias is not None,
-                    dim, row_slabs(shard.shape, dim))
-    dim = rows_dim(args.shape, args.scatter_dim)
-    return Call(op, args.a.shape[0], args.a.shape[1], args.b.shape[1], args.a.dtype, world, args.bias is not None,
-                dim, row_slabs(args.shape, dim))
-
-
-def run_path(sim, op, name, *args, config=None, **kw):
-    """Path ``name`` of ``op`` run as a tool runs it: with a ``Context`` holding ``config`` (the
-    path's own for the call where None) and the group stand-in."""
-    args = _args(op, *args, **kw)
-    call = _call_of(op, args, sim.world)
-    path = REGISTRY[(op, name)]
-    config = config if config is not None else path.config(call, sim.facts)
-    return running.run(path, Context(call, sim.facts, sim.group, config), args)
-
-
 def _inputs(world, m, k, n, bias_kind):
     torch.manual_seed(3)
     a = [torch.randn(m, k) for _ in range(world)]
@@ -219,24 +174,6 @@ def _ran(op):
 def _changed(op, before):
     after = _ran(op)
     return [k for k in after if after[k] != before.get(k, 0)]
-
-
-@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap"])
-@pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-def test_mm_all_reduce_paths(sim, algo, bias_kind):
-    """Every forced path's result; the copy-engine overlap's last chunk is the one-shot's."""
-    a, b, bias = _inputs(sim.world, 10, 6, 7, bias_kind)
-    r = sim.mine.rank
-    for p in sim.peers():
-        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))  # what the peer's GEMM wrote
-    before = _ran(AR)
-    with env.override(algo=algo):
-        out = _mm_all_reduce(a[r], b[r], bias[r], "0")
-    want = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world))
-    torch.testing.assert_close(out, want)
-    assert _changed(AR, before) == [algo]
-    # the stand-in sums alike: the forced exchange must be the one asked (the overlap's tail: one-shot)
-    assert sim.algos == ["one_shot" if algo == "ce_overlap" else algo], sim.algos
 
 
 def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
@@ -267,8 +204,8 @@ def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
         calls()
         calls()  # the kept plans carry the tag too
     want = [base.pairing_tag(Call(AR, 4 * world, 6, 7, torch.float32, world), "one_shot"),
-            base.pairing_tag(Call(AG, 4 * world, 6, 7, torch.float32, world), "symm"),
-            base.pairing_tag(Call(RS, 4 * world, 6, 7, torch.float32, world), "symm")]
+            base.pairing_tag(Call(AG, 4 * world, 6, 7, torch.float32, world), "pull"),
+            base.pairing_tag(Call(RS, 4 * world, 6, 7, torch.float32, world), "pull")]
     assert [tag_of(e) for e in seen] == want * 2 and all(want) and len(set(want)) == 3
     assert [count_of(e) for e in seen] == list(range(1, 7)) and sim.mine.epoch == 6
     seen.clear()
@@ -351,174 +288,6 @@ def test_the_pairing_check_takes_split_k_off_ll_words(sim, monkeypatch):
     assert asked == [cfg.ll, False] and cfg.ll is not False
 
 
-@pytest.mark.parametrize("bias_kind", [None, "2d"])
-@pytest.mark.parametrize("rows, last, tail_rows", [(10, 0, 2), (200, 8, 8)])
-def test_copy_engine_overlap_with_a_one_shot_tail(sim, monkeypatch, bias_kind, rows, last, tail_rows):
-    """The last chunk's rows go to the one-shot exchange, in flag slots after the chunks' barriers;
-    the others are pulled and summed. 3 chunks: of 4, 4 and 2 rows; with the last chunk asked to
-    be 8 of 200 rows, of 128, 64 and 8."""
-    calls = []
-    real = exchange.all_reduce
-    monkeypatch.setattr(exchange, "all_reduce", lambda ws_, partial, out, epoch, algo, op_code, **kw: (
-        calls.append((partial.shape, algo, kw.get("slot_base"))), real(ws_, partial, out, epoch, algo, op_code)))
-    a, b, bias = _inputs(sim.world, rows, 6, 7, bias_kind)
-    r = sim.mine.rank
-    for p in sim.peers():
-        sim.peer_data(p, (rows, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    config = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(rows, 3, last), graphs=False)
-    assert len(config.rows) == 3 and config.rows[-1] == tail_rows
-    out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
-    torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    assert calls == [(torch.Size([tail_rows, 7]), "one_shot", 3)]
-    assert sim.mine.broken is None and sim.mine.epoch == 1
-
-
-def test_copy_engine_side_work_spreads_over_its_three_streams(sim, monkeypatch):
-    """Each chunk's barrier on the barriers' stream behind its GEMM's event; its pulls on the
-    pulls' stream behind the event recorded after its own barrier (so that stream holds event waits
-    and pulls only); its add on the adds' stream behind the event recorded after its pulls. Events
-    are told apart (stream, count), so a pull or an add that waited on another chunk's event
-    fails; the caller's stream waits for every stream, the pulls' last. The last chunk is the
-    one-shot's, on the caller's stream, and takes none of this."""
-    log, current = [], ["main"]
-
-    class Recorded:
-        def __init__(self, name):
-            self.name, self.events = name, 0
-
-        def wait_stream(self, other):
-            log.append((self.name, "wait_stream", other.name))
-
-        def record_event(self):
-            event = (self.name, self.events)
-            self.events += 1
-            log.append((self.name, "record", event))
-            return event
-
-        def wait_event(self, event):
-            log.append((self.name, "wait_event", event))
-
-    names = ("main", "pulls", "adds", "barriers")
-    rec = {name: Recorded(name) for name in names}
-
-    @contextlib.contextmanager
-    def on(stream):
-        before, current[0] = current[0], stream.name
-        try:
-            yield
-        finally:
-            current[0] = before
-
-    m, n, rows = 10, 7, 4  # 3 chunks of 4, 4 and 2 rows
-    real_copy = torch.Tensor.copy_
-
-    def copy_(self, src, non_blocking=False):
-        if non_blocking:  # a pull: which chunk of which peer's received rows
-            log.append((current[0], "pull", (self.storage_offset() % (m * n)) // (rows * n)))
-        return real_copy(self, src, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    sim.sides = (rec["pulls"], rec["adds"], rec["barriers"])
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec[current[0]])
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op_code, slot=0: log.append((current[0], "barrier", slot)))
-    real_sum, real_all_reduce = ce_all_reduce_run.sum_rank_order, exchange.all_reduce
-    monkeypatch.setattr(ce_all_reduce_run, "sum_rank_order", lambda parts, out: (
-        log.append((current[0], "add", out.storage_offset() // (rows * n))), real_sum(parts, out)))
-    monkeypatch.setattr(exchange, "all_reduce", lambda *args, **kw: (
-        log.append((current[0], "one_shot", kw.get("slot_base"))), real_all_reduce(*args, **kw)))
-    a, b, bias = _inputs(sim.world, m, 6, n, "2d")
-    r = sim.mine.rank
-    for p in sim.peers():
-        sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
-    log.clear()
-    config = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m, 3), graphs=False)
-    out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
-    torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    on_ = {name: [e[1:] for e in log if e[0] == name] for name in names}
-    chunks, peers = 2, sim.world - 1  # the one-shot takes the last chunk on the caller's stream
-    assert on_["main"][:3] == [("record", ("main", i)) for i in range(3)]  # every chunk's GEMM event, first
-    rest = on_["main"][3:]
-    assert rest[0] == ("one_shot", 3)  # after the chunks' barrier slots
-    rest = rest[1:]
-    assert on_["barriers"] == [x for i in range(chunks) for x in [
-        ("wait_event", ("main", i)), ("barrier", i), ("record", ("barriers", i))]]
-    assert on_["pulls"] == [("wait_stream", "main")] + [
-        x for i in range(chunks) for x in [("wait_event", ("barriers", i)), *[("pull", i)] * peers,
-                                           ("record", ("pulls", i))]]
-    assert on_["adds"] == [x for i in range(chunks) for x in [("wait_event", ("pulls", i)), ("add", i)]]
-    assert sorted(rest[:2]) == [("wait_stream", "adds"), ("wait_stream", "barriers")]
-    assert rest[2:] == [("wait_stream", "pulls")]
-
-
-def test_a_workspace_keeps_a_bounded_number_of_launches(sim, monkeypatch):
-    """A plan per row count (dynamic shapes): once full, ``kept`` drops the least recently used."""
-    monkeypatch.setattr(wsmod, "KEPT_LIMIT", 3)
-    ws = sim.mine
-    made = [ws.kept(("plan", m), lambda m=m: object()) for m in range(3)]
-    assert ws.kept(("plan", 0), lambda: None) is made[0] and len(ws.launches) == 3  # 0 is now the most recent
-    ws.kept(("plan", 3), object)
-    assert list(ws.launches) == [("plan", 2), ("plan", 0), ("plan", 3)]  # 1, the least recent, went
-    assert ws.kept(("plan", 2), lambda: None) is made[2]
-
-
-def test_peer_views_are_made_once_per_peer_and_parity(sim, monkeypatch):
-    """The copy-engine paths read the peers' halves through views the workspace keeps: the
-    provider makes each (peer, parity) view once, and later calls, of other shapes too, slice
-    it."""
-    made = []
-    real = sim.get_buffer
-    monkeypatch.setattr(sim, "get_buffer", lambda *a: made.append(a[0]) or real(*a))
-    r = sim.mine.rank
-    with env.override(algo="ce_overlap"):
-        for call, (m, n) in enumerate([(10, 7), (6, 5), (10, 7)]):
-            a, b, bias = _inputs(sim.world, m, 6, n, "1d")
-            for p in sim.peers():
-                sim.peer_data(p, (m, n)).copy_(_partial(a[p], b[p], bias[p]))
-            made_before = len(made)
-            out = _mm_all_reduce(a[r], b[r], bias[r], "0")
-            assert len(made) - made_before == (sim.world if call < 2 else 0)  # every rank's view, per parity
-            torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-
-
-@pytest.mark.parametrize("algo, gather_dim, shape", [
-    ("symm", 0, (4, 6)), ("symm", 1, (2, 3, 6)), ("overlap", 0, (4, 6)), ("overlap", 0, (2, 2, 6)),
-    ("overlap", 1, (1, 4, 6)), ("overlap", 2, (1, 1, 3, 6)),  # leading 1s: blocks of rows, like dim 0
-    ("overlap", 1, (2, 3, 6)), ("overlap", 1, (3, 2, 2, 6))])  # a batch: a block in each slab
-@pytest.mark.parametrize("bias_kind", [None, "1d"])
-def test_all_gather_mm_paths(sim, monkeypatch, algo, gather_dim, shape, bias_kind):
-    overlapped = []
-    real = ag_overlap_run.overlapped
-    monkeypatch.setattr(ag_overlap_run, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
-    torch.manual_seed(4)
-    shards_ = [torch.randn(*shape) for _ in range(sim.world)]
-    b, bias = torch.randn(6, 5), (None if bias_kind is None else torch.randn(5))
-    r = sim.mine.rank
-    for p in sim.peers():
-        sim.peer_data(p, shape).copy_(shards_[p])  # the peer's shard, copied into its workspace
-    mine = sim.peer_data(r, shape)  # where this call must leave its shard for the peers
-    before = _ran(AG)
-    with env.override(algo=algo):
-        out, gathered = _all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0")
-    assert _changed(AG, before) == [algo]
-    want_gathered = torch.cat(shards_, dim=gather_dim)
-    torch.testing.assert_close(mine, shards_[r])
-    torch.testing.assert_close(gathered, want_gathered)
-    torch.testing.assert_close(out, _partial(want_gathered.reshape(-1, 6), b, bias))
-    # a graph that does not use the gathered tensor: the same product, no gathered tensor promised
-    for p in sim.peers():
-        sim.peer_data(p, shape).copy_(shards_[p])  # the next call's parity
-    mine = sim.peer_data(r, shape)
-    with env.override(algo=algo):
-        out2, gathered2 = _all_gather_mm(shards_[r], b, bias, gather_dim, sim.world, "0",
-                                              return_gathered=False)
-    torch.testing.assert_close(mine, shards_[r])
-    torch.testing.assert_close(out2, out)
-    assert len(overlapped) == (2 if algo == "overlap" else 0)  # any leading dims (as slabs) take it
-    if gathered2 is not None:  # what the entry returns is the gathered tensor or nothing
-        torch.testing.assert_close(gathered2, want_gathered)
-
-
 def test_paths_count_the_path_that_ran(sim):
     """A forced overlap that cannot take the call (more row slabs than it handles) runs what the
     rules pick instead, the symmetric pull here, and PATHS (what tests read to know which path
@@ -528,10 +297,10 @@ def test_paths_count_the_path_that_ran(sim):
     shards_ = [torch.randn(slabs, 2, 6) for _ in range(sim.world)]
     for p in sim.peers():
         sim.peer_data(p, (slabs, 2, 6)).copy_(shards_[p])
-    with env.override(algo="overlap"):
+    with env.override(algo="ce_overlap"):
         out, gathered = _all_gather_mm(shards_[sim.mine.rank], torch.randn(6, 5), None, 1, sim.world, "0")
     torch.testing.assert_close(gathered, torch.cat(shards_, dim=1))
-    assert PATHS["all_gather_mm:symm"] == before.get("all_gather_mm:symm", 0) + 1
+    assert PATHS["all_gather_mm:pull"] == before.get("all_gather_mm:pull", 0) + 1
     assert PATHS["all_gather_mm:overlap"] == before.get("all_gather_mm:overlap", 0)
     m, shape = 2 * sim.world * slabs, [slabs, 2 * sim.world, 7]
     a, b, _ = _inputs(sim.world, m, 6, 7, None)
@@ -541,45 +310,8 @@ def test_paths_count_the_path_that_ran(sim):
         out = _mm_reduce_scatter(a[sim.mine.rank], b[sim.mine.rank], None, shape, 1, sim.world, "0")
     want = sum(a[p] @ b[p] for p in range(sim.world)).view(shape).chunk(sim.world, dim=1)[sim.mine.rank]
     torch.testing.assert_close(out, want)
-    assert PATHS["mm_reduce_scatter:symm"] == before.get("mm_reduce_scatter:symm", 0) + 1
+    assert PATHS["mm_reduce_scatter:pull"] == before.get("mm_reduce_scatter:pull", 0) + 1
     assert PATHS["mm_reduce_scatter:ce_overlap"] == before.get("mm_reduce_scatter:ce_overlap", 0)
-
-
-@pytest.mark.parametrize("algo, rows_per_rank, shape_of, scatter_dim", [
-    ("symm", 4, lambda w: [4 * w, 7], 0), ("symm", 4, lambda w: [2, 2 * w, 7], 1),
-    ("ce_overlap", 4, lambda w: [4 * w, 7], 0), ("ce_overlap", 4, lambda w: [2 * w, 2, 7], 0),
-    ("ce_overlap", 5, lambda w: [5 * w, 7], 0), ("ce_overlap", 4, lambda w: [1, 4 * w, 7], 1),
-    ("ce_overlap", 4, lambda w: [2, 2 * w, 7], 1), ("ce_overlap", 6, lambda w: [3, w, 2, 7], 1)])
-@pytest.mark.parametrize("bias_kind", [None, "1d", "2d"])
-@pytest.mark.parametrize("chunks", [None, 1, 3])
-def test_mm_reduce_scatter_paths(sim, monkeypatch, algo, rows_per_rank, shape_of, scatter_dim, bias_kind, chunks):
-    """Through the entry (the path's own chunks), or with 1 or 3 row chunks per share asked of the
-    copy-engine overlap (3 of 5 rows: 2, 2, 1)."""
-    slots, overlapped = [], []
-    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op, slot=0: slots.append(slot))
-    real = rs_overlap_run.overlapped
-    monkeypatch.setattr(rs_overlap_run, "overlapped", lambda *a, **k: overlapped.append(1) or real(*a, **k))
-    m = rows_per_rank * sim.world
-    shape = shape_of(sim.world)
-    a, b, bias = _inputs(sim.world, m, 6, 7, bias_kind)
-    r = sim.mine.rank
-    for p in sim.peers():
-        sim.peer_data(p, (m, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    if chunks is None:
-        before = _ran(RS)
-        with env.override(algo=algo):
-            out = _mm_reduce_scatter(a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0")
-        assert _changed(RS, before) == [algo]
-    else:
-        slabs = max(row_slabs(shape, rows_dim(shape, scatter_dim)), 1)
-        config = (rs_overlap.RsOverlapConfig(rs_overlap.chunks(m // sim.world // slabs, sim.world, slabs, chunks))
-                  if algo == "ce_overlap" else None)
-        out = run_path(sim, RS, algo, a[r], b[r], bias[r], shape, scatter_dim, sim.world, "0", config=config)
-    total = sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)).view(shape)
-    torch.testing.assert_close(out, total.chunk(sim.world, dim=scatter_dim)[r])
-    assert len(slots) == len(set(slots)), "every barrier of a call has its own flag slot"
-    # the copy-engine overlap takes scatters along any leading dim (a batch before it: as slabs)
-    assert len(overlapped) == (algo == "ce_overlap")
 
 
 def test_forced_copy_engine_paths_with_no_rows_run_the_rules_choice(sim):
@@ -597,18 +329,6 @@ def test_forced_copy_engine_paths_with_no_rows_run_the_rules_choice(sim):
     assert out.shape == (0, 7) and sim.mine.broken is None
     assert PATHS["mm_reduce_scatter:nccl"] == before.get("mm_reduce_scatter:nccl", 0) + 1
     assert PATHS["mm_all_reduce:ce_overlap"] == before.get("mm_all_reduce:ce_overlap", 0)
-
-
-def test_kept_views_made_in_inference_mode_take_writes_outside_it(sim):
-    """A workspace first used under ``torch.inference_mode`` (a prefill) keeps its flag and peer
-    views for later calls outside it (training), which write the flags in place."""
-    fresh = wsmod.Workspace("0", sim.mine.rank, sim.world, sim.bufs[sim.mine.rank].clone(),
-                            torch.zeros(sim.world, dtype=torch.int64), 1 << 16, _keepalive=sim)
-    with torch.inference_mode():
-        fresh.flags, fresh.tile_flags, fresh.peer_data(0, 0, (4, 4), torch.float32)
-    fresh.flags.zero_()
-    fresh.tile_flags.add_(1)
-    fresh.peer_data(0, 0, (4, 4), torch.float32).add_(1)
 
 
 class _FakeEvent:
@@ -654,7 +374,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
             for p in sim.peers():
                 sim.peer_data(p, (4, 6)).copy_(shards_[p])
             b = torch.randn(6, 5)
-            with env.override(algo="symm"):  # an entry with a keyword argument
+            with env.override(algo="pull"):  # an entry with a keyword argument
                 out, _ = _all_gather_mm(shards_[r], b, None, 0, sim.world, "0", return_gathered=False)
             torch.testing.assert_close(out, torch.cat(shards_) @ b)
         finally:
@@ -668,7 +388,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
         ("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [(1e3, True), (1e3, False)],
         ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [(1e3, False)],
         ("mm_all_reduce", (0, 6), (6, 7), False, "nccl"): [(1e3, True)],
-        ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [(1e3, False)]}
+        ("all_gather_mm", (4, 6), (6, 5), False, "pull"): [(1e3, False)]}
     assert all(c.host_us > 0 and 0 <= c.cpu_us <= c.host_us + 1e3 for v in detail.values() for c in v)
     assert next(idle, None) is None  # asked once per recorded call, never while not recording
     monkeypatch.setattr(call_times, "_idle", lambda a: False)
@@ -677,59 +397,8 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
     assert times == {("mm_all_reduce", (10, 6), (6, 7), False, "one_shot"): [1e3, 1e3],
                      ("mm_all_reduce", (10, 6), (6, 7), False, "two_shot"): [1e3],
                      ("mm_all_reduce", (0, 6), (6, 7), False, "nccl"): [1e3],
-                     ("all_gather_mm", (4, 6), (6, 5), False, "symm"): [1e3]}
+                     ("all_gather_mm", (4, 6), (6, 5), False, "pull"): [1e3]}
     assert call_times.collect() == {}
-
-
-def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
-    """A chunk of a larger partial (the copy-engine tail) may start off a 16-byte boundary: the
-    one-shot kernel's loads must then not be vectorised (a misaligned load faults)."""
-    seen = []
-
-    class Launch:  # the kept launch: what it was made with
-        def __init__(self, kernel, grid, changing, **fixed):
-            seen.append(fixed["VEC"])
-
-        def __call__(self, **changes):
-            pass
-
-    monkeypatch.setattr(exchange, "Bound", Launch)
-    monkeypatch.setattr(exchange, "_common", lambda ws, epoch: {"epoch": epoch})
-    ws = _Buffers(0, 2).mine
-    data = ws.data(0, (64,), torch.bfloat16)
-    out = torch.empty(64, dtype=torch.bfloat16)
-    exchange.all_reduce(ws, data[:32], out[:32], 1, "one_shot", 0)
-    exchange.all_reduce(ws, data[3:35], out[:32], 1, "one_shot", 0)  # 6 bytes in
-    assert seen == [1, 0]
-
-
-@pytest.mark.parametrize("graphs", [True, False])
-def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, monkeypatch, graphs):
-    """``CeConfig.graphs`` (``ce_graphs.py``): with graphs the chunks' barriers and the one-shot
-    tail get no epoch (they read the workspace's epoch cell, which holds the call's), without them
-    the call's epoch; the result is the sum either way, and only graphed calls are remembered."""
-    monkeypatch.setattr(ce_graphs, "_disabled", [])
-    ws, seen = sim.mine, []
-    real = exchange.all_reduce
-    monkeypatch.setattr(exchange, "all_reduce", lambda ws_, partial, out, epoch, algo, op_code, **kw: (
-        seen.append(("one_shot", epoch, int(ws.epoch_cell))), real(ws_, partial, out, epoch, algo, op_code, **kw)))
-    monkeypatch.setattr(exchange, "barrier", lambda ws_, epoch, op_code, slot=0: seen.append(
-        ("barrier", epoch, int(ws.epoch_cell))))
-    a, b, bias = _inputs(sim.world, 10, 6, 7, "1d")
-    r = ws.rank
-    for p in sim.peers():
-        sim.peer_data(p, (10, 7)).copy_(_partial(a[p], b[p], bias[p]))
-    config = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(10, 3), graphs=graphs)
-    with env.override(ce_graphs=True):
-        out = run_path(sim, AR, "ce_overlap", a[r], b[r], bias[r], "0", config=config)
-    torch.testing.assert_close(out, sum(_partial(a[p], b[p], bias[p]) for p in range(sim.world)))
-    want = None if graphs else flag_value(ws.epoch)
-    # the host queues the tail's one-shot after the last GEMM, then the side stream's barriers
-    assert [s[:2] for s in seen] == [("one_shot", want)] + [("barrier", want)] * 2
-    if graphs:
-        assert all(s[2] == flag_value(ws.epoch) for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
-    else:
-        assert not ws.graphs and not ws.graphs_seen
 
 
 def _capturing(monkeypatch, state: list) -> None:
@@ -757,7 +426,7 @@ def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
         _mm_reduce_scatter(a[:rows * world // 2], w, None, [rows * world // 2, 7], 0, world, "0")
         return [_changed(AG, before[0])[0], _changed(RS, before[1])[0]]
 
-    assert run(False) == ["symm", "symm"]  # before any capture
+    assert run(False) == ["pull", "pull"]  # before any capture
     assert run(True) == ["nccl", "nccl"]  # inside the capture (the sizes were agreed eagerly before)
     group = groups.get("0")
     assert len(group.captured_nccl) == 2
@@ -771,10 +440,10 @@ def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
         assert run(False) == ["nccl", "nccl"] and shards.LEARNED == learned
     assert checked == [] and group.calls == calls
     group.uneven_ops.clear()
-    assert run(False, rows=2) == ["symm", "symm"]  # shapes no capture took keep their path
+    assert run(False, rows=2) == ["pull", "pull"]  # shapes no capture took keep their path
     groups.release_all()
     assert groups.get("0") is not group
-    assert run(False) == ["symm", "symm"]
+    assert run(False) == ["pull", "pull"]
 
 
 def test_a_captured_all_reduce_past_the_lane_makes_its_eager_twins_run_nccl(sim, monkeypatch):
@@ -903,86 +572,3 @@ def test_verify_agrees_on_the_own_sizes_of_every_call(sim, monkeypatch):
         for _ in range(3):
             _mm_all_reduce(a[r], b[r], None, "0")
         assert shards.LEARNED == learned + 3
-
-
-class _Event:
-    def __init__(self, log):
-        self.log = log
-
-    def record(self, stream):
-        self.log.append((stream.name, "record"))
-
-
-class _NamedStream:
-    def __init__(self, name, log):
-        self.name, self.log = name, log
-
-    def wait_stream(self, other):
-        self.log.append((self.name, "wait_stream", other.name))
-
-    def wait_event(self, event):
-        self.log.append((self.name, "wait_event"))
-
-
-def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch):
-    """Calls pair across ranks by their epochs, taken in host order, so on the device each call of
-    a group must start after the one before (``Workspace.order``, in ``paths.common.exchange``). A
-    call on the stream of the group's last call is ordered already: it waits on nothing and records
-    nothing. A call on another stream waits for the last one (for that stream's queue the first
-    time, then for the event recorded after the previous call), and from then on every call records
-    that event after its work."""
-    log = []
-    s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
-    current = [s1]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(log))
-    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # the buffer, as CUDA sees it
-    ws = wsmod.Workspace("0", 0, 2, on_gpu, None, 1024, err=torch.zeros(8, dtype=torch.int32))
-    ctx = Context(Call(AR, 8, 8, 8, torch.bfloat16, 2), GroupFacts.simulated(2))
-
-    def call(stream, n):
-        current[0] = stream
-        log.append(("call", n, "begins"))
-        with common.exchange(ctx, ws, AR) as (epoch, _):
-            assert epoch == flag_value(n)
-            log.append((stream.name, "work", n))
-        return log[log.index(("call", n, "begins")) + 1:]
-
-    assert call(s1, 1) == [("s1", "work", 1)]
-    assert call(s1, 2) == [("s1", "work", 2)]  # the same stream: nothing to wait for, nothing recorded
-    assert call(s2, 3) == [("s2", "wait_stream", "s1"), ("s2", "work", 3), ("s2", "record")]
-    assert call(s2, 4) == [("s2", "work", 4), ("s2", "record")]
-    assert call(s1, 5) == [("s1", "wait_event"), ("s1", "work", 5), ("s1", "record")]
-    assert call(s2, 6) == [("s2", "wait_event"), ("s2", "work", 6), ("s2", "record")]
-    # a call that fails records nothing: the workspace refuses the next one (its epochs may differ)
-    current[0] = s1
-    with pytest.raises(ValueError):
-        with common.exchange(ctx, ws, AR):
-            log.append(("failed",))
-            raise ValueError("a launch failed")
-    assert log[-2:] == [("s1", "wait_event"), ("failed",)] and ws.broken
-
-
-def test_graph_lane_calls_from_two_streams_are_ordered_through_its_door(monkeypatch):
-    """The graph lane's eager calls go through ``common.lane_exchange``, which orders them as
-    ``exchange`` orders the workspace's (``GraphLane.order`` is ``Workspace.order``); inside a
-    capture it orders nothing (the replays' stream does)."""
-    log = []
-    s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
-    current = [s1]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(log))
-    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    lane = wsmod.GraphLane("0", 0, 2, on_gpu, None, 1024, 132, err=torch.zeros(8, dtype=torch.int32))
-
-    def call(stream, n, capturing=False):
-        current[0] = stream
-        start = len(log)
-        with common.lane_exchange(lane, capturing):
-            log.append((stream.name, "work", n))
-        return log[start:]
-
-    assert call(s1, 1) == [("s1", "work", 1)]
-    assert call(s2, 2) == [("s2", "wait_stream", "s1"), ("s2", "work", 2), ("s2", "record")]
-    assert call(s1, 3) == [("s1", "wait_event"), ("s1", "work", 3), ("s1", "record")]
-    assert call(s2, 4, capturing=True) == [("s2", "work", 4)] and lane.last_stream is s1

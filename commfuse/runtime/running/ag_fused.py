@@ -1,4 +1,4 @@
-"""How ``paths/tile_all_gather.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/ag_fused.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from ...kernels import fused_all_gather
 from ..paths.ag_pull import gather_shape
 from ..paths.base import Context
 from ..paths.common import exchange, workspace
-from ..paths.tile_all_gather import fused_bytes
+from ..paths.ag_fused import fused_bytes
 
 
 def run(path, ctx: Context, args):

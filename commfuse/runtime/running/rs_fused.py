@@ -1,4 +1,4 @@
-"""How ``paths/tile_reduce_scatter.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/rs_fused.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..paths.base import Context
-from .tile_all_reduce import run_fused
+from .ar_fused import run_fused
 
 
 def run(path, ctx: Context, args) -> torch.Tensor:

@@ -24,7 +24,7 @@ def _split_k_config(call: Call, facts) -> fused_split_k.SplitConfig:
     return fused_split_k.config(call.m, call.k, call.n, min(facts.sms, GRAPH_SLOTS))
 
 
-class GraphLane(Path):
+class GraphAllReduce(Path):
     op = "mm_all_reduce"
     name = "graph"
     capture = True
@@ -54,4 +54,4 @@ class GraphLane(Path):
 
 
 
-GRAPH = GraphLane()
+GRAPH = GraphAllReduce()

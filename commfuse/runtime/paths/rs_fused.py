@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from ...kernels.sizes import fused_all_reduce
 from .base import Call, Path
-from .tile_all_reduce import FusedConfig, fused_bytes, fused_support, tile_config
+from .ar_fused import FusedConfig, fused_bytes, fused_support, tile_config
 
 
-class TileReduceScatter(Path):
+class FusedReduceScatter(Path):
     op = "mm_reduce_scatter"
     name = "fused"
 
@@ -32,4 +32,4 @@ class TileReduceScatter(Path):
 
 
 
-FUSED = TileReduceScatter()
+FUSED = FusedReduceScatter()

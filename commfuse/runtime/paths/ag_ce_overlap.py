@@ -1,4 +1,4 @@
-"""``overlap``: ``all_gather_mm`` as the local shard's rows multiplied at once while the copy
+"""``ce_overlap``: ``all_gather_mm`` as the local shard's rows multiplied at once while the copy
 engines (no SMs) pull the peers' shards on a side stream, then the peers' rows multiplied.
 
     unfused:   [ all_gather ----- ][ mm (all rows) ------------- ]
@@ -17,9 +17,9 @@ from .ag_pull import shard_bytes
 from .base import Call, Path, copy_engine_support
 
 
-class AllGatherOverlap(Path):
+class CeOverlapAllGather(Path):
     op = "all_gather_mm"
-    name = "overlap"
+    name = "ce_overlap"
 
     def supports(self, call: Call, facts) -> str | None:
         return copy_engine_support(call, facts)
@@ -29,4 +29,4 @@ class AllGatherOverlap(Path):
 
 
 
-OVERLAP = AllGatherOverlap()
+CE_OVERLAP = CeOverlapAllGather()

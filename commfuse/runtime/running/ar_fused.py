@@ -1,4 +1,4 @@
-"""How ``paths/tile_all_reduce.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/ar_fused.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from ...kernels import fused_all_reduce
 from ..paths.base import Context
 from ..paths.common import exchange, workspace
-from ..paths.tile_all_reduce import FusedConfig, fused_bytes
+from ..paths.ar_fused import FusedConfig, fused_bytes
 
 
 def run(path, ctx: Context, args) -> torch.Tensor:

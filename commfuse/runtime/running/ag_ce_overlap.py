@@ -1,4 +1,4 @@
-"""How ``paths/ag_overlap.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/ag_ce_overlap.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def run(path, ctx: Context, args):
             side = ctx.group.side_streams(shard.device)[0]
             overlapped(ws, shard, mine, b, bias, gathered, out, peers, epoch, args.return_gathered, side, slabs)
             return out, gathered if args.return_gathered else None  # (its own rows were not copied)
-        ran_instead(path.op, path.name, "symm")  # (``supports`` keeps such providers away)
+        ran_instead(path.op, path.name, "pull")  # (``supports`` keeps such providers away)
         pull(ws, shard, gathered, gather_dim, epoch, parity)
         matmul_into(gathered.view(-1, shard.shape[-1]), b, bias, out)
     return out, gathered

@@ -1,4 +1,4 @@
-"""How ``paths/ce_all_reduce.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/ar_ce_overlap.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from ...kernels import exchange
 from ...kernels.codes import OP_MM_ALL_REDUCE
 from .. import ce_graphs
 from ..paths.base import Context
-from ..paths.ce_all_reduce import CeConfig
+from ..paths.ar_ce_overlap import CeConfig
 from ..paths.common import exchange as epoch_of, matmul_into, ran_instead, row_chunks, sum_rank_order, workspace
 
 

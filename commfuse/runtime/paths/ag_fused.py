@@ -48,7 +48,7 @@ def fused_bytes(call: Call) -> int:
     return fused_all_gather.data_elems(call.m // max(call.world, 1), call.k, call.world) * call.itemsize
 
 
-class TileAllGather(Path):
+class FusedAllGather(Path):
     op = "all_gather_mm"
     name = "fused"
 
@@ -78,4 +78,4 @@ class TileAllGather(Path):
 
 
 
-FUSED = TileAllGather()
+FUSED = FusedAllGather()

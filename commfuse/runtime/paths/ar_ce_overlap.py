@@ -56,7 +56,7 @@ def chunk_rows(m: int, chunks: int | None = None, last: int = 0) -> tuple[int, .
     return tuple(min(rows, rest - lo) for lo in range(0, rest, rows)) + (last,)
 
 
-class CeAllReduce(Path):
+class CeOverlapAllReduce(Path):
     op = "mm_all_reduce"
     name = "ce_overlap"
 
@@ -74,4 +74,4 @@ class CeAllReduce(Path):
 
 
 
-CE_OVERLAP = CeAllReduce()
+CE_OVERLAP = CeOverlapAllReduce()

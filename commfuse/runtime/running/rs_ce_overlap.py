@@ -1,4 +1,4 @@
-"""How ``paths/rs_overlap.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/rs_ce_overlap.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def run(path, ctx: Context, args) -> torch.Tensor:
             side = ctx.group.side_streams(a.device)[0]
             overlapped(ws, a, b, bias, partial, out.view(-1, n), recv, own, count, peers, epoch, side, slabs)
             return out
-        ran_instead(path.op, path.name, "symm")  # (``supports`` keeps such providers away)
+        ran_instead(path.op, path.name, "pull")  # (``supports`` keeps such providers away)
         pull(ws, a, b, bias, partial, out, args.shape, args.scatter_dim, world, epoch)
     return out
 

@@ -44,7 +44,7 @@ def _share_rows(call: Call) -> int:
     return call.m // call.world // max(call.slabs, 1)
 
 
-class ReduceScatterOverlap(Path):
+class CeOverlapReduceScatter(Path):
     op = "mm_reduce_scatter"
     name = "ce_overlap"
 
@@ -62,4 +62,4 @@ class ReduceScatterOverlap(Path):
 
 
 
-CE_OVERLAP = ReduceScatterOverlap()
+CE_OVERLAP = CeOverlapReduceScatter()

@@ -1,4 +1,4 @@
-"""How ``paths/graph_lane.py``'s path runs a call: the kernels it launches, imported here, never on
+"""How ``paths/ar_graph.py``'s path runs a call: the kernels it launches, imported here, never on
 the deciding side."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def fused_bytes(call: Call, scatter: bool) -> int:
     return fused_all_reduce.data_elems(call.m, call.n, call.world, cfg, scatter) * call.itemsize
 
 
-class TileAllReduce(Path):
+class FusedAllReduce(Path):
     op = "mm_all_reduce"
     name = "fused"
 
@@ -82,4 +82,4 @@ class TileAllReduce(Path):
 
 
 
-FUSED = TileAllReduce()
+FUSED = FusedAllReduce()
