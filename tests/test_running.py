@@ -157,7 +157,6 @@ def _mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name, s
     return entry.run(MM_REDUCE_SCATTER, args, site)
 
 
-
 def _args(op, *args, **kw):
     if op == AR:
         return MmAllReduceArgs(*args)

@@ -1,10 +1,11 @@
 """Every path of every op, by name: the registry the policy, the tuner, ``COMMFUSE_ALGO`` and the
-report use. A path is one object in one module of this package (``base.py`` has the contract)."""
+report use. A path is one object in one module of this package (``base.py`` has the contract), which
+decides; its module of ``running/`` runs it."""
 
 from __future__ import annotations
 
-from . import (after_gemm, ag_ce_overlap, ag_pull, ar_ce_overlap, ar_graph, nccl, rs_ce_overlap, rs_pull, split_k,
-               ag_fused, ar_fused, rs_fused)
+from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
+               rs_fused, rs_pull, split_k)
 from .base import OPS, Call, Context, Path
 
 #: In each op's order: NCCL first (the unfused computation), then the symmetric paths.

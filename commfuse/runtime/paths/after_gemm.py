@@ -26,6 +26,5 @@ class AfterGemm(Path):
         return call.m * call.n * call.itemsize
 
 
-
 ONE_SHOT = AfterGemm("one_shot")
 TWO_SHOT = AfterGemm("two_shot")

@@ -28,5 +28,4 @@ class CeOverlapAllGather(Path):
         return shard_bytes(call)
 
 
-
 CE_OVERLAP = CeOverlapAllGather()

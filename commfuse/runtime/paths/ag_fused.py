@@ -77,5 +77,4 @@ class FusedAllGather(Path):
         return AgFusedConfig(tile_config(call), "ce" if shard >= CE_MIN_SHARD_BYTES else "sm")
 
 
-
 FUSED = FusedAllGather()

@@ -34,5 +34,4 @@ class AllGatherPull(Path):
         return shard_bytes(call)
 
 
-
 PULL = AllGatherPull()

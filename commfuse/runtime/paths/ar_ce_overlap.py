@@ -73,5 +73,4 @@ class CeOverlapAllReduce(Path):
         return CeConfig(chunk_rows(call.m), graphs=env.current().ce_graphs)
 
 
-
 CE_OVERLAP = CeOverlapAllReduce()

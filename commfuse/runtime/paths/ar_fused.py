@@ -81,5 +81,4 @@ class FusedAllReduce(Path):
         return FusedConfig(tile_config(call, False), fused_all_reduce.Options(stagger_ns=stagger))
 
 
-
 FUSED = FusedAllReduce()

@@ -53,5 +53,4 @@ class GraphAllReduce(Path):
         return _split_k_config(call, facts) if variant and variant.get("split_k") else None
 
 
-
 GRAPH = GraphAllReduce()

@@ -21,7 +21,6 @@ class Nccl(Path):
         return None
 
 
-
 MM_ALL_REDUCE = Nccl("mm_all_reduce")
 ALL_GATHER_MM = Nccl("all_gather_mm")
 MM_REDUCE_SCATTER = Nccl("mm_reduce_scatter")

@@ -61,5 +61,4 @@ class CeOverlapReduceScatter(Path):
         return RsOverlapConfig(chunks(_share_rows(call), call.world, max(call.slabs, 1)))
 
 
-
 CE_OVERLAP = CeOverlapReduceScatter()

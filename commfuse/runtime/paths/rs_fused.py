@@ -30,6 +30,4 @@ class FusedReduceScatter(Path):
         return FusedConfig(tile_config(call, True), fused_all_reduce.Options())
 
 
-
-
 FUSED = FusedReduceScatter()

@@ -8,7 +8,6 @@ that pulls every rank's partial of this rank's share and sums them in rank order
 from __future__ import annotations
 
 
-
 from .base import Call, Path
 
 
@@ -24,7 +23,6 @@ class ReduceScatterPull(Path):
 
     def workspace_bytes(self, call: Call) -> int:
         return call.m * call.n * call.itemsize
-
 
 
 PULL = ReduceScatterPull()

@@ -61,5 +61,4 @@ class SplitK(Path):
         return dataclasses.replace(cfg, ll=False)
 
 
-
 SPLIT_K = SplitK()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import paths
-from . import (after_gemm, ag_ce_overlap, ag_pull, ar_ce_overlap, ar_graph, nccl, rs_ce_overlap, rs_pull, split_k,
-               ag_fused, ar_fused, rs_fused)
+from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
+               rs_fused, rs_pull, split_k)
 
 #: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``.
 RUNS: dict[paths.Path, Callable] = {
