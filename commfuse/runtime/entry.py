@@ -193,7 +193,7 @@ def run(spec: OpSpec, args, site: int = 0):
     shapes = spec.key(args)
     lane_bytes = spec.lane_bytes(args) if spec.graph_lane else 0
     group, capturing, twin = _enter(op, args.group_name, shapes, lane_bytes, lambda: spec.shared(args),
-                                    getattr(args, "world_size", 0), site)
+                                    spec.world_size(args), site)
     if twin:
         ran(op, "nccl")
         return spec.run_nccl(args)
@@ -207,7 +207,7 @@ def run(spec: OpSpec, args, site: int = 0):
 def reference_call(spec: OpSpec, args, compute, site: int = 0):
     """A call on a device without symmetric paths (the CPU, gloo, the fake backend): the group's
     call count and ``COMMFUSE_VERIFY`` as on CUDA, then the unfused computation ``compute()``."""
-    _enter(spec.name, args.group_name, (), 0, lambda: spec.shared(args), getattr(args, "world_size", 0), site)
+    _enter(spec.name, args.group_name, (), 0, lambda: spec.shared(args), spec.world_size(args), site)
     return compute()
 
 

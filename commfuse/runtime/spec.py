@@ -160,10 +160,18 @@ class OpSpec:
 
     #: The argument tuple, made from ``args`` (a named tuple of the op's arguments, ``site`` excluded).
     Args: type = dataclasses.field(init=False, repr=False, compare=False)
+    #: Where the arguments say the collective's world size (``world_size``), or None.
+    world_at: int | None = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        names = [a.name for a in self.args]
         title = "".join(part.title() for part in self.name.split("_")) + "Args"
-        object.__setattr__(self, "Args", collections.namedtuple(title, [a.name for a in self.args]))
+        object.__setattr__(self, "Args", collections.namedtuple(title, names))
+        object.__setattr__(self, "world_at", names.index("world_size") if "world_size" in names else None)
+
+    def world_size(self, args) -> int:
+        """The world size the call's arguments name (0: they name none; the group's is used)."""
+        return 0 if self.world_at is None else args[self.world_at]
 
     @property
     def schema(self) -> str:
