@@ -11,7 +11,7 @@
 #   paths   benchmarks/path_sweep.py (PATHS_NAME: the file names, PATHS_ARGS, PATHS_TIMEOUT)
 #   all     tests, then bench
 # Multicast stays off (NVLS, symmetric memory, NVSHMEM). Logs and JSON land in $OUT (default
-# benchmarks/results/h200x2). The device's git may report a stale commit: pass COMMFUSE_COMMIT=<the
+# benchmarks/results/h200x2). The device's git may report a stale commit: set COMMFUSE_COMMIT=<the
 # tree's commit> for the JSON records.
 set -uo pipefail
 if [ "${1:-}" = "--help" ] || [ "${1:-}" = "-h" ]; then

@@ -48,7 +48,7 @@ def variants(path, call, facts, args) -> dict:
     (``path.config``; None for NCCL) and the sweep's configurations of it."""
     from commfuse.kernels import fused_split_k
     from commfuse.kernels.tiles import TileConfig
-    from commfuse.runtime.paths import ce_all_reduce, rs_overlap, tile_all_gather, tile_all_reduce
+    from commfuse.runtime.paths import ar_ce_overlap, rs_ce_overlap, ag_fused, ar_fused
 
     default = path.config(call, facts, None) if path.symmetric else None
     out = {path.name: default}
@@ -56,10 +56,10 @@ def variants(path, call, facts, args) -> dict:
     key = (path.op, path.name)
     if key in (("mm_all_reduce", "fused"), ("mm_reduce_scatter", "fused")):
         for tile in tilings:
-            out[f"{path.name}@{tile}"] = tile_all_reduce.FusedConfig(tile, default.options)
+            out[f"{path.name}@{tile}"] = ar_fused.FusedConfig(tile, default.options)
     elif key == ("mm_all_reduce", "ce_overlap"):
         for chunks in _ints(args.chunks):
-            out[f"{path.name}@chunks{chunks}"] = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(call.m, chunks),
+            out[f"{path.name}@chunks{chunks}"] = ar_ce_overlap.CeConfig(ar_ce_overlap.chunk_rows(call.m, chunks),
                                                                         default.graphs)
     elif key == ("mm_all_reduce", "split_k"):
         for split in _ints(args.splits):
@@ -67,15 +67,15 @@ def variants(path, call, facts, args) -> dict:
     elif key == ("mm_reduce_scatter", "ce_overlap"):
         rows = call.m // call.world // max(call.slabs, 1)
         for chunks in _ints(args.rs_chunks):
-            out[f"{path.name}@chunks{chunks}"] = rs_overlap.RsOverlapConfig(
-                rs_overlap.chunks(rows, call.world, max(call.slabs, 1), chunks))
+            out[f"{path.name}@chunks{chunks}"] = rs_ce_overlap.RsOverlapConfig(
+                rs_ce_overlap.chunks(rows, call.world, max(call.slabs, 1), chunks))
     elif key == ("all_gather_mm", "fused"):
         for pushers in _ints(args.pushers):
-            out[f"{path.name}@sm{pushers}"] = tile_all_gather.AgFusedConfig(default.tile, "sm", pushers)
+            out[f"{path.name}@sm{pushers}"] = ag_fused.AgFusedConfig(default.tile, "sm", pushers)
         for chunks in _ints(args.ag_ce_chunks):
-            out[f"{path.name}@ce{chunks}"] = tile_all_gather.AgFusedConfig(default.tile, "ce", ce_chunks=chunks)
+            out[f"{path.name}@ce{chunks}"] = ag_fused.AgFusedConfig(default.tile, "ce", ce_chunks=chunks)
         for tile in tilings:
-            out[f"{path.name}@{tile}"] = tile_all_gather.AgFusedConfig(tile, default.push, default.pushers,
+            out[f"{path.name}@{tile}"] = ag_fused.AgFusedConfig(tile, default.push, default.pushers,
                                                                        default.ce_chunks)
     return out
 
@@ -184,7 +184,7 @@ def check(problem: Problem, run) -> float:
 
 def sweep_shape(problem: Problem, facts, state, args, only) -> dict:
     """Check every candidate of one shape, then time the correct ones in interleaved rounds."""
-    from commfuse.runtime import policy
+    from commfuse.runtime import policy, running
     from commfuse.runtime.paths.base import Context
 
     from commfuse.tools.timing import time_us
@@ -197,7 +197,7 @@ def sweep_shape(problem: Problem, facts, state, args, only) -> dict:
             ctx = Context(problem.call, facts, state, config)
 
             def run(a, path=path, ctx=ctx):
-                return path.run(ctx, a)
+                return running.run(path, ctx, a)
             try:
                 errs[name] = check(problem, run)
             except Exception as exc:  # a configuration that does not fit the call: recorded

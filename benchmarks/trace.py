@@ -169,12 +169,12 @@ def trace_reduce(g: Traced, op: str, m: int, k: int, n: int, text: str, pull: bo
 
     from commfuse.kernels import fused_all_reduce, tiles
     from commfuse.runtime import errors
-    from commfuse.runtime.paths import tile_all_reduce
+    from commfuse.runtime.paths import ar_fused
     from commfuse.runtime.paths.base import Call
 
     scatter = op == "rs"
     cfg = tiles.TileConfig.parse(text)
-    default = tile_all_reduce.FUSED.config(Call("mm_all_reduce", m, k, n, torch.bfloat16, g.world), g.facts)
+    default = ar_fused.FUSED.config(Call("mm_all_reduce", m, k, n, torch.bfloat16, g.world), g.facts)
     opts = default.options._replace(pull=pull)  # the path's options (its staggered start), the pull as asked
     ws = g.workspace(fused_all_reduce.data_elems(m, n, g.world, cfg, scatter) * 2)
     torch.manual_seed(1234 + g.rank)

@@ -10,6 +10,7 @@ from typing import Any
 import torch.nn as nn
 
 from . import env
+from .exclusion import exclude as exclude_instance
 
 #: Names of the rewrites, in the order the graph pass applies them. ``merge_sums`` turns a sum of
 #: matmul partials that is reduced (or of reduced partials) into one matmul reduced once.
@@ -66,8 +67,6 @@ class Settings:
         launch_bound_bytes: int | None = None,
     ) -> "Settings":
         """Sort ``exclude`` entries into classes and name patterns; instances are marked in place."""
-        from .exclusion import exclude as exclude_instance
-
         classes: list[type] = []
         names: list[str] = []
         if isinstance(exclude, (str, type)) or (isinstance(exclude, nn.Module)

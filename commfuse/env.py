@@ -49,6 +49,8 @@ class Setting:
     default: Any
     doc: str
     choices: tuple = ()
+    #: Former values still taken, each read as the value it names now.
+    aliases: tuple = ()  # (former, now) pairs
     minimum: float | None = None
     maximum: float | None = None
     paths: bool = False
@@ -74,6 +76,7 @@ class Setting:
             raise ValueError(f"commfuse: {self.name}={raw!r} is not a switch; use 1/true/on/yes or 0/false/off/no")
         if self.kind == "choice":
             low = value.lower()
+            low = dict(self.aliases).get(low, low)
             if low not in self.choices:
                 raise ValueError(f"commfuse: {self.name}={raw!r} is not one of {', '.join(self.choices)}")
             return low
@@ -95,7 +98,9 @@ class Setting:
 
 #: The names ``COMMFUSE_ALGO`` takes: every path of every op (an op whose paths do not include the
 #: forced name keeps its own choice).
-ALGOS = ("nccl", "one_shot", "two_shot", "overlap", "ce_overlap", "graph", "fused", "split_k", "symm")
+ALGOS = ("nccl", "one_shot", "two_shot", "ce_overlap", "graph", "fused", "split_k", "pull")
+#: Former path names, still taken (by ``COMMFUSE_ALGO`` and in the rules data) as the paths' names now.
+ALGO_ALIASES = {"symm": "pull", "overlap": "ce_overlap"}
 LOG_ON = _TRUE + ("info", "debug")
 LOG_LEVELS = LOG_ON + _FALSE
 TUNE_MODES = ("off", "cache", "first-use")
@@ -135,8 +140,9 @@ SETTINGS: tuple[Setting, ...] = (
             "or reordered call) raises instead of summing it; split-K then exchanges with flags, not LL words",
             paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_ALGO", "choice", None, "force one path for every call of the ops that have it "
-            "(benchmarks and tests; eager calls that meet replayed CUDA graphs keep the graph lane)",
-            choices=ALGOS, paths=True, scope=ALIKE, unlike=_AGREED),
+            "(benchmarks and tests; eager calls that meet replayed CUDA graphs keep the graph lane); the former names "
+            "`symm` and `overlap` are read as `pull` and `ce_overlap`",
+            choices=ALGOS, aliases=tuple(ALGO_ALIASES.items()), paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_SYMM_PROVIDER", "choice", "torch", "where symmetric buffers come from: torch symmetric "
             "memory, or the Iris heap (`iris`: the WORLD group only)", choices=("torch", "iris"), paths=True,
             scope=ALIKE, unlike=_AGREED),
@@ -165,6 +171,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMFUSE_TUNE_MARGIN", "float", 0.03, "a tuned path replaces the rules' choice only if it is "
             "this fraction faster (part of the tuning cache's key)", minimum=0.0, maximum=0.5, paths=True,
             scope=ALIKE, unlike=_AGREED),
+    Setting("COMMFUSE_COMMIT", "text", "", "the commit the benchmarks write into their result records "
+            "(default: `git rev-parse HEAD` of the tree; a copy of the tree may carry a stale `.git`)",
+            scope=LOCAL, unlike="each rank's records name its own value; only rank 0 writes them"),
 )
 
 _SWEEP = ("a path configuration now: the benchmarks pass it (benchmarks/path_sweep.py), no setting "

@@ -182,7 +182,7 @@ def test_call_time_lines_add_up_what_the_step_loses_against_the_calls_alone():
              "calls_per_step": 2.0, "in_model_us": 400.0, "alone_us": 290.0, **extra},
             {"op": "mm_all_reduce", "a": [8192, 7168], "b": [7168, 4096], "b_transposed": False,
              "path": "ce_overlap", "calls_per_step": 2.0, "in_model_us": 700.0, "alone_us": 710.0, **extra},
-            {"op": "all_gather_mm", "a": [4096, 4096], "b": [4096, 7168], "b_transposed": True, "path": "symm",
+            {"op": "all_gather_mm", "a": [4096, 4096], "b": [4096, 7168], "b_transposed": True, "path": "pull",
              "calls_per_step": 1.0, "in_model_us": 100.0, **extra}]  # not timed alone
     lines = bench_model._call_lines(rows, 7.0, 5.5)
     assert lines[0] == ("    mm_all_reduce 8192x2048 @ 2048x4096 (W.t()) fused, 2/step: in the step 400 us "
@@ -331,16 +331,16 @@ def test_call_times_case_rows(monkeypatch):
 
     C = call_times.Call
     fused = ("mm_all_reduce", (8, 4), (4, 6), True, "fused")
-    symm = ("all_gather_mm", (2, 4), (4, 6), False, "symm")
+    pull = ("all_gather_mm", (2, 4), (4, 6), False, "pull")
     uneven = ("mm_all_reduce", (4, 4), (4, 6), False, "one_shot")
     only_here = ("mm_all_reduce", (1, 4), (4, 6), False, "split_k")
     steps_here = [  # what this rank recorded in each of two steps
-        {fused: [C(5.0, 50, False, 40), C(7.0, 70, True, 60)], symm: [C(3.0, 30, False, 5)],
+        {fused: [C(5.0, 50, False, 40), C(7.0, 70, True, 60)], pull: [C(3.0, 30, False, 5)],
          uneven: [C(1.0, 1, False, 1), C(9.0, 1, False, 1), C(1.0, 1, False, 1)], only_here: [C(1.0, 1, False, 1)]},
-        {fused: [C(6.0, 60, False, 50), C(9.0, 90, True, 80)], symm: [C(3.0, 20, False, 5)],
+        {fused: [C(6.0, 60, False, 50), C(9.0, 90, True, 80)], pull: [C(3.0, 20, False, 5)],
          uneven: [C(1.0, 1, False, 1), C(9.0, 1, False, 1)], only_here: [C(1.0, 1, False, 1)]}]
     # the peer's statistics: (median, host, idle share, count, CPU, by position)
-    peer = {fused: (8.0, 10.0, 0.0, 4, 10.0, [8.5, 7.0]), symm: (2.0, 40.0, 1.0, 2, 30.0, [2.0, 2.0]),
+    peer = {fused: (8.0, 10.0, 0.0, 4, 10.0, [8.5, 7.0]), pull: (2.0, 40.0, 1.0, 2, 30.0, [2.0, 2.0]),
             uneven: (1.0, 1.0, 0.0, 4, 1.0, [1.0, 9.0])}
     steps, alone, gathered = [], [], []
     pending = iter(steps_here)
@@ -384,7 +384,7 @@ def test_call_times_case_rows(monkeypatch):
                              ((8, 4), torch.bfloat16, (4, 6), (1, 4), None, "0", "fused")]
     assert env.current().algo is None
     assert rows == [
-        {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "symm",
+        {"op": "all_gather_mm", "a": [2, 4], "b": [4, 6], "b_transposed": False, "path": "pull",
          "calls_per_step": 1.0, "in_model_us": 3.0, "in_model_us_ranks": [3.0, 2.0], "host_us": 40.0,
          "idle_at_entry": 1.0, "host_cpu_us": 30.0, "in_model_us_by_position": []},  # 1 position here, 2 there
         {"op": "mm_all_reduce", "a": [4, 4], "b": [4, 6], "b_transposed": False, "path": "one_shot",
@@ -403,6 +403,7 @@ def test_call_times_case_rows(monkeypatch):
 def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     import pytest
 
+    from commfuse.runtime.spec import MM_ALL_REDUCE
     from commfuse.tools import call_times
 
     monkeypatch.setattr(call_times, "LIMIT", 2)
@@ -413,15 +414,15 @@ def test_call_times_warn_about_calls_past_the_limit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     counter = {}
 
-    @call_times.timed("mm_all_reduce", counter)
-    def entry(a, b):
+    @call_times.timed(counter)
+    def entry(spec, args, site=0):
         counter["mm_all_reduce:one_shot"] = counter.get("mm_all_reduce:one_shot", 0) + 1
-        return a @ b
+        return args.a @ args.b
 
     a, b = torch.ones(2, 3), torch.ones(3, 4)
     call_times.record(True)
     try:
-        outs = [entry(a, b) for _ in range(3)]
+        outs = [entry(MM_ALL_REDUCE, MM_ALL_REDUCE.Args(a, b, None, "g")) for _ in range(3)]
     finally:
         call_times.record(False)
     assert all(torch.equal(o, a @ b) for o in outs)  # the call past the limit still runs
@@ -471,7 +472,7 @@ def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
     records = [rec(8192, 2048, 4096, {"nccl": 480.0, "one_shot": 420.0, "fused": 280.0,
                                       "fused@128x128x64s4w8g8r0o1": 300.0}),
                rec(1024, 7168, 4096, {"nccl": 150.0, "ce_overlap@chunks2": 110.0, "fused": 115.0}),
-               rec(2048, 2048, 2048, {"nccl": 90.0, "symm": 60.0}, op="all_gather_mm")]
+               rec(2048, 2048, 2048, {"nccl": 90.0, "pull": 60.0}, op="all_gather_mm")]
     current = rules.table("sm_90", 2, "NVIDIA H200", 132)
     data = sweep["rules_from"](records, "sm_90", 2, "NVIDIA H200", "benchmarks/results/h200x2/paths.json@abc1234",
                                current)
@@ -482,7 +483,7 @@ def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
         ("fused", {"m": (8192, 8192), "k": (2048, 2048), "n": (4096, 4096)}), ("nccl", {})]
     assert "fastest as ce_overlap@chunks2" in ar[0].note and "280.0 us against unfused 500.0 us" == ar[1].note
     assert all(r.evidence == ("benchmarks/results/h200x2/paths.json@abc1234",) for r in ar)
-    assert [r.path for r in table.rules("all_gather_mm")] == ["symm", "nccl"]
+    assert [r.path for r in table.rules("all_gather_mm")] == ["pull", "nccl"]
     # not swept: carried over from the table in force, unchanged
     assert table.rules("mm_all_reduce@capture") == current.rules("mm_all_reduce@capture")
     assert table.rules("mm_reduce_scatter") == current.rules("mm_reduce_scatter")

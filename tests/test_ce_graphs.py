@@ -2,7 +2,7 @@
 on the CPU: CUDA graphs are stood in for by a recording of the call's work that a replay runs
 again on the tensors it was captured with (what a graph's baked addresses amount to). The real
 capture and replay run in the GPU suites (``test_gpu_ops.py``, ``test_gpu_one_device.py``); the
-path's device-epoch kernels through ``runtime/paths/ce_all_reduce.py`` in ``test_cuda_paths_sim.py``."""
+path's device-epoch kernels through ``runtime/paths/ar_ce_overlap.py`` in ``test_running.py``."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import pytest
 import torch.fx as fx
 
 from commfuse import config, env
+from commfuse.tools import timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -214,3 +215,21 @@ def test_the_settings_the_ranks_compare_are_the_must_be_alike_ones():
     assert config.Settings(launch_bound_bytes=0).alike()[config.LAUNCH_BOUND] == 0
     assert config.Settings().alike()[config.LAUNCH_BOUND] == values.launch_bound_bytes
     assert "COMMFUSE_LAUNCH_BOUND_BYTES" not in config.Settings().alike()
+
+
+def test_the_benchmarks_commit_is_a_setting():
+    """The documented benchmark command sets ``COMMFUSE_COMMIT``: a setting, so no warning."""
+    assert env.unknown_names({"COMMFUSE_COMMIT": "abc1234"}) == []
+    with env.override(commit="abc1234"):
+        assert timing.commit() == "abc1234"
+
+
+@pytest.mark.parametrize("former, now", [("symm", "pull"), ("overlap", "ce_overlap"), ("SYMM", "pull")])
+def test_commfuse_algo_takes_the_former_path_names(monkeypatch, former, now):
+    monkeypatch.setenv("COMMFUSE_ALGO", former)
+    env.reload()
+    try:
+        assert env.current().algo == now
+    finally:
+        monkeypatch.delenv("COMMFUSE_ALGO")
+        env.reload()

@@ -114,7 +114,7 @@ def test_explain_prints_the_path_of_every_fused_call():
     assert "Paths on 2 simulated sm_90 GPUs (NVIDIA H200, 132 SMs)" in out, out
     lines = [line for line in out.splitlines() if line.startswith("  layers.")]
     assert len(lines) == 4
-    assert "layers.0.attention.wq all_gather_mm 512x256x128 bfloat16 w2 dim1x2 -> symm" in " ".join(lines[0].split())
+    assert "layers.0.attention.wq all_gather_mm 512x256x128 bfloat16 w2 dim1x2 -> pull" in " ".join(lines[0].split())
     assert all("[rules: " in line and "(sm_90 world 2)]" in line for line in lines)
     gpus = _explain("--model", "sp", "--layers", "1", "--batch", "2", "--seq", "256", "--inference", "--gpu", "sm_80")
     assert "Paths on 2 simulated sm_80 GPUs" in gpus and "(default world 2)]" in gpus

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -131,3 +133,54 @@ def test_tools_are_imported_by_nothing_else():
         if _part(module) in ("tools", "__main__"):
             continue
         assert not [t for t in imports if _part(t) == "tools"], module
+
+
+#: What decides, at compile time and at a call: none of it may need Triton (or Iris).
+DECIDING = ["commfuse", "commfuse.inductor_plugin", "commfuse.inductor_plugin.graph_pass", "commfuse.patterns",
+            "commfuse.report", "commfuse.config", "commfuse.exclusion", "commfuse.ops", "commfuse.runtime.policy",
+            "commfuse.runtime.rules", "commfuse.runtime.spec", "commfuse.runtime.rule_answers",
+            "commfuse.runtime.paths", "commfuse.kernels.sizes.fused_split_k",
+            "commfuse.kernels.sizes.fused_all_reduce", "commfuse.kernels.sizes.fused_all_gather"]
+
+_WITHOUT_TRITON = """
+import importlib, sys
+
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("triton", "iris"):
+            raise ImportError(f"{name} is absent here")
+        return None
+
+sys.meta_path.insert(0, NoTriton())
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+from commfuse.runtime import policy
+from commfuse.runtime.facts import GroupFacts
+from commfuse.runtime.paths.base import Call
+import torch
+for op in ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"):
+    decision = policy.choose(Call(op, 4096, 4096, 4096, torch.bfloat16, 2), GroupFacts.simulated(2), quiet=True)
+    assert decision.path.workspace_bytes(Call(op, 4096, 4096, 4096, torch.bfloat16, 2)) >= 0
+    decision.path.config(Call(op, 4096, 4096, 4096, torch.bfloat16, 2), GroupFacts.simulated(2), decision.variant)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("triton", "iris")))
+"""
+
+
+def test_deciding_imports_no_triton():
+    """The compile-time modules, the policy, the rules and every path's deciding side import, and
+    decide a call, in a process where Triton and Iris cannot be imported."""
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON, *DECIDING], capture_output=True, text=True,
+                          cwd=ROOT.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_running_needs_what_deciding_does_not():
+    """Running a path imports its kernels at import time, beside the path's deciding module."""
+    graph = _graph()
+    for module in (m for m in graph if m.startswith("commfuse.runtime.paths.")):
+        assert not [t for t in graph[module] if t.startswith("commfuse.kernels.") and ".sizes" not in t
+                    and t != "commfuse.kernels.codes"], f"{module} imports a kernel module: its running side does"
+    running = {m.rsplit(".", 1)[-1] for m in graph if m.startswith("commfuse.runtime.running.")}
+    deciding = {m.rsplit(".", 1)[-1] for m in graph if m.startswith("commfuse.runtime.paths.")} - {"base", "common"}
+    assert running == deciding

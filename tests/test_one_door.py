@@ -6,7 +6,8 @@ order the host counted them in pair a stale half with error word 0. What keeps t
 that every launch of a kernel that signals or waits on a group's flags is inside one of the doors
 of ``runtime/paths/common.py``: ``exchange`` (the workspace: the call's epoch, after
 ``Workspace.order``) or ``lane_exchange`` (the graph lane, whose epochs live on the device: eager
-calls after ``GraphLane.order``). This reads every path module and fails on a launch outside them,
+calls after ``GraphLane.order``). This reads every module that runs a path (``runtime/running/``)
+and fails on a launch outside them,
 so the next path keeps the rule too.
 
 What launches: the exchange launchers of ``kernels/exchange.py``, the launches the fused kernels'
@@ -25,7 +26,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "commfuse"
-PATHS = ROOT / "runtime" / "paths"
+#: The modules that run paths (``runtime/running/``): every launch is there.
+RUNNING = ROOT / "runtime" / "running"
 
 #: (module, function) that launch an exchanging kernel when called.
 LAUNCHES = {("exchange", "all_reduce"), ("exchange", "gather"), ("exchange", "reduce_scatter"),
@@ -70,7 +72,7 @@ class _Module:
             source = node.module or ""
             for alias in node.names:
                 local = alias.asname or alias.name
-                if node.level == 1 and source == "common" and alias.name in DOORS:
+                if (node.level, source) in ((1, "common"), (2, "paths.common")) and alias.name in DOORS:
                     self.doors.add(local)
                 elif node.level == 1 and source:  # a function of a sibling path module
                     self.helpers[local] = (source, alias.name)
@@ -206,7 +208,7 @@ def _outside_the_doors(paths: list[pathlib.Path]) -> list[str]:
 
 
 def test_every_path_launches_its_exchanging_kernels_through_a_door():
-    wrong = _outside_the_doors(sorted(PATHS.glob("*.py")))
+    wrong = _outside_the_doors(sorted(RUNNING.glob("*.py")))
     assert not wrong, "\n".join(wrong)
 
 
@@ -239,7 +241,7 @@ def test_the_check_finds_launches_outside_the_doors(tmp_path, body, found):
 from ...kernels import exchange, fused_split_k
 from ...kernels.exchange import gather as gather_now
 from ..ce_graphs import run as run_graph
-from .common import exchange as epoch_of, lane_exchange
+from ..paths.common import exchange as epoch_of, lane_exchange
 
 
 def helper(ws):

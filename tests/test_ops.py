@@ -139,3 +139,11 @@ def test_eager_calls_that_autograd_would_record_are_refused(world2):
     for op in (torch.ops.commfuse.mm_all_reduce, torch.ops.commfuse.all_gather_mm,
                torch.ops.commfuse.mm_reduce_scatter):
         assert torch.Tag.pt2_compliant_tag in op.default.tags
+
+
+def test_bias_must_broadcast(world2):
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    for bias in (torch.randn(6), torch.randn(1, 6), torch.randn(8, 6), torch.randn(8, 1)):
+        torch.ops.commfuse.mm_all_reduce(a, b, bias, group_name())
+    with pytest.raises(RuntimeError, match=r"bias \(5, 6\) does not broadcast to \(8, 6\)"):
+        torch.ops.commfuse.mm_all_reduce(a, b, torch.randn(5, 6), group_name())

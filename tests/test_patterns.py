@@ -475,7 +475,7 @@ def _planned() -> dict:
 def test_workspace_plan(h200):
     """The pass sizes the group's symmetric workspace for the graph's largest fused op."""
     x, w1, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48, 40)
-    assert _path(h200, "all_gather_mm", 128, 32, 48, torch.float32) == "symm"
+    assert _path(h200, "all_gather_mm", 128, 32, 48, torch.float32) == "pull"
     assert _path(h200, "mm_all_reduce", 128, 48, 40, torch.float32) == "one_shot"
     compile_code(lambda x, w1, w2: _ar(torch.relu(_ag(x) @ w1) @ w2), x, w1, w2)
     assert len(commfuse.report().fused) == 2
@@ -498,12 +498,12 @@ def test_workspace_plan_sizes_for_the_fused_kernel(h200):
     """A call the policy will send to the fused tile kernel needs its slabs and result area
     (about twice the output), planned at compile time rather than grown at the first call."""
     from commfuse.kernels import fused_all_reduce
-    from commfuse.runtime.paths import tile_all_reduce
+    from commfuse.runtime.paths import ar_fused
 
     x, w = torch.randn(4096, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
     assert _path(h200, "mm_all_reduce", 4096, 16, 64, torch.bfloat16) == "fused"
     compile_code(lambda x, w: _ar(x @ w), x, w)
-    slabs = fused_all_reduce.data_elems(4096, 64, 2, tile_all_reduce.TILE) * 2
+    slabs = fused_all_reduce.data_elems(4096, 64, 2, ar_fused.TILE) * 2
     assert slabs > 4096 * 64 * 2
     assert _planned() == {dist.group.WORLD.group_name: slabs}
 
@@ -513,7 +513,7 @@ def test_workspace_plan_follows_a_forced_fused_path(h200):
     (unforced, the one-shot exchange of the output)."""
     from commfuse import env
     from commfuse.kernels import fused_all_reduce
-    from commfuse.runtime.paths import tile_all_reduce
+    from commfuse.runtime.paths import ar_fused
 
     x, w = torch.randn(256, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
     assert _path(h200, "mm_all_reduce", 256, 16, 64, torch.bfloat16) == "one_shot"
@@ -523,7 +523,7 @@ def test_workspace_plan_follows_a_forced_fused_path(h200):
     torch._dynamo.reset()
     with env.override(algo="fused"):
         compile_code(lambda x, w: _ar(x @ w), x, w)
-    slabs = fused_all_reduce.data_elems(256, 64, 2, tile_all_reduce.TILE) * 2
+    slabs = fused_all_reduce.data_elems(256, 64, 2, ar_fused.TILE) * 2
     assert _planned() == {dist.group.WORLD.group_name: slabs}
 
 
@@ -552,12 +552,12 @@ def test_workspace_plan_sizes_for_the_fused_reduce_scatter(h200):
     """From 16384 rows (at 2 ranks where the copy-engine overlap does not apply) the reduce-scatter
     takes the fused kernel, whose slabs the pass plans."""
     from commfuse.kernels import fused_all_reduce
-    from commfuse.runtime.paths import tile_all_reduce
+    from commfuse.runtime.paths import ar_fused
 
     a, w = torch.randn(16384, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
     assert _path(h200, "mm_reduce_scatter", 16384, 64, 64, torch.bfloat16) == "fused"
     compile_code(lambda a, w: _rs(a @ w), a, w)
-    slabs = fused_all_reduce.data_elems(16384, 64, 2, tile_all_reduce.SMALL_TILE, scatter=True)
+    slabs = fused_all_reduce.data_elems(16384, 64, 2, ar_fused.SMALL_TILE, scatter=True)
     assert _planned() == {dist.group.WORLD.group_name: slabs * 2}
 
 
@@ -565,7 +565,7 @@ def test_workspace_plan_of_a_scatter_along_the_sequence(h200):
     """The same rows as a batch of 2 sequences scattered along the sequence (2 slabs of rows per
     rank's share): not the fused kernel's (it scatters whole rows), the pull's partial."""
     a, w = torch.randn(2, 8192, 64, dtype=torch.bfloat16), torch.randn(64, 64, dtype=torch.bfloat16)
-    assert _path(h200, "mm_reduce_scatter", 16384, 64, 64, torch.bfloat16, rows_dim=1, slabs=2) == "symm"
+    assert _path(h200, "mm_reduce_scatter", 16384, 64, 64, torch.bfloat16, rows_dim=1, slabs=2) == "pull"
     compile_code(lambda a, w: _rs(a @ w, dim=1), a, w)
     assert len(commfuse.report().fused) == 1
     assert _planned() == {dist.group.WORLD.group_name: 16384 * 64 * 2}

@@ -91,9 +91,9 @@ SHAPES = [("mm_all_reduce", 16, 4096, 8192), ("mm_all_reduce", 4096, 4096, 8192)
 #: timed on): the split-K kernel for few rows where the GPU has TMA, else cuBLAS + one-shot; the
 #: symmetric pull for the other two ops.
 DEFAULT_AT_2 = {("mm_all_reduce", 16): "split_k", ("mm_all_reduce", 4096): "one_shot",
-                ("mm_all_reduce", 8192): "one_shot", ("all_gather_mm", 2048): "symm",
-                ("all_gather_mm", 16384): "symm", ("mm_reduce_scatter", 1024): "symm",
-                ("mm_reduce_scatter", 16384): "symm"}
+                ("mm_all_reduce", 8192): "one_shot", ("all_gather_mm", 2048): "pull",
+                ("all_gather_mm", 16384): "pull", ("mm_reduce_scatter", 1024): "pull",
+                ("mm_reduce_scatter", 16384): "pull"}
 
 
 @pytest.mark.parametrize("op,m,k,n", SHAPES)

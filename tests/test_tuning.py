@@ -314,10 +314,36 @@ def test_a_check_that_fails_with_a_timed_out_wait_is_transient():
     assert outs[0] == outs[1] == [["fused", "one_shot"], ["fused"]]
 
 
-def test_cache_reads_agree_or_are_dropped(tmp_path):
-    """Ranks whose files differ (one rank's cache written mid-run) agree to use none."""
-    entries = {"a": tuning.Entry("fused", "fused", {"fused": 1.0}, [], 0.03)}
-    assert tuning.content_hash(entries) != tuning.content_hash({})
+def _cache_worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    name = dist.group.WORLD.group_name
+    facts = GroupFacts.simulated(world)
+    entry = tuning.Entry("fused", "fused", {"fused": 1.0, "nccl": 2.0}, [], 0.03)
+    out = {}
+    for case, written in (("same", {"sig": entry}), ("differ", {"sig": entry} if rank == 0 else {})):
+        cache = os.path.join(tmp, case, str(rank))  # each rank's own cache directory
+        os.makedirs(cache)
+        with env.override(cache_dir=cache):
+            if written:
+                tuning.write(tuning.cache_path(tuning.machine_key(facts)), tuning.machine_key(facts), written)
+            tuner = tuning.Tuner(groups.get(name), facts, torch.device("cpu"),
+                                 timer=lambda path, sig, variant=None: 1.0)
+            out[case] = sorted(tuner.entries)
+    with open(os.path.join(results, f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def test_cache_reads_agree_or_are_dropped():
+    """Ranks whose files hold the same answers use them; ranks whose files differ (one rank's
+    cache written mid-run, another's missing) agree to use none, on every rank."""
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
+        mp.spawn(_cache_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world, join=True)
+        outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
+    assert [o["same"] for o in outs] == [["sig"], ["sig"]]
+    assert [o["differ"] for o in outs] == [[], []]
 
 
 def test_a_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, caplog):

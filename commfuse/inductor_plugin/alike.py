@@ -21,7 +21,9 @@ from __future__ import annotations
 import logging
 
 import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 
 from ..config import Settings
 from ..runtime import alike
@@ -67,9 +69,6 @@ def graph_groups(graph: fx.Graph) -> list[str]:
 
 
 def _collect(graph: fx.Graph, names: dict[str, None], seen: set[int]) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
     owner = graph.owning_module
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and owner is not None:

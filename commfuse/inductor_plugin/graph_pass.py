@@ -17,12 +17,12 @@ import functools
 import hashlib
 import itertools
 import logging
-import math
 import pathlib
 import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -40,16 +40,17 @@ from ..exclusion import any_instance_excluded, module_stack, unmatched_names
 from ..patterns import merge_sums
 from ..runtime import groups, policy, rules, verify
 from ..runtime.facts import local_facts
-from ..runtime.paths.base import Call, row_slabs, rows_dim
+from ..runtime.spec import SPECS, Call
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
 from ..report import MatchRecord, configure_logging, log, note, record
 
 _graph_numbers = itertools.count()
-_FUSED_OPS = (torch.ops.commfuse.mm_all_reduce.default, torch.ops.commfuse.all_gather_mm.default,
-              torch.ops.commfuse.mm_reduce_scatter.default)
+#: Each fused op's node target and its spec (``runtime/spec.py``).
+_SPECS = {getattr(torch.ops.commfuse, spec.name).default: spec for spec in SPECS.values()}
+_FUSED_OPS = tuple(_SPECS)
 #: Where each fused op takes its group name, and its call site (its last argument).
-_GROUP_ARG = dict(zip(_FUSED_OPS, (3, 5, 6)))
-_SITE_ARG = dict(zip(_FUSED_OPS, (4, 7, 7)))
+_GROUP_ARG = {target: [a.name for a in spec.args].index("group_name") for target, spec in _SPECS.items()}
+_SITE_ARG = {target: len(spec.args) for target, spec in _SPECS.items()}
 
 
 @functools.lru_cache(1)
@@ -195,30 +196,18 @@ def _site_part(node: fx.Node) -> str:
 
 
 def _call(node: fx.Node) -> Call | None:
-    """The ``Call`` a fused node will make, from its operands' shapes; None while a size is symbolic
-    (the workspace then grows on first use instead)."""
-    if node.target is torch.ops.commfuse.mm_all_reduce.default:
-        a, b = val(node.args[0]), val(node.args[1])
-        m, k, n = a.shape[0], a.shape[1], b.shape[1]
-        dims, world, group = (m, k, n), _resolve_process_group(node.args[3]).size(), node.args[3]
-        extra = {}
-    elif node.target is torch.ops.commfuse.all_gather_mm.default:
-        shard, b, gather_dim, world = val(node.args[0]), val(node.args[1]), node.args[3], node.args[4]
-        k, n = shard.shape[-1], b.shape[1]
-        dims = (math.prod(shard.shape[:-1]) * world, k, n)
-        dim = rows_dim(shard.shape, gather_dim)
-        extra = dict(rows_dim=dim, slabs=row_slabs(shard.shape, dim))
-    elif node.target is torch.ops.commfuse.mm_reduce_scatter.default:
-        a, b, shape, scatter_dim, world = val(node.args[0]), val(node.args[1]), node.args[3], node.args[4], node.args[5]
-        dims = (a.shape[0], a.shape[1], b.shape[1])
-        dim = rows_dim(shape, scatter_dim)
-        extra = dict(rows_dim=dim, slabs=row_slabs(shape, dim))
-    else:
+    """The ``Call`` a fused node will make, from its operands' shapes (its op's spec reads them);
+    None while a size is symbolic (the workspace then grows on first use instead)."""
+    spec = _SPECS.get(node.target)
+    if spec is None:
         return None
-    if not all(isinstance(x, int) for x in dims):
+    values = [val(x) if isinstance(x, fx.Node) else x for x in node.args[:len(spec.args)]]
+    sizes = [s for v in values if isinstance(v, torch.Tensor) for s in v.shape]
+    sizes += [s for v in values if isinstance(v, (list, tuple)) for s in v]
+    if not all(isinstance(s, int) for s in sizes):
         return None
-    dtype = val(node.args[0]).dtype
-    return Call(node.target.__name__.split(".")[0], *dims, dtype, world, node.args[2] is not None, **extra)
+    args = spec.Args(*values)
+    return spec.call(args, _resolve_process_group(args.group_name).size())
 
 
 #: Namespaces of the collectives a traced graph may hold.
@@ -227,8 +216,6 @@ _COLLECTIVES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 def _why_no_candidates(graph: fx.Graph) -> str:
     """What a graph without any candidate says instead of "0 fused, 0 skipped"."""
-    import torch.distributed as dist
-
     if any(getattr(n.target, "namespace", None) in _COLLECTIVES for n in graph.nodes if n.op == "call_function"):
         return "no all-reduce, all-gather or reduce-scatter in this graph (only other collectives)"
     why = "no collectives in this graph"

@@ -37,13 +37,7 @@ from . import tiles
 from .launch import run as run_kernel
 from .sync import TRACE_SLOTS, FUSED_AG_OP, iris, now, require_iris, trace_tile, trace_time, wait_or_record
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
-
-#: Rows per pushed chunk (one flag each); a divisor of every tile height used here.
-CHUNK_ROWS = 32
-#: Programs that push the shard and then copy the peers' rows into the gathered tensor (ranks may
-#: differ: chunk slots do not depend on it).
-PUSHERS = 16
-
+from .sizes.fused_all_gather import CHUNK_ROWS, PUSHERS, ce_chunks, ce_flag_base, chunk_flag_slots, data_elems  # noqa: F401
 
 @triton.jit
 def _proxy_fence():
@@ -170,27 +164,6 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
         i = claim(ticket, ticket_base)
 
 
-def data_elems(rows: int, k: int, world: int) -> int:
-    """Workspace elements per parity: the gathered rows."""
-    return world * rows * k
-
-
-def chunk_flag_slots(rows: int, world: int) -> int:
-    """Tile-flag slots a call may use: one per ``CHUNK_ROWS`` chunk of every rank's ``rows``
-    (the programs' pushes), then as many again from ``ce_flag_base`` (the copy engines' pushes,
-    whose chunks are never smaller)."""
-    return 2 * ce_flag_base(rows, world)
-
-
-def ce_flag_base(rows: int, world: int) -> int:
-    """First tile-flag slot of the copy engines' chunk flags, past every slot the programs' pushes
-    use (a multiple of ``world``: slot = writer mod world still holds). Two ranks that disagree on
-    who pushes (the path configuration's ``push``, or a rank without peer views or the stream
-    write, whose programs push instead) then wait for flags nobody writes and time out with an
-    error, instead of one of them reading rows that were not pushed yet."""
-    return world * tiles.cdiv(rows, CHUNK_ROWS)
-
-
 #: (config, dtype, world, weight layout, bias, device, push width, gathered) -> programs per SM
 _resident: dict[tuple, int] = {}
 
@@ -202,13 +175,6 @@ def copy_engine_flags():
         return torch.ops.symm_mem.stream_write_value32_
     except (AttributeError, RuntimeError):
         return None
-
-
-def ce_chunks(rows: int, chunks: int = 1) -> int:
-    """Row chunks of a copy-engine push of ``rows`` (one flag each): ``chunks``, at most one per
-    ``CHUNK_ROWS`` rows. Each chunk costs a copy and a flag write per peer, and each copy its
-    start-up latency: one by default."""
-    return max(1, min(chunks, tiles.cdiv(rows, CHUNK_ROWS)))
 
 
 #: Calls whose shard the copy engines pushed, since import (tests check which push ran).

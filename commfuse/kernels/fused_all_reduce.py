@@ -57,6 +57,7 @@ from .launch import Bound
 from .sync import (TRACE_SLOTS, FUSED_AR_OP, FUSED_RS_OP, iris, now, paired, peer_pointer, require_iris, trace_tile,
                    trace_time, wait_or_record, wait_other_ranks)
 from .tiles import claim, mma_tile, tile_coords, tile_epilogue
+from .sizes.fused_all_reduce import Options, data_elems, num_tiles, tile_flag_slots  # noqa: F401
 
 
 #: Ablations of the kernel for a benchmark's breakdown of its time (``Options.ablate``; results
@@ -450,23 +451,6 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     trace_time(trace, 1, TRACE)
 
 
-def num_tiles(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
-    """Tiles of a call (the reduce-scatter tiles each rank's share of the rows separately)."""
-    rows = world * tiles.cdiv(m // world, cfg.bm) if scatter else tiles.cdiv(m, cfg.bm)
-    return rows * tiles.cdiv(n, cfg.bn)
-
-
-def tile_flag_slots(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
-    return num_tiles(m, n, world, cfg, scatter) * (world + 1)
-
-
-def data_elems(m: int, n: int, world: int, cfg: tiles.TileConfig, scatter: bool = False) -> int:
-    """Elements per parity: ``world`` slabs of the owned tiles, and (all-reduce) the result area."""
-    count = num_tiles(m, n, world, cfg, scatter)
-    slabs = world * tiles.cdiv(count, world)
-    return (slabs if scatter else slabs + count) * cfg.bm * cfg.bn
-
-
 #: Reduce-scatter calls whose owners pulled the partials, all-reduce calls with the copies inline
 #: (no reducers), and calls that pushed through the TMA unit, since import (tests check the path
 #: ran).
@@ -549,24 +533,6 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
                   positions=positions, stagger=spread, **fixed, **consts)
     return _Plan(bound, elems)
-
-
-class Options(NamedTuple):
-    """How a call runs the kernel beyond its tiling (the path decides; benchmarks vary them).
-
-    ``tickets``: programs claim tile positions in order from the workspace's ticket (else a
-    static stride, which needs every program resident and ``reducers`` to copy the pushed sums).
-    ``stagger_ns``: the spread over which the programs start their first tiles, for calls of more
-    than one wave of tiles and for one wave (0: together; ticket order only). ``copy_lag_waves``:
-    how far the inline copies trail this rank's own tiles, in waves of its programs.
-    ``tma_push``: push through the TMA unit. ``pull`` (reduce-scatter): the owners pull the peers'
-    partials. ``ablate``: ``ABLATIONS`` bits, for timing only (results are wrong)."""
-    tickets: bool = True
-    stagger_ns: tuple[int, int] = (0, 0)
-    copy_lag_waves: float = 4.0
-    tma_push: bool = False
-    pull: bool = False
-    ablate: int = 0
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,

@@ -7,23 +7,18 @@ without any communication (the ops benchmark compares it with cuBLAS).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from .launch import run as run_kernel
+from .sizes.tiles import TileConfig, cdiv  # noqa: F401  (the kernels' tiling, kept apart: deciding imports no Triton)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # pragma: no cover - older Triton: no path offers a tile kernel (GroupFacts.tma)
     TensorDescriptor = None
-
-
-def cdiv(x: int, y: int) -> int:
-    """Ceiling division for host code (``triton.cdiv`` is a constexpr function, slow to call)."""
-    return -(-x // y)
 
 
 @triton.jit
@@ -95,45 +90,10 @@ def claim(ticket, base):
     return (tl.atomic_add(ticket, 1, sem="relaxed", scope="gpu") - base).to(tl.int32)
 
 
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """A GEMM tiling. ``reducers``: programs of the fused all-reduce kernel that copy pushed sums
-    instead of multiplying (0: the multiplying programs copy them, in the ticket order, which
-    ``runtime.paths.tile_all_reduce.tile_config`` picks for every call; 16, this class's default,
-    where a path configuration asks for reducer programs);
-    ``per_sm``: programs per SM (2 lets one program's epilogue stores drain while the other
-    multiplies; the launcher lowers it to what the compiled kernel fits)."""
-
-    bm: int = 128
-    bn: int = 256
-    bk: int = 64
-    stages: int = 3
-    warps: int = 8
-    group_m: int = 8
-    reducers: int = 16
-    per_sm: int = 1
-
-    def __str__(self) -> str:
-        return (f"{self.bm}x{self.bn}x{self.bk}s{self.stages}w{self.warps}g{self.group_m}"
-                f"r{self.reducers}o{self.per_sm}")
-
-    @classmethod
-    def parse(cls, text: str) -> "TileConfig":
-        """The inverse of ``str``: ``128x256x64s3w8g8r16o1`` (``o1`` may be left out)."""
-        import re
-
-        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)s(\d+)w(\d+)g(\d+)r(\d+)(?:o(\d+))?", text.strip())
-        if not m:
-            raise ValueError(f"commfuse: tile config {text!r} is not like 128x256x64s3w8g8r16o1")
-        return cls(*(int(x) for x in m.groups() if x is not None))
-
-
 def ensure_allocator() -> None:
     """Kernels that make TMA descriptors on the device need global scratch memory, which Triton
     asks an allocator for at each launch; set one (the current stream's caching allocator)
     unless the process already has its own."""
-    from triton.runtime import _allocation
-
     current = _allocation._allocator  # a ContextVar: this thread's allocator
     if isinstance(current.get() if hasattr(current, "get") else current, _allocation.NullAllocator):
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..runtime import reference
+from ..runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER, SPECS
 
 #: Real (non-fake) invocations per op since import; tests use it to prove compiled code calls us.
 CALL_COUNTS: collections.Counter[str] = collections.Counter()
@@ -96,11 +97,8 @@ def _group_size(op: str, group_name: str) -> int:
 #: they run inside compiled graphs, whose backward is a graph of its own (``_no_gradient``).
 _LIB = torch.library.Library("commfuse", "DEF")
 _TAGS = (torch.Tag.pt2_compliant_tag,)
-_LIB.define("mm_all_reduce(Tensor a, Tensor b, Tensor? bias, str group_name, int site=0) -> Tensor", tags=_TAGS)
-_LIB.define("all_gather_mm(Tensor shard, Tensor b, Tensor? bias, int gather_dim, int world_size, str group_name, "
-            "bool return_gathered, int site=0) -> (Tensor, Tensor)", tags=_TAGS)
-_LIB.define("mm_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int[] shape, int scatter_dim, int world_size, "
-            "str group_name, int site=0) -> Tensor", tags=_TAGS)
+for _spec in SPECS.values():  # each op's schema, made from its spec's argument layout
+    _LIB.define(_spec.schema, tags=_TAGS)
 
 
 def mm_all_reduce(
@@ -112,13 +110,13 @@ def mm_all_reduce(
     replaces (DTensor pre-divides a row-parallel bias by the world size for this reason).
     """
     _validate_mm_all_reduce(a, b, bias, group_name)
-    return _entry().reference_call("mm_all_reduce", group_name, (a, b, bias),
-                                   lambda: reference.mm_all_reduce(a, b, bias, group_name), site=site)
+    args = MM_ALL_REDUCE.Args(a, b, bias, group_name)
+    return _entry().reference_call(MM_ALL_REDUCE, args, lambda: MM_ALL_REDUCE.reference(args), site)
 
 
 def _mm_all_reduce_cuda(a, b, bias, group_name, site=0):
     _validate_mm_all_reduce(a, b, bias, group_name)
-    return _entry().mm_all_reduce(a, b, bias, group_name, site)
+    return _entry().run(MM_ALL_REDUCE, MM_ALL_REDUCE.Args(a, b, bias, group_name), site)
 
 
 _runtime_entry = None
@@ -179,16 +177,15 @@ def all_gather_mm(
     otherwise an empty tensor.
     """
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
-    out, gathered = _entry().reference_call(
-        "all_gather_mm", group_name, (shard, b, bias, gather_dim),
-        lambda: reference.all_gather_mm(shard, b, bias, gather_dim, world_size, group_name), world_size, site)
+    args = ALL_GATHER_MM.Args(shard, b, bias, gather_dim, world_size, group_name, return_gathered)
+    out, gathered = _entry().reference_call(ALL_GATHER_MM, args, lambda: ALL_GATHER_MM.reference(args), site)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
 def _all_gather_mm_cuda(shard, b, bias, gather_dim, world_size, group_name, return_gathered, site=0):
     _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name)
-    out, gathered = _entry().all_gather_mm(shard, b, bias, gather_dim, world_size, group_name,
-                                           return_gathered=return_gathered, site=site)
+    out, gathered = _entry().run(
+        ALL_GATHER_MM, ALL_GATHER_MM.Args(shard, b, bias, gather_dim, world_size, group_name, return_gathered), site)
     return out, gathered if return_gathered else shard.new_empty((0,))
 
 
@@ -261,15 +258,15 @@ def mm_reduce_scatter(
     ``group_name`` and split along ``scatter_dim``: rank r returns share r of the sum (``shape``
     with that dim divided by the world size), as the ``mm -> reduce_scatter`` it replaces did."""
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    return _entry().reference_call(
-        "mm_reduce_scatter", group_name, (a, b, bias, shape, scatter_dim),
-        lambda: reference.mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name), world_size,
-        site)
+    args = MM_REDUCE_SCATTER.Args(a, b, bias, shape, scatter_dim, world_size, group_name)
+    return _entry().reference_call(MM_REDUCE_SCATTER, args, lambda: MM_REDUCE_SCATTER.reference(args), site)
 
 
 def _mm_reduce_scatter_cuda(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
     _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    return _entry().mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name, site)
+    shape = reference.resolve_shape(shape, a.shape[0] * b.shape[1])  # (the run-time keys its plans by it)
+    return _entry().run(MM_REDUCE_SCATTER, MM_REDUCE_SCATTER.Args(a, b, bias, shape, scatter_dim, world_size,
+                                                                  group_name), site)
 
 
 def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._inductor import config as inductor_config
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
 
@@ -190,9 +192,7 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
 
 def _cudagraphs() -> bool:
     """Whether this compile runs its graphs as CUDA graphs (``mode="reduce-overhead"``)."""
-    from torch._inductor import config
-
-    return bool(config.triton.cudagraphs)
+    return bool(inductor_config.triton.cudagraphs)
 
 
 def _fake_value(target, args: tuple) -> Any:
@@ -217,8 +217,6 @@ def insert_call(graph: fx.Graph, before: fx.Node, target, args: tuple, like: fx.
 
 
 def insert_getitem(graph: fx.Graph, tuple_node: fx.Node, index: int, like: fx.Node) -> fx.Node:
-    import operator
-
     with graph.inserting_after(tuple_node):
         node = graph.call_function(operator.getitem, (tuple_node, index))
     node.meta["val"] = tuple_node.meta["val"][index]

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_store, _resolve_process_group
 
 from .. import env
+from . import verify
 from .groups import _members
 
 _PREFIX = "commfuse/alike"
@@ -103,8 +104,6 @@ def compare(pg, where: str, mine: dict[str, Any], what: str, changed: str = "") 
 def runtime_settings() -> dict[str, Any]:
     """This rank's must-be-alike settings that act at a call (``COMMFUSE_VERIFY`` as in force:
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` turns it on)."""
-    from . import verify  # noqa: PLC0415  (verify reads env too; kept beside its one use)
-
     mine = dict(env.current().alike(compile=False))
     mine["COMMFUSE_VERIFY"] = verify.enabled()
     return mine

@@ -32,11 +32,11 @@ import torch
 
 from .. import env
 from ..kernels import launch
-from . import alike, errors, groups, policy, reference, shards, tuning, verify
+from . import alike, errors, groups, policy, running, shards, tuning, verify
 from .facts import GroupFacts
 from .paths import REGISTRY
-from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, make_context,
-                         pairing_tag, row_slabs, rows_dim)
+from .paths.base import Context, make_context, pairing_tag
+from .spec import Call, OpSpec
 from .paths.common import PATHS, ran
 
 #: Plans kept (one per call signature); all dropped when full, as dynamic shapes make new ones.
@@ -55,6 +55,8 @@ class Plan:
     decision: policy.Decision
     context: Context
     generation: int
+    #: what runs the decided path (``running.runner``)
+    run: Any
     #: site -> the context with that site's pairing tag (the plan is kept per signature, and many
     #: sites share one: every layer's o_proj)
     sites: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -110,10 +112,10 @@ env.on_change(forget)
 launch.configure(env.current().fast_launch)
 
 
-def _meets_replays(group, op: str, call: Call) -> bool:
+def _meets_replays(group, call: Call) -> bool:
     """An eager call that takes the group's replayed graph lane: it may meet a peer's replays,
     which join no check (``_enter``), so ``COMMFUSE_VERIFY`` does not make it agree on sizes."""
-    return op == "mm_all_reduce" and 0 < call.exchanged_bytes <= groups.replayed_lane_bytes(group)
+    return call.spec.graph_lane and 0 < call.exchanged_bytes <= groups.replayed_lane_bytes(group)
 
 
 def _plan(group, op: str, call: Call, own_size: int, device: torch.device, capturing: bool) -> Plan:
@@ -123,7 +125,7 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
         decision = policy.Decision(REGISTRY[(op, "nccl")], None, "capture",
                                    "the group's first call is inside a CUDA-graph capture")
     elif group.world > 1 and facts.unsupported() is None and not shards.alike(
-            group, op, own_size, device, capturing, verify.enabled() and not _meets_replays(group, op, call)):
+            group, op, own_size, device, capturing, verify.enabled() and not _meets_replays(group, call)):
         decision = policy.Decision(REGISTRY[(op, "nccl")], None, "unsupported",
                                    "the ranks' own sizes differ (an unevenly sharded dimension)")
     else:
@@ -131,7 +133,8 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
         decision = policy.choose(call, facts, capturing=capturing, lane_bytes=groups.replayed_lane_bytes(group),
                                  forced=settings.algo,
                                  tuned=lambda: tuning.answer(group, call, facts, device, capturing))
-    return Plan(call, decision, make_context(call, facts, group, decision.path, decision.variant), groups.generation)
+    return Plan(call, decision, make_context(call, facts, group, decision.path, decision.variant), groups.generation,
+                running.runner(decision.path))
 
 
 def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, device: torch.device,
@@ -178,7 +181,7 @@ def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_
     capturing = groups._capturing()
     if groups.captured_to_nccl(group, op, key, capturing):
         return group, capturing, True
-    lane = op == "mm_all_reduce" and 0 < lane_bytes <= groups.replayed_lane_bytes(group)
+    lane = 0 < lane_bytes <= groups.replayed_lane_bytes(group)  # (0: the op has no graph lane)
     if not capturing and not lane:
         if group.settings_of is not env.current():  # first call, or settings changed: agree first
             alike.agree_at_call(group, op)
@@ -188,101 +191,29 @@ def _enter(op: str, group_name: str, key: tuple, lane_bytes: int, shared, world_
     return group, capturing, False
 
 
-def mm_all_reduce(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group_name: str, site: int = 0
-                  ) -> torch.Tensor:
-    """``all_reduce_sum(a @ b + bias)`` on CUDA (``ops/library.py`` validated the arguments);
-    ``site``: the call site (``ops/library.py``)."""
-    op = "mm_all_reduce"
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    shapes = (tuple(a.shape), tuple(b.shape), a.dtype)
-    group, capturing, twin = _enter(op, group_name, shapes, m * n * a.dtype.itemsize,
-                                    lambda: shared_mm_all_reduce(a, b, bias), site=site)
-    args = MmAllReduceArgs(a, b, bias, group_name)
+def run(spec: OpSpec, args, site: int = 0):
+    """One call of ``spec``'s op on CUDA, ``args`` its argument tuple (``spec.Args``; the op library
+    validated them): steps 1-5 of the module docstring. ``site``: the call site (``ops/library.py``)."""
+    op = spec.name
+    shapes = spec.key(args)
+    lane_bytes = spec.lane_bytes(args) if spec.graph_lane else 0
+    group, capturing, twin = _enter(op, args.group_name, shapes, lane_bytes, lambda: spec.shared(args),
+                                    spec.world_size(args), site)
     if twin:
         ran(op, "nccl")
-        return reference.mm_all_reduce(a, b, bias, group_name)
-    key = (op, *shapes, bias is not None, group_name, a.device.index, capturing)
-    plan = _decide(group, op, key, shapes, lambda: Call(op, m, k, n, a.dtype, group.world, bias is not None), k,
-                   a.device, capturing)
+        return spec.run_nccl(args)
+    key = (op, *shapes, args.bias is not None, args.group_name, args[0].device.index, capturing)
+    plan = _decide(group, op, key, shapes, lambda: spec.call(args, group.world), spec.own_size(args),
+                   args[0].device, capturing)
     ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.at(site), args)
+    return plan.run(plan.decision.path, plan.at(site), args)
 
 
-def all_gather_mm(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gather_dim: int,
-                  world_size: int, group_name: str, return_gathered: bool = True, site: int = 0):
-    """``(all_gather(shard) @ b + bias, gathered or None)`` on CUDA."""
-    op = "all_gather_mm"
-    k, n = shard.shape[-1], b.shape[1]
-    shapes = (tuple(shard.shape), tuple(b.shape), shard.dtype, gather_dim)
-    group, capturing, twin = _enter(op, group_name, shapes, 0, lambda: shared_all_gather_mm(shard, b, bias, gather_dim),
-                                    world_size, site)
-    args = AllGatherMmArgs(shard, b, bias, gather_dim, world_size, group_name, return_gathered)
-    if twin:
-        ran(op, "nccl")
-        return REGISTRY[(op, "nccl")].run(None, args)
-    key = (op, *shapes, bias is not None, group_name, shard.device.index, capturing)
-
-    def call() -> Call:
-        rows = shard.numel() // k * world_size if k else 0
-        dim = rows_dim(shard.shape, gather_dim)  # 0: each rank's rows are one block
-        return Call(op, rows, k, n, shard.dtype, world_size, bias is not None, dim, row_slabs(shard.shape, dim))
-
-    plan = _decide(group, op, key, shapes, call, n, shard.device, capturing)  # N is the rank's own size here
-    ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.at(site), args)
-
-
-def mm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: list,
-                      scatter_dim: int, world_size: int, group_name: str, site: int = 0) -> torch.Tensor:
-    """This rank's share of ``sum(a @ b + bias)`` viewed as ``shape``, on CUDA."""
-    op = "mm_reduce_scatter"
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    shape = reference.resolve_shape(shape, m * n)
-    shapes = (tuple(a.shape), tuple(b.shape), a.dtype, tuple(shape), scatter_dim)
-    group, capturing, twin = _enter(op, group_name, shapes, 0,
-                                    lambda: shared_mm_reduce_scatter(a, b, bias, shape, scatter_dim), world_size,
-                                    site)
-    args = MmReduceScatterArgs(a, b, bias, shape, scatter_dim, world_size, group_name)
-    if twin:
-        ran(op, "nccl")
-        return REGISTRY[(op, "nccl")].run(None, args)
-    key = (op, *shapes, bias is not None, group_name, a.device.index, capturing)
-
-    def call() -> Call:
-        dim = rows_dim(shape, scatter_dim)  # 0: each rank's share is one block of rows
-        return Call(op, m, k, n, a.dtype, world_size, bias is not None, dim, row_slabs(shape, dim))
-
-    plan = _decide(group, op, key, shapes, call, k, a.device, capturing)
-    ran(op, plan.decision.name)
-    return plan.decision.path.run(plan.at(site), args)
-
-
-def shared_mm_all_reduce(a, b, bias) -> dict:
-    """What every rank shares of the call (K may differ: an unevenly sharded dimension)."""
-    return dict(rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias)
-
-
-def shared_all_gather_mm(shard, b, bias, gather_dim) -> dict:
-    """N may differ between ranks: of the bias, its rank and dtype only."""
-    return dict(shard=shard, k=b.shape[0], dtype=b.dtype, gather_dim=gather_dim,
-                bias=None if bias is None else f"{bias.dtype} {bias.dim()}-D")
-
-
-def shared_mm_reduce_scatter(a, b, bias, shape, scatter_dim) -> dict:
-    return dict(rows=a.shape[0], n=b.shape[1], dtype=a.dtype, bias=bias, shape=list(shape), scatter_dim=scatter_dim)
-
-
-_SHARED = {"mm_all_reduce": shared_mm_all_reduce, "all_gather_mm": shared_all_gather_mm,
-           "mm_reduce_scatter": shared_mm_reduce_scatter}
-
-
-def reference_call(op: str, group_name: str, args: tuple, compute, world_size: int = 0, site: int = 0):
+def reference_call(spec: OpSpec, args, compute, site: int = 0):
     """A call on a device without symmetric paths (the CPU, gloo, the fake backend): the group's
-    call count and ``COMMFUSE_VERIFY`` as on CUDA (``args``: what ``shared_<op>`` takes), then the
-    unfused computation ``compute()``."""
-    _enter(op, group_name, (), 0, lambda: _SHARED[op](*args), world_size, site)
+    call count and ``COMMFUSE_VERIFY`` as on CUDA, then the unfused computation ``compute()``."""
+    _enter(spec.name, args.group_name, (), 0, lambda: spec.shared(args), spec.world_size(args), site)
     return compute()
 
 
-__all__ = ["PATHS", "Plan", "all_gather_mm", "decisions", "forget", "mm_all_reduce", "mm_reduce_scatter",
-           "reference_call"]
+__all__ = ["PATHS", "Plan", "decisions", "forget", "reference_call", "run"]

@@ -103,12 +103,12 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
                 if path.supports_variant(call, facts, variant) is None:
                     return Decision(path, variant, "tuned", "tuned on this machine")
         if decision.path is nccl:
-            reason = ("no graph-lane path for this op yet" if op != "mm_all_reduce" else
-                      f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES")
+            reason = (f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES"
+                      if call.spec.graph_lane else "no graph-lane path for this op yet")
             once(op, f"in a CUDA-graph capture: {reason}")
             return Decision(nccl, None, "capture", reason, decision.table)
         return dataclasses.replace(decision, source="capture")
-    if op == "mm_all_reduce" and lane_bytes and call.exchanged_bytes <= lane_bytes:
+    if call.spec.graph_lane and lane_bytes and call.exchanged_bytes <= lane_bytes:
         # The lane whatever the capture answer (rules or tuned) was: calls whose capture ran NCCL
         # are sent to NCCL before this (``groups.captured_to_nccl``); the variant is a capture's.
         lane = rules_choice(call, facts, capture=True)

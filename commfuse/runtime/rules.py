@@ -37,8 +37,8 @@ import functools
 import hashlib
 import json
 import pathlib
-from typing import Any
 
+from ..env import ALGO_ALIASES
 from .paths.base import Call
 
 RULES_DIR = pathlib.Path(__file__).resolve().parent / "rules"
@@ -142,7 +142,7 @@ def _rule(data: dict, where: str) -> Rule:
                 raise ValueError(f"commfuse rules: {where}: {name} needs [low, high], got {bound!r}")
         elif name not in _FLAGS + _EQUALS:
             raise ValueError(f"commfuse rules: {where}: unknown condition {name!r}")
-    return Rule(data["path"], tuple((n, tuple(b) if isinstance(b, list) else b) for n, b in when.items()),
+    return Rule(ALGO_ALIASES.get(data["path"], data["path"]), tuple((n, tuple(b) if isinstance(b, list) else b) for n, b in when.items()),
                 tuple(sorted(data.get("variant", {}).items())), tuple(data.get("evidence", ())),
                 data.get("note", ""))
 
@@ -193,16 +193,3 @@ def data_hash() -> str:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def first(table_: Table | None, op: str, call: Call, supported) -> tuple[Rule | None, Any]:
-    """The first rule of ``table_`` for ``op`` that matches ``call`` and whose path
-    ``supported(rule)`` accepts, with what ``supported`` returned for it; (None, None) if none."""
-    if table_ is None:
-        return None, None
-    for rule in table_.rules(op):
-        if rule.matches(call):
-            ok = supported(rule)
-            if ok is not None:
-                return rule, ok
-    return None, None

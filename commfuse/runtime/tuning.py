@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -54,17 +55,20 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import triton
 
 from .. import env
 from ..kernels.codes import ERR_TIMEOUT
-from . import errors, groups
+from . import errors, groups, running
 from .facts import GroupFacts
 from .paths import REGISTRY
-from .paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs, Path, make_context)
+from .paths.base import (Call, Context, Path, make_context)
 
 log = logging.getLogger("commfuse")
 
-FORMAT = 1
+#: The cache file's format: 2 since paths were renamed (``symm`` is ``pull``, the all-gather's
+#: ``overlap`` is ``ce_overlap``), so answers kept under the former names are tuned anew.
+FORMAT = 2
 #: Iterations per candidate, after its first run (which compiles it): warm-up and timed.
 WARMUP, ITERS = 3, 10
 #: Every wait of a tuning run after the candidates' first runs is bounded by this many seconds
@@ -111,10 +115,10 @@ class Signature:
     def call(self) -> Call:
         """The call a tuning run times: the bucket's largest M that the collective can cut (every
         rank's block, and each of its slabs, whole rows)."""
-        unit = 1 if self.op == "mm_all_reduce" else self.world * (self.slabs if self.rows_dim else 1)
-        m = max(unit, self.m // unit * unit)
-        return Call(self.op, m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
+        call = Call(self.op, self.m, self.k, self.n, getattr(torch, self.dtype), self.world, self.bias,
                     self.rows_dim, self.slabs)
+        unit = call.spec.rows_unit(call)
+        return dataclasses.replace(call, m=max(unit, self.m // unit * unit))
 
     def digest(self) -> int:
         return int.from_bytes(hashlib.sha256(self.text().encode()).digest()[:7], "little")
@@ -167,10 +171,6 @@ def _nccl() -> str:
 def machine_key(facts: GroupFacts) -> dict:
     """What a kept answer is valid for: the GPUs, their links, the software, the settings that
     change which paths run. Never the group's name (a topology's answers serve every group of it)."""
-    import importlib.metadata
-
-    import triton  # noqa: PLC0415  (the run-time already has it; kept out of ``import commfuse``)
-
     try:
         version = importlib.metadata.version("commfuse")
     except importlib.metadata.PackageNotFoundError:  # a source tree that was not installed
@@ -325,20 +325,7 @@ def _inputs(sig: Signature, group, device, seed: int):
     def rand(*shape):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) / 4).to(dtype)
 
-    world = sig.world
-    slabs = sig.slabs if sig.rows_dim else 1
-    dim = 1 if slabs > 1 else 0
-    b, bias = rand(call.k, call.n), (rand(call.n) if call.bias else None)
-    if sig.op == "mm_all_reduce":
-        args = MmAllReduceArgs(rand(call.m, call.k), b, bias, group.name)
-    elif sig.op == "all_gather_mm":
-        rows = call.m // world
-        shard = rand(slabs, rows // slabs, call.k) if dim else rand(rows, call.k)
-        args = AllGatherMmArgs(shard, b, bias, dim, world, group.name, False)
-    else:
-        shape = [slabs, call.m // slabs, call.n] if dim else [call.m, call.n]  # the product's view
-        args = MmReduceScatterArgs(rand(call.m, call.k), b, bias, shape, dim, world, group.name)
-    return call, args
+    return call, call.spec.inputs(call, group.name, rand)
 
 
 def _output(result) -> torch.Tensor:
@@ -362,8 +349,7 @@ def prepare(sig: Signature, group, facts: GroupFacts, device, candidates: list[P
     need = max([p.workspace_bytes(call) for p in candidates if p.symmetric], default=0)
     if need:
         groups.workspace(group, need, device)
-    reference = REGISTRY[(sig.op, "nccl")]
-    want = _output(reference.run(Context(call, facts, group), args)).float()
+    want = _output(running.run(REGISTRY[(sig.op, "nccl")], Context(call, facts, group), args)).float()
     return Prepared(call, args, want)
 
 
@@ -373,14 +359,15 @@ def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, va
     if the output is wrong."""
     call, args, want = prepared.call, prepared.args, prepared.want
     ctx = make_context(call, facts, group, path, variant)
-    path.run(ctx, args)
+    run = running.runner(path)
+    run(path, ctx, args)
     yield
     for _ in range(WARMUP):
-        path.run(ctx, args)
+        run(path, ctx, args)
     yield
     poison = torch.full((want.numel() * 2,), float("nan"), device=device, dtype=call.dtype)
     del poison  # the caching allocator hands the candidate's output this NaN-filled block
-    got = _output(path.run(ctx, args)).float()
+    got = _output(run(path, ctx, args)).float()
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     if not err <= TOLERANCE.get(call.dtype, 2e-2):
         raise RuntimeError(f"{path.name} is wrong on this rank (relative error {err:.2e})")
@@ -389,7 +376,7 @@ def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, va
     torch.cuda.synchronize(device)
     for start, end in events:
         start.record()
-        path.run(ctx, args)
+        run(path, ctx, args)
         end.record()
     torch.cuda.synchronize(device)
     times = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
@@ -498,7 +485,7 @@ class Tuner:
         # (every rank holds the same entries, agreed, and tunes the same signatures: alike)
         if may_tune and (entry is None or (entry.retry() and sig.text() not in self.fresh)):
             entry = self.tune(sig)
-            if call.op == "mm_all_reduce" and call.exchanged_bytes <= self.facts.lane_bytes:
+            if call.spec.graph_lane and call.exchanged_bytes <= self.facts.lane_bytes:
                 self.tune(Signature.of(call, capture=True))  # what a later capture will ask for
         if entry is None:
             return None

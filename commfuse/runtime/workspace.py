@@ -37,6 +37,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..kernels.codes import flag_value
 
@@ -204,8 +205,6 @@ class Workspace:
         (the heap bases between them stay) and the data (no LL word of an old epoch survives),
         count from 0."""
         if group is None:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
             group = _resolve_process_group(self.group_name)
         if self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)

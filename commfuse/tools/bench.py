@@ -264,10 +264,10 @@ def bench_shape(op: str, m: int, k: int, n: int, dtype, group, iris: bool = Fals
     paths = case.paths()
     if op == "mm_all_reduce" and "fused" in paths:  # the tile kernels' GEMM alone, against cuBLAS's
         from commfuse.kernels import tiles
-        from commfuse.runtime.paths import tile_all_reduce
+        from commfuse.runtime.paths import ar_fused
 
         out = torch.empty(m, n, device="cuda", dtype=dtype)
-        cfg = tile_all_reduce.tile_config(case.call, scatter=False)
+        cfg = ar_fused.tile_config(case.call, scatter=False)
         t["tile_mm"] = time_us(lambda: tiles.matmul(case.a, case.b, None, cfg, out=out,
                                                     programs=case.facts.sms))
     with _forced(None):
@@ -576,6 +576,7 @@ def _run_shapes(todo, dtype, group, tuner, iris: bool) -> list[dict]:
             line = (f"unfused {rec['unfused_us']:.0f} µs, commfuse {rec['commfuse_us']:.0f} µs "
                     f"({rec['unfused_us'] / rec['commfuse_us']:.2f}x, {rec['path']}), floor {rec['floor_us']:.0f} µs")
         rec["commit"] = commit()
+        rec["renamed"] = dict(env.ALGO_ALIASES)  # former path names -> the names these records use
         records.append(rec)
         _rank0(f"[{i + 1}/{len(todo)}] {op} {m}x{k}x{n}: {line} [{time.time() - start:.1f} s]")
     return records

@@ -37,19 +37,18 @@ _originals: dict[str, Callable] = {}
 
 def record(on: bool) -> None:
     """Start (``True``) or stop timing the calls; recorded times stay until ``collect()``. The
-    run-time's entry points (``runtime/entry.py``) are wrapped while on, and restored after: the
+    run-time's entry (``runtime/entry.run``) is wrapped while on, and restored after: the
     run-time itself knows nothing of this timing."""
     global _on
     from ..runtime import entry  # (a tool: brings the run-time only when timing starts)
     from ..runtime.paths.common import PATHS
 
     _on = on
-    for op in ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"):
-        if on and op not in _originals:
-            _originals[op] = getattr(entry, op)
-            setattr(entry, op, timed(op, PATHS)(_originals[op]))
-        elif not on and op in _originals:
-            setattr(entry, op, _originals.pop(op))
+    if on and "run" not in _originals:
+        _originals["run"] = entry.run
+        entry.run = timed(PATHS)(_originals["run"])
+    elif not on and "run" in _originals:
+        entry.run = _originals.pop("run")
 
 
 def _event():
@@ -76,25 +75,26 @@ def _timeable(a: torch.Tensor) -> bool:
     return a.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
-def timed(op: str, paths: collections.Counter) -> Callable:
-    """Decorator for an op's CUDA entry ``fn(a, b, ...)`` (further arguments pass through): while
-    recording, time each call on the caller's stream. ``paths`` is the per-path call counter the
+def timed(paths: collections.Counter) -> Callable:
+    """Decorator for the ops' CUDA entry ``fn(spec, args, site)``: while recording, time each call
+    on the caller's stream (``a`` and ``b``: the op's first two operands). ``paths`` is the per-path call counter the
     entry increments (``runtime.paths.common.PATHS``): the path whose count went up names the call's path."""
     def wrap(fn):
         @functools.wraps(fn)
-        def call(a, b, *args, **kwargs):
+        def call(spec, args, *rest, **kwargs):
             global _dropped
+            op, a, b = spec.name, args[0], args[1]
             if not _on or not _timeable(a):
-                return fn(a, b, *args, **kwargs)
+                return fn(spec, args, *rest, **kwargs)
             if len(_pending) >= LIMIT:
                 _dropped += 1
-                return fn(a, b, *args, **kwargs)
+                return fn(spec, args, *rest, **kwargs)
             before = {k: v for k, v in paths.items() if k.startswith(op + ":")}
             start, end = _event(), _event()
             idle = _idle(a)
             began, cpu = time.perf_counter(), time.thread_time()
             start.record()
-            out = fn(a, b, *args, **kwargs)
+            out = fn(spec, args, *rest, **kwargs)
             end.record()
             host, cpu = time.perf_counter() - began, time.thread_time() - cpu
             taken = [k for k, v in paths.items() if k.startswith(op + ":") and v > before.get(k, 0)]

@@ -17,15 +17,17 @@ import time
 import torch
 import torch.distributed as dist
 
+from commfuse import env
+
 #: ~20 ms at H200 clocks: long enough for the host to enqueue ``time_us``'s calls behind it.
 SLEEP_CYCLES = 40_000_000
 
 
 def commit() -> str:
-    """The tree's commit for result records (``COMMFUSE_COMMIT`` wins: a device's copy of the tree
-    may carry a stale ``.git``)."""
-    if os.environ.get("COMMFUSE_COMMIT"):
-        return os.environ["COMMFUSE_COMMIT"]
+    """The tree's commit for result records (the ``COMMFUSE_COMMIT`` setting wins: a copy of the
+    tree may carry a stale ``.git``)."""
+    if env.current().commit:
+        return env.current().commit
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"

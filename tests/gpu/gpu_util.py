@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import commfuse
 from commfuse import env
-from commfuse.runtime import groups, policy, reference
+from commfuse.runtime import groups, policy, reference, running
 from commfuse.runtime.paths import REGISTRY
 from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
                                          row_slabs, rows_dim)
@@ -109,7 +109,7 @@ def run_path(op: str, name: str, *args, config=None):
     ``torch.ops.commfuse.<op>`` takes them. The entry's dispatch is not involved: ``PATHS`` does
     not count the call, and nothing checks the group's error word before it."""
     args, group, facts, call, path, _, cfg = _prepared(op, name, args, config)
-    return path.run(Context(call, facts, group, cfg), args)
+    return running.run(path, Context(call, facts, group, cfg), args)
 
 
 def run_forced(op: str, name: str, *args, config=None):

@@ -22,7 +22,7 @@ from commfuse import check_errors, env
 from commfuse.kernels import fused_all_gather, fused_all_reduce
 from commfuse.kernels.tiles import TileConfig
 from commfuse.runtime import policy
-from commfuse.runtime.paths import tile_all_gather, tile_all_reduce, tile_reduce_scatter
+from commfuse.runtime.paths import ag_fused, ar_fused, rs_fused
 from commfuse.runtime.paths.base import Call
 from commfuse.runtime.paths.common import PATHS
 from gpu_util import gather_all, group_state, poison, relerr, run_forced, start_over, timed_out, workspaces
@@ -78,11 +78,11 @@ def _fused(tile: str | None = None, scatter: bool = False, **options):
     """The fused path's configuration for a call (a function of the call and the group's facts, as
     ``run_forced`` takes it): the path's own (``scatter``: the reduce-scatter's), with ``tile``
     (``TileConfig.parse``) and ``options`` (``fused_all_reduce.Options`` fields) in place of its own."""
-    path = tile_reduce_scatter.FUSED if scatter else tile_all_reduce.FUSED
+    path = rs_fused.FUSED if scatter else ar_fused.FUSED
 
     def config(call, facts):
         own = path.config(call, facts)
-        return tile_all_reduce.FusedConfig(TileConfig.parse(tile) if tile else own.tile,
+        return ar_fused.FusedConfig(TileConfig.parse(tile) if tile else own.tile,
                                            own.options._replace(**options))
 
     return config
@@ -192,7 +192,7 @@ def test_fused_calls_mixed_with_other_paths_stay_correct(nccl, tickets):
 def _fused_ag(push: str):
     """The fused all-gather's own configuration for a call, with the shard pushed by ``push``:
     ``sm`` (programs of the kernel) or ``ce`` (the copy engines)."""
-    return lambda call, facts: dataclasses.replace(tile_all_gather.FUSED.config(call, facts), push=push)
+    return lambda call, facts: dataclasses.replace(ag_fused.FUSED.config(call, facts), push=push)
 
 
 #: op -> (the op, its configuration, the fused kernel as the error word names it).

@@ -13,7 +13,7 @@ import commfuse
 from commfuse import check_errors, env
 from commfuse.kernels import exchange, fused_split_k
 from commfuse.runtime import groups
-from commfuse.runtime.paths import graph_lane
+from commfuse.runtime.paths import ar_graph
 from gpu_util import gather_all, relerr, run_path, start_over, timed_out
 
 pytestmark = pytest.mark.gpu
@@ -123,7 +123,7 @@ def test_late_peer_in_the_graph_lane_poisons_the_output(nccl, monkeypatch, setti
 
     def call():
         return run_path("mm_all_reduce", "graph", a, b, None, nccl.group_name, config=lambda c, facts: (
-            graph_lane.GRAPH.config(c, facts, {"split_k": True}) if split_k else None))
+            ar_graph.GRAPH.config(c, facts, {"split_k": True}) if split_k else None))
 
     call()
     check_errors()

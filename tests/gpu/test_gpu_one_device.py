@@ -24,10 +24,11 @@ import torch
 
 from commfuse.kernels import exchange, fused_all_gather, fused_all_reduce, fused_split_k, launch, tiles
 from commfuse.kernels.codes import OP_MM_ALL_REDUCE
-from commfuse.runtime import ce_graphs, errors, rules
+from commfuse.runtime import ce_graphs, errors, rules, running
 from commfuse.runtime.facts import local_facts
-from commfuse.runtime.paths import after_gemm, ag_overlap, ce_all_reduce, rs_overlap, tile_all_gather
+from commfuse.runtime.paths import after_gemm, ar_ce_overlap, ag_fused
 from commfuse.runtime.paths.base import Call, Context, MmAllReduceArgs
+from commfuse.runtime.running import ag_ce_overlap as ag_ce_overlap_run, ar_ce_overlap as ar_ce_overlap_run, rs_ce_overlap as rs_ce_overlap_run
 from commfuse.tools import emulated
 
 # Every emulated rank's spinning kernel needs a hardware queue of its own: with CUDA's default 8
@@ -294,14 +295,14 @@ CE_LOADING = [("barrier", "all_reduce"), ("all_reduce",)]
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_copy_engine_overlap(world, monkeypatch):
-    """The chunked cuBLAS + copy-engine all-reduce (``ce_all_reduce.overlapped``): a barrier per
+    """The chunked cuBLAS + copy-engine all-reduce (``running.ar_ce_overlap.overlapped``): a barrier per
     chunk, the peers' rows pulled by the copy engines and summed in rank order on the side
     streams, the last chunk by the one-shot kernel. After the loading calls (``CE_LOADING``),
     calls 2-4 (with and without a bias) are checked; every rank returns the same tensor. 8 ranks
     with three side streams each would spin on 33 streams, past CUDA's 32 hardware queues: there
     each rank's side work shares one stream, in the order ``overlapped`` queues it."""
     m, k, n = 4096, 256, 512
-    cfg = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m))
+    cfg = ar_ce_overlap.CeConfig(ar_ce_overlap.chunk_rows(m))
     assert cfg.rows == (1024,) * 4
     ws = _group(world, m * n * DT.itemsize)
     sides = _side_streams(world, 3 if world <= 4 else 1)
@@ -318,7 +319,7 @@ def test_copy_engine_overlap(world, monkeypatch):
 
         def run(r, epoch, parity):
             partial, peers = _halves(ws[r], parity, (m, n))
-            ce_all_reduce.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch, cfg, sides[r])
+            ar_ce_overlap_run.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, epoch, cfg, sides[r])
 
         _run(ws, rank_streams, run, monkeypatch, CE_LOADING[call] if call < len(CE_LOADING) else ())
         for r in range(world if call >= 2 else 0):
@@ -343,7 +344,7 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
     # its own adds). 8 ranks keep one side stream (two branches); 2 and 4 ranks use three.
     side_count = 3 if world <= 4 else 1
     m, k, n = 4096, 256, 512  # four 1024-row chunks
-    cfg = ce_all_reduce.CeConfig(ce_all_reduce.chunk_rows(m))
+    cfg = ar_ce_overlap.CeConfig(ar_ce_overlap.chunk_rows(m))
     ws = _group(world, m * n * DT.itemsize)
     sides = _side_streams(world, side_count)
     streams = _streams(world)
@@ -370,7 +371,7 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
             def body(capture_sides):  # in a capture, forked to as many of ce_graphs' streams
                 use = sides[r] if capture_sides is None else tuple(
                     capture_sides[min(i, side_count - 1)] for i in range(3))
-                ce_all_reduce.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, None, cfg, use)
+                ar_ce_overlap_run.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], peers, None, cfg, use)
 
             if call < 4:
                 ws[r].epoch_cell.fill_(epoch)
@@ -391,7 +392,7 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gather_overlap(world, monkeypatch):
-    """The copy-engine all-gather overlap (``ag_overlap.overlapped``): the local rows multiply
+    """The copy-engine all-gather overlap (``running.ag_ce_overlap.overlapped``): the local rows multiply
     while the copy engines pull the peers' shards behind a barrier, then the peers' rows."""
     rows, k, n = 512, 256, 512  # each rank's rows
     ws = _group(world, rows * k * DT.itemsize)
@@ -402,7 +403,7 @@ def test_gather_overlap(world, monkeypatch):
 
         def run(r, epoch, parity):
             mine, peers = _halves(ws[r], parity, (rows, k))
-            ag_overlap.overlapped(ws[r], shards[r], mine, b, None, gathered[r], outs[r], peers, epoch, True,
+            ag_ce_overlap_run.overlapped(ws[r], shards[r], mine, b, None, gathered[r], outs[r], peers, epoch, True,
                                   sides[r][0])
 
         _run(ws, streams, run, monkeypatch, ("barrier",) if call == 0 else ())
@@ -414,7 +415,7 @@ def test_gather_overlap(world, monkeypatch):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_scatter_overlap(world, chunks, monkeypatch):
-    """The copy-engine reduce-scatter overlap (``rs_overlap.overlapped``): the peers' shares
+    """The copy-engine reduce-scatter overlap (``running.rs_ce_overlap.overlapped``): the peers' shares
     multiply first, chunk by chunk, each pulled by its owner behind a barrier; the own share's
     GEMMs add the pulled partials (one chunk: summed after, in rank order)."""
     m, k, n = 512 * world, 256, 512
@@ -431,7 +432,7 @@ def test_scatter_overlap(world, chunks, monkeypatch):
 
         def run(r, epoch, parity):
             partial, peers = _halves(ws[r], parity, (m, n))
-            rs_overlap.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], owns[r], chunks, peers, epoch,
+            rs_ce_overlap_run.overlapped(ws[r], a[r], b[r], c[r], partial, outs[r], recvs[r], owns[r], chunks, peers, epoch,
                                   sides[r][0])
 
         _run(ws, streams, run, monkeypatch, ("barrier",) if call == 0 else ())
@@ -466,7 +467,7 @@ def test_split_k_kernel(world, m, n, ll):
 @pytest.mark.parametrize("world", WORLDS)
 def test_fused_all_gather_kernel(world):
     rows, k, n = 256, 512, 776  # each rank's rows
-    cfg = tile_all_gather.tile_config(Call("all_gather_mm", world * rows, k, n, DT, world))
+    cfg = ag_fused.tile_config(Call("all_gather_mm", world * rows, k, n, DT, world))
     ws = _group(world, fused_all_gather.data_elems(rows, k, world) * DT.itemsize)
     streams = _streams(world)
     for call in range(3):
@@ -557,7 +558,7 @@ def _poison_next(stream, shape) -> int:
 @pytest.mark.parametrize("order", ["kept", "left_out"])
 def test_calls_on_two_streams_per_rank_pair_in_order(order, monkeypatch):
     """Each of two emulated ranks issues two consecutive all-reduces through a path object
-    (``after_gemm.ONE_SHOT.run``, as the entry runs it) on two different CUDA streams, the first
+    (``running.run(after_gemm.ONE_SHOT, ...)``, as the entry runs it) on two different CUDA streams, the first
     delayed on one rank by a ``torch.cuda._sleep`` queued ahead of it on its stream. Calls pair
     across ranks by their epochs, taken in host order, and ``Workspace.order`` (entered by
     ``paths.common.exchange``) starts a call on the device only after its workspace's previous
@@ -587,7 +588,8 @@ def test_calls_on_two_streams_per_rank_pair_in_order(order, monkeypatch):
         with torch.cuda.stream(stream):
             if delay:
                 torch.cuda._sleep(delay)
-            out = after_gemm.ONE_SHOT.run(Context(call, facts, ranks[r]), MmAllReduceArgs(a, b, None, ws[r].group_name))
+            out = running.run(after_gemm.ONE_SHOT, Context(call, facts, ranks[r]),
+                              MmAllReduceArgs(a, b, None, ws[r].group_name))
         kept.append(out)
         return out
 

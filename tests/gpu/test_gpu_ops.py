@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import commfuse
 from commfuse import check_errors
-from commfuse.runtime.paths.ce_all_reduce import CeConfig, chunk_rows
+from commfuse.runtime.paths.ar_ce_overlap import CeConfig, chunk_rows
 from commfuse.runtime.paths.common import PATHS
-from commfuse.runtime.paths.rs_overlap import RsOverlapConfig
+from commfuse.runtime.paths.rs_ce_overlap import RsOverlapConfig
 from gpu_util import decided, gather_all, poison, relerr, run_path, start_over, timed_out
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +37,7 @@ def _copy_engines_with(provider: str, algo: str) -> None:
     """The copy-engine paths need the torch provider's peer views; under Iris a forced one cannot
     take the call and the rules' choice runs instead, which the default cases cover: such a case
     would only repeat them under another name."""
-    if provider == "iris" and algo in ("ce_overlap", "overlap"):
+    if provider == "iris" and algo == "ce_overlap":
         pytest.skip(f"{algo} cannot run under the iris provider (no peer views); the rules' choice has its own cases")
 
 
@@ -80,7 +80,7 @@ def test_mm_all_reduce(nccl, algo, provider, m, dtype, bias):
 @pytest.mark.parametrize("gather_dim, shape", [(0, (1, 1003)), (0, (129, 1003)), (0, (7, 3, 1003)), (1, (2, 500, 1003)),
                                                (1, (1, 129, 1003))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("ag_algo", ["symm", "overlap"])
+@pytest.mark.parametrize("ag_algo", ["pull", "ce_overlap"])
 def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, settings):
     _copy_engines_with(provider, ag_algo)
     settings(algo=ag_algo)
@@ -102,7 +102,7 @@ def test_all_gather_mm(nccl, provider, gather_dim, shape, dtype, ag_algo, settin
 @pytest.mark.parametrize("scatter_dim, shape", [(0, (2, 771)), (0, (14, 771)), (0, (258, 771)), (0, (2000, 771)),
                                                 (0, (8, 3, 771)), (1, (2, 500, 771)), (1, (1, 258, 771))])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rs_algo", ["symm", "ce_overlap"])
+@pytest.mark.parametrize("rs_algo", ["pull", "ce_overlap"])
 def test_mm_reduce_scatter(nccl, provider, scatter_dim, shape, dtype, rs_algo, settings):
     _copy_engines_with(provider, rs_algo)
     settings(algo=rs_algo)

@@ -1,18 +1,19 @@
 """Every path of every op, by name: the registry the policy, the tuner, ``COMMFUSE_ALGO`` and the
-report use. A path is one object in one module of this package (``base.py`` has the contract)."""
+report use. A path is one object in one module of this package (``base.py`` has the contract), which
+decides; its module of ``running/`` runs it."""
 
 from __future__ import annotations
 
-from . import (after_gemm, ag_overlap, ag_pull, ce_all_reduce, graph_lane, nccl, rs_overlap, rs_pull, split_k,
-               tile_all_gather, tile_all_reduce, tile_reduce_scatter)
+from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
+               rs_fused, rs_pull, split_k)
 from .base import OPS, Call, Context, Path
 
 #: In each op's order: NCCL first (the unfused computation), then the symmetric paths.
 _ALL: tuple[Path, ...] = (
-    nccl.MM_ALL_REDUCE, after_gemm.ONE_SHOT, after_gemm.TWO_SHOT, ce_all_reduce.CE_OVERLAP, graph_lane.GRAPH,
-    tile_all_reduce.FUSED, split_k.SPLIT_K,
-    nccl.ALL_GATHER_MM, ag_pull.SYMM, ag_overlap.OVERLAP, tile_all_gather.FUSED,
-    nccl.MM_REDUCE_SCATTER, rs_pull.SYMM, rs_overlap.CE_OVERLAP, tile_reduce_scatter.FUSED,
+    nccl.MM_ALL_REDUCE, after_gemm.ONE_SHOT, after_gemm.TWO_SHOT, ar_ce_overlap.CE_OVERLAP, ar_graph.GRAPH,
+    ar_fused.FUSED, split_k.SPLIT_K,
+    nccl.ALL_GATHER_MM, ag_pull.PULL, ag_ce_overlap.CE_OVERLAP, ag_fused.FUSED,
+    nccl.MM_REDUCE_SCATTER, rs_pull.PULL, rs_ce_overlap.CE_OVERLAP, rs_fused.FUSED,
 )
 
 REGISTRY: dict[tuple[str, str], Path] = {(p.op, p.name): p for p in _ALL}

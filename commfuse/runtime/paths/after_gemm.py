@@ -12,12 +12,8 @@ against NCCL's ring latency), largest where the output is small.
 
 from __future__ import annotations
 
-import torch
 
-from ...kernels import exchange
-from ...kernels.sync import OP_MM_ALL_REDUCE
-from .base import Call, Context, Path
-from .common import exchange as epoch_of, matmul_into, workspace
+from .base import Call, Path
 
 
 class AfterGemm(Path):
@@ -28,17 +24,6 @@ class AfterGemm(Path):
 
     def workspace_bytes(self, call: Call) -> int:
         return call.m * call.n * call.itemsize
-
-    def run(self, ctx: Context, args) -> torch.Tensor:
-        a, b, bias = args.a, args.b, args.bias
-        m, n = a.shape[0], b.shape[1]
-        ws = workspace(ctx, m * n * a.dtype.itemsize, a.device)
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
-        with epoch_of(ctx, ws, self.op) as (epoch, parity):
-            partial = ws.data(parity, (m, n), a.dtype)
-            matmul_into(a, b, bias, partial)
-            exchange.all_reduce(ws, partial, out, epoch, self.name, OP_MM_ALL_REDUCE)
-        return out
 
 
 ONE_SHOT = AfterGemm("one_shot")

@@ -9,101 +9,34 @@ implementations. Each is one object in one module of this package, and says
 * ``workspace_bytes(call)``: the symmetric bytes per parity it needs (0 for NCCL);
 * ``config(call, facts, variant)``: its configuration for the call (tilings, chunks), from the
   same inputs; ``variant`` is what a rule of the table asked for, if anything;
-* ``run(ctx, args)``: the call itself, given the op's arguments and the decided configuration.
+
+and is run by its module of ``runtime/running/`` (``running.run(path, ctx, args)``), given the op's
+arguments and the decided configuration. Deciding is size arithmetic (``kernels/sizes/``) and
+imports no Triton; running imports the kernels.
 
 The policy (``policy.py``) asks the rules of the group's GPU (``rules.py``) which path a call
 takes; the graph pass sizes workspaces through ``workspace_bytes``; ``COMMFUSE_ALGO`` and the
-report use the names. Adding a path means adding a module here, its name to ``REGISTRY`` and, where
-it should run by default, a rule to the data.
+report use the names. Adding a path means adding a module here, its name to ``REGISTRY``, its running
+module to ``running/`` and, where it should run by default, a rule to the data.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ... import env
 from ...kernels.codes import TAG_MASK
 from ..facts import GroupFacts
-
-OPS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
+from ..spec import (MAX_ROW_SLABS, OPS, SPECS, AllGatherMmArgs, Call, MmAllReduceArgs,  # noqa: F401  (the paths' names)
+                    MmReduceScatterArgs, OpSpec, row_slabs, rows_dim)
 
 #: The largest symmetric exchange per parity: above it the workspace would be large, and NCCL's
 #: ring bandwidth is competitive there.
 SYMM_MAX_BYTES = 1 << 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """What a path may read of one op call: the product's sizes and how the collective cuts it.
-
-    ``m`` is the product's rows (for ``all_gather_mm``: the gathered rows, every rank's), ``k``
-    and ``n`` its inner and outer sizes. For ``all_gather_mm`` and ``mm_reduce_scatter``,
-    ``rows_dim`` is 0 when each rank's block is one block of the product's rows, and ``slabs``
-    how many slabs of rows each rank's block is cut into otherwise (a batch of sequences gathered
-    along the sequence; 0: unknown or too many)."""
-
-    op: str
-    m: int
-    k: int
-    n: int
-    dtype: torch.dtype
-    world: int
-    bias: bool = False
-    rows_dim: int = 0
-    slabs: int = 1
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    @property
-    def exchanged_bytes(self) -> int:
-        """The bytes one rank exposes: the [M, N] partial, or the all-gather's [M / world, K] shard
-        (times the world: the gathered operand)."""
-        if self.op == "all_gather_mm":
-            return self.m * self.k * self.itemsize
-        return self.m * self.n * self.itemsize
-
-    @property
-    def shard_mnk(self) -> int:
-        """GEMM work per rank's block of rows: what an overlap can hide the exchange behind."""
-        return (self.m // max(self.world, 1)) * self.k * self.n
-
-    def short(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        extra = f" dim{self.rows_dim}x{self.slabs}" if self.rows_dim else ""
-        return f"{self.op} {self.m}x{self.k}x{self.n} {dtype} w{self.world}{' +bias' if self.bias else ''}{extra}"
-
-
-class MmAllReduceArgs(NamedTuple):
-    a: torch.Tensor
-    b: torch.Tensor
-    bias: torch.Tensor | None
-    group_name: str
-
-
-class AllGatherMmArgs(NamedTuple):
-    shard: torch.Tensor
-    b: torch.Tensor
-    bias: torch.Tensor | None
-    gather_dim: int
-    world_size: int
-    group_name: str
-    return_gathered: bool
-
-
-class MmReduceScatterArgs(NamedTuple):
-    a: torch.Tensor
-    b: torch.Tensor
-    bias: torch.Tensor | None
-    shape: list
-    scatter_dim: int
-    world_size: int
-    group_name: str
 
 
 @dataclasses.dataclass
@@ -158,6 +91,10 @@ class Path:
     #: May run inside a CUDA-graph capture (its epochs live on the device, or it is NCCL).
     capture: bool = False
 
+    @property
+    def spec(self) -> OpSpec:
+        return SPECS[self.op]
+
     def tagged_config(self, config):
         """The configuration to run with the pairing check on (what carries no tag changes)."""
         return config
@@ -174,9 +111,6 @@ class Path:
 
     def config(self, call: Call, facts: GroupFacts, variant: dict | None = None) -> Any:
         return None
-
-    def run(self, ctx: Context, args) -> Any:
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<path {self.op}:{self.name}>"
@@ -206,34 +140,6 @@ def tile_support(call: Call, facts: GroupFacts) -> str | None:
     if (call.k * call.itemsize) % 16 or (call.n * call.itemsize) % 16:
         return "K or N rows are not 16-byte multiples (TMA descriptors)"
     return None
-
-
-#: At most this many row slabs (``row_slabs``) for the copy-engine overlaps: each slab costs one
-#: more GEMM and copy per rank block, launches that a larger batch would multiply.
-MAX_ROW_SLABS = 8
-
-
-def rows_dim(shape, dim: int) -> int:
-    """0 when every dimension before ``dim`` has size 1 (a sequence-parallel ``[1, S, H]``
-    gathered or scattered along S): the collective then moves the same blocks of rows as one
-    along dim 0, so the row-splitting paths take it; else ``dim``."""
-    return 0 if row_slabs(shape, dim) == 1 else dim
-
-
-def row_slabs(shape, dim: int) -> int:
-    """Into how many slabs of rows a collective along ``dim`` of ``shape`` (the rows being every
-    dimension but the last) cuts every rank's block: 1 along the rows (``rows_dim`` 0), else the
-    product of the dimensions before ``dim`` (a batch of sequences gathered along the sequence);
-    0 when that is unknown or above ``MAX_ROW_SLABS``."""
-    if dim == 0:
-        return 1
-    lead = shape[:dim]
-    if not all(isinstance(s, int) and s > 0 for s in lead):
-        return 0
-    slabs = 1
-    for s in lead:
-        slabs *= s
-    return slabs if slabs <= MAX_ROW_SLABS else 0
 
 
 def copy_engine_support(call: Call, facts: GroupFacts) -> str | None:

@@ -6,8 +6,7 @@ lane does not take. Needs no workspace and supports every call."""
 
 from __future__ import annotations
 
-from .. import reference
-from .base import Context, Path
+from .base import Path
 
 
 class Nccl(Path):
@@ -20,16 +19,6 @@ class Nccl(Path):
 
     def supports(self, call, facts):
         return None
-
-    def run(self, ctx: Context, args):
-        if self.op == "mm_all_reduce":
-            return reference.mm_all_reduce(args.a, args.b, args.bias, args.group_name)
-        if self.op == "all_gather_mm":
-            out, gathered = reference.all_gather_mm(args.shard, args.b, args.bias, args.gather_dim, args.world_size,
-                                                     args.group_name)
-            return out, gathered
-        return reference.mm_reduce_scatter(args.a, args.b, args.bias, args.shape, args.scatter_dim, args.world_size,
-                                           args.group_name)
 
 
 MM_ALL_REDUCE = Nccl("mm_all_reduce")

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
-from ...kernels import fused_split_k
+from ...kernels.sizes import fused_split_k
 from ..workspace import COUNTER_BYTES, TILE_FLAG_SLOTS
-from .base import Call, Context, Path
-from .common import exchange, workspace
-from .tile_all_reduce import fused_support
+from .base import Call, Path
+from .ar_fused import fused_support
 
 #: The workspace is sized for this many programs, more than any GPU has SMs: a group's agreed
 #: count (its smallest GPU's) never needs more slices, hence never more bytes, and the request is
@@ -61,17 +59,6 @@ class SplitK(Path):
     def tagged_config(self, cfg: fused_split_k.SplitConfig) -> fused_split_k.SplitConfig:
         """LL words carry the call count alone (no room for a tag): flags, which carry it."""
         return dataclasses.replace(cfg, ll=False)
-
-    def run(self, ctx: Context, args) -> torch.Tensor:
-        a, b, bias = args.a, args.b, args.bias
-        m, n = a.shape[0], b.shape[1]
-        ws = workspace(ctx, plan_bytes(ctx.call), a.device)
-        cfg = ctx.config or config(ctx.call, ws.max_programs)  # (with a tag: ``make_context``'s)
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-        launch = fused_split_k.prepare(ws, a, b, bias, out, cfg)  # before the epoch
-        with exchange(ctx, ws, self.op) as (epoch, parity):
-            launch(epoch, parity)
-        return out
 
 
 SPLIT_K = SplitK()

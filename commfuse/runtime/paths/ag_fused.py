@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
-from ...kernels import fused_all_gather
-from ...kernels.tiles import TileConfig
+from ...kernels.sizes import fused_all_gather
+from ...kernels.sizes.tiles import TileConfig
 from ..workspace import TILE_FLAG_SLOTS
-from .ag_pull import gather_shape
-from .base import SYMM_MAX_BYTES, Call, Context, Path, symmetric_support, tile_support
-from .common import exchange, workspace
+from .base import SYMM_MAX_BYTES, Call, Path, symmetric_support, tile_support
 
 #: Shards from this size are pushed by the copy engines, smaller ones by programs of the kernel.
 CE_MIN_SHARD_BYTES = 2 << 20
@@ -51,7 +48,7 @@ def fused_bytes(call: Call) -> int:
     return fused_all_gather.data_elems(call.m // max(call.world, 1), call.k, call.world) * call.itemsize
 
 
-class TileAllGather(Path):
+class FusedAllGather(Path):
     op = "all_gather_mm"
     name = "fused"
 
@@ -79,21 +76,5 @@ class TileAllGather(Path):
         shard = call.m // call.world * call.k * call.itemsize
         return AgFusedConfig(tile_config(call), "ce" if shard >= CE_MIN_SHARD_BYTES else "sm")
 
-    def run(self, ctx: Context, args):
-        shard, b, bias, world = args.shard, args.b, args.bias, args.world_size
-        cfg = ctx.config or self.config(ctx.call, ctx.facts)
-        k = shard.shape[-1]
-        out = torch.empty((ctx.call.m, b.shape[1]), dtype=shard.dtype, device=shard.device)
-        gathered = (torch.empty(gather_shape(shard, args.gather_dim, world), dtype=shard.dtype, device=shard.device)
-                    if args.return_gathered else None)
-        ws = workspace(ctx, fused_bytes(ctx.call), shard.device)
-        side = ctx.group.side_streams(shard.device)[0] if cfg.push == "ce" else None
-        launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
-                                          None if gathered is None else gathered.view(-1, k), out, cfg.tile,
-                                          side=side, pushers=cfg.pushers, ce_chunk_count=cfg.ce_chunks)
-        with exchange(ctx, ws, self.op) as (epoch, parity):  # (everything above before the epoch)
-            launch(epoch, parity)
-        return out, gathered
 
-
-FUSED = TileAllGather()
+FUSED = FusedAllGather()

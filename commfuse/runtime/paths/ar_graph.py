@@ -13,15 +13,10 @@ none runs NCCL.
 
 from __future__ import annotations
 
-import torch
 
-from ...kernels import exchange, fused_split_k
-from ...kernels.codes import GRAPH_LANE_OP, flag_value
-from .. import reference
-from .. import groups
+from ...kernels.sizes import fused_split_k
 from ..workspace import GRAPH_SLOTS, graph_lane_capacity
-from .base import Call, Context, Path, symmetric_support
-from .common import lane_exchange, ran_instead, warn_once
+from .base import Call, Path, symmetric_support
 from .split_k import support as split_k_support
 
 
@@ -29,7 +24,7 @@ def _split_k_config(call: Call, facts) -> fused_split_k.SplitConfig:
     return fused_split_k.config(call.m, call.k, call.n, min(facts.sms, GRAPH_SLOTS))
 
 
-class GraphLane(Path):
+class GraphAllReduce(Path):
     op = "mm_all_reduce"
     name = "graph"
     capture = True
@@ -57,35 +52,5 @@ class GraphLane(Path):
         """The split-K kernel's tiling where the rule asks for it, else None (the staged one-shot)."""
         return _split_k_config(call, facts) if variant and variant.get("split_k") else None
 
-    def run(self, ctx: Context, args) -> torch.Tensor:
-        a, b, bias = args.a, args.b, args.bias
-        group = ctx.group
-        capturing = torch.cuda.is_current_stream_capturing()
-        nbytes = a.shape[0] * b.shape[1] * a.dtype.itemsize
-        lane = groups.lane(group)
-        if lane is None and not capturing:  # allocation is collective: never in a capture
-            groups.workspace(group, nbytes, a.device)
-            lane = groups.lane(group)
-        if lane is None or nbytes > lane.data_bytes:
-            warn_once(self.op, "no graph lane yet: the group's first call was captured" if lane is None
-                      else "larger than the graph lane")
-            ran_instead(self.op, self.name, "nccl")
-            groups.record_capture(group, self.op, (tuple(a.shape), tuple(b.shape), a.dtype), "nccl", capturing)
-            return reference.mm_all_reduce(a, b, bias, args.group_name)
-        if capturing:
-            groups.mark_replayed(group)
-        m, n = a.shape[0], b.shape[1]
-        if ctx.config is not None:  # few rows: the split-K kernel, in the lane
-            out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-            launch = fused_split_k.prepare(lane, a, b, bias, out, ctx.config, lane=True)
-            with lane_exchange(lane, capturing):  # eager calls from two streams: in host order
-                launch(flag_value(0, ctx.tag))
-        else:
-            with lane_exchange(lane, capturing):
-                partial = reference.matmul(a, b, bias)
-                out = torch.empty_like(partial)
-                exchange.staged_all_reduce(lane, partial, out, GRAPH_LANE_OP, ctx.tag)
-        return out
 
-
-GRAPH = GraphLane()
+GRAPH = GraphAllReduce()

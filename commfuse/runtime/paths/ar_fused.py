@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 
-from ...kernels import fused_all_reduce
-from ...kernels.tiles import TileConfig
+from ...kernels.sizes import fused_all_reduce
+from ...kernels.sizes.tiles import TileConfig
 from ..workspace import TILE_FLAG_SLOTS
-from .base import SYMM_MAX_BYTES, Call, Context, Path, symmetric_support, tile_support
-from .common import exchange, workspace
+from .base import SYMM_MAX_BYTES, Call, Path, symmetric_support, tile_support
 
 #: The default tiling: 128 x 256 tiles, no reducer programs (the multiplying programs copy the
 #: pushed sums inline, in the ticket order).
@@ -68,17 +66,7 @@ def fused_bytes(call: Call, scatter: bool) -> int:
     return fused_all_reduce.data_elems(call.m, call.n, call.world, cfg, scatter) * call.itemsize
 
 
-def run_fused(ctx: Context, a, b, bias, out, op: str, scatter: bool, cfg: FusedConfig) -> torch.Tensor:
-    """One kernel: GEMM tiles, their exchange and sum overlapped; ``scatter``: along the rows."""
-    ws = workspace(ctx, fused_bytes(ctx.call, scatter), a.device)
-    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
-                                      cfg.options)  # before the epoch
-    with exchange(ctx, ws, op) as (epoch, parity):
-        launch(epoch, parity)
-    return out
-
-
-class TileAllReduce(Path):
+class FusedAllReduce(Path):
     op = "mm_all_reduce"
     name = "fused"
 
@@ -92,10 +80,5 @@ class TileAllReduce(Path):
         stagger = tuple(us * 1000 for us in STAGGER_US)
         return FusedConfig(tile_config(call, False), fused_all_reduce.Options(stagger_ns=stagger))
 
-    def run(self, ctx: Context, args) -> torch.Tensor:
-        a, b = args.a, args.b
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-        return run_fused(ctx, a, b, args.bias, out, self.op, False, ctx.config or self.config(ctx.call, ctx.facts))
 
-
-FUSED = TileAllReduce()
+FUSED = FusedAllReduce()

@@ -10,14 +10,13 @@ Nothing is pushed back (each rank keeps only its share), so every program multip
 
 from __future__ import annotations
 
-import torch
 
-from ...kernels import fused_all_reduce
-from .base import Call, Context, Path
-from .tile_all_reduce import FusedConfig, fused_bytes, fused_support, run_fused, tile_config
+from ...kernels.sizes import fused_all_reduce
+from .base import Call, Path
+from .ar_fused import FusedConfig, fused_bytes, fused_support, tile_config
 
 
-class TileReduceScatter(Path):
+class FusedReduceScatter(Path):
     op = "mm_reduce_scatter"
     name = "fused"
 
@@ -30,16 +29,5 @@ class TileReduceScatter(Path):
     def config(self, call: Call, facts, variant=None) -> FusedConfig:
         return FusedConfig(tile_config(call, True), fused_all_reduce.Options())
 
-    def run(self, ctx: Context, args) -> torch.Tensor:
-        a, b = args.a, args.b
-        out = torch.empty(_scattered(args), dtype=a.dtype, device=a.device)  # before the epoch
-        return run_fused(ctx, a, b, args.bias, out, self.op, True, ctx.config or self.config(ctx.call, ctx.facts))
 
-
-def _scattered(args) -> list:
-    shape = list(args.shape)
-    shape[args.scatter_dim] //= args.world_size
-    return shape
-
-
-FUSED = TileReduceScatter()
+FUSED = FusedReduceScatter()

@@ -1,0 +1,36 @@
+"""How each path runs a call, apart from how it is decided (``paths/``): one module per path
+module, importing its kernels (and Triton) when it is imported, so no import happens on a call's
+way and nothing that decides needs Triton.
+
+``run(path, ctx, args)`` runs ``path`` (a ``paths.Path``) for one call of its op; ``runner(path)``
+is the function it calls, which the run-time's plans keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .. import paths
+from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
+               rs_fused, rs_pull, split_k)
+
+#: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``.
+RUNS: dict[paths.Path, Callable] = {
+    paths.nccl.MM_ALL_REDUCE: nccl.run, paths.nccl.ALL_GATHER_MM: nccl.run, paths.nccl.MM_REDUCE_SCATTER: nccl.run,
+    paths.after_gemm.ONE_SHOT: after_gemm.run, paths.after_gemm.TWO_SHOT: after_gemm.run,
+    paths.ar_ce_overlap.CE_OVERLAP: ar_ce_overlap.run, paths.ar_graph.GRAPH: ar_graph.run,
+    paths.ar_fused.FUSED: ar_fused.run, paths.split_k.SPLIT_K: split_k.run,
+    paths.ag_pull.PULL: ag_pull.run, paths.ag_ce_overlap.CE_OVERLAP: ag_ce_overlap.run,
+    paths.ag_fused.FUSED: ag_fused.run,
+    paths.rs_pull.PULL: rs_pull.run, paths.rs_ce_overlap.CE_OVERLAP: rs_ce_overlap.run,
+    paths.rs_fused.FUSED: rs_fused.run,
+}
+
+
+def runner(path: paths.Path) -> Callable:
+    return RUNS[path]
+
+
+def run(path: paths.Path, ctx, args):
+    """Run ``path`` for one call (``ctx``: ``paths.base.make_context``'s)."""
+    return RUNS[path](path, ctx, args)

@@ -1,0 +1,35 @@
+"""How ``paths/ag_pull.py``'s path runs a call: the kernels it launches, imported here, never on
+the deciding side."""
+
+from __future__ import annotations
+
+import torch
+
+import math
+
+from ...kernels import exchange
+from ...kernels.codes import OP_ALL_GATHER_MM
+from ..paths.ag_pull import gather_shape
+from ..paths.base import Context
+from ..paths.common import exchange as epoch_of, matmul_into, workspace
+
+
+def run(path, ctx: Context, args):
+    shard, b, bias, gather_dim, world = args.shard, args.b, args.bias, args.gather_dim, args.world_size
+    k = shard.shape[-1]
+    ws = workspace(ctx, shard.numel() * shard.element_size(), shard.device)
+    out = torch.empty((ctx.call.m, b.shape[1]), dtype=shard.dtype, device=shard.device)
+    gathered = torch.empty(gather_shape(shard, gather_dim, world), dtype=shard.dtype, device=shard.device)
+    with epoch_of(ctx, ws, path.op) as (epoch, parity):
+        pull(ws, shard, gathered, gather_dim, epoch, parity)
+        matmul_into(gathered.view(-1, k), b, bias, out)
+    return out, gathered
+
+
+def pull(ws, shard, gathered, gather_dim: int, epoch: int, parity: int) -> None:
+    """Copy ``shard`` into this call's half and gather every rank's into ``gathered``."""
+    mine = ws.data(parity, shard.shape, shard.dtype)
+    mine.copy_(shard)
+    outer = math.prod(shard.shape[:gather_dim])
+    inner = math.prod(shard.shape[gather_dim:])
+    exchange.gather(ws, mine, gathered, outer, inner, epoch, OP_ALL_GATHER_MM)

@@ -1,0 +1,27 @@
+"""How ``paths/ar_fused.py``'s path runs a call: the kernels it launches, imported here, never on
+the deciding side."""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels import fused_all_reduce
+from ..paths.base import Context
+from ..paths.common import exchange, workspace
+from ..paths.ar_fused import FusedConfig, fused_bytes
+
+
+def run(path, ctx: Context, args) -> torch.Tensor:
+    a, b = args.a, args.b
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    return run_fused(ctx, a, b, args.bias, out, path.op, False, ctx.config or path.config(ctx.call, ctx.facts))
+
+
+def run_fused(ctx: Context, a, b, bias, out, op: str, scatter: bool, cfg: FusedConfig) -> torch.Tensor:
+    """One kernel: GEMM tiles, their exchange and sum overlapped; ``scatter``: along the rows."""
+    ws = workspace(ctx, fused_bytes(ctx.call, scatter), a.device)
+    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
+                                      cfg.options)  # before the epoch
+    with exchange(ctx, ws, op) as (epoch, parity):
+        launch(epoch, parity)
+    return out

@@ -1,0 +1,21 @@
+"""How ``paths/rs_fused.py``'s path runs a call: the kernels it launches, imported here, never on
+the deciding side."""
+
+from __future__ import annotations
+
+import torch
+
+from ..paths.base import Context
+from .ar_fused import run_fused
+
+
+def run(path, ctx: Context, args) -> torch.Tensor:
+    a, b = args.a, args.b
+    out = torch.empty(_scattered(args), dtype=a.dtype, device=a.device)  # before the epoch
+    return run_fused(ctx, a, b, args.bias, out, path.op, True, ctx.config or path.config(ctx.call, ctx.facts))
+
+
+def _scattered(args) -> list:
+    shape = list(args.shape)
+    shape[args.scatter_dim] //= args.world_size
+    return shape

@@ -1,0 +1,302 @@
+"""What an op is, stated once: ``OpSpec``, one per op, read by the op library, the graph pass, the
+run-time's entry, the NCCL path, the tuner and the report. Imports no Triton.
+
+A spec holds
+
+* the **argument layout** (``Arg``: a name and a schema type per argument, ``site`` excluded: every
+  op ends with it) and the **outputs** (their names; more than one is a tuple), from which the
+  **schema** and the argument tuple (``spec.Args``) are made;
+* the **unfused reference** (``reference(args)``: the matmul, then the functional collective) and
+  the **NCCL equivalent** the NCCL path runs (the same computation unless an op says otherwise);
+* the **pattern** that makes it (a module of ``patterns/``, by name: the graph pass imports it);
+* what the run-time reads of a call: its sizes (``call(args, world)``: a ``Call``), its signature
+  (``key``), the rank-local size an unevenly sharded layer may make differ (``own_size``), what every
+  rank shares of it (``shared``, for ``COMMFUSE_VERIFY``), the bytes a rank exposes
+  (``exchanged_bytes``) and whether it has a graph lane;
+* the **synthetic inputs** the tuner times (``inputs``) and the rows a tuned call's M is a
+  multiple of (``rows_unit``).
+
+The layout's types are the schema's: ``Tensor``, ``Tensor?``, ``int``, ``int[]``, ``float``,
+``bool``, ``str``, ``ScalarType?``, so an op with a residual and a norm weight (two ``Tensor``
+outputs, a ``float eps``, a ``bool`` flag) or FP8 operands (``Tensor scale_a``, ``Tensor scale_b``,
+``ScalarType? out_dtype``, ``bool use_fast_accum``) is one more spec, not another branch.
+
+``Call`` (what a path may read of a call) and the row-slab helpers live here too: the sizes are
+the op's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import reference
+
+#: At most this many row slabs (``row_slabs``) for the copy-engine overlaps: each slab costs one
+#: more GEMM and copy per rank block, launches that a larger batch would multiply.
+MAX_ROW_SLABS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a path may read of one op call: the product's sizes and how the collective cuts it.
+
+    ``m`` is the product's rows (for ``all_gather_mm``: the gathered rows, every rank's), ``k``
+    and ``n`` its inner and outer sizes. For ``all_gather_mm`` and ``mm_reduce_scatter``,
+    ``rows_dim`` is 0 when each rank's block is one block of the product's rows, and ``slabs``
+    how many slabs of rows each rank's block is cut into otherwise (a batch of sequences gathered
+    along the sequence; 0: unknown or too many)."""
+
+    op: str
+    m: int
+    k: int
+    n: int
+    dtype: torch.dtype
+    world: int
+    bias: bool = False
+    rows_dim: int = 0
+    slabs: int = 1
+
+    @property
+    def spec(self) -> "OpSpec":
+        return SPECS[self.op]
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def exchanged_bytes(self) -> int:
+        """The bytes one rank exposes (``OpSpec.exchanged``)."""
+        return SPECS[self.op].exchanged(self) * self.itemsize
+
+    @property
+    def shard_mnk(self) -> int:
+        """GEMM work per rank's block of rows: what an overlap can hide the exchange behind."""
+        return (self.m // max(self.world, 1)) * self.k * self.n
+
+    def short(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        extra = f" dim{self.rows_dim}x{self.slabs}" if self.rows_dim else ""
+        return f"{self.op} {self.m}x{self.k}x{self.n} {dtype} w{self.world}{' +bias' if self.bias else ''}{extra}"
+
+
+def rows_dim(shape, dim: int) -> int:
+    """0 when every dimension before ``dim`` has size 1 (a sequence-parallel ``[1, S, H]``
+    gathered or scattered along S): the collective then moves the same blocks of rows as one
+    along dim 0, so the row-splitting paths take it; else ``dim``."""
+    return 0 if row_slabs(shape, dim) == 1 else dim
+
+
+def row_slabs(shape, dim: int) -> int:
+    """Into how many slabs of rows a collective along ``dim`` of ``shape`` (the rows being every
+    dimension but the last) cuts every rank's block: 1 along the rows (``rows_dim`` 0), else the
+    product of the dimensions before ``dim`` (a batch of sequences gathered along the sequence);
+    0 when that is unknown or above ``MAX_ROW_SLABS``."""
+    if dim == 0:
+        return 1
+    lead = shape[:dim]
+    if not all(isinstance(s, int) and s > 0 for s in lead):
+        return 0
+    slabs = 1
+    for s in lead:
+        slabs *= s
+    return slabs if slabs <= MAX_ROW_SLABS else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One argument of an op: its name and its schema type; ``default`` as the schema writes it."""
+
+    name: str
+    type: str
+    default: str | None = None
+
+    def schema(self) -> str:
+        return f"{self.type} {self.name}" + (f"={self.default}" if self.default is not None else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One op (module docstring). Functions take the op's argument tuple (``Args``)."""
+
+    name: str
+    args: tuple[Arg, ...]
+    outputs: tuple[str, ...]
+    #: The unfused computation every path reproduces: ``reference(args)``.
+    reference: Callable[[Any], Any]
+    #: The module of ``patterns/`` whose matches make this op.
+    pattern: str
+    #: The call's sizes: ``call(args, world) -> Call``.
+    call: Callable[[Any, int], Call]
+    #: The call's signature beyond the op and group: shapes, dtype, the collective's arguments.
+    key: Callable[[Any], tuple]
+    #: The rank-local size of an unevenly sharded layer (``shards.py``).
+    own_size: Callable[[Any], int]
+    #: What every rank shares of a call, for ``COMMFUSE_VERIFY`` (``verify.same_call``'s keywords).
+    shared: Callable[[Any], dict]
+    #: Elements one rank exposes: the partial, or the gathered operand.
+    exchanged: Callable[[Call], int]
+    #: The tuner's inputs for ``call`` on this rank: ``inputs(call, group_name, rand) -> Args``,
+    #: ``rand(*shape)`` making a random tensor of the call's dtype.
+    inputs: Callable[[Call, str, Callable], Any]
+    #: The rows a timed call's M is a multiple of (every rank's block, and each of its slabs).
+    rows_unit: Callable[[Call], int]
+    #: The NCCL equivalent the NCCL path runs (None: the reference).
+    nccl: Callable[[Any], Any] | None = None
+    #: Whether the collective cuts the product's rows into per-rank blocks (``Call.rows_dim`` and
+    #: ``Call.slabs`` apply).
+    cuts_rows: bool = False
+    #: Whether captured calls may take the group's graph lane.
+    graph_lane: bool = False
+    #: The bytes a call would place in the graph lane, read on every call (no ``Call`` made).
+    lane_bytes: Callable[[Any], int] | None = None
+    #: The unfused equivalent, as the op library's docstring shows it.
+    unfused: str = ""
+
+    #: The argument tuple, made from ``args`` (a named tuple of the op's arguments, ``site`` excluded).
+    Args: type = dataclasses.field(init=False, repr=False, compare=False)
+    #: Where the arguments say the collective's world size (``world_size``), or None.
+    world_at: int | None = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        names = [a.name for a in self.args]
+        title = "".join(part.title() for part in self.name.split("_")) + "Args"
+        object.__setattr__(self, "Args", collections.namedtuple(title, names))
+        object.__setattr__(self, "world_at", names.index("world_size") if "world_size" in names else None)
+
+    def world_size(self, args) -> int:
+        """The world size the call's arguments name (0: they name none; the group's is used)."""
+        return 0 if self.world_at is None else args[self.world_at]
+
+    @property
+    def schema(self) -> str:
+        outs = "Tensor" if len(self.outputs) == 1 else "(" + ", ".join("Tensor" for _ in self.outputs) + ")"
+        return f"{self.name}({', '.join(a.schema() for a in self.args)}, int site=0) -> {outs}"
+
+    def run_nccl(self, args):
+        return (self.nccl or self.reference)(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+
+
+def _ar_call(args, world: int) -> Call:
+    a, b = args.a, args.b
+    return Call("mm_all_reduce", a.shape[0], a.shape[1], b.shape[1], a.dtype, world, args.bias is not None)
+
+
+def _ag_call(args, world: int) -> Call:
+    shard, k = args.shard, args.shard.shape[-1]
+    rows = shard.numel() // k * args.world_size if k else 0
+    dim = rows_dim(shard.shape, args.gather_dim)  # 0: each rank's rows are one block
+    return Call("all_gather_mm", rows, k, args.b.shape[1], shard.dtype, args.world_size, args.bias is not None, dim,
+                row_slabs(shard.shape, dim))
+
+
+def _rs_call(args, world: int) -> Call:
+    a, b = args.a, args.b
+    shape = reference.resolve_shape(args.shape, a.shape[0] * b.shape[1])
+    dim = rows_dim(shape, args.scatter_dim)  # 0: each rank's share is one block of rows
+    return Call("mm_reduce_scatter", a.shape[0], a.shape[1], b.shape[1], a.dtype, args.world_size,
+                args.bias is not None, dim, row_slabs(shape, dim))
+
+
+def _slabbed(call: Call) -> tuple[int, int]:
+    """(slabs, dim) of a tuned call's operand: ``[slabs, rows, ...]`` cut along dim 1 where the
+    collective cuts every rank's rows into slabs (a batch of sequences), else rows along dim 0."""
+    slabs = call.slabs if call.rows_dim else 1
+    return slabs, 1 if slabs > 1 else 0
+
+
+def _ag_inputs(call: Call, group_name: str, rand):
+    slabs, dim = _slabbed(call)
+    rows = call.m // call.world
+    shard = rand(slabs, rows // slabs, call.k) if dim else rand(rows, call.k)
+    return ALL_GATHER_MM.Args(shard, rand(call.k, call.n), rand(call.n) if call.bias else None, dim, call.world,
+                           group_name, False)
+
+
+def _rs_inputs(call: Call, group_name: str, rand):
+    slabs, dim = _slabbed(call)
+    shape = [slabs, call.m // slabs, call.n] if dim else [call.m, call.n]  # the product's view
+    return MM_REDUCE_SCATTER.Args(rand(call.m, call.k), rand(call.k, call.n), rand(call.n) if call.bias else None,
+                               shape, dim, call.world, group_name)
+
+
+def _blocks(call: Call) -> int:
+    return call.world * (call.slabs if call.rows_dim else 1)
+
+
+MM_ALL_REDUCE = OpSpec(
+    name="mm_all_reduce",
+    args=(Arg("a", "Tensor"), Arg("b", "Tensor"), Arg("bias", "Tensor?"), Arg("group_name", "str")),
+    outputs=("out",),
+    reference=lambda x: reference.mm_all_reduce(x.a, x.b, x.bias, x.group_name),
+    pattern="mm_all_reduce",
+    call=_ar_call,
+    key=lambda x: (tuple(x.a.shape), tuple(x.b.shape), x.a.dtype),
+    own_size=lambda x: x.a.shape[1],  # K: the rank's own share of the reduced dimension
+    shared=lambda x: dict(rows=x.a.shape[0], n=x.b.shape[1], dtype=x.a.dtype, bias=x.bias),
+    exchanged=lambda c: c.m * c.n,
+    inputs=lambda c, g, rand: MM_ALL_REDUCE.Args(rand(c.m, c.k), rand(c.k, c.n), rand(c.n) if c.bias else None, g),
+    rows_unit=lambda c: 1,
+    graph_lane=True,
+    lane_bytes=lambda x: x.a.shape[0] * x.b.shape[1] * x.a.dtype.itemsize,
+    unfused='all_reduce(a @ b + bias, "sum", g)',
+)
+
+ALL_GATHER_MM = OpSpec(
+    name="all_gather_mm",
+    args=(Arg("shard", "Tensor"), Arg("b", "Tensor"), Arg("bias", "Tensor?"), Arg("gather_dim", "int"),
+          Arg("world_size", "int"), Arg("group_name", "str"), Arg("return_gathered", "bool")),
+    outputs=("out", "gathered"),
+    reference=lambda x: reference.all_gather_mm(x.shard, x.b, x.bias, x.gather_dim, x.world_size, x.group_name),
+    pattern="all_gather_mm",
+    call=_ag_call,
+    key=lambda x: (tuple(x.shard.shape), tuple(x.b.shape), x.shard.dtype, x.gather_dim),
+    own_size=lambda x: x.b.shape[1],  # N: the rank's own columns of a column-parallel weight
+    # N may differ between ranks: of the bias, its rank and dtype only
+    shared=lambda x: dict(shard=x.shard, k=x.b.shape[0], dtype=x.b.dtype, gather_dim=x.gather_dim,
+                          bias=None if x.bias is None else f"{x.bias.dtype} {x.bias.dim()}-D"),
+    exchanged=lambda c: c.m * c.k,  # the gathered operand: every rank's shard
+    inputs=_ag_inputs,
+    rows_unit=_blocks,
+    cuts_rows=True,
+    unfused="(cat(all_gather(x, g), dim=d).flatten(0, -2) @ b + bias, the gathered x if r else empty)",
+)
+
+MM_REDUCE_SCATTER = OpSpec(
+    name="mm_reduce_scatter",
+    args=(Arg("a", "Tensor"), Arg("b", "Tensor"), Arg("bias", "Tensor?"), Arg("shape", "int[]"),
+          Arg("scatter_dim", "int"), Arg("world_size", "int"), Arg("group_name", "str")),
+    outputs=("out",),
+    reference=lambda x: reference.mm_reduce_scatter(x.a, x.b, x.bias, x.shape, x.scatter_dim, x.world_size,
+                                                    x.group_name),
+    pattern="mm_reduce_scatter",
+    call=_rs_call,
+    key=lambda x: (tuple(x.a.shape), tuple(x.b.shape), x.a.dtype, tuple(x.shape), x.scatter_dim),
+    own_size=lambda x: x.a.shape[1],  # K
+    shared=lambda x: dict(rows=x.a.shape[0], n=x.b.shape[1], dtype=x.a.dtype, bias=x.bias, shape=list(x.shape),
+                          scatter_dim=x.scatter_dim),
+    exchanged=lambda c: c.m * c.n,
+    inputs=_rs_inputs,
+    rows_unit=_blocks,
+    cuts_rows=True,
+    unfused='reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)',
+)
+
+#: Every op, by name, in the order the registry and the report list them.
+SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER)}
+OPS = tuple(SPECS)
+
+#: Each op's argument tuple by its own name (what paths, tools and tests construct).
+MmAllReduceArgs, AllGatherMmArgs, MmReduceScatterArgs = MM_ALL_REDUCE.Args, ALL_GATHER_MM.Args, MM_REDUCE_SCATTER.Args
+
+__all__ = ["ALL_GATHER_MM", "Arg", "Call", "MAX_ROW_SLABS", "MM_ALL_REDUCE", "MM_REDUCE_SCATTER", "OPS", "OpSpec",
+           "SPECS", "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]

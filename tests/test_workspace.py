@@ -1,0 +1,232 @@
+"""``runtime/workspace.py``: epochs, halves, allocation and growth, the provider, a failed call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commfuse import env
+from commfuse.kernels import fused_split_k
+from commfuse.kernels.codes import TAG_MASK, flag_value
+from commfuse.runtime import entry  # noqa: F401  (a changed setting reaches the buffers through entry.forget)
+from commfuse.runtime import groups, policy
+from commfuse.runtime import workspace as wsmod
+from commfuse.runtime.facts import GroupFacts
+from commfuse.runtime.paths import REGISTRY
+from commfuse.runtime.paths import common
+from commfuse.runtime.paths.base import Call, Context
+from helpers import group_name
+
+BF16 = torch.bfloat16
+AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
+
+
+def _call(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None):
+    """A call as the entry builds it (``slabs``: 1 along the rows, else unknown unless given)."""
+    if slabs is None:
+        slabs = 1 if rows_dim == 0 else 0
+    return Call(op, m, k, n, dtype, world, rows_dim=rows_dim, slabs=slabs)
+
+
+def choose(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None, *, forced=None, capturing=False,
+           lane_bytes=0, facts=None):
+    """The path name ``policy.choose`` gives on a simulated H200 group of ``world`` ranks."""
+    call = _call(op, m, k, n, dtype, world, rows_dim, slabs)
+    return policy.choose(call, facts or GroupFacts.simulated(world), capturing=capturing, lane_bytes=lane_bytes,
+                         forced=forced).name
+
+
+def rules(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None) -> str:
+    """What the rules alone pick (what a forced path that cannot take a call falls back to)."""
+    return policy.rules_choice(_call(op, m, k, n, dtype, world, rows_dim, slabs), GroupFacts.simulated(world)).name
+
+
+def supports(op, name, m, k, n, dtype=BF16, world=2, **kw):
+    return REGISTRY[(op, name)].supports(_call(op, m, k, n, dtype, world, **kw), GroupFacts.simulated(world))
+
+
+@pytest.fixture(autouse=True)
+def _quiet_policy(monkeypatch):
+    """Each test sees the policy's once-per-reason warnings afresh."""
+    monkeypatch.setattr(policy, "_warned", set())
+
+
+def _workspace(data_bytes=1 << 12, name="0", **kw):
+    """A workspace over plain CPU memory (group "0" is the fake WORLD when one is initialised)."""
+    buf = torch.zeros(wsmod.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8)
+    return wsmod.Workspace(name, 0, 2, buf, torch.zeros(2, dtype=torch.int64), data_bytes, **kw)
+
+
+def test_workspace_epochs_and_parity():
+    ws = _workspace()
+    # the flag value is the call count above the pairing tag's bits (no tag: the check is off)
+    assert [ws.next_epoch() for _ in range(3)] == [(1 << 10, 1), (2 << 10, 0), (3 << 10, 1)]
+    assert ws.next_epoch(tag=5) == ((4 << 10) | 5, 0) and ws.epoch == 4
+    assert ws.flags.numel() == (wsmod.FLAG_BYTES - wsmod.BASES_BYTES) // 4
+
+
+def test_workspace_halves_do_not_overlap():
+    ws = _workspace()
+    a = ws.data(0, (32, 32), torch.float32)
+    b = ws.data(1, (32, 32), torch.float32)
+    a.fill_(1)
+    b.fill_(2)
+    assert a.eq(1).all() and b.eq(2).all() and ws.flags.eq(0).all()
+    with pytest.raises(RuntimeError, match="too small"):
+        ws.data(0, (33, 32), torch.float32)
+
+
+def test_provider_setting(world2):
+    """The provider is a setting read once, and a group's state is kept per provider."""
+    torch_group = groups.get(group_name())
+    with env.override(symm_provider="iris") as settings:
+        assert settings.symm_provider == "iris"
+        iris_group = groups.get(group_name())
+        assert iris_group.provider == "iris" and iris_group is not torch_group
+    assert groups.get(group_name()) is torch_group
+    with pytest.raises(ValueError, match="COMMFUSE_SYMM_PROVIDER"):
+        with env.override(symm_provider="nvshmem"):
+            pass
+    groups.release_all()
+
+
+@pytest.fixture
+def fresh_groups(world2):
+    """No group state from earlier tests, and none left behind."""
+    groups.release_all()
+    yield
+    groups.release_all()
+
+
+def test_epochs_restart_collectively_before_the_int32_flags_overflow(world2, monkeypatch):
+    ws = _workspace()
+    monkeypatch.setattr(wsmod, "EPOCH_LIMIT", 3)
+    ws.flags[:8] = 3  # what peers' signals leave behind
+    ws.tile_flags[:8] = 3  # and the fused kernel's
+    ws.buffer[wsmod.FLAG_BYTES - wsmod.BASES_BYTES:wsmod.FLAG_BYTES] = 7  # stands for the heap bases
+    assert [ws.next_epoch()[0] for _ in range(3)] == [flag_value(1), flag_value(2), flag_value(3)]
+    assert ws.next_epoch() == (flag_value(1), 1)  # restarted, flags zeroed on every rank (fake group: this one)
+    assert ws.flags.eq(0).all() and ws.tile_flags.eq(0).all()
+    assert ws.buffer[wsmod.FLAG_BYTES - wsmod.BASES_BYTES:wsmod.FLAG_BYTES].eq(7).all()  # bases kept
+    # a path's exchange restarts over the call's group (its process-group object, not its name)
+    ws.epoch, ws.flags[:8] = 3, 3
+    barriers = []
+    real_barrier = dist.barrier
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: barriers.append(group) or real_barrier(group=group))
+    ctx = Context(_call(AR, 8, 8, 8), GroupFacts.simulated(2), groups.get(group_name()))
+    with common.exchange(ctx, ws, AR) as (epoch, parity):
+        assert (epoch, parity) == (flag_value(1), 1) and ws.flags.eq(0).all()
+    assert barriers == [dist.group.WORLD] * 2
+
+
+def test_epochs_restart_before_the_split_k_ll_flags_repeat_and_zero_the_data(world2):
+    """The LL words' flags hold an epoch's low bits: within one run of epochs no two calls share
+    them, and a restart leaves no word of the run before it."""
+    assert wsmod.EPOCH_LIMIT < 1 << fused_split_k.LL_EPOCH_BITS
+    # the largest flag value, the count above the tag's bits, fits the int32 flags
+    assert flag_value(wsmod.EPOCH_LIMIT, TAG_MASK) <= torch.iinfo(torch.int32).max
+    ws = _workspace()
+    ws.data(0, (64,), torch.uint8).fill_(0xFF)
+    ws.data(1, (64,), torch.uint8).fill_(0xFF)
+    ws.epoch = wsmod.EPOCH_LIMIT
+    assert ws.next_epoch() == (flag_value(1), 1)
+    assert ws.buffer[wsmod.HEADER_BYTES:].eq(0).all()
+
+
+def test_a_failed_call_blocks_the_workspace(world2):
+    """Once a call fails after its epoch began, ranks may disagree: refuse, with a remedy."""
+    ws = _workspace()
+    ctx = Context(_call(AR, 8, 8, 8), GroupFacts.simulated(2), groups.get(group_name()))
+    with pytest.raises(MemoryError):
+        with common.exchange(ctx, ws, AR):
+            raise MemoryError("out of memory")
+    with pytest.raises(RuntimeError, match=r"mm_all_reduce: an earlier call on group '0' failed .*release_all"):
+        ws.next_epoch()
+    groups.release_all()
+
+
+@pytest.fixture
+def fake_allocation(fresh_groups, monkeypatch):
+    """Symmetric allocation stood in for by plain CPU buffers (heap bases 1000 * n, 1000 * n + 1),
+    recording the thread of each; small minimum sizes."""
+    threads, buffers = [], []
+
+    def fake_alloc(pg, nbytes, device):
+        threads.append(threading.get_ident())
+        buffers.append(torch.zeros(nbytes, dtype=torch.uint8))
+        return buffers[-1], [1000 * len(buffers), 1000 * len(buffers) + 1], None
+
+    monkeypatch.setattr(groups, "allocate_torch", fake_alloc)
+    monkeypatch.setattr(groups, "MIN_DATA_BYTES", 4096)
+    monkeypatch.setattr(groups, "_planned", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def group():
+        g = groups.get(group_name())
+        g.facts = GroupFacts.simulated(2, sms=78, lane_bytes=1 << 16)  # as agreed on its first call
+        return g
+
+    return threads, buffers, group
+
+
+def test_workspace_allocation_runs_off_the_callers_thread(fake_allocation, monkeypatch):
+    """A CUDA-graph warm-up sends its thread's allocations to the graph's pool, which captures
+    reuse: allocation happens on a helper thread, and the tables live inside the buffers."""
+    threads, buffers, group = fake_allocation
+    cpu = torch.device("cpu")
+    with env.override(timeout_s=2.5):
+        g = group()
+        ws = groups.workspace(g, 1024, cpu)
+        lane = groups.lane(g)
+        bounds = (ws.timeout_ns, lane.timeout_ns)
+    assert bounds == (2_500_000_000, 2_500_000_000)  # the bound in force
+    assert (ws.timeout_ns, lane.timeout_ns) == (600 * 10**9, 600 * 10**9)  # a changed setting reaches them
+    assert len(threads) == 2 and threading.get_ident() not in threads  # workspace, then lane
+    for holder, buf, ptrs in ((ws, buffers[0], [1000, 1001]), (lane, buffers[1], [2000, 2001])):
+        assert holder.heap_bases.tolist() == ptrs
+        assert holder.heap_bases.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert holder.err is g.err  # the group's word
+    assert lane.counter.untyped_storage().data_ptr() == buffers[1].untyped_storage().data_ptr()
+    assert lane.counter.eq(0).all() and lane.counter.numel() == wsmod.GRAPH_SLOTS
+    assert (ws.data_bytes, ws.max_programs, lane.data_bytes) == (4096, 78, 1 << 16)
+    assert groups.workspace(g, 1024, cpu) is ws  # no second allocation
+    monkeypatch.setattr(groups, "allocate_torch", lambda *a: (_ for _ in ()).throw(RuntimeError("no memory")))
+    with pytest.raises(RuntimeError, match="no memory"):  # the helper thread's error reaches the caller
+        groups.workspace(g, 1 << 30, cpu)
+
+
+def test_workspaces_grow_at_least_twofold_and_start_at_the_planned_size(fake_allocation):
+    """A larger call grows the workspace (collectively: every rank waits for the old one's users)
+    to at least twice its size, keeping the lane; a compiled graph's plan sizes the group's first
+    allocation, so its fused ops need no growth."""
+    threads, buffers, group = fake_allocation
+    cpu = torch.device("cpu")
+    g = group()
+    first = groups.workspace(g, 1024, cpu)
+    lane = groups.lane(g)
+    generation = groups.generation
+    grown = groups.workspace(g, 5000, cpu)
+    assert grown is not first and grown.data_bytes == 8192 and g.workspace is grown
+    assert groups.lane(g) is lane and len(buffers) == 3  # the lane is never regrown
+    assert groups.generation > generation  # kept plans (which hold sizes) are decided anew
+    assert groups.workspace(g, 20000, cpu).data_bytes == wsmod.round_up(20000, wsmod.ALIGN)
+    groups.release_all()
+    groups.plan(group_name(), 50000)
+    groups.plan(group_name(), 30000)  # the largest plan counts
+    assert groups.planned(group_name()) == 50000
+    g = group()
+    assert groups.workspace(g, 1024, cpu).data_bytes == wsmod.round_up(50000, wsmod.ALIGN)
+
+
+def test_split_k_counters_sit_between_the_tile_flags_and_the_ticket():
+    ws = _workspace()
+    flags, counters, ticket = ws.tile_flags, ws.tile_counters, ws.ticket
+    base_ptr = ws.buffer.data_ptr()
+    assert flags.data_ptr() - base_ptr == wsmod.FLAG_BYTES and flags.numel() == wsmod.TILE_FLAG_SLOTS
+    assert counters.data_ptr() >= flags.data_ptr() + 4 * flags.numel()
+    assert counters.data_ptr() + 4 * counters.numel() <= ticket.data_ptr()
+    assert ticket.data_ptr() + 8 == base_ptr + wsmod.HEADER_BYTES
