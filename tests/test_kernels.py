@@ -4,47 +4,11 @@
 from __future__ import annotations
 
 
-import pytest
-import torch
 
 from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k
-from commfuse.runtime import policy
-from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.paths import REGISTRY
-from commfuse.runtime.paths.base import Call
 
-BF16 = torch.bfloat16
-AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
-
-
-def _call(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None):
-    """A call as the entry builds it (``slabs``: 1 along the rows, else unknown unless given)."""
-    if slabs is None:
-        slabs = 1 if rows_dim == 0 else 0
-    return Call(op, m, k, n, dtype, world, rows_dim=rows_dim, slabs=slabs)
-
-
-def choose(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None, *, forced=None, capturing=False,
-           lane_bytes=0, facts=None):
-    """The path name ``policy.choose`` gives on a simulated H200 group of ``world`` ranks."""
-    call = _call(op, m, k, n, dtype, world, rows_dim, slabs)
-    return policy.choose(call, facts or GroupFacts.simulated(world), capturing=capturing, lane_bytes=lane_bytes,
-                         forced=forced).name
-
-
-def rules(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None) -> str:
-    """What the rules alone pick (what a forced path that cannot take a call falls back to)."""
-    return policy.rules_choice(_call(op, m, k, n, dtype, world, rows_dim, slabs), GroupFacts.simulated(world)).name
-
-
-def supports(op, name, m, k, n, dtype=BF16, world=2, **kw):
-    return REGISTRY[(op, name)].supports(_call(op, m, k, n, dtype, world, **kw), GroupFacts.simulated(world))
-
-
-@pytest.fixture(autouse=True)
-def _quiet_policy(monkeypatch):
-    """Each test sees the policy's once-per-reason warnings afresh."""
-    monkeypatch.setattr(policy, "_warned", set())
+from choosing import (  # noqa: F401  (_quiet_policy, fresh_groups: fixtures, found by name)
+    _quiet_policy)
 
 
 def test_exchange_kernels_do_not_specialise_on_epochs_or_slots():

@@ -18,38 +18,8 @@ from commfuse.runtime.paths import REGISTRY, ar_ce_overlap, ar_graph, base, rs_c
 from commfuse.runtime.paths import ag_fused, ar_fused
 from commfuse.runtime.paths.base import Call
 
-BF16 = torch.bfloat16
-AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
-
-
-def _call(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None):
-    """A call as the entry builds it (``slabs``: 1 along the rows, else unknown unless given)."""
-    if slabs is None:
-        slabs = 1 if rows_dim == 0 else 0
-    return Call(op, m, k, n, dtype, world, rows_dim=rows_dim, slabs=slabs)
-
-
-def choose(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None, *, forced=None, capturing=False,
-           lane_bytes=0, facts=None):
-    """The path name ``policy.choose`` gives on a simulated H200 group of ``world`` ranks."""
-    call = _call(op, m, k, n, dtype, world, rows_dim, slabs)
-    return policy.choose(call, facts or GroupFacts.simulated(world), capturing=capturing, lane_bytes=lane_bytes,
-                         forced=forced).name
-
-
-def rules(op, m, k, n, dtype=BF16, world=2, rows_dim=0, slabs=None) -> str:
-    """What the rules alone pick (what a forced path that cannot take a call falls back to)."""
-    return policy.rules_choice(_call(op, m, k, n, dtype, world, rows_dim, slabs), GroupFacts.simulated(world)).name
-
-
-def supports(op, name, m, k, n, dtype=BF16, world=2, **kw):
-    return REGISTRY[(op, name)].supports(_call(op, m, k, n, dtype, world, **kw), GroupFacts.simulated(world))
-
-
-@pytest.fixture(autouse=True)
-def _quiet_policy(monkeypatch):
-    """Each test sees the policy's once-per-reason warnings afresh."""
-    monkeypatch.setattr(policy, "_warned", set())
+from choosing import (  # noqa: F401  (_quiet_policy, fresh_groups: fixtures, found by name)
+    BF16, AR, AG, RS, _call, supports, _quiet_policy)
 
 
 def test_tile_config_parses_and_round_trips():
