@@ -16,6 +16,7 @@ from commfuse.runtime import entry, groups, reference
 from commfuse.runtime import facts as facts_mod
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
+from commfuse.runtime.paths.common import PATHS
 from commfuse.runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER
 from helpers import init_fake_pg
 
@@ -144,3 +145,38 @@ def _mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name, s
     shape = reference.resolve_shape(shape, a.shape[0] * b.shape[1])
     args = MM_REDUCE_SCATTER.Args(a, b, bias, shape, scatter_dim, world_size, group_name)
     return entry.run(MM_REDUCE_SCATTER, args, site)
+
+
+def _inputs(world, m, k, n, bias_kind):
+    torch.manual_seed(3)
+    a = [torch.randn(m, k) for _ in range(world)]
+    b = [torch.randn(k, n) for _ in range(world)]
+    bias = [None if bias_kind is None else torch.randn(*((n,) if bias_kind == "1d" else (m, n)))
+            for _ in range(world)]
+    return a, b, bias
+
+
+def _partial(a, b, bias):
+    return a @ b if bias is None else torch.addmm(bias, a, b)
+
+
+def _ran(op):
+    """The counts of ``PATHS`` for ``op`` now, to compare with after a call."""
+    return {k.split(":")[1]: v for k, v in PATHS.items() if k.startswith(op + ":")}
+
+
+def _changed(op, before):
+    after = _ran(op)
+    return [k for k in after if after[k] != before.get(k, 0)]
+
+
+class _FakeEvent:
+    """A timing event whose time is the number of events recorded before it (in ms)."""
+    clock = 0
+
+    def record(self, stream=None):
+        _FakeEvent.clock += 1
+        self.at = _FakeEvent.clock
+
+    def elapsed_time(self, end):
+        return end.at - self.at

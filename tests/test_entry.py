@@ -21,30 +21,8 @@ from commfuse.runtime.paths.base import (Call, MmAllReduceArgs, MAX_ROW_SLABS)
 from commfuse.runtime.paths.common import PATHS
 
 from sim import (  # noqa: F401  (fixtures: pytest finds them by name in this module)
-    AR, AG, RS, _Buffers, _Group, _Stream, _all_gather_mm, _mm_all_reduce, _mm_reduce_scatter, _one_thread, sim)
-
-
-def _inputs(world, m, k, n, bias_kind):
-    torch.manual_seed(3)
-    a = [torch.randn(m, k) for _ in range(world)]
-    b = [torch.randn(k, n) for _ in range(world)]
-    bias = [None if bias_kind is None else torch.randn(*((n,) if bias_kind == "1d" else (m, n)))
-            for _ in range(world)]
-    return a, b, bias
-
-
-def _partial(a, b, bias):
-    return a @ b if bias is None else torch.addmm(bias, a, b)
-
-
-def _ran(op):
-    """The counts of ``PATHS`` for ``op`` now, to compare with after a call."""
-    return {k.split(":")[1]: v for k, v in PATHS.items() if k.startswith(op + ":")}
-
-
-def _changed(op, before):
-    after = _ran(op)
-    return [k for k in after if after[k] != before.get(k, 0)]
+    AR, AG, RS, _Buffers, _Group, _Stream, _all_gather_mm, _mm_all_reduce, _mm_reduce_scatter, _one_thread, sim,
+    _changed, _FakeEvent, _inputs, _partial, _ran)
 
 
 def test_the_pairing_check_tags_every_exchange_with_its_call(sim, monkeypatch):
@@ -200,18 +178,6 @@ def test_forced_copy_engine_paths_with_no_rows_run_the_rules_choice(sim):
     assert out.shape == (0, 7) and sim.mine.broken is None
     assert PATHS["mm_reduce_scatter:nccl"] == before.get("mm_reduce_scatter:nccl", 0) + 1
     assert PATHS["mm_all_reduce:ce_overlap"] == before.get("mm_all_reduce:ce_overlap", 0)
-
-
-class _FakeEvent:
-    """A timing event whose time is the number of events recorded before it (in ms)."""
-    clock = 0
-
-    def record(self, stream=None):
-        _FakeEvent.clock += 1
-        self.at = _FakeEvent.clock
-
-    def elapsed_time(self, end):
-        return end.at - self.at
 
 
 def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch):

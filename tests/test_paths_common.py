@@ -19,18 +19,6 @@ from sim import (  # noqa: F401  (fixtures: pytest finds them by name in this mo
     AR, AG, RS, _Buffers, _Group, _Stream, _one_thread, sim)
 
 
-class _FakeEvent:
-    """A timing event whose time is the number of events recorded before it (in ms)."""
-    clock = 0
-
-    def record(self, stream=None):
-        _FakeEvent.clock += 1
-        self.at = _FakeEvent.clock
-
-    def elapsed_time(self, end):
-        return end.at - self.at
-
-
 class _Event:
     def __init__(self, log):
         self.log = log

@@ -22,11 +22,11 @@ from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.paths import REGISTRY, ar_ce_overlap, rs_ce_overlap
 from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
                                          row_slabs, rows_dim)
-from commfuse.runtime.paths.common import PATHS
 from commfuse.runtime.running import ag_ce_overlap as ag_ce_overlap_run, ar_ce_overlap as ar_ce_overlap_run, rs_ce_overlap as rs_ce_overlap_run
 
 from sim import (  # noqa: F401  (fixtures: pytest finds them by name in this module)
-    AR, AG, RS, _Buffers, _Group, _Stream, _all_gather_mm, _mm_all_reduce, _mm_reduce_scatter, _one_thread, sim)
+    AR, AG, RS, _Buffers, _Group, _Stream, _all_gather_mm, _mm_all_reduce, _mm_reduce_scatter, _one_thread, sim,
+    _changed, _inputs, _partial, _ran)
 
 
 def _args(op, *args, **kw):
@@ -60,29 +60,6 @@ def run_path(sim, op, name, *args, config=None, **kw):
     path = REGISTRY[(op, name)]
     config = config if config is not None else path.config(call, sim.facts)
     return running.run(path, Context(call, sim.facts, sim.group, config), args)
-
-
-def _inputs(world, m, k, n, bias_kind):
-    torch.manual_seed(3)
-    a = [torch.randn(m, k) for _ in range(world)]
-    b = [torch.randn(k, n) for _ in range(world)]
-    bias = [None if bias_kind is None else torch.randn(*((n,) if bias_kind == "1d" else (m, n)))
-            for _ in range(world)]
-    return a, b, bias
-
-
-def _partial(a, b, bias):
-    return a @ b if bias is None else torch.addmm(bias, a, b)
-
-
-def _ran(op):
-    """The counts of ``PATHS`` for ``op`` now, to compare with after a call."""
-    return {k.split(":")[1]: v for k, v in PATHS.items() if k.startswith(op + ":")}
-
-
-def _changed(op, before):
-    after = _ran(op)
-    return [k for k in after if after[k] != before.get(k, 0)]
 
 
 @pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ce_overlap"])
@@ -318,18 +295,6 @@ def test_kept_views_made_in_inference_mode_take_writes_outside_it(sim):
     fresh.flags.zero_()
     fresh.tile_flags.add_(1)
     fresh.peer_data(0, 0, (4, 4), torch.float32).add_(1)
-
-
-class _FakeEvent:
-    """A timing event whose time is the number of events recorded before it (in ms)."""
-    clock = 0
-
-    def record(self, stream=None):
-        _FakeEvent.clock += 1
-        self.at = _FakeEvent.clock
-
-    def elapsed_time(self, end):
-        return end.at - self.at
 
 
 def test_one_shot_promises_vector_loads_only_on_aligned_partials(monkeypatch):
