@@ -12,6 +12,11 @@ generated code does. Each fused case is checked against fp32 first.
 The script runs against whichever commfuse is importable (``PYTHONPATH``): the tree before the
 path objects (``commfuse.kernels.dispatch``) or after (``commfuse.runtime``), so one device call
 can time both in alternating processes (``--label``).
+
+``--commfuse`` asks whether commfuse slows the ops it does not touch: ``absent`` times the unfused
+calls in a process that never imports commfuse, ``imported`` imports it (and registers its ops)
+without calling it, ``used`` (the default) times them among the fused cases. ``--back-to-back``
+times each case in a run of its own calls instead of in turn with the others (warm caches).
 """
 
 from __future__ import annotations
@@ -81,6 +86,11 @@ def main() -> int:
     p.add_argument("--sleep-ms", type=float, default=60.0)
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--commfuse", choices=("absent", "imported", "used"), default="used",
+                   help="absent: never import commfuse (unfused cases only); imported: import it, time the "
+                   "unfused cases only; used: every case, fused among unfused")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time each case in a run of its own calls, not in turn with the other cases")
     p.add_argument("--profile", default="", help="comma-separated case names (substrings): a cProfile of 50 "
                    "calls of each, behind a GPU sleep")
     args = p.parse_args()
@@ -91,13 +101,15 @@ def main() -> int:
     os.environ.setdefault("MASTER_PORT", "29531")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    import commfuse  # noqa: F401
-
     forced: dict = {}
-    tree = _force_new(forced) if hasattr(commfuse, "release_all") else _force_old(forced)
+    tree = "none"
+    if args.commfuse != "absent":
+        import commfuse
+
+        tree = _force_new(forced) if hasattr(commfuse, "release_all") else _force_old(forced)
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
-    ops = torch.ops.commfuse
+    ops = torch.ops.commfuse if args.commfuse == "used" else None
     torch.manual_seed(0)
 
     def operands(op, m, k, n, layout):
@@ -124,7 +136,7 @@ def main() -> int:
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.ops.aten.mm(a, b), "sum", 1, group))
 
     cases = []
-    for op, path, m, k, n, layout in CASES:
+    for op, path, m, k, n, layout in CASES if args.commfuse == "used" else ():
         a, b = operands(op, m, k, n, layout)
         cases.append((f"{op} {path} {m}x{k}x{n}", lambda op=op, path=path, a=a, b=b: fused(op, path, a, b), a, b))
     for op, m, k, n in UNFUSED:
@@ -141,13 +153,22 @@ def main() -> int:
     torch.cuda.synchronize()
     cycles = int(args.sleep_ms * (getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000))
     host = {name: [] for name, *_ in cases}
-    for _ in range(args.batches):
-        torch.cuda._sleep(cycles)
+    if args.back_to_back:
         for name, fn, _, _ in cases:
-            start = time.perf_counter()
-            fn()
-            host[name].append((time.perf_counter() - start) * 1e6)
-        torch.cuda.synchronize()
+            for _ in range(args.batches):
+                torch.cuda._sleep(cycles // 8)
+                start = time.perf_counter()
+                fn()
+                host[name].append((time.perf_counter() - start) * 1e6)
+                torch.cuda.synchronize()
+    else:
+        for _ in range(args.batches):
+            torch.cuda._sleep(cycles)
+            for name, fn, _, _ in cases:
+                start = time.perf_counter()
+                fn()
+                host[name].append((time.perf_counter() - start) * 1e6)
+            torch.cuda.synchronize()
     medians = {name: statistics.median(t) for name, t in host.items()}
     for want in filter(None, args.profile.split(",")):
         import cProfile
@@ -167,12 +188,14 @@ def main() -> int:
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(28)
                 print(f"--- cProfile of 50 calls: {name}\n{text.getvalue()}", flush=True)
-    print(f"host us per call, {tree} tree {args.label} (median of {args.batches} batches, one rank, GPU kept busy):")
+    print(f"host us per call, {tree} tree, commfuse {args.commfuse}"
+          f"{', back to back' if args.back_to_back else ''} {args.label} (median of {args.batches} batches, one rank, GPU kept busy):")
     for name, us in medians.items():
         print(f"  {name:52s} {us:8.1f}  (min {min(host[name]):.1f})", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"tree": tree, "label": args.label, "batches": args.batches, "median_us": medians,
+            json.dump({"tree": tree, "commfuse": args.commfuse, "back_to_back": args.back_to_back,
+                       "label": args.label, "batches": args.batches, "median_us": medians,
                        "min_us": {k: min(v) for k, v in host.items()}, "device": torch.cuda.get_device_name(0),
                        "torch": torch.__version__}, f, indent=1)
     dist.destroy_process_group()
