@@ -1,0 +1,148 @@
+"""The GEMM half of the fused tile kernels against cuBLAS, on one GPU, L2 flushed before each call.
+
+    python benchmarks/gemm_half.py --out gemm_half.json [--world 2] [--iters 15] [--alternatives]
+
+For each shape of the op benchmark's table (``commfuse.tools.bench``), at one rank's share of a
+group of ``--world`` ranks, this times ``torch.mm`` on nn.Linear's operands (the weight a
+transposed view) and the tile kernels' GEMM (``kernels.tiles.matmul``: the same tile order, K loop
+and epilogue helpers as the fused kernels, without any exchange) with the tiling the path would
+use: the fused all-reduce's (``ar_fused.tile_config``), its reduce-scatter form's and the fused
+all-gather's (``ag_fused.tile_config``). Per shape: both medians and their ratio; per op: the
+geomean of tile ÷ cuBLAS at M >= 1024, where the GEMM dominates the call. ``--alternatives`` also
+times a few other tilings per shape and reports the best, to show what choosing tiles per shape
+class could gain. Every result is checked against an fp32 product first (output poisoned).
+
+What it does not time: the split-K kernel (its K loop is split across programs, not a tile GEMM
+of this shape), nor the fused kernels' own K loop with the exchange switched off (only the fused
+all-reduce kernel has such a switch, ``fused_all_reduce.ABLATE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+#: Other tilings tried with ``--alternatives`` (Hopper, bf16): wide, square and tall tiles.
+ALTERNATIVES = ("128x128x64s4w8g8r0", "128x256x64s4w8g8r0", "256x128x64s3w8g8r0", "64x256x64s4w4g8r0",
+                "128x128x128s3w8g8r0")
+
+
+def _flush_buffer() -> torch.Tensor:
+    # larger than the H200's 60 MB L2, so each timed call reads its operands from HBM
+    return torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+
+
+def time_flushed(fn, flush: torch.Tensor, iters: int) -> float:
+    """Median µs of ``fn`` over ``iters`` calls, each after the L2 is overwritten (CUDA events
+    around the call only)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="the group size whose per-rank shares are timed")
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--alternatives", action="store_true", help="also time the tilings in ALTERNATIVES")
+    p.add_argument("--ops", default="mm_all_reduce,mm_reduce_scatter,all_gather_mm")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("gemm_half: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from commfuse.kernels import tiles
+    from commfuse.kernels.sizes.tiles import TileConfig
+    from commfuse.runtime.paths import ag_fused, ar_fused
+    from commfuse.runtime.paths.base import Call
+    from commfuse.tools.bench import shapes_of
+
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    tiles.ensure_allocator()
+    dt, w = torch.bfloat16, args.world
+    flush = _flush_buffer()
+    torch.manual_seed(0)
+    records = []
+    print(f"{'op':18s} {'M':>6s} {'K':>6s} {'N':>6s} {'tiling':>20s} {'cuBLAS us':>10s} {'tile us':>9s} "
+          f"{'tile/cuBLAS':>11s}" + (f" {'best alt':>20s} {'alt/cuBLAS':>10s}" if args.alternatives else ""),
+          flush=True)
+    for op in args.ops.split(","):
+        for m, k, n in shapes_of(op):
+            call = Call(op, m, k, n, dt, w)
+            if op == "mm_all_reduce":
+                cfg = ar_fused.tile_config(call, scatter=False)
+            elif op == "mm_reduce_scatter":
+                cfg = ar_fused.tile_config(call, scatter=True)
+            else:
+                cfg = ag_fused.tile_config(call)
+            # one rank's GEMM: the all-reduce and reduce-scatter multiply all M rows by their K
+            # share (the table's K is already the per-rank K); the all-gather multiplies all M
+            # gathered rows
+            a = torch.randn(m, k, device="cuda", dtype=dt)
+            weight = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+            b = weight.t()
+            ref = a.float() @ b.float()
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+            tiles.matmul(a, b, None, cfg, out=out)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                raise RuntimeError(f"gemm_half: the tile GEMM is wrong at {op} {m}x{k}x{n} ({cfg}): {err}")
+            cublas = time_flushed(lambda: torch.mm(a, b, out=out), flush, args.iters)
+            tile = time_flushed(lambda: tiles.matmul(a, b, None, cfg, out=out), flush, args.iters)
+            rec = dict(op=op, M=m, K=k, N=n, world=w, tiling=str(cfg), cublas_us=cublas, tile_us=tile,
+                       ratio=tile / cublas)
+            line = f"{op:18s} {m:6d} {k:6d} {n:6d} {str(cfg):>20s} {cublas:10.1f} {tile:9.1f} {tile / cublas:11.3f}"
+            if args.alternatives:
+                best = (tile, str(cfg))
+                for text in ALTERNATIVES:
+                    alt = TileConfig.parse(text)
+                    try:
+                        tiles.matmul(a, b, None, alt, out=out)
+                        us = time_flushed(lambda alt=alt: tiles.matmul(a, b, None, alt, out=out), flush, args.iters)
+                    except Exception as exc:  # a tiling the device cannot fit (shared memory)
+                        rec.setdefault("alt_failed", {})[text] = f"{type(exc).__name__}"
+                        continue
+                    rec.setdefault("alt_us", {})[text] = us
+                    best = min(best, (us, text))
+                rec["best_us"], rec["best_tiling"] = best
+                line += f" {best[1]:>20s} {best[0] / cublas:10.3f}"
+            print(line, flush=True)
+            records.append(rec)
+    summary = {}
+    for op in args.ops.split(","):
+        big = [r for r in records if r["op"] == op and r["M"] >= 1024]
+        if big:
+            summary[op] = {"geomean_tile_over_cublas_M_ge_1024": math.exp(
+                sum(math.log(r["ratio"]) for r in big) / len(big)), "shapes": len(big)}
+            if args.alternatives:
+                summary[op]["geomean_best_over_cublas_M_ge_1024"] = math.exp(
+                    sum(math.log(r["best_us"] / r["cublas_us"]) for r in big) / len(big))
+            print(f"{op}: geomean tile/cuBLAS at M >= 1024: "
+                  f"{summary[op]['geomean_tile_over_cublas_M_ge_1024']:.3f} over {len(big)} shapes"
+                  + (f"; best tiling per shape: {summary[op]['geomean_best_over_cublas_M_ge_1024']:.3f}"
+                     if args.alternatives else ""), flush=True)
+    if args.out:
+        from commfuse.tools.timing import commit
+
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "commit": commit(), "records": records, "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
