@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k
+from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k, norm_epilogue
 
 from choosing import (  # noqa: F401  (_quiet_policy, fresh_groups: fixtures, found by name)
     _quiet_policy)
@@ -17,9 +17,13 @@ def test_exchange_kernels_do_not_specialise_on_epochs_or_slots():
 
     for kernel in (exchange.one_shot_kernel, exchange.two_shot_kernel, exchange.pull_gather_kernel,
                    exchange.reduce_scatter_kernel, exchange.barrier_kernel,
-                   fused_all_reduce.gemm_all_reduce_kernel, fused_split_k.split_k_all_reduce_kernel):
+                   fused_all_reduce.gemm_all_reduce_kernel, fused_split_k.split_k_all_reduce_kernel,
+                   norm_epilogue.one_shot_add_rms_norm_kernel):
         names = [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize]
         assert "epoch" in names, kernel.fn.__name__
+    names = norm_epilogue.one_shot_add_rms_norm_kernel.do_not_specialize
+    assert "slot_base" in [norm_epilogue.one_shot_add_rms_norm_kernel.arg_names[i] if isinstance(i, int) else i
+                           for i in names]
     assert "slot" in [exchange.barrier_kernel.arg_names[i] if isinstance(i, int) else i
                       for i in exchange.barrier_kernel.do_not_specialize]
 
@@ -32,7 +36,8 @@ def test_no_kernel_specialises_on_the_rank():
     for kernel in (exchange.one_shot_kernel, exchange.staged_one_shot_kernel, exchange.two_shot_kernel,
                    exchange.pull_gather_kernel, exchange.reduce_scatter_kernel, exchange.barrier_kernel,
                    fused_all_reduce.gemm_all_reduce_kernel, fused_split_k.split_k_all_reduce_kernel,
-                   fused_all_gather.all_gather_gemm_kernel):
+                   fused_all_gather.all_gather_gemm_kernel, norm_epilogue.one_shot_add_rms_norm_kernel,
+                   norm_epilogue.staged_add_rms_norm_kernel):
         assert "rank" in kernel.arg_names
         assert "rank" in [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize], \
             kernel.fn.__name__

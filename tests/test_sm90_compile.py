@@ -143,3 +143,24 @@ def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel):
     sig = {name: sig[name] for name in names if name in sig}
     ptx = _compile_for_sm90(getattr(exchange, kernel), sig, consts, num_warps=16).asm["ptx"]
     assert "sys.release" in ptx and "sys.acquire" in ptx, "the signal's release, the wait's acquire"
+
+
+@pytest.mark.parametrize("kernel", ["one_shot_add_rms_norm_kernel", "staged_add_rms_norm_kernel"])
+def test_norm_epilogue_compiles_for_sm90_with_a_row_in_registers(kernel):
+    """The all-reduce + add + RMSNorm kernels (``tests/interpreted_norm_epilogue.py`` checks the
+    values) at their largest row, 8192 bf16 elements at 16 warps: they compile for sm_90 with the
+    signal's release and the wait's acquire."""
+    pytest.importorskip("iris")
+    from commfuse.kernels import norm_epilogue
+
+    rows = {name: "*bf16" for name in ("partial", "src", "x", "weight", "h", "n", "data")}
+    sig = {**rows, "rows": "i32", "cols": "i32", "half_elems": "i32", "eps": "fp32", "slot_base": "i32",
+           **_EXCHANGE_COMMON}
+    consts = dict(OP=1, WORLD=2, BLOCK=8192, VEC=1, WEIGHT_LAST=True)
+    if kernel == "staged_add_rms_norm_kernel":  # the graph lane's: int64 flags and counters
+        sig.update(flags="*i64", counter="*i64")
+        consts.update(OP=4, SLOTS=128)
+    fn = getattr(norm_epilogue, kernel)
+    sig = {name: sig[name] for name in fn.arg_names if name in sig}
+    ptx = _compile_for_sm90(fn, sig, consts, num_warps=16).asm["ptx"]
+    assert "sys.release" in ptx and "sys.acquire" in ptx, "the signal's release, the wait's acquire"

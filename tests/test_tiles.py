@@ -29,6 +29,9 @@ INTERPRETED = {
                                "reduce-scatter, the graph lane's staged one-shot, the one-shot "
                                "and barrier reading their epoch on the device, and NaN (not stale "
                                "bytes) where a late peer's data would go",
+    "interpreted_norm_epilogue.py": "the all-reduce + add + RMSNorm kernels (one-shot, the graph lane's "
+                                    "staged form): h and n against fp32 and the unfused chain's "
+                                    "rounding (both forms), odd hidden sizes, NaN for a late peer",
 }
 
 

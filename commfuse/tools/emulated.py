@@ -40,16 +40,32 @@ class GroupState:
         return group_rank
 
 
+def _buffers(world: int, nbytes: int, device: torch.device):
+    """``world`` zeroed buffers on one device, their heap-bases table, the torch provider's views
+    over them, and each rank's share of the SMs."""
+    programs = torch.cuda.get_device_properties(device).multi_processor_count // world
+    bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
+    return bufs, bases, _Views(bufs), programs
+
+
 def group(world: int, data_bytes: int, device: torch.device | str = "cuda",
           timeout_s: float = 600.0) -> list[symm.Workspace]:
     """``world`` workspaces of ``data_bytes`` per parity on one device, zeroed, one per rank (one
     error word for all of them: the group's)."""
-    device = torch.device(device)
-    programs = torch.cuda.get_device_properties(device).multi_processor_count // world
-    bufs = [torch.zeros(symm.HEADER_BYTES + 2 * data_bytes, dtype=torch.uint8, device=device)
-            for _ in range(world)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
-    views = _Views(bufs)
+    bufs, bases, views, programs = _buffers(world, symm.HEADER_BYTES + 2 * data_bytes, torch.device(device))
     err = symm.error_word()
     return [symm.Workspace(f"one-device-{world}", r, world, bufs[r], bases, data_bytes, max_programs=programs,
                            err=err, timeout_ns=int(timeout_s * 1e9), _keepalive=views) for r in range(world)]
+
+
+def lanes(world: int, data_bytes: int, device: torch.device | str = "cuda",
+          timeout_s: float = 600.0) -> list[symm.GraphLane]:
+    """``world`` graph lanes of ``data_bytes`` per parity on one device, as ``group`` makes
+    workspaces: their kernels keep their epochs on the device, so each rank's launches may be
+    captured in a CUDA graph of its own and the ranks' graphs replayed together."""
+    bufs, bases, views, programs = _buffers(world, symm.GRAPH_FLAG_BYTES + 2 * data_bytes, torch.device(device))
+    err = symm.error_word()
+    return [symm.GraphLane(f"one-device-lane-{world}", r, world, bufs[r], bases, data_bytes,
+                           min(programs, symm.GRAPH_SLOTS), err=err, timeout_ns=int(timeout_s * 1e9),
+                           _keepalive=views) for r in range(world)]
