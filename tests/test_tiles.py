@@ -37,7 +37,7 @@ INTERPRETED = {
 
 #: Scripts that take more than ~20 s of CPU (the fused kernels' cases run every program of every
 #: position one after another): marked slow
-SLOW = {"interpreted_fused.py"}
+SLOW = {"interpreted_fused.py", "interpreted_norm_epilogue.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
