@@ -15,12 +15,12 @@ import contextlib
 import dataclasses
 import logging
 import os
-import sys
 from collections.abc import Iterator
 
 import torch
 
 from . import env
+from .runtime import groups
 
 log = logging.getLogger("commfuse")
 
@@ -231,30 +231,20 @@ def replay(records: list[MatchRecord], notes: list[tuple[str, int]]) -> None:
         log.log(level, "%s", text)
 
 
-def _calls() -> list[tuple]:
-    """The run-time's decisions so far, if any call ran on a GPU (the run-time is not imported
-    otherwise: it brings Triton)."""
-    entry = sys.modules.get("commfuse.runtime.entry")
-    if entry is None:
-        return []
-    return [(call, group, *decision) for (call, group), decision in entry.decisions.items()]
-
-
 def report() -> Report:
     """Decisions from every graph the pass has rewritten in this process (newest last), and the
-    run-time's path per call site so far (``Report.calls``).
+    run-time's path per call site so far (``Report.calls``: the decisions each group's state
+    keeps, ``runtime/groups.py``; a released group's are gone with it).
 
     A graph served from Inductor's FX graph cache skips the pass: its decisions, kept beside the
     cache entry when it was compiled, are read back and marked ``cached``
     (``inductor_plugin/cached.py``).
     """
-    return Report(_records, _notes, _calls())
+    return Report(_records, _notes, groups.decisions())
 
 
 def clear_report() -> None:
     """Forget every record, note and run-time call site so far."""
     _records.clear()
     _notes.clear()
-    entry = sys.modules.get("commfuse.runtime.entry")
-    if entry is not None:
-        entry.decisions.clear()
+    groups.clear_decisions()

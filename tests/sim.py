@@ -16,7 +16,7 @@ from commfuse.runtime import entry, groups, reference
 from commfuse.runtime import facts as facts_mod
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.counters import PATHS
 from commfuse.runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER
 from helpers import init_fake_pg
 

@@ -305,18 +305,18 @@ def _live_worker(rank: int, init_file: str, cache: str) -> None:
     facts, cpu = GroupFacts.simulated(WORLD), torch.device("cpu")
     call = Call("mm_all_reduce", 64, 64, 64, torch.bfloat16, WORLD)
     tuning.answer(group, call, facts, cpu, False)  # every rank: the group's tuner, its cache agreed
-    tuner = tuning._tuners[id(group)]
+    tuner = group.tuner
     # settings that may differ, changed on rank 0 only: its next answer starts no collective
     with env.override(log="info" if rank == 0 else None, timeout_s=300 if rank == 0 else None):
         tuning.answer(group, call, facts, cpu, False)
-    assert tuning._tuners[id(group)] is tuner
+    assert group.tuner is tuner
     mine = torch.tensor([float(10 + rank)])
     dist.all_reduce(mine)  # the program's next collective meets its peer's
     assert mine.item() == 21.0
     # a must-be-alike one, changed on every rank: a new tuner, its cache agreed anew
     with env.override(tune_margin="0.05"):
         tuning.answer(group, call, facts, cpu, False)
-        assert tuning._tuners[id(group)] is not tuner
+        assert group.tuner is not tuner
     dist.destroy_process_group()
 
 

@@ -33,7 +33,7 @@ def test_backend_by_name_without_import():
         out = torch.compile(f, backend="commfuse")(a, w)
         torch.testing.assert_close(out, a @ w)
         import commfuse
-        print("fused", len(commfuse.report().fused), "calls", commfuse.ops.CALL_COUNTS["mm_all_reduce"])
+        print("fused", len(commfuse.report().fused), "calls", commfuse.runtime.counters.CALLS["mm_all_reduce"])
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd="/", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import commfuse
-from commfuse.ops import CALL_COUNTS
+from commfuse.runtime.counters import CALLS
 
 
 def _fresh_cache():
@@ -42,11 +42,11 @@ def test_fx_graph_cache_hit_still_fuses(world2):
 
         torch._dynamo.reset()
         commfuse.clear_report()
-        before = CALL_COUNTS["mm_all_reduce"]
+        before = CALLS["mm_all_reduce"]
         out = torch.compile(f, backend=commfuse.backend(min_mnk=0))(a, w)
         hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
         assert hits >= 1, dict(counters)
-        assert CALL_COUNTS["mm_all_reduce"] == before + 1  # the pass did not run, yet the cached code calls the op
+        assert CALLS["mm_all_reduce"] == before + 1  # the pass did not run, yet the cached code calls the op
         torch.testing.assert_close(out, (a @ w).relu())
         rep = commfuse.report()  # the miss's decisions, read back and marked
         assert [r.cached for r in rep] == [True] and [r.cached for r in miss] == [False]
@@ -127,9 +127,9 @@ def test_different_settings_do_not_share_cache_entries(world2):
     with torch._inductor.config.patch(fx_graph_cache=True), _fresh_cache()():
         torch.compile(f, backend=commfuse.backend(min_mnk=0))(a, w)
         torch._dynamo.reset()
-        before = CALL_COUNTS["mm_all_reduce"]
+        before = CALLS["mm_all_reduce"]
         torch.compile(f, backend=commfuse.backend(min_mnk=10**9))(a, w)  # must not reuse the fused graph
-        assert CALL_COUNTS["mm_all_reduce"] == before
+        assert CALLS["mm_all_reduce"] == before
         assert "below the size threshold" in commfuse.report()[-1].reason
 
 

@@ -14,11 +14,11 @@ from commfuse import env
 from commfuse.kernels import exchange
 from commfuse.kernels import fused_split_k
 from commfuse.kernels.codes import count_of, tag_of
-from commfuse.runtime import entry, groups, running, shards, verify
+from commfuse.runtime import capture, groups, running, shards, verify
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.paths import REGISTRY, base
 from commfuse.runtime.paths.base import (Call, MmAllReduceArgs, MAX_ROW_SLABS)
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.counters import PATHS
 
 from sim import (  # noqa: F401  (fixtures: pytest finds them by name in this module)
     AR, AG, RS, _Buffers, _Group, _Stream, _all_gather_mm, _mm_all_reduce, _mm_reduce_scatter, _one_thread, sim,
@@ -240,7 +240,7 @@ def test_call_times_key_each_call_by_shapes_and_the_path_taken(sim, monkeypatch)
 
 def _capturing(monkeypatch, state: list) -> None:
     """A CUDA-graph capture, as the entry and the graph lane ask for it, while ``state[0]``."""
-    monkeypatch.setattr(groups, "_CUDA", True)
+    monkeypatch.setattr(capture, "_CUDA", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state[0])
 
 
@@ -266,7 +266,7 @@ def test_eager_twins_of_calls_captured_to_nccl_run_nccl(sim, monkeypatch):
     assert run(False) == ["pull", "pull"]  # before any capture
     assert run(True) == ["nccl", "nccl"]  # inside the capture (the sizes were agreed eagerly before)
     group = groups.get("0")
-    assert len(group.captured_nccl) == 2
+    assert len(group.capture.nccl) == 2
     calls = group.calls
     assert run(False) == ["nccl", "nccl"]  # the re-warming rank meets its peer's replays
     # ... with nothing before them: no size agreement, even of an op whose sizes once differed,
@@ -299,7 +299,7 @@ def test_a_captured_all_reduce_past_the_lane_makes_its_eager_twins_run_nccl(sim,
     assert path(False) == ["one_shot"]  # eagerly (every rank learns the call's sizes)
     assert groups.get("0").lane is None
     assert path(True) == ["nccl"]  # the lane path, which found no lane: NCCL
-    assert next(reversed(entry.decisions.values()))[:2] == ("graph", "capture")
+    assert next(reversed(groups.get("0").decisions.values()))[:2] == ("graph", "capture")
     assert path(False) == ["nccl"]
     groups.release_all()
     assert path(False) == ["one_shot"]  # a new group: nothing captured there
@@ -324,8 +324,8 @@ def test_eager_calls_that_fit_a_replayed_lane_take_it_unchecked(sim, monkeypatch
     buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
     group.lane = wsmod.GraphLane("0", sim.mine.rank, sim.world, buf, torch.zeros(sim.world, dtype=torch.int64),
                                  4096, 132, err=group.err)
-    groups.mark_replayed(group)  # (what a capture that launched the lane does)
-    assert groups.replayed_lane_bytes(group) == 4096
+    capture.mark_replayed(group)  # (what a capture that launched the lane does)
+    assert capture.lane_bytes(group) == 4096
     calls, learned = group.calls, shards.LEARNED
     with env.override(verify=True):
         for _ in range(2):
@@ -409,3 +409,56 @@ def test_verify_agrees_on_the_own_sizes_of_every_call(sim, monkeypatch):
         for _ in range(3):
             _mm_all_reduce(a[r], b[r], None, "0")
         assert shards.LEARNED == learned + 3
+
+
+def test_an_uncaptured_call_asks_the_capture_module_once(sim, monkeypatch):
+    """What capture changes about a call (an eager twin, a replayed lane) is answered in one place:
+    an uncaptured call whose plan is kept asks the capture module once (``capture.at_call``); one
+    whose plan is decided asks it once more, from the policy (``capture.Selection``)."""
+    import sys
+
+    from commfuse.runtime import capture
+
+    asked = []
+    for name in ("at_call", "capturing", "lane_bytes", "record", "mark_replayed", "lane", "fail", "restarted",
+                 "fits_lane", "owner", "Selection"):
+        real = getattr(capture, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__") != capture.__name__:  # (from outside it)
+                asked.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(capture, name, counted)
+    a, b = torch.randn(8, 6), torch.randn(6, 5)
+    _mm_all_reduce(a, b, None, "0")  # decided: the entry asks, then the policy
+    assert asked == ["at_call", "Selection"]
+    asked.clear()
+    before = _ran(AR)
+    _mm_all_reduce(a, b, None, "0")  # kept
+    assert asked == ["at_call"] and _changed(AR, before) == ["one_shot"]
+
+
+def test_releasing_a_group_releases_all_its_state(sim, monkeypatch):
+    """A group's plans, tuner, decisions, capture records, shard answers, facts and buffers live in
+    its state object: ``release`` drops all of it, and the group's next call starts afresh."""
+    monkeypatch.setattr(groups, "_held", [])
+    a, b = torch.randn(8, 6), torch.randn(6, 5)
+    _mm_all_reduce(a, b, None, "0")
+    group = groups.get("0")
+    group.workspace = sim.mine
+    group.lane = wsmod.GraphLane("0", sim.mine.rank, sim.world, torch.zeros(wsmod.GRAPH_FLAG_BYTES + 64,
+                                 dtype=torch.uint8), torch.zeros(sim.world, dtype=torch.int64), 32, 8, err=group.err)
+    group.tuner = object()  # (what ``tuning.for_group`` keeps there)
+    group.capture.nccl.add((AG, ((4, 6), (6, 5), torch.float32)))
+    group.uneven_ops.add(RS)
+    assert group.plans and group.decisions and group.shard_sizes and group.facts is not None
+    groups.release("0")
+    assert (group.workspace, group.lane, group.tuner) == (None, None, None)
+    assert not (group.plans or group.decisions or group.capture.nccl or group.shard_sizes or group.uneven_ops)
+    assert group not in groups.all_groups() and not groups.decisions()
+    fresh = groups.get("0")
+    assert fresh is not group and fresh.facts is None and fresh.tuner is None
+    assert not (fresh.plans or fresh.decisions or fresh.capture.nccl or fresh.shard_sizes)
+    _mm_all_reduce(a, b, None, "0")  # decided anew, on the new state
+    assert list(fresh.plans) and [d[0] for d in fresh.decisions.values()] == ["one_shot"]

@@ -12,7 +12,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse
 from commfuse.kernels.codes import GRAPH_LANE_OP
-from commfuse.runtime import errors, groups
+from commfuse.runtime import capture, counters, errors, groups
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
 from helpers import group_name
@@ -33,20 +33,20 @@ def test_a_group_re_created_under_its_name_starts_afresh(fresh_groups):
         g.facts = GroupFacts.simulated(2)
         g.shard_sizes[(AR, 8)] = True
         g.uneven_ops.add(AG)
-        g.captured_nccl.add((AR, ((8, 8), (8, 8), BF16)))
+        g.capture.nccl.add((AR, ((8, 8), (8, 8), BF16)))
         g.workspace = _workspace(name=g.name, err=g.err)
         g.calls = 5
     assert groups.get(name) is old  # the same object: the same state
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     assert group_name() == name  # the name comes back
-    generation = groups.generation
+    generation = counters.generation
     new = groups.get(name)
     assert new is not old and new.pg() is dist.group.WORLD
     assert (new.facts, new.workspace, new.lane, new.calls) == (None, None, None, 0)
-    assert not new.shard_sizes and not new.uneven_ops and not new.captured_nccl
+    assert not new.shard_sizes and not new.uneven_ops and not new.capture.nccl
     assert new.err is not old.err
-    assert old.workspace is None and groups.generation > generation  # the old state is dropped
+    assert old.workspace is None and counters.generation > generation  # the old state is dropped
     # the destroyed subgroup's state went with the sweep of that call
     assert gone.workspace is None
     assert all(g is new for g in groups.all_groups())
@@ -88,9 +88,9 @@ def test_a_graph_lane_timeout_makes_the_lanes_refuse_until_released(fresh_groups
     with pytest.raises(RuntimeError, match=r"mm_all_reduce \(graph lane\): on group '0', rank 1 timed out"):
         commfuse.check_errors()
     with pytest.raises(RuntimeError, match="graph lanes of group '0' are out of step.*release_all"):
-        groups.lane(g)
+        capture.lane(g)
     commfuse.release_all()
-    assert groups.lane(groups.get(name)) is None
+    assert capture.lane(groups.get(name)) is None
 
 
 def test_release_restarts_a_kept_lane_so_old_graphs_pair_and_raise_again(fresh_groups, monkeypatch):
@@ -102,7 +102,7 @@ def test_release_restarts_a_kept_lane_so_old_graphs_pair_and_raise_again(fresh_g
     g = groups.get(name)
     buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
     g.lane = wsmod.GraphLane(name, 0, 2, buf, torch.zeros(2, dtype=torch.int64), 4096, 132, err=g.err)
-    groups.mark_replayed(g)
+    capture.mark_replayed(g)
     g.lane.counter.fill_(14)  # this rank's epochs, ahead of a peer's after a failure
     g.lane.flags.fill_(9)
     g.lane.data(torch.float32).fill_(float("nan"))
@@ -113,7 +113,7 @@ def test_release_restarts_a_kept_lane_so_old_graphs_pair_and_raise_again(fresh_g
     assert g in groups.held() and g.lane is not None  # kept for the graphs
     assert int(g.lane.counter.abs().sum()) == 0 and int(g.lane.flags.abs().sum()) == 0
     assert int(g.lane.data(torch.float32).isnan().sum()) == 0
-    assert int(g.err.abs().sum()) == 0 and g.broken is None and g.lane_failure is None
+    assert int(g.err.abs().sum()) == 0 and g.broken is None and g.capture.failure is None
     g.err[:4] = torch.tensor([1, GRAPH_LANE_OP, 1, 0], dtype=torch.int32)  # a replay times out later
     g.lane.counter.fill_(3)
     with pytest.raises(RuntimeError, match="captured before release_all"):
@@ -134,7 +134,7 @@ def test_release_keeps_lanes_that_captured_graphs_replay_and_reads_their_errors(
     lane_buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
     group.lane = wsmod.GraphLane(name, 0, 2, lane_buf, torch.zeros(2, dtype=torch.int64), 4096, 8, err=group.err)
     group.workspace = _workspace(name=name, err=group.err)
-    groups.mark_replayed(group)
+    capture.mark_replayed(group)
     sub = dist.new_group([0, 1])
     other = groups.get(sub.group_name)
     other.lane = wsmod.GraphLane(sub.group_name, 0, 2, torch.zeros(wsmod.GRAPH_FLAG_BYTES + 64, dtype=torch.uint8),
@@ -176,7 +176,7 @@ def test_what_is_let_go_of_while_capturing_is_freed_after_the_capture(fresh_grou
 
     world, gone = _destroyed_subgroup()
     swept = weakref.ref(gone.workspace)
-    monkeypatch.setattr(groups, "_capturing", lambda: True)
+    monkeypatch.setattr(capture, "capturing", lambda: True)
     new_sub = dist.new_group([0, 1])
     groups.get(new_sub.group_name)  # a group is made: the sweep drops the destroyed one's state
     assert gone.workspace is None and gone not in groups.all_groups()
@@ -190,7 +190,7 @@ def test_what_is_let_go_of_while_capturing_is_freed_after_the_capture(fresh_grou
     groups.get(new_sub.group_name)  # a call while the capture goes on frees nothing either
     gc.collect()
     assert swept() is not None and released() is not None
-    monkeypatch.setattr(groups, "_capturing", lambda: False)
+    monkeypatch.setattr(capture, "capturing", lambda: False)
     groups.get(new_sub.group_name)  # the first call after the capture frees them
     gc.collect()
     assert swept() is None and released() is None
@@ -209,7 +209,7 @@ def test_what_a_capture_let_go_of_is_freed_in_a_loop_of_replays_only(fresh_group
 
     name = group_name()
     groups.get(name)
-    monkeypatch.setattr(groups, "_capturing", lambda: True)
+    monkeypatch.setattr(capture, "capturing", lambda: True)
     dropped = Buffer()
     gone = weakref.ref(dropped)
     groups.let_go(dropped)
@@ -217,7 +217,7 @@ def test_what_a_capture_let_go_of_is_freed_in_a_loop_of_replays_only(fresh_group
     errors.after_run(errors.Watch())  # still inside the capture: kept
     gc.collect()
     assert gone() is not None
-    monkeypatch.setattr(groups, "_capturing", lambda: False)
+    monkeypatch.setattr(capture, "capturing", lambda: False)
     if where == "after_run":
         watch = errors.Watch()
         watch.names.add(name)
@@ -247,12 +247,12 @@ def test_a_kept_lane_is_freed_once_the_graphs_that_captured_it_are_gone(fresh_gr
 
     manager = TreeManager()
     recording = weakref.ref(manager)
-    monkeypatch.setattr(groups, "_capture_owner", lambda: recording())
+    monkeypatch.setattr(capture, "owner", lambda: recording())
     group = groups.get(group_name())
     group.lane = _lane_of(group)
-    groups.mark_replayed(group)  # two captured calls of one recording
-    groups.mark_replayed(group)
-    assert len(group.graph_owners) == 1
+    capture.mark_replayed(group)  # two captured calls of one recording
+    capture.mark_replayed(group)
+    assert len(group.capture.owners) == 1
     lane = weakref.ref(group.lane)
     commfuse.release_all()
     assert groups.held() == [group] and lane() is not None  # its graphs may replay
@@ -272,10 +272,10 @@ def test_a_lane_a_graph_of_unknown_owner_captured_is_kept_until_told(fresh_group
     import gc
 
     monkeypatch.setattr(groups, "_held", [])
-    monkeypatch.setattr(groups, "_capture_owner", lambda: None)
+    monkeypatch.setattr(capture, "owner", lambda: None)
     group = groups.get(group_name())
     group.lane = _lane_of(group)
-    groups.mark_replayed(group)
+    capture.mark_replayed(group)
     lane = weakref.ref(group.lane)
     commfuse.release_all()
     commfuse.release_all()

@@ -11,6 +11,8 @@
 A module may import its own layer or any layer below it. An import inside a function is an edge
 too (it is how an optional or heavy dependency is kept out of ``import commfuse``), so the graph
 is read from every import statement of every module. The kernels read no environment variable.
+Compile time hands the run-time its workspace plans and site names through one registry
+(``runtime/plans.py``), and writes no other run-time state.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def test_tools_are_imported_by_nothing_else():
 DECIDING = ["commfuse", "commfuse.inductor_plugin", "commfuse.inductor_plugin.graph_pass", "commfuse.patterns",
             "commfuse.report", "commfuse.config", "commfuse.exclusion", "commfuse.ops", "commfuse.runtime.policy",
             "commfuse.runtime.rules", "commfuse.runtime.spec", "commfuse.runtime.rule_answers",
-            "commfuse.runtime.paths", "commfuse.kernels.sizes.fused_split_k",
+            "commfuse.runtime.paths", "commfuse.runtime.plans", "commfuse.runtime.capture",
+            "commfuse.runtime.counters", "commfuse.kernels.sizes.fused_split_k",
             "commfuse.kernels.sizes.fused_all_reduce", "commfuse.kernels.sizes.fused_all_gather"]
 
 _WITHOUT_TRITON = """
@@ -184,3 +187,30 @@ def test_running_needs_what_deciding_does_not():
     running = {m.rsplit(".", 1)[-1] for m in graph if m.startswith("commfuse.runtime.running.")}
     deciding = {m.rsplit(".", 1)[-1] for m in graph if m.startswith("commfuse.runtime.paths.")} - {"base", "common"}
     assert running == deciding
+
+
+#: The run-time modules that hold its state per group or per call (buffers, capture records, plans,
+#: tuners, decisions): compile time may not import them, except the report, which reads the
+#: decisions the groups keep.
+_RUN_TIME_STATE = {"commfuse.runtime.groups", "commfuse.runtime.capture", "commfuse.runtime.entry",
+                   "commfuse.runtime.tuning", "commfuse.runtime.workspace", "commfuse.runtime.shards"}
+_READS_STATE = {"commfuse.report": {"commfuse.runtime.groups"}}
+
+
+def test_compile_time_hands_the_run_time_only_the_plans_registry():
+    """The graph pass's workspace plans and call-site names reach the run-time through
+    ``runtime/plans.py`` only: no compile-time module imports a module that holds run-time state
+    (the report reads the groups' decisions, nothing more); the registry imports no other commfuse
+    module (what it holds cannot reach further); the graph pass registers there, and the run-time
+    reads it."""
+    graph = _graph()
+    for module, imports in graph.items():
+        if LAYERS[_part(module)] != LAYERS["inductor_plugin"]:
+            continue
+        wrong = (imports & _RUN_TIME_STATE) - _READS_STATE.get(module, set())
+        assert not wrong, f"{module} imports run-time state: {sorted(wrong)}"
+    assert graph["commfuse.runtime.plans"] == set()
+    assert "commfuse.runtime.plans" in graph["commfuse.inductor_plugin.graph_pass"]
+    assert "commfuse.runtime.plans" in graph["commfuse.runtime.groups"]
+    text = (ROOT / "inductor_plugin" / "graph_pass.py").read_text()
+    assert "plans.register(" in text and "plans.name_site(" in text

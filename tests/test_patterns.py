@@ -261,7 +261,7 @@ def test_call_sites_come_from_the_graphs_code_not_its_module_names(world2):
     loaded from that cache keeps the sites of the program that wrote it. So the same code under
     other module names must get the same sites (ranks whose caches differ then still number alike),
     and the module's name still says where a site is."""
-    from commfuse.runtime import verify
+    from commfuse.runtime import plans
 
     class Block(torch.nn.Module):
         def __init__(self, name: str):
@@ -279,7 +279,7 @@ def test_call_sites_come_from_the_graphs_code_not_its_module_names(world2):
 
     first = sites("up")
     assert len(first) == 1 and sites("down") == first
-    assert verify.SITES[first[0]].endswith(" in down")
+    assert plans.site_name(first[0]).endswith(" in down")
 
 
 def test_launch_bound_sizes_stay_unfused_without_cuda_graphs(world2):
@@ -451,10 +451,10 @@ def h200(world2, monkeypatch):
     """The graph pass sizes workspaces from this rank's GPU (``runtime.facts.local_facts``): here
     an H200 as the pass would see it, and no plan kept from an earlier test."""
     from commfuse.inductor_plugin import graph_pass
-    from commfuse.runtime import groups
+    from commfuse.runtime import plans
     from commfuse.runtime.facts import GroupFacts
 
-    monkeypatch.setattr(groups, "_planned", {})
+    monkeypatch.setattr(plans, "_planned", {})
     monkeypatch.setattr(graph_pass, "local_facts", lambda world, *args, **kwargs: GroupFacts.simulated(world))
     return GroupFacts.simulated(2)
 
@@ -467,9 +467,9 @@ def _path(facts, op, m, k, n, dtype, **extra) -> str:
 
 
 def _planned() -> dict:
-    from commfuse.runtime import groups
+    from commfuse.runtime import plans
 
-    return groups._planned
+    return plans._planned
 
 
 def test_workspace_plan(h200):
@@ -485,13 +485,13 @@ def test_workspace_plan(h200):
 
 def test_workspace_plan_without_a_cuda_gpu(world2, monkeypatch):
     """On this CPU every call runs NCCL (no CUDA GPU): the fused graph plans no symmetric bytes."""
-    from commfuse.runtime import groups
+    from commfuse.runtime import plans
 
-    monkeypatch.setattr(groups, "_planned", {})
+    monkeypatch.setattr(plans, "_planned", {})
     x, w = torch.randn(4096, 16, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
     compile_code(lambda x, w: _ar(x @ w), x, w)
     assert len(commfuse.report().fused) == 1
-    assert groups.planned(dist.group.WORLD.group_name) == 0
+    assert plans.planned(dist.group.WORLD.group_name) == 0
 
 
 def test_workspace_plan_sizes_for_the_fused_kernel(h200):

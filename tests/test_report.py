@@ -44,17 +44,22 @@ def test_a_graph_with_other_collectives_only_says_so(world2):
                                                "(only other collectives)")
 
 
-def test_the_report_says_which_path_each_call_site_takes_and_why(monkeypatch):
+def test_the_report_says_which_path_each_call_site_takes_and_why():
     """Once calls ran, the report lists the run-time's choice per call site and its source (rules,
-    tuner, forced, capture, lane, a group without symmetric paths)."""
-    import sys
-    import types
+    tuner, forced, capture, lane, a group without symmetric paths): the decisions each group's
+    state keeps, gone with the group when it is released, and with ``clear_report``."""
+    from commfuse.runtime import groups
 
-    import commfuse
-
-    fake = types.SimpleNamespace(decisions={("mm_all_reduce 16x4096x8192 bfloat16 w2", "0"):
-                                            ("split_k", "rules", "split_k when m <= 128")})
-    monkeypatch.setitem(sys.modules, "commfuse.runtime.entry", fake)
+    init_fake_pg(2)
+    groups.release_all()
+    name = dist.group.WORLD.group_name
+    call = "mm_all_reduce 16x4096x8192 bfloat16 w2"
+    groups.get(name).decisions[call] = ("split_k", "rules", "split_k when m <= 128")
     rep = commfuse.report()
-    assert rep.calls == [("mm_all_reduce 16x4096x8192 bfloat16 w2", "0", "split_k", "rules", "split_k when m <= 128")]
-    assert "mm_all_reduce 16x4096x8192 bfloat16 w2 on group 0: split_k (rules: split_k when m <= 128)" in str(rep)
+    assert rep.calls == [(call, name, "split_k", "rules", "split_k when m <= 128")]
+    assert f"{call} on group {name}: split_k (rules: split_k when m <= 128)" in str(rep)
+    commfuse.clear_report()
+    assert commfuse.report().calls == []
+    groups.get(name).decisions[call] = ("nccl", "fallback", "no rule applies")
+    groups.release(name)
+    assert commfuse.report().calls == []

@@ -13,7 +13,7 @@ from commfuse import env
 from commfuse.kernels import fused_split_k
 from commfuse.kernels.codes import TAG_MASK, flag_value
 from commfuse.runtime import entry  # noqa: F401  (a changed setting reaches the buffers through entry.forget)
-from commfuse.runtime import groups
+from commfuse.runtime import capture, counters, groups, plans
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.facts import GroupFacts
 from commfuse.runtime.paths import common
@@ -117,7 +117,7 @@ def fake_allocation(fresh_groups, monkeypatch):
 
     monkeypatch.setattr(groups, "allocate_torch", fake_alloc)
     monkeypatch.setattr(groups, "MIN_DATA_BYTES", 4096)
-    monkeypatch.setattr(groups, "_planned", {})
+    monkeypatch.setattr(plans, "_planned", {})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
     def group():
@@ -136,7 +136,7 @@ def test_workspace_allocation_runs_off_the_callers_thread(fake_allocation, monke
     with env.override(timeout_s=2.5):
         g = group()
         ws = groups.workspace(g, 1024, cpu)
-        lane = groups.lane(g)
+        lane = capture.lane(g)
         bounds = (ws.timeout_ns, lane.timeout_ns)
     assert bounds == (2_500_000_000, 2_500_000_000)  # the bound in force
     assert (ws.timeout_ns, lane.timeout_ns) == (600 * 10**9, 600 * 10**9)  # a changed setting reaches them
@@ -162,17 +162,17 @@ def test_workspaces_grow_at_least_twofold_and_start_at_the_planned_size(fake_all
     cpu = torch.device("cpu")
     g = group()
     first = groups.workspace(g, 1024, cpu)
-    lane = groups.lane(g)
-    generation = groups.generation
+    lane = capture.lane(g)
+    generation = counters.generation
     grown = groups.workspace(g, 5000, cpu)
     assert grown is not first and grown.data_bytes == 8192 and g.workspace is grown
-    assert groups.lane(g) is lane and len(buffers) == 3  # the lane is never regrown
-    assert groups.generation > generation  # kept plans (which hold sizes) are decided anew
+    assert capture.lane(g) is lane and len(buffers) == 3  # the lane is never regrown
+    assert counters.generation > generation  # kept plans (which hold sizes) are decided anew
     assert groups.workspace(g, 20000, cpu).data_bytes == wsmod.round_up(20000, wsmod.ALIGN)
     groups.release_all()
-    groups.plan(group_name(), 50000)
-    groups.plan(group_name(), 30000)  # the largest plan counts
-    assert groups.planned(group_name()) == 50000
+    plans.register(group_name(), 50000)
+    plans.register(group_name(), 30000)  # the largest plan counts
+    assert plans.planned(group_name()) == 50000
     g = group()
     assert groups.workspace(g, 1024, cpu).data_bytes == wsmod.round_up(50000, wsmod.ALIGN)
 

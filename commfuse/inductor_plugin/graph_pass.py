@@ -38,7 +38,7 @@ from ..config import Settings
 from . import alike
 from ..exclusion import any_instance_excluded, module_stack, unmatched_names
 from ..patterns import merge_sums
-from ..runtime import groups, policy, rules, verify
+from ..runtime import plans, policy, rules
 from ..runtime.facts import local_facts
 from ..runtime.spec import SPECS, Call
 from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
@@ -145,7 +145,7 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         number_sites(graph, label)
         graph.lint()
         for group, nbytes in workspace_plan(graph).items():
-            groups.plan(group, nbytes)
+            plans.register(group, nbytes)
         alike.warn_unagreed((n.args[_GROUP_ARG[n.target]] for n in graph.nodes
                              if n.op == "call_function" and n.target in _FUSED_OPS), settings, label)
     return fused
@@ -160,7 +160,7 @@ def number_sites(graph: fx.Graph, label: str) -> None:
     Only what Inductor's FX graph cache key covers goes in (the graph's code), so a graph loaded
     from that cache carries the sites this process would have given it, and ranks whose caches
     hold different graphs still number the same program alike. Module names are not in the key
-    (they are node metadata), so they name a site in messages (``verify.name_site``) but never
+    (they are node metadata), so they name a site in messages (``plans.name_site``) but never
     feed its number. Nothing rank-local goes in either: no shapes, which an uneven shard makes
     differ, no group or node names, no compile counters. Two calls of one graph get other
     numbers; graphs whose fused calls are alike in op, order and these arguments (the same block
@@ -175,7 +175,7 @@ def number_sites(graph: fx.Graph, label: str) -> None:
         node.args = (*node.args[:at], site)
         stack = module_stack(node)
         module = stack[-1][0] if stack else ""
-        verify.name_site(site, f"{label} {node.name}" + (f" in {module}" if module else ""))
+        plans.name_site(site, f"{label} {node.name}" + (f" in {module}" if module else ""))
 
 
 def _site_part(node: fx.Node) -> str:

@@ -177,10 +177,6 @@ def copy_engine_flags():
         return None
 
 
-#: Calls whose shard the copy engines pushed, since import (tests check which push ran).
-CE_CALLS = 0
-
-
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
             out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None,
             side: torch.cuda.Stream | None = None, pushers: int = PUSHERS, ce_chunk_count: int = 1):
@@ -261,12 +257,10 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                     write_flag(peer_flags[q], flag_base + c * world + rank, epoch)
 
     def launch(epoch: int, parity: int) -> None:
-        global CE_CALLS
         base = ws.ticket_base
         if trace is not None:
             trace.fill_(-1)
         if ce:
-            CE_CALLS += 1
             push(epoch, parity)
         gathered_rows[parity][mine].copy_(shard)
         run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers,
@@ -278,4 +272,5 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + count + pushers + compute
 
+    launch.variants = ("ce_push",) if ce else ()  # (what ran: the caller may count it)
     return launch

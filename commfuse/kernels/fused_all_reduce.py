@@ -451,11 +451,6 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     trace_time(trace, 1, TRACE)
 
 
-#: Reduce-scatter calls whose owners pulled the partials, all-reduce calls with the copies inline
-#: (no reducers), and calls that pushed through the TMA unit, since import (tests check the path
-#: ran).
-PULL_CALLS = INLINE_CALLS = TMA_CALLS = 0
-
 #: Reducers of a tiling without any (``reducers`` 0: inline copies) when the tile order is static.
 STATIC_REDUCERS = 16
 
@@ -483,6 +478,9 @@ class _Plan(NamedTuple):
     grid, constants, programs and positions are the kept launch's (``bound.fixed``)."""
     bound: Bound
     elems: int  # data elements per parity
+    #: what the launch runs beyond the plain kernel: ``pull`` (the owners pull the partials),
+    #: ``inline`` (no reducers: the copies inline), ``tma`` (pushes through the TMA unit)
+    variants: tuple[str, ...]
 
 
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int,
@@ -532,7 +530,9 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
     spread = (opts.stagger_ns[0] if count > compute else opts.stagger_ns[1]) if staggered else 0
     bound = Bound(gemm_all_reduce_kernel, (compute + reducers,), _PER_CALL, compute=compute, lag=lag,
                   positions=positions, stagger=spread, **fixed, **consts)
-    return _Plan(bound, elems)
+    variants = tuple(word for word, on in (("pull", consts["PULL"]), ("inline", inline), ("tma", consts["TMA_PUSH"]))
+                     if on)
+    return _Plan(bound, elems, variants)
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
@@ -564,11 +564,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         raise ValueError(f"commfuse: the trace needs {plan.bound.grid[0] * TRACE_SLOTS} slots")
 
     def launch(epoch: int, parity: int) -> None:
-        global PULL_CALLS, INLINE_CALLS, TMA_CALLS
         base = ws.ticket_base
-        PULL_CALLS += consts["PULL"]
-        INLINE_CALLS += consts["INLINE"]
-        TMA_CALLS += consts["TMA_PUSH"]
         if traced:
             trace.fill_(-1)
         plan.bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
@@ -577,4 +573,5 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + consts["positions"] + consts["compute"]
 
+    launch.variants = plan.variants  # (what ran: the caller may count it)
     return launch

@@ -2,6 +2,5 @@
 (``library.py``). Importing this package registers them."""
 
 from . import library  # noqa: F401  (registers torch.ops.commfuse.*)
-from .library import CALL_COUNTS
 
-__all__ = ["CALL_COUNTS", "library"]
+__all__ = ["library"]

@@ -24,17 +24,14 @@ Each op's unfused equivalent::
 
 from __future__ import annotations
 
-import collections
 import math
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..runtime import reference
+from ..runtime.counters import CALLS
 from ..runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER, SPECS
-
-#: Real (non-fake) invocations per op since import; tests use it to prove compiled code calls us.
-CALL_COUNTS: collections.Counter[str] = collections.Counter()
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -137,7 +134,7 @@ def _validate_mm_all_reduce(a, b, bias, group_name) -> None:
     _once(_signature("mm_all_reduce", a, b, bias, group_name), lambda: (
         _check_matmul_args("mm_all_reduce", a, b, bias), _group_size("mm_all_reduce", group_name)))
     _no_gradient("mm_all_reduce", a, b, bias)
-    CALL_COUNTS["mm_all_reduce"] += 1
+    CALLS["mm_all_reduce"] += 1
 
 
 @torch.library.register_fake("commfuse::mm_all_reduce")
@@ -207,7 +204,7 @@ def _validate_all_gather_mm(shard, b, bias, gather_dim, world_size, group_name) 
 
     _once(_signature("all_gather_mm", shard, b, bias, gather_dim, world_size, group_name), check)
     _no_gradient("all_gather_mm", shard, b, bias)
-    CALL_COUNTS["all_gather_mm"] += 1
+    CALLS["all_gather_mm"] += 1
 
 
 @torch.library.register_fake("commfuse::all_gather_mm")
@@ -277,7 +274,7 @@ def _validate_mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, grou
 
     _once(_signature("mm_reduce_scatter", a, b, bias, shape, scatter_dim, world_size, group_name), check)
     _no_gradient("mm_reduce_scatter", a, b, bias)
-    CALL_COUNTS["mm_reduce_scatter"] += 1
+    CALLS["mm_reduce_scatter"] += 1
 
 
 @torch.library.register_fake("commfuse::mm_reduce_scatter")

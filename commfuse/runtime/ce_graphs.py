@@ -29,6 +29,7 @@ import logging
 
 from .. import env
 from . import groups
+from .counters import CE_GRAPHS
 from .workspace import outside_graph_pools
 
 log = logging.getLogger("commfuse")
@@ -39,9 +40,6 @@ log = logging.getLogger("commfuse")
 #: pool holds its own cuBLAS workspace (32 MiB on Hopper by default) besides the graph itself.
 GRAPH_LIMIT = 16
 SEEN_LIMIT = 64
-
-#: Calls since import that ran eagerly (first seen), were captured, or replayed (tests check them).
-COUNTS = {"eager": 0, "captured": 0, "replayed": 0}
 
 _disabled: list[str] = []  # why graphs were turned off, once a capture failed
 _streams: dict[int, tuple] = {}
@@ -178,7 +176,7 @@ def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
     if graph is None:
         if call_key not in ws.graphs_seen:  # the first sighting: eager, and remembered
             _remember(ws.graphs_seen, call_key, None, SEEN_LIMIT)
-            COUNTS["eager"] += 1
+            CE_GRAPHS["eager"] += 1
             body(None)
             return "eager"
         try:  # the second: captured
@@ -189,13 +187,13 @@ def run(ws, epoch: int, call_key: tuple, body, device: int) -> str:
             graph.commfuse_bytes = max(0, _reserved(device) - before)
         except Exception as exc:  # noqa: BLE001 - nothing of the call ran: run it eagerly
             _give_up(exc, device, ws)
-            COUNTS["eager"] += 1
+            CE_GRAPHS["eager"] += 1
             body(None)
             return "eager"
         ws.graphs_seen.pop(call_key, None)
-        COUNTS["captured"] += 1
+        CE_GRAPHS["captured"] += 1
         how = "captured"
     _remember(ws.graphs, call_key, graph, GRAPH_LIMIT)
     graph.replay()
-    COUNTS["replayed"] += how == "replayed"
+    CE_GRAPHS["replayed"] += how == "replayed"
     return how

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from ..kernels.codes import ERR_MISMATCH, ERR_TIMEOUT, GRAPH_LANE_OP, OPS
+from . import capture, counters
 from . import groups as groups_mod
 
 
@@ -56,12 +57,12 @@ def check(group, during: str | None = None) -> None:
     timeout_s = (ws.timeout_ns if ws is not None else 0) / 1e9
     msg = _message(group, op, rank, peer, epoch, during, timeout_s, kind, (mine, theirs))
     if op == GRAPH_LANE_OP:  # its epochs are on the device: this group's ranks stay out of step
-        group.lane_failure = msg
+        capture.fail(group, msg)
     group.broken = (f"{msg} Group {group.name!r} refuses further calls: call commfuse.release_all() on every "
                     "rank to start over.")
     if ws is not None:
         ws.broken = group.broken
-    groups_mod.bump()
+    counters.bump()
     raise RuntimeError(msg)
 
 

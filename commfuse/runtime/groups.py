@@ -1,5 +1,7 @@
-"""What the run-time keeps per process group: its agreed facts, workspace, graph lane, error word
-and capture records, tied to the process-group object itself, not only to its name.
+"""What the run-time keeps per process group, in one object (``Group``) tied to the process-group
+object itself, not only to its name: its agreed facts, buffers (workspace, graph lane) and error
+word, its capture state (``capture.State``), its call plans, its tuner and the decisions the
+report shows. Releasing a group (``release``) drops all of it.
 
 torch gives groups names that come back after ``destroy_process_group()`` and a new
 ``init_process_group()`` ("0", then counters). State found under a name whose group is now another
@@ -19,6 +21,7 @@ until the first call outside it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import env
+from . import capture, counters, plans
 from . import facts as facts_mod
 from .facts import GroupFacts
 from .workspace import (ALIGN, FLAG_BYTES, GRAPH_FLAG_BYTES, HEADER_BYTES, MIN_DATA_BYTES, GraphLane, Workspace,
@@ -52,16 +56,20 @@ class Group:
     facts: GroupFacts | None = None
     workspace: Workspace | None = None
     lane: GraphLane | None = None
-    replayed: bool = False  # a CUDA-graph capture launched the lane: replays will use it
-    lane_failure: str | None = None  # a lane wait timed out: its device epochs differ for good
     broken: str | None = None  # a wait timed out: no call may pair up on this group again
     calls: int = 0  # eager calls on this group so far, outside capture and replay (``verify.py``)
     #: the settings object under which the ranks last compared their settings (``alike.py``): a
     #: call under the same object compares nothing
     settings_of: object = None
     tuning_timeout_ns: int | None = None  # while tuning: the bound of buffers allocated meanwhile
-    #: (op, shapes) of calls a capture of this process sent to NCCL: their eager twins run NCCL
-    captured_nccl: set = dataclasses.field(default_factory=set)
+    #: what CUDA-graph captures did on this group (``capture.py``)
+    capture: capture.State = dataclasses.field(default_factory=capture.State)
+    #: call signature -> its kept plan (``entry.Plan``)
+    plans: dict = dataclasses.field(default_factory=dict)
+    #: the group's tuned answers (``tuning.Tuner``), made at its first tuned call
+    tuner: object = None
+    #: (call, as the report words it) -> (path, source, reason) of its latest decision, newest last
+    decisions: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
     #: (op, rank-local size) -> whether every rank had that size (``shards.py``), and the ops whose
     #: sizes were found to differ (every later call of them agrees anew)
     shard_sizes: dict = dataclasses.field(default_factory=dict)
@@ -69,11 +77,6 @@ class Group:
     #: the side streams of this group's overlapped paths, per device: never shared between groups,
     #: so two groups issued in different orders on different ranks cannot wait on each other
     streams: dict = dataclasses.field(default_factory=dict)
-    #: weak references to the owners of the CUDA graphs that captured the lane (Inductor's graph
-    #: tree managers), and whether a capture had no owner commfuse can see (the user's own
-    #: ``torch.cuda.graph``): a kept lane is freed once every owner is gone and there was none
-    graph_owners: list = dataclasses.field(default_factory=list)
-    unowned_capture: bool = False
 
     def __post_init__(self) -> None:
         self.err_host = self.err.numpy()  # read per call without a tensor op
@@ -91,6 +94,20 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         return self.members[group_rank] if 0 <= group_rank < len(self.members) else group_rank
 
+    def buffers(self) -> tuple:
+        """The group's symmetric buffers this rank holds (workspace, graph lane)."""
+        return tuple(b for b in (self.workspace, self.lane) if b is not None)
+
+    def forget(self) -> None:
+        """Drop what the group decided and learned (a released or re-created group): its plans,
+        tuner, decisions, shard answers and captured calls. Its buffers go through ``_retire``."""
+        self.plans.clear()
+        self.decisions.clear()
+        self.tuner = None
+        self.shard_sizes.clear()
+        self.uneven_ops.clear()
+        self.capture.forget_calls()
+
 
 _groups: dict[tuple[str, str], Group] = {}
 #: Dropped groups whose graph lane captured graphs may still replay: a lane is kept while a graph
@@ -99,25 +116,10 @@ _groups: dict[tuple[str, str], Group] = {}
 _held: list[Group] = []
 #: Buffers and graphs let go of while a stream was capturing: freed at the first chance outside it.
 _deferred: list = []
-_CUDA = torch.cuda.is_available()
-_planned: dict[str, int] = {}  # group name -> largest per-parity bytes a compiled graph needs
 _lock = threading.Lock()
-#: Bumped whenever state that call plans depend on changes (``entry.py`` drops stale plans).
-generation = 0
 #: Calls between two looks for destroyed groups (whose state and buffers are then dropped).
 SWEEP_EVERY = 256
 _calls = 0
-
-
-def bump() -> None:
-    global generation
-    generation += 1
-
-
-def _capturing() -> bool:
-    """Whether this thread's current stream is capturing a CUDA graph (a capture on another
-    thread in ``capture_error_mode="global"`` is not seen: docs/reliability.md)."""
-    return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
 def let_go(*things) -> None:
@@ -129,7 +131,7 @@ def let_go(*things) -> None:
 
 def free_deferred() -> None:
     """Free what ``let_go`` deferred, unless this thread's stream is capturing."""
-    if _deferred and not _capturing():
+    if _deferred and not capture.capturing():
         _deferred.clear()
 
 
@@ -166,7 +168,7 @@ def get(name: str, pg=None) -> Group:
         group = Group(name, weakref.ref(pg), _members(pg), pg.rank(), pg.size(), provider, error_word())
         _groups[key] = group
         _sweep()
-        bump()
+        counters.bump()
         free_deferred()
         return group
 
@@ -174,41 +176,26 @@ def get(name: str, pg=None) -> Group:
 def _retire(group: Group) -> None:
     """Drop a group's state; its lane stays alive if captured graphs may replay it."""
     _groups.pop((group.name, group.provider), None)
-    if group.lane is not None and group.replayed:
+    group.forget()
+    if group.lane is not None and group.capture.replayed:
         _held.append(group)  # keeps its lane (and the lane's buffer) alive
     else:
         let_go(group.lane)
         group.lane = None
     let_go(group.workspace)  # (with it, its copy-engine graphs)
     group.workspace = None
-    bump()
-
-
-def _capture_owner():
-    """What owns the CUDA graph this thread is capturing, where commfuse can see it: the graph
-    tree manager of Inductor's ``mode="reduce-overhead"`` recording on its own stream, else None."""
-    try:
-        from torch._inductor import cudagraph_trees  # noqa: PLC0415  (only inside a capture)
-
-        if not torch._C._is_key_in_tls("tree_manager_containers"):
-            return None
-        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-        if manager is not None and manager.stream == torch.cuda.current_stream():
-            return manager
-    except Exception:  # noqa: BLE001 - another torch's internals: an owner not seen (kept until told)
-        log.debug("commfuse: the owner of a CUDA-graph capture could not be told", exc_info=True)
-    return None
+    counters.bump()
 
 
 def _drop_unreplayable() -> None:
     """Free the kept lanes no graph can replay any more: every capture that used them was recorded
     by a graph tree manager of Inductor's, and each of those managers is gone (its graphs with it)."""
     for group in list(_held):
-        if group.graph_owners and not group.unowned_capture and all(r() is None for r in group.graph_owners):
+        if group.capture.replays_gone():
             _held.remove(group)
             let_go(group.lane)
             group.lane = None
-            bump()
+            counters.bump()
 
 
 def free_kept_lanes() -> None:
@@ -222,7 +209,7 @@ def free_kept_lanes() -> None:
             let_go(group.lane)
             group.lane = None
         _held.clear()
-        bump()
+        counters.bump()
 
 
 def _sweep() -> None:
@@ -240,17 +227,6 @@ def _sweep() -> None:
     _drop_unreplayable()
 
 
-def plan(group_name: str, data_bytes: int) -> None:
-    """Record that a compiled graph will need ``data_bytes`` per parity on ``group_name``, so the
-    first allocation serves every fused op of the graph (the graph pass calls this)."""
-    with _lock:
-        _planned[group_name] = max(_planned.get(group_name, 0), int(data_bytes))
-
-
-def planned(group_name: str) -> int:
-    return _planned.get(group_name, 0)
-
-
 def group_facts(group: Group, device: torch.device, capturing: bool) -> GroupFacts | None:
     """The group's agreed facts; agreed now (collective) on its first call, unless that call is
     inside a CUDA-graph capture, where nothing can be agreed (None: the call runs NCCL, and every
@@ -259,7 +235,7 @@ def group_facts(group: Group, device: torch.device, capturing: bool) -> GroupFac
         settings = env.current()
         lane = round_up(settings.graph_bytes, ALIGN)
         group.facts = facts_mod.agree(group.pg(), device, group.provider, lane)
-        bump()
+        counters.bump()
         why = group.facts.unsupported()
         if why:
             log.warning("commfuse: group %r runs the unfused NCCL ops: %s", group.name, why)
@@ -279,15 +255,16 @@ def workspace(group: Group, data_bytes: int, device: torch.device) -> Workspace:
         if broken:  # no collective allocation (nor a fresh workspace) from a rank that may be out of step
             raise RuntimeError(broken)
         outside_graph_pools(device, _allocate, group, data_bytes, device)
-        bump()
+        counters.bump()
         return group.workspace
 
 
 def _allocate(group: Group, data_bytes: int, device: torch.device) -> None:
-    """Collective: a (larger) workspace for ``group``, and its graph lane on first use."""
+    """Collective: a (larger) workspace for ``group``, and its graph lane on first use; its first
+    size is at least what compiled graphs planned for the group (``plans.py``)."""
     pg = group.pg()
     ws, facts = group.workspace, group.facts
-    size = max(data_bytes, MIN_DATA_BYTES, _planned.get(group.name, 0), 0 if ws is None else 2 * ws.data_bytes)
+    size = max(data_bytes, MIN_DATA_BYTES, plans.planned(group.name), 0 if ws is None else 2 * ws.data_bytes)
     # Ranks may disagree (a plan from a graph one rank loaded from cache): agree on the largest.
     agreed = torch.tensor([size], dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=pg)
@@ -320,51 +297,6 @@ def _allocate(group: Group, data_bytes: int, device: torch.device) -> None:
                                 err=group.err, timeout_ns=timeout, _keepalive=handle)
 
 
-def lane(group: Group) -> GraphLane | None:
-    """The group's graph lane, or None before its first symmetric call allocated it. Raises once
-    a graph-lane call timed out."""
-    if group.lane_failure:
-        raise RuntimeError(
-            f"commfuse: the graph lanes of group {group.name!r} are out of step after an earlier failure "
-            f"({group.lane_failure}). Call commfuse.release_all() on every rank and capture the graphs again.")
-    return group.lane
-
-
-def mark_replayed(group: Group) -> None:
-    """A CUDA-graph capture launched the group's lane: its replays will keep using it (and the lane
-    is kept, past a ``release``, while that graph's owner lives)."""
-    owner = _capture_owner()
-    if owner is None:
-        group.unowned_capture = True
-    elif not any(r() is owner for r in group.graph_owners):
-        group.graph_owners.append(weakref.ref(owner))
-    if not group.replayed:
-        group.replayed = True
-        bump()
-
-
-def replayed_lane_bytes(group: Group) -> int:
-    """The lane's per-parity bytes once captured graphs use it, else 0. Eager calls that fit then
-    take the lane too: a rank whose graph tree re-warms (eager) must meet a peer that replays."""
-    return group.lane.data_bytes if group.lane is not None and group.replayed else 0
-
-
-def captured_to_nccl(group: Group, op: str, key: tuple, capturing: bool) -> bool:
-    """Inside a capture, calls the graph lane cannot take run NCCL. A rank whose graph tree
-    re-warms (eager) while its peer replays must meet those NCCL collectives, so once this process
-    captured a call to NCCL, eager calls of the same op, group and shapes (``key``) run NCCL too,
-    with nothing before them (no size agreement: the replay has none). Ranks capture alike, so
-    every rank decides alike."""
-    return not capturing and (op, key) in group.captured_nccl
-
-
-def record_capture(group: Group, op: str, key: tuple, algo: str, capturing: bool) -> None:
-    """A call inside a capture that runs NCCL (``algo``): its eager twins will too."""
-    if capturing and algo == "nccl" and (op, key) not in group.captured_nccl:
-        group.captured_nccl.add((op, key))
-        bump()
-
-
 def all_groups() -> list[Group]:
     return list(_groups.values())
 
@@ -375,7 +307,7 @@ def _restart_kept_lane(group: Group) -> None:
     and a later timeout in them raises again (``errors.check_held``). Every rank holds such a lane
     alike (ranks capture alike); a group whose process group is gone is left as it is."""
     pg = group.pg()
-    if group.lane is None or not group.replayed or pg is None or group.world <= 1:
+    if group.lane is None or not group.capture.replayed or pg is None or group.world <= 1:
         return
     try:
         alive = _resolve_process_group(group.name) is pg
@@ -384,7 +316,8 @@ def _restart_kept_lane(group: Group) -> None:
     if alive:
         group.lane.restart(pg)
         group.err.zero_()
-        group.broken = group.lane_failure = None
+        group.broken = None
+        capture.restarted(group)
 
 
 def release(group_name: str | None = None) -> None:
@@ -409,7 +342,7 @@ def release(group_name: str | None = None) -> None:
             if group_name is None or group.name == group_name:
                 _restart_kept_lane(group)
                 _retire(group)
-        bump()
+        counters.bump()
     free_deferred()  # (nothing may have been retired now, yet an earlier capture deferred frees)
 
 
@@ -433,6 +366,17 @@ def memory() -> list[dict]:
                      lane_bytes=sum(g.lane.nbytes for g in _held), ce_graphs=0, ce_graph_bytes=0,
                      data_bytes_per_parity=0))
     return rows
+
+
+def decisions() -> list[tuple]:
+    """The latest decision per call of every group: (call, group, path, source, reason), for the
+    report (``report.Report.calls``)."""
+    return [(call, group.name, *decision) for group in all_groups() for call, decision in group.decisions.items()]
+
+
+def clear_decisions() -> None:
+    for group in all_groups():
+        group.decisions.clear()
 
 
 def held() -> list[Group]:

@@ -6,13 +6,16 @@ In order, the first that applies decides:
    mixed GPUs): NCCL, with the reason logged once;
 2. inside a CUDA-graph capture: the rules for captured calls (``mm_all_reduce@capture``: the graph
    lane, whose epochs live on the device), else NCCL;
-3. an ``mm_all_reduce`` that fits the group's graph lane once this process replays graphs on it:
-   the lane (a rank re-warming its graphs eagerly must meet its peer's replays on the same flags,
-   whatever ``COMMFUSE_ALGO`` says);
+3. a call that fits the group's graph lane once this process replays graphs on it: the lane (a
+   rank re-warming its graphs eagerly must meet its peer's replays on the same flags, whatever
+   ``COMMFUSE_ALGO`` says);
 4. ``COMMFUSE_ALGO`` names a path of the op that supports the call: that path;
 5. a tuned answer for the call's signature (``tuning.py``), kept unless it no longer supports it;
 6. the first rule of the group's table (``rules.py``) that matches and whose path supports it;
 7. NCCL.
+
+What the graph lane changes (its path, the variant it takes, whether a replayed lane takes an
+eager call) the capture module answers (``capture.Selection``), asked once per decision.
 
 Every input is the same on every rank (shapes, agreed facts, settings that must be set alike, the
 capture state that ranks share by capturing alike), so every rank decides alike.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from . import rules
+from . import capture, rules
 from .facts import GroupFacts
 from .paths import REGISTRY, by_op
 from .paths.base import Call, Path
@@ -93,37 +96,31 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
     if why:
         once(op, why)
         return Decision(nccl, None, "unsupported", why)
+    lane = capture.Selection(call, facts, lane_bytes, lambda: rules_choice(call, facts, capture=True))
     if capturing:
-        decision = rules_choice(call, facts, capture=True)
+        decision = lane.rules
         answer = tuned() if tuned is not None else None
         if answer is not None and answer != decision.name:
             path = REGISTRY.get((op, answer))
             if path is not None and path.capture:
-                variant = decision.variant if path.name == "graph" else None
+                variant = lane.variant(path)
                 if path.supports_variant(call, facts, variant) is None:
                     return Decision(path, variant, "tuned", "tuned on this machine")
         if decision.path is nccl:
             reason = (f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES"
-                      if call.spec.graph_lane else "no graph-lane path for this op yet")
+                      if lane.path is not None else "no graph-lane path for this op yet")
             once(op, f"in a CUDA-graph capture: {reason}")
             return Decision(nccl, None, "capture", reason, decision.table)
         return dataclasses.replace(decision, source="capture")
-    if call.spec.graph_lane and lane_bytes and call.exchanged_bytes <= lane_bytes:
-        # The lane whatever the capture answer (rules or tuned) was: calls whose capture ran NCCL
-        # are sent to NCCL before this (``groups.captured_to_nccl``); the variant is a capture's.
-        lane = rules_choice(call, facts, capture=True)
-        graph = REGISTRY[(op, "graph")]
-        variant = lane.variant if lane.path is graph else None
-        if graph.supports_variant(call, facts, variant) is None:
-            return Decision(graph, variant, "lane", "fits the graph lane that captured graphs replay", lane.table)
+    path = lane.replayed()
+    if path is not None:
+        return Decision(path, lane.variant(path), "lane", "fits the graph lane that captured graphs replay",
+                        lane.rules.table)
     if forced:
         path = REGISTRY.get((op, forced))
         if path is not None:
-            if path.name == "graph":  # the lane's own variant for the shape, as a capture takes it
-                variant = rules_choice(call, facts, capture=True).variant
-                why = path.supports_variant(call, facts, variant)
-            else:
-                variant, why = None, path.supports(call, facts)
+            variant = lane.variant(path)  # the lane's own variant for the shape, as a capture takes it
+            why = path.supports_variant(call, facts, variant)
             if why is None:
                 return Decision(path, variant, "forced", f"COMMFUSE_ALGO={forced}")
             if not quiet and first_time(_warned, (op, forced, why)):
@@ -133,8 +130,7 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
     if answer:
         path = REGISTRY.get((op, answer))
         if path is not None and path.supports(call, facts) is None:
-            variant = rules_choice(call, facts, capture=True).variant if path.name == "graph" else None
-            return Decision(path, variant, "tuned", "tuned on this machine")
+            return Decision(path, lane.variant(path), "tuned", "tuned on this machine")
     decision = rules_choice(call, facts)
     if decision.path is nccl:
         once(op, decision.reason)

@@ -59,7 +59,7 @@ import triton
 
 from .. import env
 from ..kernels.codes import ERR_TIMEOUT
-from . import errors, groups, running
+from . import capture, counters, errors, groups, running
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import (Call, Context, Path, make_context)
@@ -390,18 +390,16 @@ def measure(path: Path, prepared: Prepared, group, facts: GroupFacts, device, va
 def _short_waits(group, seconds: float):
     """Bound every wait of the group's buffers by ``seconds`` while tuning."""
     bound = int(seconds * 1e9)
-    saved = [(b, b.timeout_ns) for b in (group.workspace, group.lane) if b is not None]
     group.tuning_timeout_ns = bound
-    for buf, _ in saved:
+    for buf in group.buffers():
         buf.timeout_ns = bound
     try:
         yield
     finally:
         group.tuning_timeout_ns = None
         real = int(env.current().timeout_s * 1e9)
-        for buf in (group.workspace, group.lane):
-            if buf is not None:
-                buf.timeout_ns = real
+        for buf in group.buffers():
+            buf.timeout_ns = real
 
 
 def _recover(group, device) -> None:
@@ -485,7 +483,7 @@ class Tuner:
         # (every rank holds the same entries, agreed, and tunes the same signatures: alike)
         if may_tune and (entry is None or (entry.retry() and sig.text() not in self.fresh)):
             entry = self.tune(sig)
-            if call.spec.graph_lane and call.exchanged_bytes <= self.facts.lane_bytes:
+            if capture.fits_lane(call, self.facts):
                 self.tune(Signature.of(call, capture=True))  # what a later capture will ask for
         if entry is None:
             return None
@@ -511,7 +509,7 @@ class Tuner:
             "commfuse.release_all() on every rank to start over")
         if group.workspace is not None:
             group.workspace.broken = group.broken
-        groups.bump()
+        counters.bump()
         raise RuntimeError(group.broken)
 
     def _advance(self, sig: Signature, run: _Candidate) -> None:
@@ -551,7 +549,7 @@ class Tuner:
         call = sig.call()
         candidates = policy.candidates(call, self.facts, capturing=sig.capture)
         rules = policy.rules_choice(call, self.facts, capture=sig.capture).name
-        lane_variant = policy.rules_choice(call, self.facts, capture=True).variant
+        lane = capture.Selection(call, self.facts, 0, lambda: policy.rules_choice(call, self.facts, capture=True))
         prepared = seen = None
         if self.timer is None:
             prepared = prepare(sig, group, self.facts, device, candidates)
@@ -560,12 +558,12 @@ class Tuner:
                               env.current().tune_margin)
                 self.entries[sig.text()] = entry  # (this process only: a later run tunes it)
                 self.fresh.add(sig.text())
-                groups.bump()
+                counters.bump()
                 return entry
             seen = ce_graphs.keys(group.workspace) if group.workspace is not None else None
         runs = []
         for path in candidates:
-            variant = lane_variant if path.name == "graph" else None
+            variant = lane.variant(path)
             if self.timer is not None:
                 step = _injected(self.timer, self.compiler, path, sig, variant)
             else:
@@ -609,11 +607,8 @@ class Tuner:
             print(f"[commfuse] tuned {self.tuned}: {sig.text()} -> {choice} (rules: {rules}; µs: {shown}) "
                   f"in {spent:.1f} s, {self.seconds:.1f} s so far", flush=True)
             write(self.path, self.key, {sig.text(): entry})
-        groups.bump()
+        counters.bump()
         return entry
-
-
-_tuners: dict[int, Tuner] = {}
 
 
 def mode() -> str:
@@ -621,10 +616,11 @@ def mode() -> str:
 
 
 def for_group(group, facts: GroupFacts, device) -> Tuner:
-    """The group's tuner (made, and its cache agreed on, at the group's first tuned call)."""
-    tuner = _tuners.get(id(group))
-    if tuner is None or tuner.group is not group:
-        tuner = _tuners[id(group)] = Tuner(group, facts, device)
+    """The group's tuner (kept in the group's state, made, and its cache agreed on, at the group's
+    first tuned call)."""
+    tuner = group.tuner
+    if tuner is None:
+        tuner = group.tuner = Tuner(group, facts, device)
     return tuner
 
 
@@ -633,7 +629,7 @@ def answer(group, call: Call, facts: GroupFacts, device, capturing: bool) -> str
     how = mode()
     if how == "off":
         return None
-    if capturing and id(group) not in _tuners:
+    if capturing and group.tuner is None:
         return None  # a cache is agreed on collectively: never inside a capture
     tuner = for_group(group, facts, device)
     return tuner.answer(call, capturing, may_tune=how == "first-use" and not capturing)
@@ -641,4 +637,5 @@ def answer(group, call: Call, facts: GroupFacts, device, capturing: bool) -> str
 
 def forget() -> None:
     """Drop every group's tuner (tests; the settings changed)."""
-    _tuners.clear()
+    for group in groups.all_groups():
+        group.tuner = None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from . import plans
 
 
 _DETAIL = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"  # torch reads it at start too
@@ -45,19 +46,6 @@ def describe(x) -> str:
     return repr(x)
 
 
-#: site -> where it is in this rank's graphs (the graph pass's words, for messages only: the
-#: graph numbers in them are this process's); cleared when full.
-SITES: dict[int, str] = {}
-SITES_LIMIT = 4096
-
-
-def name_site(site: int, where: str) -> None:
-    """Remember, for ``same_call``'s message, where ``site`` is."""
-    if len(SITES) >= SITES_LIMIT:
-        SITES.clear()
-    SITES[site] = where
-
-
 def same_call(group, op: str, count: int, site: int = 0, **args) -> None:
     """Raise on every rank unless every rank of ``group`` (``groups.Group``) called ``op`` from the
     same ``site`` with the same signature as its ``count``-th symmetric call."""
@@ -66,7 +54,7 @@ def same_call(group, op: str, count: int, site: int = 0, **args) -> None:
     mine["call"] = str(count)
     every = [None] * group.world
     # (``where`` rides along for the message only: it is this process's words)
-    dist.all_gather_object(every, dict(mine, where=SITES.get(site)), group=group.pg())
+    dist.all_gather_object(every, dict(mine, where=plans.site_name(site)), group=group.pg())
     signatures = [{name: value for name, value in other.items() if name != "where"} for other in every]
     if all(other == mine for other in signatures):
         return
@@ -75,7 +63,7 @@ def same_call(group, op: str, count: int, site: int = 0, **args) -> None:
     diff = ", ".join(f"{name}: {mine[name]} here, {theirs.get(name)} there"
                      for name in mine if theirs.get(name) != mine[name])
     if mine["site"] != theirs.get("site"):
-        known = [f"site {s} is {w}" for s, w in ((mine["site"], SITES.get(site)), (theirs.get("site"), where)) if w]
+        known = [f"site {s} is {w}" for s, w in ((mine["site"], plans.site_name(site)), (theirs.get("site"), where)) if w]
         diff += "".join(f"; {k}" for k in known)
     raise RuntimeError(
         f"commfuse.{op}: ranks of group {group.name!r} disagree about call {count} of the group: rank "

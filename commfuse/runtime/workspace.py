@@ -10,6 +10,8 @@ Kernels address peers through Iris's RMA primitives, which translate a local poi
 
 Each group also gets a *graph lane* (``GraphLane``), a second, fixed-size buffer that CUDA-graph
 replays use: its epochs live on the device, so a replay needs no host step (``kernels/exchange.py``).
+Both are ``SymmetricBuffer``s: what the kernels' launchers read of a buffer (heap bases, error
+word, wait bound, kept launches) and the device order of its calls are defined there once.
 
 Every device tensor a workspace or lane keeps (flags, heap bases, epoch counters) lives inside its
 symmetric buffer, never in PyTorch's caching allocator: the first call of a group may run inside a
@@ -79,37 +81,27 @@ def error_word() -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class Workspace:
-    """One group's symmetric buffer on this rank. The kernels' launchers read its fields (flags,
-    heap bases, rank, the error word, the wait bound) and nothing else of the run-time."""
+class SymmetricBuffer:
+    """What a group's symmetric buffers share (the workspace, the graph lane): the buffer mapped
+    on every rank and its heap bases, the group's error word and wait bound, the launches kept
+    for the buffer's life, and the order of its calls on the device. The kernels' launchers read
+    these fields and nothing else of the run-time."""
 
     group_name: str
     rank: int
     world: int
-    buffer: torch.Tensor  # uint8, HEADER_BYTES + 2 * data_bytes, on this rank
+    buffer: torch.Tensor  # uint8, this rank's part: a header, then two data halves
     heap_bases: torch.Tensor  # int64 [world] device pointers of every rank's buffer (or heap), in ``buffer``
-    data_bytes: int
+    data_bytes: int  # per parity
     max_programs: int = 132  # the smallest SM count of the group: every rank launches the same grid
     err: torch.Tensor | None = None  # the group's error word (``error_word``)
     timeout_ns: int = 600 * 10**9  # bound on every wait of the kernels launched on it
-    epoch: int = 0
-    broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
-    ticket_base: int = 0  # the ticket's value at the next fused call (claims so far, counted here)
     _keepalive: object = None  # provider handle (rendezvous handle / Iris context)
-    #: (peer, parity) -> that peer's data half as bytes, made once: the provider's view is slow to
-    #: make on the host, and the copy-engine overlaps need one per peer per call
-    _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
-    _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: kernel launches and call plans kept for this workspace's life (``kernels.launch.Bound``),
+    #: kernel launches and call plans kept for the buffer's life (``kernels.launch.Bound``),
     #: keyed by their caller; see ``kept``
     launches: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: copy-engine calls replayed as CUDA graphs (``ce_graphs.py``): key -> graph, and the keys of
-    #: calls seen once; the graphs hold this workspace's addresses and go with it
-    graphs: dict = dataclasses.field(default_factory=dict, repr=False)
-    graphs_seen: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: The stream of the last call (``order``), and once calls came from more than one stream, an
-    #: event recorded after each call's work
+    #: The stream of the last eager call (``order``), and once calls came from more than one
+    #: stream, an event recorded after each call's work
     last_stream: object = dataclasses.field(default=None, repr=False)
     last_event: object = dataclasses.field(default=None, repr=False)
 
@@ -118,7 +110,7 @@ class Workspace:
             self.err = error_word()
 
     def order(self, stream) -> bool:
-        """Put a call on ``stream`` after the workspace's previous call: calls are paired across
+        """Put a call on ``stream`` after the buffer's previous call: calls are paired across
         ranks by their epochs, taken in host order, so on the device each must also start after the
         one before it (the serialisation NCCL gets from one internal stream per group). A call on
         the stream of the last call is ordered already and costs nothing here; a call on another
@@ -133,6 +125,42 @@ class Workspace:
                 stream.wait_event(self.last_event)
         self.last_stream = stream
         return self.last_event is not None
+
+    def kept(self, key, make):
+        """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept, the
+        least recently used dropped first (a plan per row count: dynamic shapes would otherwise
+        grow this without bound, and clearing it all would rebuild every plan at once)."""
+        value = self.launches.pop(key, None)
+        if value is None:
+            value = make()
+            while len(self.launches) >= KEPT_LIMIT:
+                del self.launches[next(iter(self.launches))]
+        self.launches[key] = value  # (dicts keep insertion order: the most recent is last)
+        return value
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+@dataclasses.dataclass
+class Workspace(SymmetricBuffer):
+    """One group's symmetric workspace on this rank: ``buffer`` is HEADER_BYTES, then two data
+    halves of ``data_bytes`` that alternate between calls; it grows (a new one) when a larger call
+    arrives."""
+
+    epoch: int = 0
+    broken: str | None = None  # set when a call failed after its epoch began (ranks may disagree)
+    ticket_base: int = 0  # the ticket's value at the next fused call (claims so far, counted here)
+    #: (peer, parity) -> that peer's data half as bytes, made once: the provider's view is slow to
+    #: make on the host, and the copy-engine overlaps need one per peer per call
+    _peer_halves: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: peer -> that peer's tile flags as uint32 (the copy-engine pushes' flag writes), made once
+    _peer_flags: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: copy-engine calls replayed as CUDA graphs (``ce_graphs.py``): key -> graph, and the keys of
+    #: calls seen once; the graphs hold this workspace's addresses and go with it
+    graphs: dict = dataclasses.field(default_factory=dict, repr=False)
+    graphs_seen: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
     # refuse the in-place writes (``restart_epochs``) of a later call outside it.
@@ -167,26 +195,10 @@ class Workspace:
         with torch.inference_mode(False):
             return self.buffer[HEADER_BYTES - 16:HEADER_BYTES - 12].view(torch.int32)
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
-
     def graph_bytes(self) -> int:
         """What the copy-engine graphs hold: each one's memory pool (its cuBLAS workspace, its
         intermediates), as measured when it was captured (``ce_graphs.run``)."""
         return sum(getattr(graph, "commfuse_bytes", 0) for graph in self.graphs.values())
-
-    def kept(self, key, make):
-        """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept, the
-        least recently used dropped first (a plan per row count: dynamic shapes would otherwise
-        grow this without bound, and clearing it all would rebuild every plan at once)."""
-        value = self.launches.pop(key, None)
-        if value is None:
-            value = make()
-            while len(self.launches) >= KEPT_LIMIT:
-                del self.launches[next(iter(self.launches))]
-        self.launches[key] = value  # (dicts keep insertion order: the most recent is last)
-        return value
 
     def next_epoch(self, restart=None, tag: int = 0) -> tuple[int, int]:
         """(epoch, parity) of a new call: the flag value it signals and waits for (``self.epoch``,
@@ -274,34 +286,12 @@ def graph_lane_capacity() -> tuple[int, int]:
 
 
 @dataclasses.dataclass
-class GraphLane:
+class GraphLane(SymmetricBuffer):
     """A fixed-size symmetric buffer ``[int64 flags | split-K words | epoch counters | heap bases]
     [data parity 0][data parity 1]``: ``counter`` holds the lane's epoch per program. Kernels read
     the epoch from ``counter`` and advance it themselves, so the same launch can be captured once
-    and replayed any number of times. It is never grown: captured graphs hold its addresses."""
-
-    group_name: str
-    rank: int
-    world: int
-    buffer: torch.Tensor
-    heap_bases: torch.Tensor
-    data_bytes: int
-    max_programs: int
-    err: torch.Tensor | None = None
-    timeout_ns: int = 600 * 10**9
-    _keepalive: object = None
-    #: launches kept for the lane's life (``kernels.launch.Bound``), as ``Workspace.launches``
-    launches: dict = dataclasses.field(default_factory=dict, repr=False)
-    #: the stream of the lane's last eager call and an event after it (``Workspace.order``)
-    last_stream: object = dataclasses.field(default=None, repr=False)
-    last_event: object = dataclasses.field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.err is None:
-            self.err = error_word()
-
-    kept = Workspace.kept
-    order = Workspace.order
+    and replayed any number of times. It is never grown: captured graphs hold its addresses; its
+    eager calls are ordered as the workspace's (``order``)."""
 
     @property
     def flags(self) -> torch.Tensor:
@@ -322,10 +312,6 @@ class GraphLane:
     def counter(self) -> torch.Tensor:
         """int64 [GRAPH_SLOTS]: this rank's epoch per program (only this rank reads or writes it)."""
         return self.buffer[_LANE_COUNTER_AT:GRAPH_FLAG_BYTES - BASES_BYTES].view(torch.int64)
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
 
     def data(self, dtype: torch.dtype) -> torch.Tensor:
         """Both parities, as one flat tensor of ``dtype`` (parity p starts at p * half_elems)."""

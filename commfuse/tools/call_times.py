@@ -41,7 +41,7 @@ def record(on: bool) -> None:
     run-time itself knows nothing of this timing."""
     global _on
     from ..runtime import entry  # (a tool: brings the run-time only when timing starts)
-    from ..runtime.paths.common import PATHS
+    from ..runtime.counters import PATHS
 
     _on = on
     if on and "run" not in _originals:
@@ -78,7 +78,7 @@ def _timeable(a: torch.Tensor) -> bool:
 def timed(paths: collections.Counter) -> Callable:
     """Decorator for the ops' CUDA entry ``fn(spec, args, site)``: while recording, time each call
     on the caller's stream (``a`` and ``b``: the op's first two operands). ``paths`` is the per-path call counter the
-    entry increments (``runtime.paths.common.PATHS``): the path whose count went up names the call's path."""
+    entry increments (``runtime.counters.PATHS``): the path whose count went up names the call's path."""
     def wrap(fn):
         @functools.wraps(fn)
         def call(spec, args, *rest, **kwargs):

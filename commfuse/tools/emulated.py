@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import capture
 from ..runtime import workspace as symm
 
 
@@ -34,7 +35,8 @@ class GroupState:
     def __init__(self, ws: symm.Workspace):
         self.workspace, self.name, self.err = ws, ws.group_name, ws.err
         self.err_host = ws.err.numpy()
-        self.lane = self.broken = self.lane_failure = None
+        self.lane = self.broken = None
+        self.capture = capture.State()
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank

@@ -14,7 +14,7 @@ from commfuse.runtime import groups, policy, reference, running
 from commfuse.runtime.paths import REGISTRY
 from commfuse.runtime.paths.base import (AllGatherMmArgs, Call, Context, MmAllReduceArgs, MmReduceScatterArgs,
                                          row_slabs, rows_dim)
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.counters import PATHS
 
 AR, AG, RS = "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter"
 _ARGS = {AR: MmAllReduceArgs, AG: AllGatherMmArgs, RS: MmReduceScatterArgs}

@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 
 import commfuse
 from commfuse import check_errors
-from commfuse.runtime import groups
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime import plans
+from commfuse.runtime.counters import PATHS
 from gpu_util import gather_all, relerr, start_over, workspaces
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_one_graph_for_m_from_1_to_16384(nccl, monkeypatch):
                 funcol.reduce_scatter_tensor(h @ w3, "sum", 0, g))
 
     start_over()  # start from the first allocation: the test shows the growth
-    monkeypatch.setattr(groups, "_planned", {})  # (no size planned by earlier tests' graphs)
+    monkeypatch.setattr(plans, "_planned", {})  # (no size planned by earlier tests' graphs)
     torch._dynamo.reset()
     commfuse.clear_report()
     compiled = torch.compile(f, backend=commfuse.backend())

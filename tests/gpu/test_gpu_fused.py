@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from commfuse import check_errors, env
-from commfuse.kernels import fused_all_gather, fused_all_reduce
+from commfuse.kernels import fused_all_gather
 from commfuse.kernels.tiles import TileConfig
-from commfuse.runtime import policy
+from commfuse.runtime import counters, policy
 from commfuse.runtime.paths import ag_fused, ar_fused, rs_fused
 from commfuse.runtime.paths.base import Call
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.counters import PATHS
 from gpu_util import gather_all, group_state, poison, relerr, run_forced, start_over, timed_out, workspaces
 
 pytestmark = pytest.mark.gpu
@@ -110,12 +110,12 @@ def _copies(copies):
 def test_fused_matches_the_fp32_reference(nccl, provider, m, dtype, form, copies):
     if copies in ("inline_lag0", "inline_tma") and dtype == torch.float16:
         pytest.skip("the copies' order does not depend on the dtype: bf16 covers it")
-    inline_before, tma_before = fused_all_reduce.INLINE_CALLS, fused_all_reduce.TMA_CALLS
+    inline_before, tma_before = counters.KERNELS["fused_all_reduce:inline"], counters.KERNELS["fused_all_reduce:tma"]
     k, n = 1024, 776  # N is not a multiple of the 256-wide tile; rows are 16-byte multiples
     torch.manual_seed(1000 * dist.get_rank() + m)
     _fused_call(*_operands(m, k, n, dtype, form), nccl.group_name, config=_copies(copies))
-    assert fused_all_reduce.INLINE_CALLS == inline_before + (copies != "reducers")
-    assert fused_all_reduce.TMA_CALLS == tma_before + (copies == "inline_tma")
+    assert counters.KERNELS["fused_all_reduce:inline"] == inline_before + (copies != "reducers")
+    assert counters.KERNELS["fused_all_reduce:tma"] == tma_before + (copies == "inline_tma")
 
 
 @pytest.mark.parametrize("m, k, n, path", [(1536, 2048, 4096, "fused"), (1024, 512, 8192, "fused"),
@@ -134,7 +134,7 @@ def test_prefill_sized_call_back_to_back_without_synchronising(nccl, copies):
     """20 calls of an o_proj-sized all-reduce queued without a host synchronisation between
     them (the parities alternate while a peer may still be in the previous call), each result
     kept and checked against fp32 afterwards."""
-    inline_before = fused_all_reduce.INLINE_CALLS
+    inline_before = counters.KERNELS["fused_all_reduce:inline"]
     torch.manual_seed(17 + dist.get_rank())
     calls = [_operands(4096, 1024, 2048, torch.bfloat16, "weight_t") for _ in range(20)]
     outs = [run_forced("mm_all_reduce", "fused", a, b, None, nccl.group_name, config=_copies(copies))[0]
@@ -142,7 +142,7 @@ def test_prefill_sized_call_back_to_back_without_synchronising(nccl, copies):
     check_errors()
     for i, ((a, b, _), out) in enumerate(zip(calls, outs)):
         assert relerr(out, _reference(a, b, None)) < 1e-2, f"call {i}"
-    assert fused_all_reduce.INLINE_CALLS - inline_before == (0 if copies == "reducers" else 20)
+    assert counters.KERNELS["fused_all_reduce:inline"] - inline_before == (0 if copies == "reducers" else 20)
 
 
 @pytest.mark.parametrize("tickets", [False, True], ids=["static_order", "tickets"])
@@ -247,8 +247,8 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
     through the TMA unit (``tma``, an experiment; the pull ignores it)."""
     if tma and (pull or dtype == torch.float16):
         pytest.skip("the TMA push is an option of the pushed form; bf16 covers it")
-    tma_before = fused_all_reduce.TMA_CALLS
-    pulls_before = fused_all_reduce.PULL_CALLS
+    tma_before = counters.KERNELS["fused_all_reduce:tma"]
+    pulls_before = counters.KERNELS["fused_all_reduce:pull"]
     k, n = 1024, 776
     torch.manual_seed(2000 * dist.get_rank() + m)
     a, b, c = _operands(m, k, n, dtype, "plain" if form == "three_d" else form)
@@ -258,8 +258,8 @@ def test_fused_reduce_scatter_matches_the_fp32_reference(nccl, provider, m, dtyp
                         config=_fused(scatter=True, pull=pull, tma_push=tma))
     ref = _reference(a, b, c).view(shape).chunk(2, dim=0)[dist.get_rank()]
     check_errors()
-    assert fused_all_reduce.PULL_CALLS == pulls_before + pull
-    assert fused_all_reduce.TMA_CALLS == tma_before + tma
+    assert counters.KERNELS["fused_all_reduce:pull"] == pulls_before + pull
+    assert counters.KERNELS["fused_all_reduce:tma"] == tma_before + tma
     assert out.shape == ref.shape
     assert relerr(out, ref) < 1e-2
 
@@ -280,7 +280,7 @@ def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype
     are not a multiple of the tile height or of the pushed chunk included; the shard pushed by
     the kernel's programs or by the copy engines (``push``; the path's own choice from 2 MiB
     shards up, passed in below)."""
-    ce_before = fused_all_gather.CE_CALLS
+    ce_before = counters.KERNELS["fused_all_gather:ce_push"]
     k, n = 1024, 776
     torch.manual_seed(5)  # the same weight and bias on every rank
     _, b, _ = _operands(1, k, n, dtype, "weight_t" if form == "weight_t" else "plain")
@@ -296,7 +296,7 @@ def test_fused_all_gather_matches_the_fp32_reference(nccl, provider, rows, dtype
     bs = gather_all(b.contiguous())
     ref = full.reshape(-1, k).float() @ bs[0].float() + (c.float() if c is not None else 0)
     check_errors()
-    assert fused_all_gather.CE_CALLS == ce_before + _ce_pushes_expected(provider, push)
+    assert counters.KERNELS["fused_all_gather:ce_push"] == ce_before + _ce_pushes_expected(provider, push)
     assert torch.equal(bs[0], bs[1]), "the test needs the same weight on every rank"
     assert relerr(out, ref) < 1e-2
     if form != "no_gathered":
@@ -310,7 +310,7 @@ def test_fused_reduce_scatter_back_to_back_without_synchronising(nccl, pull):
     """40 fused reduce-scatters queued with no synchronisation, shapes alternating (1024 and 2048
     rows, both tilings), fresh data each: checked only at the end, so a partial overwritten
     before its owner read it (pushed or pulled) would show."""
-    pulls_before = fused_all_reduce.PULL_CALLS
+    pulls_before = counters.KERNELS["fused_all_reduce:pull"]
     torch.manual_seed(87 + dist.get_rank())
     calls = []
     for i in range(40):
@@ -321,7 +321,7 @@ def test_fused_reduce_scatter_back_to_back_without_synchronising(nccl, pull):
                             config=_fused(scatter=True, pull=pull))
         calls.append((a, w, out))
     check_errors()
-    assert fused_all_reduce.PULL_CALLS - pulls_before == (40 if pull else 0)
+    assert counters.KERNELS["fused_all_reduce:pull"] - pulls_before == (40 if pull else 0)
     for i, (a, w, out) in enumerate(calls):
         assert relerr(out, _reference(a, w, None).chunk(2)[dist.get_rank()]) < 1e-2, f"call {i}"
 
@@ -336,12 +336,12 @@ def test_fused_all_gather_back_to_back_without_synchronising(nccl, push):
     w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
     torch.manual_seed(78 + dist.get_rank())
     shards = [torch.randn(512 * (1 + i % 2), 1024, device="cuda", dtype=torch.bfloat16) for i in range(40)]
-    ce_before = fused_all_gather.CE_CALLS
+    ce_before = counters.KERNELS["fused_all_gather:ce_push"]
     outs = [run_forced("all_gather_mm", "fused", x, w, None, 0, 2, nccl.group_name, i % 3 == 0,
                        config=_fused_ag(push))[0] for i, x in enumerate(shards)]
     check_errors()
     ce = _ce_pushes_expected(env.current().symm_provider, push)
-    assert fused_all_gather.CE_CALLS - ce_before == (40 if ce else 0)
+    assert counters.KERNELS["fused_all_gather:ce_push"] - ce_before == (40 if ce else 0)
     for i, (x, (out, gathered)) in enumerate(zip(shards, outs)):
         full = torch.cat(gather_all(x))
         assert relerr(out, full.float() @ w.float()) < 1e-2, f"call {i}"

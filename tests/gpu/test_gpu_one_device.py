@@ -24,7 +24,7 @@ import torch
 
 from commfuse.kernels import exchange, fused_all_gather, fused_all_reduce, fused_split_k, launch, tiles
 from commfuse.kernels.codes import OP_MM_ALL_REDUCE
-from commfuse.runtime import ce_graphs, errors, rules, running
+from commfuse.runtime import ce_graphs, counters, errors, rules, running
 from commfuse.runtime.facts import local_facts
 from commfuse.runtime.paths import after_gemm, ar_ce_overlap, ag_fused
 from commfuse.runtime.paths.base import Call, Context, MmAllReduceArgs
@@ -352,7 +352,7 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
     b = [torch.empty(n, k, device="cuda", dtype=DT).t() for _ in range(world)]
     c = [torch.empty(n, device="cuda", dtype=DT) for _ in range(world)]
     outs, recvs = _poisoned(world, m, n), _poisoned(world, world - 1, m, n)
-    counts = dict(ce_graphs.COUNTS)
+    counts = dict(counters.CE_GRAPHS)
     hows = []
     for call in range(10):
         fresh_a, fresh_b, fresh_c, ref = _operands(world, m, k, n, bias=True, call=call)
@@ -386,7 +386,7 @@ def test_copy_engine_overlap_replayed_as_a_cuda_graph(world, monkeypatch):
             assert torch.equal(outs[r], outs[0]), (call, r)
     # a graph per parity (the data half it holds): calls 4 and 5 eager, 6 and 7 captured, 8 and 9 replayed
     assert hows == [how for how in ("eager", "captured", "replayed") for _ in range(2 * world)], hows
-    assert ce_graphs.COUNTS["captured"] == counts["captured"] + 2 * world
+    assert counters.CE_GRAPHS["captured"] == counts["captured"] + 2 * world
     assert all(len(w.graphs) == 2 for w in ws)
 
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import commfuse
 from commfuse import check_errors
 from commfuse.runtime.paths.ar_ce_overlap import CeConfig, chunk_rows
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime import counters
+from commfuse.runtime.counters import PATHS
 from commfuse.runtime.paths.rs_ce_overlap import RsOverlapConfig
 from gpu_util import decided, gather_all, poison, relerr, run_path, start_over, timed_out
 
@@ -171,7 +172,7 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl):
     a, b, c = (torch.empty_like(t) for t in inputs[0])
     saved = torch.empty(calls, m, n, device="cuda", dtype=torch.bfloat16)  # nothing allocated in the loop
     saved_small = torch.empty(calls, 16, 128, device="cuda", dtype=torch.bfloat16)
-    before = dict(ce_graphs.COUNTS)
+    before = dict(counters.CE_GRAPHS)
     hows = []  # per call: what this rank's copy-engine call did (nothing counted: graphs off)
     out = None
     for i in range(calls):
@@ -180,10 +181,10 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl):
         if out is not None:
             out.fill_(float("nan"))
             del out
-        counted = dict(ce_graphs.COUNTS)
+        counted = dict(counters.CE_GRAPHS)
         with env.override(algo="ce_overlap", ce_graphs=not (rank == 1 and i in (6, 7))):
             out = torch.ops.commfuse.mm_all_reduce(a, b, c, nccl.group_name)
-        hows.append([how for how in counted if ce_graphs.COUNTS[how] > counted[how]])
+        hows.append([how for how in counted if counters.CE_GRAPHS[how] > counted[how]])
         saved[i].copy_(out)
         with env.override(algo="one_shot"):
             saved_small[i].copy_(torch.ops.commfuse.mm_all_reduce(small[i], w, None, nccl.group_name))
@@ -196,7 +197,7 @@ def test_copy_engine_calls_replay_as_cuda_graphs(nccl):
         assert torch.equal(same, saved[i]), i
         ref_small = sum(x.float() for x in gather_all(small[i].float() @ w.float()))
         assert relerr(saved_small[i], ref_small) < 1e-2, i
-    counts = {how: ce_graphs.COUNTS[how] - before[how] for how in before}
+    counts = {how: counters.CE_GRAPHS[how] - before[how] for how in before}
     assert ce_graphs.enabled(), ce_graphs._disabled
     assert counts["captured"] >= 1 and counts["replayed"] >= 2, counts  # addresses repeat from the third call
     if rank == 1:  # graphs off for calls 6 and 7: through the eager path, outside ce_graphs

@@ -19,7 +19,7 @@ import torch
 from commfuse import env
 from commfuse.kernels import exchange
 from commfuse.kernels.codes import GRAPH_LANE_OP
-from commfuse.runtime import ce_graphs, errors, groups
+from commfuse.runtime import capture, ce_graphs, errors, groups
 from commfuse.runtime import workspace as ws_mod
 from commfuse.tools import emulated
 
@@ -154,7 +154,7 @@ def test_groups_dropped_inside_a_capture_are_freed_after_it(monkeypatch):
 def _lane_call(x: torch.Tensor, name: str) -> torch.Tensor:
     """Stands for a captured lane call: marks the group's lane replayed inside a capture."""
     if torch.cuda.is_current_stream_capturing():
-        groups.mark_replayed(groups._groups[(name, "torch")])
+        capture.mark_replayed(groups._groups[(name, "torch")])
     return x.clone()
 
 
@@ -179,7 +179,7 @@ def test_a_kept_lane_is_freed_once_inductors_graphs_are_gone(monkeypatch):
         y = f(x)
     torch.cuda.synchronize()
     assert float(y[0]) == 3.0
-    assert group.replayed and len(group.graph_owners) == 1 and not group.unowned_capture
+    assert group.capture.replayed and len(group.capture.owners) == 1 and not group.capture.unowned
     groups.release(name)  # no process group has the name: no restart, the lane is kept
     assert groups.held() == [group] and kept() is not None
     groups.release(name)

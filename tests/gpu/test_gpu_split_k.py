@@ -16,7 +16,7 @@ from commfuse import check_errors, env
 from commfuse.kernels import fused_split_k
 from commfuse.runtime import groups, policy
 from commfuse.runtime.paths.base import Call
-from commfuse.runtime.paths.common import PATHS
+from commfuse.runtime.counters import PATHS
 from gpu_util import group_state, relerr, run_forced, start_over, timed_out, workspaces
 from test_gpu_fused import _fused_call, _operands, _reference
 

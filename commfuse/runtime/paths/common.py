@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import re
@@ -34,20 +33,6 @@ def warn_once(op: str, why: str) -> None:
     """Log, once per op and kind of reason, that a call runs the unfused NCCL path."""
     if first_time(_warned, (op, why)):
         log.warning("commfuse.%s: this call runs the unfused NCCL path (%s)", op, why)
-
-
-#: Calls per path that ran (``mm_all_reduce:fused``, ...) since import: tests check which path ran.
-PATHS: collections.Counter[str] = collections.Counter()
-
-
-def ran(op: str, name: str) -> None:
-    PATHS[f"{op}:{name}"] += 1
-
-
-def ran_instead(op: str, algo: str, instead: str) -> None:
-    """``PATHS`` counts the path a call took: ``algo`` was chosen but ``instead`` ran."""
-    PATHS[f"{op}:{algo}"] -= 1
-    PATHS[f"{op}:{instead}"] += 1
 
 
 def workspace(ctx, nbytes: int, device: torch.device):

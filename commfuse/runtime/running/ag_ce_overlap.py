@@ -9,7 +9,8 @@ from ...kernels import exchange
 from ...kernels.codes import OP_ALL_GATHER_MM
 from ..paths.ag_pull import gather_shape
 from ..paths.base import Context
-from ..paths.common import bias_rows, exchange as epoch_of, matmul_into, ran_instead, workspace
+from ..counters import ran_instead
+from ..paths.common import bias_rows, exchange as epoch_of, matmul_into, workspace
 from .ag_pull import pull
 
 

@@ -7,6 +7,7 @@ import torch
 
 from ...kernels import fused_all_gather
 from ..paths.ag_pull import gather_shape
+from ..counters import launched
 from ..paths.base import Context
 from ..paths.common import exchange, workspace
 from ..paths.ag_fused import fused_bytes
@@ -26,4 +27,5 @@ def run(path, ctx: Context, args):
                                       side=side, pushers=cfg.pushers, ce_chunk_count=cfg.ce_chunks)
     with exchange(ctx, ws, path.op) as (epoch, parity):  # (everything above before the epoch)
         launch(epoch, parity)
+    launched("fused_all_gather", launch.variants)
     return out, gathered

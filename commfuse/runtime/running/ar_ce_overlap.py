@@ -10,7 +10,8 @@ from ...kernels.codes import OP_MM_ALL_REDUCE
 from .. import ce_graphs
 from ..paths.base import Context
 from ..paths.ar_ce_overlap import CeConfig
-from ..paths.common import exchange as epoch_of, matmul_into, ran_instead, row_chunks, sum_rank_order, workspace
+from ..counters import ran_instead
+from ..paths.common import exchange as epoch_of, matmul_into, row_chunks, sum_rank_order, workspace
 
 
 def run(path, ctx: Context, args) -> torch.Tensor:

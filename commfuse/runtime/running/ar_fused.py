@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import fused_all_reduce
+from ..counters import launched
 from ..paths.base import Context
 from ..paths.common import exchange, workspace
 from ..paths.ar_fused import FusedConfig, fused_bytes
@@ -24,4 +25,5 @@ def run_fused(ctx: Context, a, b, bias, out, op: str, scatter: bool, cfg: FusedC
                                       cfg.options)  # before the epoch
     with exchange(ctx, ws, op) as (epoch, parity):
         launch(epoch, parity)
+    launched("fused_all_reduce", launch.variants)
     return out

@@ -8,7 +8,8 @@ import torch
 from ...kernels import exchange, tiles
 from ...kernels.codes import OP_MM_REDUCE_SCATTER
 from ..paths.base import Context
-from ..paths.common import bias_rows, exchange as epoch_of, matmul_into, ran_instead, sum_rank_order, workspace
+from ..counters import ran_instead
+from ..paths.common import bias_rows, exchange as epoch_of, matmul_into, sum_rank_order, workspace
 from ..paths.rs_pull import scattered_shape
 from .rs_pull import pull
 
