@@ -88,15 +88,10 @@ def _forms(rank: int, group):
 
 
 def _worker(rank: int, init_file: str) -> None:
-    import datetime
-
     import commfuse
+    from helpers import gloo_rank
 
-    torch._inductor.config.fx_graph_cache = False
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    group = dist.group.WORLD
-    torch.manual_seed(100 + rank)  # every rank holds different data
+    group = gloo_rank(rank, init_file, WORLD)
     for name, fn, make, reference, op, unfused_runs in _forms(rank, group):
         torch._dynamo.reset()
         commfuse.clear_report()

@@ -346,70 +346,41 @@ def _scaled_rs_inputs(c: Call, g: str, rand):
                                          x.world_size, g)
 
 
-def _scaled_key(x) -> tuple:
-    return (x.a.dtype, x.b.dtype, x.out_dtype, x.use_fast_accum)
+def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str) -> OpSpec:
+    """``base`` with an FP8 ``_scaled_mm`` in its matmul's place: its layout with the FP8 arguments
+    added, its sizes read alike, its signature and shared arguments with the FP8 ones."""
+    return OpSpec(
+        name=name,
+        args=(*base.args[:2], *_SCALES, base.args[2], *_FP8_OUT, *base.args[3:]),
+        outputs=base.outputs,
+        reference=reference,
+        pattern=base.pattern,
+        call=lambda x, world: call(x, world, name),
+        key=lambda x: (*base.key(x), x.b.dtype, x.out_dtype, x.use_fast_accum),
+        own_size=base.own_size,
+        shared=lambda x: dict(base.shared(x), b_dtype=x.b.dtype, out_dtype=x.out_dtype,
+                              use_fast_accum=x.use_fast_accum),
+        exchanged=base.exchanged,
+        inputs=inputs,
+        rows_unit=base.rows_unit,
+        cuts_rows=base.cuts_rows,
+        unfused=unfused,
+        unfused_reason=FP8_UNFUSED,
+    )
 
 
-SCALED_MM_ALL_REDUCE = OpSpec(
-    name="scaled_mm_all_reduce",
-    args=(*MM_ALL_REDUCE.args[:2], *_SCALES, MM_ALL_REDUCE.args[2], *_FP8_OUT, *MM_ALL_REDUCE.args[3:]),
-    outputs=("out",),
-    reference=lambda x: reference.scaled_mm_all_reduce(x.a, x.b, x.scale_a, x.scale_b, x.bias, x.out_dtype,
-                                                       x.use_fast_accum, x.group_name),
-    pattern="mm_all_reduce",
-    call=lambda x, world: _ar_call(x, world, "scaled_mm_all_reduce"),
-    key=lambda x: (tuple(x.a.shape), tuple(x.b.shape), *_scaled_key(x)),
-    own_size=MM_ALL_REDUCE.own_size,
-    shared=lambda x: dict(MM_ALL_REDUCE.shared(x), b_dtype=x.b.dtype, out_dtype=x.out_dtype,
-                          use_fast_accum=x.use_fast_accum),
-    exchanged=MM_ALL_REDUCE.exchanged,
-    inputs=_scaled_ar_inputs,
-    rows_unit=MM_ALL_REDUCE.rows_unit,
-    unfused='all_reduce(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, use_fast_accum=f), "sum", g)',
-    unfused_reason=FP8_UNFUSED,
-)
-
-ALL_GATHER_SCALED_MM = OpSpec(
-    name="all_gather_scaled_mm",
-    args=(*ALL_GATHER_MM.args[:2], *_SCALES, ALL_GATHER_MM.args[2], *_FP8_OUT, *ALL_GATHER_MM.args[3:]),
-    outputs=ALL_GATHER_MM.outputs,
-    reference=lambda x: reference.all_gather_scaled_mm(x.shard, x.b, x.scale_a, x.scale_b, x.bias, x.out_dtype,
-                                                       x.use_fast_accum, x.gather_dim, x.world_size, x.group_name),
-    pattern="all_gather_mm",
-    call=lambda x, world: _ag_call(x, world, "all_gather_scaled_mm"),
-    key=lambda x: (*ALL_GATHER_MM.key(x), x.b.dtype, x.out_dtype, x.use_fast_accum),
-    own_size=ALL_GATHER_MM.own_size,
-    shared=lambda x: dict(ALL_GATHER_MM.shared(x), out_dtype=x.out_dtype, use_fast_accum=x.use_fast_accum),
-    exchanged=ALL_GATHER_MM.exchanged,
-    inputs=_scaled_ag_inputs,
-    rows_unit=ALL_GATHER_MM.rows_unit,
-    cuts_rows=True,
-    unfused="(_scaled_mm(cat(all_gather(x, g), dim=d).flatten(0, -2), b, scale_a, scale_b, bias, out_dtype=o, "
-            "use_fast_accum=f), the gathered x if r else empty)",
-    unfused_reason=FP8_UNFUSED,
-)
-
-SCALED_MM_REDUCE_SCATTER = OpSpec(
-    name="scaled_mm_reduce_scatter",
-    args=(*MM_REDUCE_SCATTER.args[:2], *_SCALES, MM_REDUCE_SCATTER.args[2], *_FP8_OUT, *MM_REDUCE_SCATTER.args[3:]),
-    outputs=("out",),
-    reference=lambda x: reference.scaled_mm_reduce_scatter(x.a, x.b, x.scale_a, x.scale_b, x.bias, x.out_dtype,
-                                                           x.use_fast_accum, x.shape, x.scatter_dim, x.world_size,
-                                                           x.group_name),
-    pattern="mm_reduce_scatter",
-    call=lambda x, world: _rs_call(x, world, "scaled_mm_reduce_scatter"),
-    key=lambda x: (tuple(x.a.shape), tuple(x.b.shape), tuple(x.shape), x.scatter_dim, *_scaled_key(x)),
-    own_size=MM_REDUCE_SCATTER.own_size,
-    shared=lambda x: dict(MM_REDUCE_SCATTER.shared(x), b_dtype=x.b.dtype, out_dtype=x.out_dtype,
-                          use_fast_accum=x.use_fast_accum),
-    exchanged=MM_REDUCE_SCATTER.exchanged,
-    inputs=_scaled_rs_inputs,
-    rows_unit=MM_REDUCE_SCATTER.rows_unit,
-    cuts_rows=True,
-    unfused='reduce_scatter(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, use_fast_accum=f).view(shape), '
-            '"sum", dim=d, g)',
-    unfused_reason=FP8_UNFUSED,
-)
+# (each reference takes the op's arguments in order; the all-gather's but its return_gathered)
+SCALED_MM_ALL_REDUCE = _fp8_spec(
+    MM_ALL_REDUCE, "scaled_mm_all_reduce", lambda x: reference.scaled_mm_all_reduce(*x), _ar_call, _scaled_ar_inputs,
+    'all_reduce(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, use_fast_accum=f), "sum", g)')
+ALL_GATHER_SCALED_MM = _fp8_spec(
+    ALL_GATHER_MM, "all_gather_scaled_mm", lambda x: reference.all_gather_scaled_mm(*x[:-1]), _ag_call,
+    _scaled_ag_inputs, "(_scaled_mm(cat(all_gather(x, g), dim=d).flatten(0, -2), b, scale_a, scale_b, bias, "
+    "out_dtype=o, use_fast_accum=f), the gathered x if r else empty)")
+SCALED_MM_REDUCE_SCATTER = _fp8_spec(
+    MM_REDUCE_SCATTER, "scaled_mm_reduce_scatter", lambda x: reference.scaled_mm_reduce_scatter(*x), _rs_call,
+    _scaled_rs_inputs, 'reduce_scatter(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, '
+    'use_fast_accum=f).view(shape), "sum", dim=d, g)')
 
 #: Every op, by name, in the order the registry and the report list them.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
