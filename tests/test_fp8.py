@@ -8,6 +8,7 @@ must equal eager); real ranks are in ``test_fp8_gloo.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -255,7 +256,7 @@ def test_run_time_runs_the_unfused_composition_with_one_reason(op, caplog):
     with caplog.at_level(logging.WARNING, logger="commfuse"):
         for facts in (GroupFacts.simulated(2), GroupFacts.simulated(8, arch="sm_100", name="NVIDIA B200", sms=148)):
             for capturing in (False, True):
-                decision = policy.choose(dataclasses_replace(call, world=facts.world), facts, capturing=capturing,
+                decision = policy.choose(dataclasses.replace(call, world=facts.world), facts, capturing=capturing,
                                          forced="pull", tuned=lambda: pytest.fail("the tuner was asked"))
                 assert (decision.name, decision.source, decision.reason) == ("nccl", "unsupported", FP8_UNFUSED)
         assert policy.workspace_bytes(call, GroupFacts.simulated(2), tuning=True) == 0
@@ -263,11 +264,6 @@ def test_run_time_runs_the_unfused_composition_with_one_reason(op, caplog):
         f"commfuse.{op}: this call runs the unfused NCCL path ({FP8_UNFUSED})"]
     assert spec.unfused_reason == FP8_UNFUSED
 
-
-def dataclasses_replace(call, **changes):
-    import dataclasses
-
-    return dataclasses.replace(call, **changes)
 
 
 # ---- torchao float8 training with its TP plan ------------------------------------------------------
