@@ -103,7 +103,7 @@ CACHED_WITHOUT_DECISIONS = "a graph from the FX graph cache"
 
 @dataclasses.dataclass(frozen=True)
 class MatchRecord:
-    pattern: str  # "merge_sums" | "mm_all_reduce" | "all_gather_mm" | "mm_reduce_scatter"
+    pattern: str  # "merge_sums", a pattern (config.PATTERNS), or the FP8 op a pattern makes ("scaled_mm_all_reduce", ...)
     graph: str  # "forward" | "backward" and the graph's number in this process
     collective: str  # name of the collective node
     matmul: str | None  # name of the matmul node, when one was found

@@ -40,3 +40,16 @@ def compile_code(fn, *args, backend=None, train: bool = False):
 def calls(code: str, op: str) -> int:
     """How many times the generated code calls ``op`` (e.g. "commfuse.mm_all_reduce")."""
     return code.count(f"torch.ops.{op}.default(")
+
+
+def gloo_rank(rank: int, init_file: str, world_size: int, seed: int = 100):
+    """Join a gloo group of ``world_size`` CPU processes (a spawned test's rank): collectives that
+    do not pair fail in a minute instead of gloo's 30; every rank holds different random data.
+    Returns the group."""
+    import datetime
+
+    torch._inductor.config.fx_graph_cache = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(seed + rank)
+    return dist.group.WORLD

@@ -35,6 +35,24 @@ def test_explain_sequence_parallel_with_exclusion():
 
 
 @pytest.mark.slow
+def test_explain_fp8_tensorwise_sequence_parallel():
+    """torchao float8 under its TP plan: the FP8 gathers and scatters fuse forward and backward
+    and each runs NCCL, by its one reason; the amax all-reduces (max) stay with theirs."""
+    pytest.importorskip("torchao")
+    out = _explain("--fp8", "tensorwise", "--model", "sp", "--layers", "1", "--seq", "256")
+    assert out.count("FUSED   all_gather_scaled_mm") == 4 and out.count("FUSED   scaled_mm_reduce_scatter") == 2, out
+    assert "float8_e4m3fn->bfloat16" in out and "float8_e5m2->bfloat16" in out
+    assert out.count("-> nccl  [unsupported: no FP8 fused kernel yet") == 6, out
+
+
+@pytest.mark.slow
+def test_explain_fp8_weights_inference():
+    out = _explain("--fp8", "weights", "--model", "hooks", "--layers", "1")
+    assert "commfuse: 2 fused, 0 skipped" in out and out.count("FUSED   scaled_mm_all_reduce") == 2, out
+    assert "; inference; FP8: FP8 weights" in out
+
+
+@pytest.mark.slow
 def test_explain_hooks_inference_threshold():
     out = _explain("--model", "hooks", "--inference", "--min-mnk", str(10**12))
     assert "commfuse: 0 fused, 4 skipped" in out, out

@@ -52,16 +52,10 @@ def _compare(name, fn, inputs, reference):
 
 
 def _worker(rank: int, init_file: str) -> None:
-    import datetime
-
     import commfuse
+    from helpers import gloo_rank
 
-    torch._inductor.config.fx_graph_cache = False
-    # collectives that do not pair across ranks fail in a minute instead of gloo's 30
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    group = dist.group.WORLD
-    torch.manual_seed(100 + rank)  # every rank holds different data
+    group = gloo_rank(rank, init_file, WORLD)
 
     # mm -> all_reduce, 2-D and 3-D, with and without bias; forward and backward.
     for shape in [(64, 32), (4, 16, 32)]:

@@ -23,6 +23,9 @@ CALLS = [
     Call("all_gather_mm", 96, 64, 32, F16, 4, False, 1, 3),  # a batch of 3 sequences gathered along dim 1
     Call("mm_reduce_scatter", 96, 64, 32, F16, 2, True),
     Call("mm_reduce_scatter", 96, 64, 32, F16, 4, False, 1, 2),
+    Call("scaled_mm_all_reduce", 96, 64, 32, torch.bfloat16, 2, True),  # FP8: the dtype is the output's
+    Call("all_gather_scaled_mm", 96, 64, 32, torch.float8_e4m3fn, 4, False, 1, 3),  # the gathered shard's
+    Call("scaled_mm_reduce_scatter", 96, 64, 32, torch.float32, 2, False, 1, 2),
 ]
 
 
@@ -50,7 +53,10 @@ def test_the_tuners_inputs_make_the_call_they_were_made_for(call):
 
 
 def test_specs_name_their_patterns_and_paths():
-    assert [s.pattern for s in SPECS.values()] == [p.NAME for p in patterns.ALL]
+    # each pattern makes its op, and its FP8 form's (a _scaled_mm in the matmul's place)
+    assert list(dict.fromkeys(s.pattern for s in SPECS.values())) == [p.NAME for p in patterns.ALL]
+    assert [s.name for s in SPECS.values() if s.name not in {p.NAME for p in patterns.ALL}] == [
+        p.FP8_NAME for p in patterns.ALL]
     for spec in SPECS.values():
         assert REGISTRY[(spec.name, "nccl")] is by_op(spec.name)[0]
         assert all(p.spec is spec for p in by_op(spec.name))

@@ -9,6 +9,7 @@ each rank's sequence shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -136,11 +137,13 @@ def _check_divisible(cfg: Config, tp: int) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the TP size {tp}")
 
 
-def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = False) -> Transformer:
+def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = False, fp8: bool = False) -> Transformer:
     """Megatron-style TP with DTensor: Q/K/V and w1/w3 column-wise, wo and w2 row-wise.
 
     With ``sequence_parallel`` the norms run on sequence shards (dim 1): an all-gather precedes the
-    column-wise matmuls and a reduce-scatter follows the row-wise ones.
+    column-wise matmuls and a reduce-scatter follows the row-wise ones. With ``fp8`` (a model
+    made by ``demo.fp8.float8_training``) torchao's float8 styles take their place, as torchtitan's
+    float8 plan does: the attention and MLP inputs cast to FP8 before they are gathered.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -151,6 +154,12 @@ def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = Fals
         parallelize_module,
     )
 
+    if fp8:
+        from .fp8 import tp_styles
+
+        styles = tp_styles()
+        ColwiseParallel, RowwiseParallel = styles["colwise"], styles["rowwise"]  # noqa: N806
+        PrepareModuleInput = functools.partial(styles["prepare"], float8_dtype=torch.float8_e4m3fn)  # noqa: N806
     tp = mesh.size()
     _check_divisible(model.cfg, tp)
     for block in model.layers:

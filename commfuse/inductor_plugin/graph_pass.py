@@ -41,7 +41,8 @@ from ..patterns import merge_sums
 from ..runtime import plans, policy, rules
 from ..runtime.facts import local_facts
 from ..runtime.spec import SPECS, Call
-from ..patterns.common import Skip, graph_label, mnk, matmul_operands, val
+from ..patterns.common import SCALED_MM, Skip, graph_label, is_call, mnk, matmul_operands, val
+from ..patterns.common import arg as read_arg
 from ..report import MatchRecord, configure_logging, log, note, record
 
 _graph_numbers = itertools.count()
@@ -66,18 +67,23 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
-def _describe(pattern: str, label: str, anchor: fx.Node, mm: fx.Node | None, fused: bool, reason: str) -> MatchRecord:
+def _describe(pattern, label: str, anchor: fx.Node, mm: fx.Node | None, fused: bool, reason: str) -> MatchRecord:
+    """The record of one candidate of ``pattern`` (a module of ``patterns/``); an FP8 candidate (a
+    ``_scaled_mm``) is named by its FP8 op and its dtype reads ``operand->output``."""
     shape = dtype = module = None
+    name = pattern.FP8_NAME if is_call(mm, (SCALED_MM,)) else pattern.NAME
     if mm is not None:
         try:
             a, b, _ = matmul_operands(mm)
             shape, dtype = mnk(a, b), str(val(a).dtype).replace("torch.", "")
+            if name != pattern.NAME:
+                dtype += "->" + str(read_arg(mm, 6, "out_dtype", None) or val(a).dtype).replace("torch.", "")
         except Skip:
             pass
         stack = module_stack(mm)
         module = stack[-1][0] if stack else None
     group = anchor.kwargs.get("group_name", anchor.args[-1])  # the last argument of every anchor
-    return MatchRecord(pattern, label, anchor.name, mm.name if mm is not None else None,
+    return MatchRecord(name, label, anchor.name, mm.name if mm is not None else None,
                        fused, reason, shape, dtype, str(group), module)
 
 
@@ -121,20 +127,20 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
         for anchor in anchors:
             if pattern.NAME not in settings.patterns:
                 reason = f"pattern {pattern.NAME} is disabled in this backend's settings"
-                record(_describe(pattern.NAME, label, anchor, None, False, reason))
+                record(_describe(pattern, label, anchor, None, False, reason))
                 continue
             try:
                 match = pattern.MATCH.from_anchor(anchor, settings)
             except Skip as exc:
-                record(_describe(pattern.NAME, label, anchor, exc.mm, False, str(exc)))
+                record(_describe(pattern, label, anchor, exc.mm, False, str(exc)))
                 continue
             except Exception as exc:  # a graph form the matcher did not foresee: leave it unfused
                 log.warning("commfuse: could not analyse %s at %s (%s: %s); left unfused",
                             pattern.NAME, anchor.name, type(exc).__name__, exc)
                 reason = f"commfuse could not analyse this graph form ({type(exc).__name__}: {exc})"
-                record(_describe(pattern.NAME, label, anchor, None, False, reason))
+                record(_describe(pattern, label, anchor, None, False, reason))
                 continue
-            rec = _describe(pattern.NAME, label, anchor, match.mm, True, "fused")
+            rec = _describe(pattern, label, anchor, match.mm, True, "fused")
             match.replace(graph)
             record(rec)
             fused += 1

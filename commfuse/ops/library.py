@@ -31,7 +31,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..runtime import reference
 from ..runtime.counters import CALLS
-from ..runtime.spec import ALL_GATHER_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER, SPECS
+from ..runtime.spec import (ALL_GATHER_MM, ALL_GATHER_SCALED_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
+                            SCALED_MM_REDUCE_SCATTER, SPECS)
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,12 +65,18 @@ def _check_matmul_args(op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     torch._check(a.shape[1] == b.shape[0], lambda: f"commfuse.{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
     torch._check(a.dtype == b.dtype, lambda: f"commfuse.{op}: a is {a.dtype} but b is {b.dtype}")
     torch._check(a.dtype in _FUSABLE_DTYPES, lambda: f"commfuse.{op}: dtype {a.dtype} is not one of fp16, bf16, fp32")
-    if bias is not None:
-        torch._check(bias.dtype == a.dtype, lambda: f"commfuse.{op}: bias is {bias.dtype} but a is {a.dtype}")
-        torch._check(bias.dim() <= 2, lambda: f"commfuse.{op}: bias must be 1-D or 2-D, got {tuple(bias.shape)}")
-        rows_ok = bias.dim() < 2 or bias.shape[0] == 1 or bias.shape[0] == rows
-        cols_ok = bias.dim() == 0 or bias.shape[-1] == 1 or bias.shape[-1] == b.shape[1]
-        torch._check(rows_ok and cols_ok, lambda: f"commfuse.{op}: bias {tuple(bias.shape)} does not broadcast to ({rows}, {b.shape[1]})")
+    _check_bias(op, bias, a.dtype, "a", rows, b.shape[1])
+
+
+def _check_bias(op: str, bias: torch.Tensor | None, dtype: torch.dtype, of: str, rows, cols) -> None:
+    """``bias`` (if any) is of ``dtype`` (the dtype of ``of``) and broadcasts to ``(rows, cols)``."""
+    if bias is None:
+        return
+    torch._check(bias.dtype == dtype, lambda: f"commfuse.{op}: bias is {bias.dtype} but {of} is {dtype}")
+    torch._check(bias.dim() <= 2, lambda: f"commfuse.{op}: bias must be 1-D or 2-D, got {tuple(bias.shape)}")
+    rows_ok = bias.dim() < 2 or bias.shape[0] == 1 or bias.shape[0] == rows
+    cols_ok = bias.dim() == 0 or bias.shape[-1] == 1 or bias.shape[-1] == cols
+    torch._check(rows_ok and cols_ok, lambda: f"commfuse.{op}: bias {tuple(bias.shape)} does not broadcast to ({rows}, {cols})")
 
 
 def _no_gradient(op: str, *tensors) -> None:
@@ -149,11 +156,12 @@ def _gathered_shape(shard: torch.Tensor, gather_dim: int, world_size: int) -> li
     return shape
 
 
-def _check_gather_args(shard: torch.Tensor, b: torch.Tensor, gather_dim: int, world_size: int) -> None:
-    torch._check(shard.dim() >= 2, lambda: f"commfuse.all_gather_mm: shard must be at least 2-D, got {tuple(shard.shape)}")
-    torch._check(0 <= gather_dim < shard.dim() - 1, lambda: f"commfuse.all_gather_mm: gather_dim {gather_dim} must name a leading dimension of a {shard.dim()}-D shard")
-    torch._check(world_size >= 1, lambda: f"commfuse.all_gather_mm: world_size must be positive, got {world_size}")
-    torch._check(b.dim() == 2 and shard.shape[-1] == b.shape[0], lambda: f"commfuse.all_gather_mm: shard {tuple(shard.shape)} does not multiply b {tuple(b.shape)}")
+def _check_gather_args(shard: torch.Tensor, b: torch.Tensor, gather_dim: int, world_size: int,
+                       op: str = "all_gather_mm") -> None:
+    torch._check(shard.dim() >= 2, lambda: f"commfuse.{op}: shard must be at least 2-D, got {tuple(shard.shape)}")
+    torch._check(0 <= gather_dim < shard.dim() - 1, lambda: f"commfuse.{op}: gather_dim {gather_dim} must name a leading dimension of a {shard.dim()}-D shard")
+    torch._check(world_size >= 1, lambda: f"commfuse.{op}: world_size must be positive, got {world_size}")
+    torch._check(b.dim() == 2 and shard.shape[-1] == b.shape[0], lambda: f"commfuse.{op}: shard {tuple(shard.shape)} does not multiply b {tuple(b.shape)}")
 
 
 def all_gather_mm(
@@ -218,8 +226,8 @@ def _(shard, b, bias, gather_dim, world_size, group_name, return_gathered, site=
     return out, gathered
 
 
-def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int) -> None:
-    op = "commfuse.mm_reduce_scatter"
+def _check_scatter_args(a, b, shape, scatter_dim: int, world_size: int, name: str = "mm_reduce_scatter") -> None:
+    op = f"commfuse.{name}"
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"{op}: a and b must be 2-D")
     torch._check(list(shape).count(-1) <= 1, lambda: f"{op}: shape {list(shape)} has more than one -1")
     torch._check(all(s >= 0 or s == -1 for s in shape),
@@ -283,6 +291,113 @@ def _(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
     _check_scatter_args(a, b, shape, scatter_dim, world_size)
     return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]))
 
+
+# ---- The FP8 ops: an FP8 ``_scaled_mm`` with tensor-wise scales in the matmul's place -------------
+#
+#     scaled_mm_all_reduce(a, b, sa, sb, bias, o, f, g)
+#         == all_reduce(_scaled_mm(a, b, sa, sb, bias, out_dtype=o, use_fast_accum=f), "sum", g)
+#     all_gather_scaled_mm(x, b, sa, sb, bias, o, f, d, W, g, r)  (likewise, all_gather_mm's gather)
+#     scaled_mm_reduce_scatter(a, b, sa, sb, bias, o, f, shape, d, W, g)  (likewise)
+#
+# On every device they run that unfused computation for now: on CUDA through the run-time, whose
+# policy sends them to their NCCL path with one logged reason (``OpSpec.unfused_reason``).
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_scaled_args(op: str, a, b, scale_a, scale_b, bias, out_dtype, rows=None) -> None:
+    """``a @ b`` scaled by one float32 per operand into ``out_dtype`` (``_scaled_mm``'s own checks
+    run with it; these name the op, and refuse what the FP8 ops do not take)."""
+    rows = a.shape[0] if rows is None else rows
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"commfuse.{op}: a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"commfuse.{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    torch._check(a.dtype in _FP8_DTYPES and b.dtype in _FP8_DTYPES,
+                 lambda: f"commfuse.{op}: a and b must be float8_e4m3fn or float8_e5m2, got {a.dtype} and {b.dtype}")
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        torch._check(scale.dtype == torch.float32 and scale.numel() == 1,
+                     lambda: f"commfuse.{op}: {name} must be one float32 (a tensor-wise scale), got {scale.dtype} "
+                     f"{tuple(scale.shape)}")
+    torch._check(out_dtype in _FUSABLE_DTYPES, lambda: f"commfuse.{op}: out_dtype {out_dtype} is not one of fp16, bf16, fp32")
+    _check_bias(op, bias, out_dtype, "out_dtype", rows, b.shape[1])
+
+
+def _validate_scaled(spec, args) -> None:
+    """A call's checks (once per signature), its gradient guard and count."""
+    op = spec.name
+
+    def check():
+        if spec is ALL_GATHER_SCALED_MM:
+            _check_gather_args(args.shard, args.b, args.gather_dim, args.world_size, op)
+            _check_world(op, args.group_name, args.world_size)
+            rows = math.prod(_gathered_shape(args.shard, args.gather_dim, args.world_size)[:-1])
+            a = args.shard.reshape(-1, args.shard.shape[-1])
+        else:
+            a, rows = args.a, None
+        _check_scaled_args(op, a, args.b, args.scale_a, args.scale_b, args.bias, args.out_dtype, rows)
+        if spec is SCALED_MM_REDUCE_SCATTER:
+            _check_scatter_args(args.a, args.b, args.shape, args.scatter_dim, args.world_size, op)
+            _check_world(op, args.group_name, args.world_size)
+        elif spec is SCALED_MM_ALL_REDUCE:
+            _group_size(op, args.group_name)
+
+    _once(_signature(op, *args), check)
+    _no_gradient(op, args[0], args.b, args.bias)
+    CALLS[op] += 1
+
+
+def _scaled_kernels(spec):
+    """The op's kernels: any device runs the unfused computation, CUDA the run-time's entry.
+    ``values``: the schema's arguments in order, the call site last."""
+    width = len(spec.args)
+
+    def finish(args, out):
+        if spec is ALL_GATHER_SCALED_MM:  # the gathered tensor only when the graph reads it
+            return out[0], out[1] if args.return_gathered else args.shard.new_empty((0,))
+        return out
+
+    def generic(*values):
+        args, site = spec.Args(*values[:width]), (values[width:] or (0,))[0]
+        _validate_scaled(spec, args)
+        return finish(args, _entry().reference_call(spec, args, lambda: spec.reference(args), site))
+
+    def cuda(*values):
+        args, site = spec.Args(*values[:width]), (values[width:] or (0,))[0]
+        _validate_scaled(spec, args)
+        return finish(args, _entry().run(spec, args, site))
+
+    return generic, cuda
+
+
+@torch.library.register_fake("commfuse::scaled_mm_all_reduce")
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, group_name, site=0):
+    _check_scaled_args("scaled_mm_all_reduce", a, b, scale_a, scale_b, bias, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("commfuse::all_gather_scaled_mm")
+def _(shard, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, gather_dim, world_size, group_name,
+      return_gathered, site=0):
+    op = "all_gather_scaled_mm"
+    _check_gather_args(shard, b, gather_dim, world_size, op)
+    shape = _gathered_shape(shard, gather_dim, world_size)
+    rows = math.prod(shape[:-1])
+    _check_scaled_args(op, shard.reshape(-1, shard.shape[-1]), b, scale_a, scale_b, bias, out_dtype, rows)
+    out = shard.new_empty((rows, b.shape[1]), dtype=out_dtype)
+    return out, shard.new_empty(shape) if return_gathered else shard.new_empty((0,))
+
+
+@torch.library.register_fake("commfuse::scaled_mm_reduce_scatter")
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, shape, scatter_dim, world_size, group_name, site=0):
+    op = "scaled_mm_reduce_scatter"
+    _check_scaled_args(op, a, b, scale_a, scale_b, bias, out_dtype)
+    _check_scatter_args(a, b, shape, scatter_dim, world_size, op)
+    return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]), dtype=out_dtype)
+
+
+for _spec in (SCALED_MM_ALL_REDUCE, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER):
+    _generic, _cuda = _scaled_kernels(_spec)
+    _LIB.impl(_spec.name, _generic, "CompositeExplicitAutograd")
+    _LIB.impl(_spec.name, _cuda, "CUDA")
 
 for _name, _generic, _cuda in (("mm_all_reduce", mm_all_reduce, _mm_all_reduce_cuda),
                                ("all_gather_mm", all_gather_mm, _all_gather_mm_cuda),

@@ -17,10 +17,18 @@ row-parallel one under it)::
              f[0]                                -> users of mm
              f[1] (the gathered tensor, only when still used) -> other users of G
 
+The FP8 form gathers an FP8 shard (torchao's float8 column-parallel linear under sequence
+parallelism, its input cast before the gather): ``_scaled_mm(r, b, scale_a, scale_b, bias, None,
+out_dtype, use_fast_accum)`` in the matmul's place, and DTensor's cat, which takes no FP8, done on
+the bytes (``view.dtype(uint8)`` of each piece, ``view.dtype`` back after the cat); it becomes
+``commfuse.all_gather_scaled_mm(shard, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, d,
+world, g, return_gathered)`` (tensor-wise scales only; ``scale_a`` is the gathered operand's).
+
 When several matmuls read the gathered tensor (Q, K and V; w1 and w3), the widest one fuses and
 the others read the returned gathered tensor. Skipped, with the reason recorded: no matmul takes the
 gathered tensor as its left operand, gathers along the last dimension, results read without a
-single wait_tensor, and the common guards (dtype, size threshold, excluded modules).
+single wait_tensor, and the common guards (dtype, size threshold, excluded modules; for FP8,
+``common.scaled_operands``).
 """
 
 from __future__ import annotations
@@ -34,29 +42,40 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .common import (
     MATMUL_OPS,
+    SCALED_MM,
     VIEW_OPS,
+    Scaled,
     Skip,
     arg,
     aten,
+    bytes_view,
     c10d,
     check_fusable,
     depends_on,
+    fused_args,
     insert_call,
     insert_getitem,
     is_call,
     left_operand,
     matmul_operands,
     normalize_dim,
+    scaled_operands,
     split_then_cat,
     val,
 )
 
 def _fused_after() -> tuple:
     """The ops an earlier pattern puts where a matmul of the gathered tensor fed a collective."""
-    return (torch.ops.commfuse.mm_all_reduce.default, torch.ops.commfuse.mm_reduce_scatter.default)
+    ops = torch.ops.commfuse
+    return (ops.mm_all_reduce.default, ops.mm_reduce_scatter.default, ops.scaled_mm_all_reduce.default,
+            ops.scaled_mm_reduce_scatter.default)
 
 
 NAME = "all_gather_mm"
+#: The op (and report name) of the FP8 form.
+FP8_NAME = "all_gather_scaled_mm"
+#: The matmuls that may take the gathered tensor as their left operand.
+_PRODUCTS = (*MATMUL_OPS, SCALED_MM)
 ANCHORS = (c10d.all_gather_into_tensor.default,)
 
 
@@ -81,18 +100,27 @@ def _permuted(ag: fx.Node, wait: fx.Node) -> tuple[fx.Node, fx.Node, int, list[f
 
 
 def _split_cat(wait: fx.Node, world_size: int) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """DTensor gathers along dim d as cat(split(wait, n, 0), d); return (cat, d, nodes) if so."""
+    """DTensor gathers along dim d as cat(split(wait, n, 0), d), for FP8 on the bytes
+    (``view.dtype(cat(view.dtype(piece, uint8)...), fp8)``); return (the gathered tensor, d,
+    nodes, consumers first) if so."""
     if len(wait.users) != 1:
         return None
     (split,) = wait.users
     if not is_call(split, (aten.split.Tensor,)) or arg(split, 2, "dim", 0) != 0:
         return None
     getitems = list(split.users)
-    cat = next(iter(getitems[0].users), None) if getitems else None
-    if not split_then_cat(split, cat, world_size):
+    first = next(iter(getitems[0].users), None) if getitems else None
+    as_bytes = first is not None and bytes_view(getitems[0]) is first
+    cat = next(iter(first.users), None) if as_bytes else first
+    if not split_then_cat(split, cat, world_size, through_bytes=as_bytes):
         return None
     dim = normalize_dim(arg(cat, 1, "dim", 0), cat)
-    return cat, dim, [cat, *getitems, split]
+    if not as_bytes:
+        return cat, dim, [cat, *getitems, split]
+    back = bytes_view(cat)
+    if back is None or val(back).dtype != val(wait).dtype:
+        return None
+    return back, dim, [back, cat, *cat.args[0], *getitems, split]
 
 
 @dataclasses.dataclass
@@ -109,6 +137,11 @@ class AllGatherMmMatch:
     b: fx.Node
     bias: fx.Node | None
     return_gathered: bool
+    scaled: Scaled | None = None  # the FP8 form's scales and output
+
+    @property
+    def op(self):
+        return getattr(torch.ops.commfuse, FP8_NAME if self.scaled else NAME).default
 
     @classmethod
     def from_anchor(cls, ag: fx.Node, settings) -> "AllGatherMmMatch":
@@ -130,12 +163,12 @@ class AllGatherMmMatch:
         k = val(gathered).shape[-1]
         candidates = []  # (mm, reshape or None)
         for user in gathered.users:
-            if is_call(user, MATMUL_OPS) and left_operand(user) is gathered:
+            if is_call(user, _PRODUCTS) and left_operand(user) is gathered:
                 candidates.append((user, None))
             elif (is_call(user, VIEW_OPS) and val(user).dim() == 2
                   and statically_known_true(val(user).shape[1] == k)):  # flattens leading dims only
                 candidates += [(mm, user) for mm in user.users
-                               if is_call(mm, MATMUL_OPS) and left_operand(mm) is user]
+                               if is_call(mm, _PRODUCTS) and left_operand(mm) is user]
         if not candidates:
             taken = [u for u in gathered.users if getattr(u, "target", None) in _fused_after()]
             if taken:  # all_gather -> mm -> all_reduce: the matmul went with the collective after it
@@ -146,9 +179,11 @@ class AllGatherMmMatch:
         for mm, reshape in candidates:
             try:
                 a, b, bias = matmul_operands(mm)
-                if depends_on([b, bias], {wait, gathered}):
-                    raise Skip("the matmul's right operand or bias is computed from the gathered tensor")
-                check_fusable(mm, a, b, bias, settings, sharded="n")
+                scaled = scaled_operands(mm) if is_call(mm, (SCALED_MM,)) else None
+                scales = [scaled.scale_a, scaled.scale_b] if scaled else []
+                if depends_on([b, bias, *scales], {wait, gathered}):
+                    raise Skip("the matmul's right operand, bias or scales are computed from the gathered tensor")
+                check_fusable(mm, a, b, bias, settings, sharded="n", scaled=scaled)
             except Skip as exc:
                 first_skip = first_skip or Skip(str(exc), mm=mm)
                 continue
@@ -156,17 +191,16 @@ class AllGatherMmMatch:
             return_gathered = set(gathered.users) != needed or (
                 reshape is not None and len(reshape.users) > 1
             )
-            return cls(ag, source, before, wait, gathered, layout, dim, reshape, mm, b, bias, return_gathered)
+            return cls(ag, source, before, wait, gathered, layout, dim, reshape, mm, b, bias, return_gathered,
+                       scaled)
         raise first_skip
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         """Rewrite; leaves users of the gathered tensor that precede the matmul for a topo sort."""
         ag = self.all_gather
-        fused = insert_call(
-            graph, self.mm, torch.ops.commfuse.all_gather_mm.default,
-            (self.source, self.b, self.bias, self.gather_dim, arg(ag, 1, "group_size"),
-             arg(ag, 2, "group_name"), self.return_gathered), self.mm,
-        )
+        rest = (self.gather_dim, arg(ag, 1, "group_size"), arg(ag, 2, "group_name"), self.return_gathered)
+        fused = insert_call(graph, self.mm, self.op, fused_args(self.source, self.b, self.bias, self.scaled, rest),
+                            self.mm)
         self.mm.replace_all_uses_with(insert_getitem(graph, fused, 0, self.mm))
         graph.erase_node(self.mm)
         if self.reshape is not None and not self.reshape.users:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -20,6 +21,13 @@ c10d = torch.ops._c10d_functional
 VIEW_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 MATMUL_OPS = (aten.mm.default, aten.addmm.default)
 FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The FP8 matmul the FP8 ops take: ``_scaled_mm(a, b, scale_a, scale_b, bias, scale_result,
+#: out_dtype, use_fast_accum)``, with tensor-wise scales (one float32 per operand).
+SCALED_MM = aten._scaled_mm.default
+#: Scaled matmuls no pattern takes, so the report says why: ``_scaled_mm_v2`` describes each
+#: operand's scaling by a recipe list (row-wise, block-wise, MX alike), a form not matched yet.
+UNMATCHED_SCALED = tuple(getattr(aten, name).default for name in ("_scaled_mm_v2",) if hasattr(aten, name))
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Meta that says where a node came from; copied onto the nodes that replace it.
 _PROVENANCE = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "custom", "seq_nr")
 
@@ -58,13 +66,76 @@ def target_name(node: Any) -> str:
 
 
 def matmul_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
-    """``(a, b, bias)`` of an ``mm`` or ``addmm`` node; Skip for scaled ``addmm``."""
+    """``(a, b, bias)`` of an ``mm``, ``addmm`` or ``_scaled_mm`` node; Skip for scaled ``addmm``."""
     if mm.target is aten.mm.default:
         return mm.args[0], mm.args[1], None
+    if mm.target is SCALED_MM:
+        return mm.args[0], mm.args[1], arg(mm, 4, "bias")
+    if mm.target is not aten.addmm.default:
+        raise Skip(f"{target_name(mm)} is not a matmul the patterns take")
     beta, alpha = mm.kwargs.get("beta", 1), mm.kwargs.get("alpha", 1)
     if beta != 1 or alpha != 1:
         raise Skip(f"addmm with beta={beta}, alpha={alpha} is not a plain bias add")
     return mm.args[1], mm.args[2], mm.args[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """What an FP8 ``_scaled_mm`` adds to a matmul's operands: the fused op takes them as they are."""
+
+    scale_a: fx.Node
+    scale_b: fx.Node
+    out_dtype: torch.dtype
+    use_fast_accum: bool
+
+
+def fused_args(a: Any, b: Any, bias: Any, scaled: Scaled | None, rest: tuple) -> tuple:
+    """A fused op's arguments: ``(a, b, bias, *rest)``, or for its FP8 form (``scaled``)
+    ``(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, *rest)`` (``runtime/spec.py``)."""
+    if scaled is None:
+        return (a, b, bias, *rest)
+    return (a, b, scaled.scale_a, scaled.scale_b, bias, scaled.out_dtype, scaled.use_fast_accum, *rest)
+
+
+def _scale_kind(scale: Any, rows: Any, cols: Any) -> str | None:
+    """None for a tensor-wise scale (one float32); else what it is, in the report's words."""
+    v = val(scale)
+    if v is None:
+        return "a scale without meta['val']"
+    if v.dtype != torch.float32:
+        return f"{v.dtype} scales (MX block scales)" if "e8m0" in str(v.dtype) else f"{v.dtype} scales"
+    if statically_known_true(v.numel() == 1):
+        return None
+    if v.dim() == 2 and (statically_known_true(v.shape[0] == rows) or statically_known_true(v.shape[1] == cols)):
+        return "row-wise scales"
+    return "block-wise scales"
+
+
+def scaled_operands(mm: fx.Node) -> Scaled:
+    """The FP8 arguments of ``_scaled_mm`` node ``mm``, or Skip with why the FP8 ops cannot take it:
+    only tensor-wise scales, e4m3/e5m2 operands, a bf16/fp16/fp32 output and no output scale."""
+    a, b, bias = matmul_operands(mm)
+    va, vb = val(a), val(b)
+    if va is None or vb is None:
+        raise Skip("matmul operands carry no meta['val'] (not a traced post-grad graph)")
+    if va.dtype not in FP8_DTYPES or vb.dtype not in FP8_DTYPES:
+        raise Skip(f"_scaled_mm of {va.dtype} and {vb.dtype}: only float8_e4m3fn and float8_e5m2 operands fuse")
+    for scale, rows, cols in ((arg(mm, 2, "scale_a"), va.shape[0], None), (arg(mm, 3, "scale_b"), None, vb.shape[1])):
+        kind = _scale_kind(scale, rows, cols)
+        if kind is not None:
+            raise Skip(f"_scaled_mm with {kind}: only tensor-wise scales (one float32 per operand) fuse")
+    if arg(mm, 5, "scale_result") is not None:
+        raise Skip("_scaled_mm with scale_result (an FP8 output): only bf16, fp16 or fp32 outputs fuse")
+    out_dtype = arg(mm, 6, "out_dtype")
+    if out_dtype is None or out_dtype not in FUSABLE_DTYPES:
+        raise Skip(f"_scaled_mm with out_dtype {out_dtype}: only bf16, fp16 or fp32 outputs fuse "
+                   "(partials are summed in the output dtype)")
+    if bias is not None and out_dtype == torch.float32:
+        raise Skip("_scaled_mm with fp32 output and a bias: cuBLAS takes no bias with an fp32 FP8 output, "
+                   "so there is no unfused form to fuse")
+    if bias is not None and (val(bias) is None or val(bias).dtype != out_dtype):
+        raise Skip("_scaled_mm's bias is not of its output dtype")
+    return Scaled(arg(mm, 2, "scale_a"), arg(mm, 3, "scale_b"), out_dtype, bool(arg(mm, 7, "use_fast_accum", False)))
 
 
 def require_sum(collective: fx.Node) -> None:
@@ -81,8 +152,11 @@ def matmul_through_views(x: Any, collective: str) -> tuple[fx.Node, list[fx.Node
     while is_call(x, VIEW_OPS):
         views.append(x)
         x = x.args[0]
-    if not is_call(x, MATMUL_OPS):
-        raise Skip(f"{collective} input comes from {target_name(x)}, not mm/addmm (through views)")
+    if is_call(x, UNMATCHED_SCALED):
+        raise Skip(f"{collective} input comes from {target_name(x)} (per-operand scaling recipes), a form no "
+                   "pattern takes yet: only _scaled_mm with tensor-wise scales fuses", mm=x)
+    if not is_call(x, (*MATMUL_OPS, SCALED_MM)):
+        raise Skip(f"{collective} input comes from {target_name(x)}, not mm/addmm/_scaled_mm (through views)")
     for producer in [x, *views]:
         if len(producer.users) != 1:
             raise Skip(f"the partial {producer.name} has other users", mm=x)
@@ -103,23 +177,33 @@ def depends_on(nodes, targets: set) -> bool:
     return False
 
 
-def split_then_cat(split: Any, cat: Any, world: int) -> bool:
+def split_then_cat(split: Any, cat: Any, world: int, through_bytes: bool = False) -> bool:
     """Whether ``cat`` concatenates all ``world`` pieces of ``split``, in order, and nothing else
     reads them: DTensor's way of moving a shard dimension to dim 0 and back. The split must make
     exactly ``world`` pieces: a cat of the first ``world`` of more (the rest unused, so gone from
-    the graph) is a slice of the tensor, not all of it."""
+    the graph) is a slice of the tensor, not all of it. ``through_bytes``: each piece may reach
+    the cat through a ``view.dtype`` (``bytes_view``: DTensor concatenates FP8 pieces as bytes)."""
     if not (is_call(split, (aten.split.Tensor,)) and is_call(cat, (aten.cat.default,))):
         return False
     pieces = val(split)
     if not isinstance(pieces, (list, tuple)) or len(pieces) != world:
         return False
     items = sorted(split.users, key=lambda n: n.args[1] if n.op == "call_function" else -1)
+    inputs = [bytes_view(n) or n if through_bytes else n for n in items]
     if len(items) != world or any(
-        getattr(n.target, "__name__", "") != "getitem" or n.args[1] != i or list(n.users) != [cat]
-        for i, n in enumerate(items)
+        getattr(n.target, "__name__", "") != "getitem" or n.args[1] != i or list(piece.users) != [cat]
+        or (piece is not n and list(n.users) != [piece])
+        for i, (n, piece) in enumerate(zip(items, inputs))
     ):
         return False
-    return list(cat.args[0]) == items
+    return list(cat.args[0]) == inputs
+
+
+def bytes_view(node: fx.Node) -> fx.Node | None:
+    """The lone reader of ``node`` when it is a ``view.dtype`` (a reinterpretation of the same
+    bytes), else None."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 and is_call(users[0], (aten.view.dtype,)) else None
 
 
 def normalize_dim(dim: int, node: fx.Node) -> int:
@@ -134,7 +218,7 @@ def single_wait_users(collective: fx.Node, what: str) -> list[fx.Node]:
 
 
 def left_operand(mm: fx.Node) -> fx.Node:
-    return mm.args[0] if mm.target is aten.mm.default else mm.args[1]
+    return mm.args[1] if mm.target is aten.addmm.default else mm.args[0]
 
 
 def mnk(a: fx.Node, b: fx.Node) -> tuple:
@@ -152,19 +236,21 @@ SHARDED_DIM = 64
 
 
 def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, settings,
-                  graph_lane: bool = False, sharded: str = "k") -> None:
+                  graph_lane: bool = False, sharded: str = "k", scaled: Scaled | None = None) -> None:
     """The guards every pattern applies: dtype, size, opt-out. Raises Skip with the reason.
     ``graph_lane``: the op has a CUDA-graph path (only those fuse launch-bound sizes under graphs).
     ``sharded``: which of the product's dimensions may differ between ranks, ``"k"`` (the
     all-reduce and reduce-scatter, whose exchanged tensor is the [M, N] product) or ``"n"`` (the
     all-gather, whose exchanged tensor is the gathered [M, K] operand): the size rules use only
-    the others (``SHARDED_DIM``), so every rank decides alike."""
+    the others (``SHARDED_DIM``), so every rank decides alike. ``scaled``: the FP8 arguments of a
+    ``_scaled_mm`` (``scaled_operands`` checked their dtypes), whose product is exchanged in its
+    output dtype and whose gathered operand in FP8."""
     va, vb = val(a), val(b)
     if va is None or vb is None:
         raise Skip("matmul operands carry no meta['val'] (not a traced post-grad graph)")
-    if va.dtype not in FUSABLE_DTYPES:
+    if scaled is None and va.dtype not in FUSABLE_DTYPES:
         raise Skip(f"dtype {va.dtype} is not fp16, bf16 or fp32")
-    if vb.dtype != va.dtype or (bias is not None and val(bias).dtype != va.dtype):
+    if scaled is None and (vb.dtype != va.dtype or (bias is not None and val(bias).dtype != va.dtype)):
         raise Skip("matmul operands have mixed dtypes")
     m, k, n = mnk(a, b)
     shared = m * n if sharded == "k" else m * k  # the exchanged tensor's elements
@@ -174,7 +260,7 @@ def check_fusable(mm: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None, set
         raise Skip(f"{dims}*{SHARDED_DIM}={size} is below the size threshold min_mnk={settings.min_mnk} "
                    f"(the {'K' if sharded == 'k' else 'N'} a rank's shard may size alike or not counts as "
                    f"{SHARDED_DIM})")
-    exchanged = shared * va.dtype.itemsize
+    exchanged = shared * (scaled.out_dtype if scaled is not None and sharded == "k" else va.dtype).itemsize
     what = "output" if sharded == "k" else "gathered operand"
     bound = settings.launch_bound()
     if bound > 0 and statically_known_true(exchanged <= bound):

@@ -11,6 +11,11 @@ The second half of a row-parallel linear (and the input-gradient of a column-par
              v' = reshape(f, ...)             # the same views, applied to the reduced result
                   -> users of w
 
+The FP8 form, ``_scaled_mm(a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum)`` in
+the matmul's place (torchao's float8 row-parallel linear, an FP8-weight model's), becomes
+``commfuse.scaled_mm_all_reduce(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, g)``
+(tensor-wise scales only: ``common.scaled_operands`` says what else stays unfused and why).
+
 Skipped, with the reason recorded: reduce ops other than sum, an all_reduce whose input is not a
 matmul (through views), a matmul or view with other users (its partial would be lost), an
 ``addmm`` with alpha/beta, a result read without ``wait_tensor``, dtypes other than fp16/bf16/fp32,
@@ -25,18 +30,25 @@ import torch
 import torch.fx as fx
 
 from .common import (
+    SCALED_MM,
+    Scaled,
     Skip,
     arg,
     c10d,
     check_fusable,
+    fused_args,
     insert_call,
+    is_call,
     matmul_operands,
     matmul_through_views,
     require_sum,
+    scaled_operands,
     single_wait_users,
 )
 
 NAME = "mm_all_reduce"
+#: The op (and report name) of the FP8 form.
+FP8_NAME = "scaled_mm_all_reduce"
 ANCHORS = (c10d.all_reduce.default, c10d.all_reduce_.default)
 
 
@@ -50,6 +62,11 @@ class MmAllReduceMatch:
     b: fx.Node
     bias: fx.Node | None
     group_name: str
+    scaled: Scaled | None = None  # the FP8 form's scales and output
+
+    @property
+    def op(self):
+        return getattr(torch.ops.commfuse, FP8_NAME if self.scaled else NAME).default
 
     @classmethod
     def from_anchor(cls, ar: fx.Node, settings) -> "MmAllReduceMatch":
@@ -58,17 +75,16 @@ class MmAllReduceMatch:
         x, views = matmul_through_views(ar.args[0], "all_reduce")
         try:
             a, b, bias = matmul_operands(x)
+            scaled = scaled_operands(x) if is_call(x, (SCALED_MM,)) else None
             waits = single_wait_users(ar, "all_reduce")
-            check_fusable(x, a, b, bias, settings, graph_lane=True)
+            check_fusable(x, a, b, bias, settings, graph_lane=scaled is None, scaled=scaled)
         except Skip as exc:
             raise Skip(str(exc), mm=x) from None
-        return cls(ar, waits, views, x, a, b, bias, arg(ar, 2, "group_name"))
+        return cls(ar, waits, views, x, a, b, bias, arg(ar, 2, "group_name"), scaled)
 
     def replace(self, graph: fx.Graph) -> fx.Node:
-        out = insert_call(
-            graph, self.all_reduce, torch.ops.commfuse.mm_all_reduce.default,
-            (self.a, self.b, self.bias, self.group_name), self.mm,
-        )
+        out = insert_call(graph, self.all_reduce, self.op,
+                          fused_args(self.a, self.b, self.bias, self.scaled, (self.group_name,)), self.mm)
         for view in reversed(self.views):  # re-apply the views to the reduced result
             out = insert_call(graph, self.all_reduce, view.target, (out, *view.args[1:]), view)
         for wait in self.waits:

@@ -15,6 +15,10 @@ column-parallel one under it)::
     after:   f  = commfuse.mm_reduce_scatter(a, b, bias, shape, d, world, g)  -> users of w
              (permute(w, inverse of p)  -> f; any other reader of w -> clone(permute(f, p)))
 
+The FP8 form, ``_scaled_mm`` in the matmul's place (torchao's float8 row-parallel linear under
+sequence parallelism), becomes ``commfuse.scaled_mm_reduce_scatter(a, b, scale_a, scale_b, bias,
+out_dtype, use_fast_accum, shape, d, world, g)`` (tensor-wise scales only).
+
 The permuted form is torchtitan's sequence-parallel reduce-scatter: a scatter along the sequence
 dimension of [B, S, D] written as a scatter along dim 0 of the contiguous [S, B, D] copy, with the
 result permuted back. The copy (``clone``, in any memory format: it changes no value) is optional.
@@ -34,23 +38,29 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .common import (
+    SCALED_MM,
+    Scaled,
     Skip,
     arg,
     aten,
     c10d,
     check_fusable,
+    fused_args,
     insert_call,
     is_call,
     matmul_operands,
     matmul_through_views,
     require_sum,
     normalize_dim,
+    scaled_operands,
     single_wait_users,
     split_then_cat,
     val,
 )
 
 NAME = "mm_reduce_scatter"
+#: The op (and report name) of the FP8 form.
+FP8_NAME = "scaled_mm_reduce_scatter"
 ANCHORS = (c10d.reduce_scatter_tensor.default,)
 
 
@@ -105,6 +115,11 @@ class MmReduceScatterMatch:
     shape: list[int]
     scatter_dim: int
     perm: list[int] | None  # the permutation of the permuted-copy form (None: not that form)
+    scaled: Scaled | None = None  # the FP8 form's scales and output
+
+    @property
+    def op(self):
+        return getattr(torch.ops.commfuse, FP8_NAME if self.scaled else NAME).default
 
     @classmethod
     def from_anchor(cls, rs: fx.Node, settings) -> "MmReduceScatterMatch":
@@ -118,6 +133,7 @@ class MmReduceScatterMatch:
         mm, views = matmul_through_views(x, "reduce_scatter")
         try:
             a, b, bias = matmul_operands(mm)
+            scaled = scaled_operands(mm) if is_call(mm, (SCALED_MM,)) else None
             # Symbolic sizes must not enter the graph as raw SymInts: one becomes -1 (as in view).
             shape = [size if isinstance(size, int) else -1 for size in val(x).shape]
             if shape.count(-1) > 1:
@@ -127,18 +143,15 @@ class MmReduceScatterMatch:
             if not statically_known_true(val(x).shape[-1] == val(b).shape[1]):
                 raise Skip("the scattered view does not keep the matmul's N as its last dimension")
             waits = single_wait_users(rs, "reduce_scatter")
-            check_fusable(mm, a, b, bias, settings)
+            check_fusable(mm, a, b, bias, settings, scaled=scaled)
         except Skip as exc:
             raise Skip(str(exc), mm=mm) from None
-        return cls(rs, waits, layout, views, mm, a, b, bias, shape, dim, perm)
+        return cls(rs, waits, layout, views, mm, a, b, bias, shape, dim, perm, scaled)
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         rs = self.reduce_scatter
-        out = insert_call(
-            graph, rs, torch.ops.commfuse.mm_reduce_scatter.default,
-            (self.a, self.b, self.bias, self.shape, self.scatter_dim, arg(rs, 2, "group_size"),
-             arg(rs, 3, "group_name")), self.mm,
-        )
+        rest = (self.shape, self.scatter_dim, arg(rs, 2, "group_size"), arg(rs, 3, "group_name"))
+        out = insert_call(graph, rs, self.op, fused_args(self.a, self.b, self.bias, self.scaled, rest), self.mm)
         for wait in self.waits:
             if self.perm is None:
                 wait.replace_all_uses_with(out)

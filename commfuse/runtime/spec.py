@@ -157,6 +157,9 @@ class OpSpec:
     lane_bytes: Callable[[Any], int] | None = None
     #: The unfused equivalent, as the op library's docstring shows it.
     unfused: str = ""
+    #: Why every call of this op runs its NCCL path (the unfused computation) whatever the group:
+    #: the op has no fused kernel yet. Empty: its paths and rules decide (``policy.choose``).
+    unfused_reason: str = ""
 
     #: The argument tuple, made from ``args`` (a named tuple of the op's arguments, ``site`` excluded).
     Args: type = dataclasses.field(init=False, repr=False, compare=False)
@@ -186,24 +189,29 @@ class OpSpec:
 # The ops
 
 
-def _ar_call(args, world: int) -> Call:
+def _product_dtype(args) -> torch.dtype:
+    """The dtype of the product a rank exchanges: an FP8 op's ``out_dtype``, else its operands'."""
+    return getattr(args, "out_dtype", None) or args.a.dtype
+
+
+def _ar_call(args, world: int, op: str = "mm_all_reduce") -> Call:
     a, b = args.a, args.b
-    return Call("mm_all_reduce", a.shape[0], a.shape[1], b.shape[1], a.dtype, world, args.bias is not None)
+    return Call(op, a.shape[0], a.shape[1], b.shape[1], _product_dtype(args), world, args.bias is not None)
 
 
-def _ag_call(args, world: int) -> Call:
+def _ag_call(args, world: int, op: str = "all_gather_mm") -> Call:
     shard, k = args.shard, args.shard.shape[-1]
     rows = shard.numel() // k * args.world_size if k else 0
     dim = rows_dim(shard.shape, args.gather_dim)  # 0: each rank's rows are one block
-    return Call("all_gather_mm", rows, k, args.b.shape[1], shard.dtype, args.world_size, args.bias is not None, dim,
+    return Call(op, rows, k, args.b.shape[1], shard.dtype, args.world_size, args.bias is not None, dim,
                 row_slabs(shard.shape, dim))
 
 
-def _rs_call(args, world: int) -> Call:
+def _rs_call(args, world: int, op: str = "mm_reduce_scatter") -> Call:
     a, b = args.a, args.b
     shape = reference.resolve_shape(args.shape, a.shape[0] * b.shape[1])
     dim = rows_dim(shape, args.scatter_dim)  # 0: each rank's share is one block of rows
-    return Call("mm_reduce_scatter", a.shape[0], a.shape[1], b.shape[1], a.dtype, args.world_size,
+    return Call(op, a.shape[0], a.shape[1], b.shape[1], _product_dtype(args), args.world_size,
                 args.bias is not None, dim, row_slabs(shape, dim))
 
 
@@ -291,12 +299,97 @@ MM_REDUCE_SCATTER = OpSpec(
     unfused='reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)',
 )
 
+# ---------------------------------------------------------------------------------------------
+# The FP8 ops: each the op above with an FP8 ``_scaled_mm`` (tensor-wise scales: one float32 per
+# operand) in its matmul's place. The scales, the output dtype and fast accumulation come after
+# ``a, b`` and the bias, as ``_scaled_mm`` takes them; the rest is the op's own. Their ``Call``'s
+# dtype is the exchanged tensor's: the output dtype of a reduced product, FP8 for a gathered shard.
+
+#: The arguments every FP8 op adds, in its layout's order around ``bias``.
+_SCALES = (Arg("scale_a", "Tensor"), Arg("scale_b", "Tensor"))
+_FP8_OUT = (Arg("out_dtype", "ScalarType?"), Arg("use_fast_accum", "bool"))
+#: Why the FP8 ops run unfused on every device for now (``OpSpec.unfused_reason``).
+FP8_UNFUSED = "no FP8 fused kernel yet: _scaled_mm, then the collective"
+
+
+def _fp8(rand, *shape) -> torch.Tensor:
+    """A random e4m3 tensor for the tuner's FP8 operands (``rand`` makes the call's dtype)."""
+    return rand(*shape).float().to(torch.float8_e4m3fn)
+
+
+def _scale(like: torch.Tensor) -> torch.Tensor:
+    return like.new_ones((), dtype=torch.float32)
+
+
+def _fp8_weight(rand, k: int, n: int) -> torch.Tensor:
+    """A ``[k, n]`` FP8 weight laid out column-major, as ``_scaled_mm`` takes its right operand."""
+    return _fp8(rand, n, k).t()
+
+
+def _scaled_ar_inputs(c: Call, g: str, rand):
+    a, b = _fp8(rand, c.m, c.k), _fp8_weight(rand, c.k, c.n)
+    return SCALED_MM_ALL_REDUCE.Args(a, b, _scale(a), _scale(a), rand(c.n) if c.bias else None, c.dtype, False, g)
+
+
+def _scaled_ag_inputs(c: Call, g: str, rand):
+    x = _ag_inputs(c, g, rand)
+    b = _fp8_weight(rand, c.k, c.n)
+    bias = rand(c.n).float().to(torch.bfloat16) if c.bias else None
+    return ALL_GATHER_SCALED_MM.Args(x.shard, b, _scale(b), _scale(b), bias, torch.bfloat16, False, x.gather_dim,
+                                     x.world_size, g, False)
+
+
+def _scaled_rs_inputs(c: Call, g: str, rand):
+    x = _rs_inputs(c, g, rand)
+    a, b = _fp8(rand, c.m, c.k), _fp8_weight(rand, c.k, c.n)
+    return SCALED_MM_REDUCE_SCATTER.Args(a, b, _scale(a), _scale(a), x.bias, c.dtype, False, x.shape, x.scatter_dim,
+                                         x.world_size, g)
+
+
+def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str) -> OpSpec:
+    """``base`` with an FP8 ``_scaled_mm`` in its matmul's place: its layout with the FP8 arguments
+    added, its sizes read alike, its signature and shared arguments with the FP8 ones."""
+    return OpSpec(
+        name=name,
+        args=(*base.args[:2], *_SCALES, base.args[2], *_FP8_OUT, *base.args[3:]),
+        outputs=base.outputs,
+        reference=reference,
+        pattern=base.pattern,
+        call=lambda x, world: call(x, world, name),
+        key=lambda x: (*base.key(x), x.b.dtype, x.out_dtype, x.use_fast_accum),
+        own_size=base.own_size,
+        shared=lambda x: dict(base.shared(x), b_dtype=x.b.dtype, out_dtype=x.out_dtype,
+                              use_fast_accum=x.use_fast_accum),
+        exchanged=base.exchanged,
+        inputs=inputs,
+        rows_unit=base.rows_unit,
+        cuts_rows=base.cuts_rows,
+        unfused=unfused,
+        unfused_reason=FP8_UNFUSED,
+    )
+
+
+# (each reference takes the op's arguments in order; the all-gather's but its return_gathered)
+SCALED_MM_ALL_REDUCE = _fp8_spec(
+    MM_ALL_REDUCE, "scaled_mm_all_reduce", lambda x: reference.scaled_mm_all_reduce(*x), _ar_call, _scaled_ar_inputs,
+    'all_reduce(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, use_fast_accum=f), "sum", g)')
+ALL_GATHER_SCALED_MM = _fp8_spec(
+    ALL_GATHER_MM, "all_gather_scaled_mm", lambda x: reference.all_gather_scaled_mm(*x[:-1]), _ag_call,
+    _scaled_ag_inputs, "(_scaled_mm(cat(all_gather(x, g), dim=d).flatten(0, -2), b, scale_a, scale_b, bias, "
+    "out_dtype=o, use_fast_accum=f), the gathered x if r else empty)")
+SCALED_MM_REDUCE_SCATTER = _fp8_spec(
+    MM_REDUCE_SCATTER, "scaled_mm_reduce_scatter", lambda x: reference.scaled_mm_reduce_scatter(*x), _rs_call,
+    _scaled_rs_inputs, 'reduce_scatter(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, '
+    'use_fast_accum=f).view(shape), "sum", dim=d, g)')
+
 #: Every op, by name, in the order the registry and the report list them.
-SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER)}
+SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
+                                                 ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER)}
 OPS = tuple(SPECS)
 
 #: Each op's argument tuple by its own name (what paths, tools and tests construct).
 MmAllReduceArgs, AllGatherMmArgs, MmReduceScatterArgs = MM_ALL_REDUCE.Args, ALL_GATHER_MM.Args, MM_REDUCE_SCATTER.Args
 
-__all__ = ["ALL_GATHER_MM", "Arg", "Call", "MAX_ROW_SLABS", "MM_ALL_REDUCE", "MM_REDUCE_SCATTER", "OPS", "OpSpec",
-           "SPECS", "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]
+__all__ = ["ALL_GATHER_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "FP8_UNFUSED", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
+           "MM_REDUCE_SCATTER", "OPS", "OpSpec", "SCALED_MM_ALL_REDUCE", "SCALED_MM_REDUCE_SCATTER", "SPECS",
+           "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]

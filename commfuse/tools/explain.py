@@ -27,6 +27,14 @@ MODELS = {
 }
 
 
+FP8 = {
+    "tensorwise": "torchao float8 training, tensor-wise scales (Float8Linear; with --model dtensor or sp its "
+                  "Float8ColwiseParallel / Float8RowwiseParallel plan; needs torchao)",
+    "weights": "FP8 weights with one scale each, activations quantised tensor-wise per call (inference; "
+               "--model hooks)",
+}
+
+
 def parser(prog: str = "python -m commfuse explain") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,6 +53,8 @@ def parser(prog: str = "python -m commfuse explain") -> argparse.ArgumentParser:
                    "(at the defaults 4096 tokens: outputs above the launch-bound size)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     p.add_argument("--inference", action="store_true", help="forward only, under torch.no_grad()")
+    p.add_argument("--fp8", choices=sorted(FP8), default=None,
+                   help="; ".join(f"{k}: {v}" for k, v in FP8.items()))
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                    help="qualified-name pattern to opt out, e.g. 'layers.0.*' (repeatable)")
     p.add_argument("--min-mnk", type=int, default=None, help="size threshold (default: the backend's)")
@@ -80,6 +90,9 @@ def check(args: argparse.Namespace) -> None:
     if args.heads % _kv_heads(args):
         raise SystemExit(f"commfuse explain: --heads {args.heads} is not divisible by the key/value heads "
                          f"{_kv_heads(args)} (--kv-heads)")
+    if args.fp8 == "weights" and args.model != "hooks":
+        raise SystemExit("commfuse explain: --fp8 weights takes --model hooks (its weights are plain tensors to "
+                         "store in FP8)")
     try:
         machine.resolve(args.gpu)
     except ValueError as exc:
@@ -107,14 +120,26 @@ def run(args: argparse.Namespace):
     dtype = getattr(torch, args.dtype)
     model = demo.Transformer(cfg).to(dtype)
     seq = args.seq
+    if args.fp8 == "tensorwise":
+        from commfuse.demo import fp8
+
+        try:
+            fp8.float8_training(model)
+        except ImportError as exc:
+            raise SystemExit(f"commfuse explain: --fp8 tensorwise needs torchao ({exc})") from None
     try:
         if args.model == "hooks":
             demo.parallelize_hooks(model)
         else:
             mesh = init_device_mesh("cpu", (world,))
-            demo.parallelize_dtensor(model, mesh, sequence_parallel=args.model == "sp")
+            demo.parallelize_dtensor(model, mesh, sequence_parallel=args.model == "sp", fp8=args.fp8 is not None)
     except ValueError as exc:
         raise SystemExit(f"commfuse explain: {exc}") from None
+    if args.fp8 == "weights":
+        from commfuse.demo import fp8
+
+        fp8.quantize_linears(model)
+        args.inference = True  # the weights are buffers: nothing to train
     if args.model == "sp":
         if seq % world:
             raise SystemExit(f"commfuse explain: --seq {seq} is not divisible by --world-size {world}")
@@ -140,8 +165,10 @@ def run(args: argparse.Namespace):
     return rep
 
 
-def _site(op: str, mnk, dtype: str, group) -> tuple:
-    return (op, tuple(mnk), dtype, str(group))
+def _site(op: str, mnk, group) -> tuple:
+    """What pairs a record with its call (in graph order): an FP8 record's dtype names the
+    operand and the output, its call's the exchanged tensor's, so the dtype is not part of it."""
+    return (op, tuple(mnk), str(group))
 
 
 @contextlib.contextmanager
@@ -166,11 +193,11 @@ def _calls_of_fused_nodes():
                 call = graph_pass._call(node)
                 if call is not None:
                     group = node.args[graph_pass._GROUP_ARG[node.target]]
-                    key = _site(call.op, (call.m, call.k, call.n), str(call.dtype).replace("torch.", ""), group)
+                    key = _site(call.op, (call.m, call.k, call.n), group)
                     sites.setdefault(key, []).append(call)
         for rec in list(commfuse.report())[before:]:
             if rec.fused and not rec.merge and rec.shape:
-                found = sites.get(_site(rec.pattern, rec.shape, rec.dtype, rec.group))
+                found = sites.get(_site(rec.pattern, rec.shape, rec.group))
                 if found:
                     calls[id(rec)] = found.pop(0)
         return count
@@ -218,7 +245,7 @@ def paths(rep, arch: str, world: int) -> list[str]:
     for rec in rep.fused:
         call = calls.get(id(rec))
         if call is None and rec.shape and all(isinstance(x, int) for x in rec.shape):
-            call = Call(rec.pattern, *rec.shape, getattr(torch, rec.dtype), world)
+            call = Call(rec.pattern, *rec.shape, getattr(torch, rec.dtype.split("->")[-1]), world)
         where = rec.module or rec.collective
         if call is None:
             rows.append((where, f"{rec.pattern} (symbolic sizes)", "-", "decided at the first call"))
@@ -237,11 +264,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m commfuse explain"
 
     args = parser(prog).parse_args(argv)
     check(args)
-    mode = "inference" if args.inference else "training step (forward + backward)"
+    mode = "inference" if args.inference or args.fp8 == "weights" else "training step (forward + backward)"
     from . import count
 
+    fp8 = f"; FP8: {FP8[args.fp8]}" if args.fp8 else ""
     print(f"commfuse explain: {MODELS[args.model]}; {count(args.layers, 'layer')}, dim {args.dim}, "
-          f"{args.dtype}, fake process group of {count(args.world_size, 'rank')} on the CPU; {mode}",
+          f"{args.dtype}, fake process group of {count(args.world_size, 'rank')} on the CPU; {mode}{fp8}",
           flush=True)
     start = time.time()
     rep = run(args)

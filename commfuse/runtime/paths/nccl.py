@@ -24,3 +24,6 @@ class Nccl(Path):
 MM_ALL_REDUCE = Nccl("mm_all_reduce")
 ALL_GATHER_MM = Nccl("all_gather_mm")
 MM_REDUCE_SCATTER = Nccl("mm_reduce_scatter")
+SCALED_MM_ALL_REDUCE = Nccl("scaled_mm_all_reduce")
+ALL_GATHER_SCALED_MM = Nccl("all_gather_scaled_mm")
+SCALED_MM_REDUCE_SCATTER = Nccl("scaled_mm_reduce_scatter")
