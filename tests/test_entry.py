@@ -14,7 +14,7 @@ from commfuse import env
 from commfuse.kernels import exchange
 from commfuse.kernels import fused_split_k
 from commfuse.kernels.codes import count_of, tag_of
-from commfuse.runtime import capture, groups, running, shards, verify
+from commfuse.runtime import capture, entry, groups, running, shards, verify
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.paths import REGISTRY, base
 from commfuse.runtime.paths.base import (Call, MmAllReduceArgs, MAX_ROW_SLABS)
@@ -462,3 +462,20 @@ def test_releasing_a_group_releases_all_its_state(sim, monkeypatch):
     assert not (fresh.plans or fresh.decisions or fresh.capture.nccl or fresh.shard_sizes)
     _mm_all_reduce(a, b, None, "0")  # decided anew, on the new state
     assert list(fresh.plans) and [d[0] for d in fresh.decisions.values()] == ["one_shot"]
+
+
+@pytest.mark.parametrize("op", ["scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter"])
+def test_ops_without_a_kernel_run_their_nccl_path_through_the_entry(sim, op):
+    """An op whose only path is NCCL (the FP8 ops) runs through the same entry as the others: its
+    call reaches a runner (every registered path has one) and counts the NCCL path."""
+    from commfuse.runtime.spec import SPECS
+
+    assert set(running.RUNS) == set(REGISTRY.values())
+    spec = SPECS[op]
+    call = Call(op, 8 * sim.world, 16, 16, torch.bfloat16 if op != "all_gather_scaled_mm" else torch.float8_e4m3fn,
+                sim.world)
+    args = spec.inputs(call, "0", lambda *shape: torch.randn(*shape).to(call.dtype))
+    before = dict(PATHS)
+    out = entry.run(spec, args, 0)
+    assert PATHS[f"{op}:nccl"] == before.get(f"{op}:nccl", 0) + 1
+    assert (out[0] if isinstance(out, tuple) else out).dtype == torch.bfloat16

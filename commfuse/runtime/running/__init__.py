@@ -14,9 +14,10 @@ from .. import paths
 from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
                rs_fused, rs_pull, split_k)
 
-#: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``.
+#: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``. Every op's NCCL path runs
+#: its spec's unfused computation, so an op added with only that path (the FP8 ops) runs too.
 RUNS: dict[paths.Path, Callable] = {
-    paths.nccl.MM_ALL_REDUCE: nccl.run, paths.nccl.ALL_GATHER_MM: nccl.run, paths.nccl.MM_REDUCE_SCATTER: nccl.run,
+    **{p: nccl.run for p in paths.REGISTRY.values() if isinstance(p, paths.nccl.Nccl)},
     paths.after_gemm.ONE_SHOT: after_gemm.run, paths.after_gemm.TWO_SHOT: after_gemm.run,
     paths.ar_ce_overlap.CE_OVERLAP: ar_ce_overlap.run, paths.ar_graph.GRAPH: ar_graph.run,
     paths.ar_fused.FUSED: ar_fused.run, paths.split_k.SPLIT_K: split_k.run,
