@@ -26,6 +26,9 @@ CALLS = [
     Call("scaled_mm_all_reduce", 96, 64, 32, torch.bfloat16, 2, True),  # FP8: the dtype is the output's
     Call("all_gather_scaled_mm", 96, 64, 32, torch.float8_e4m3fn, 4, False, 1, 3),  # the gathered shard's
     Call("scaled_mm_reduce_scatter", 96, 64, 32, torch.float32, 2, False, 1, 2),
+    Call("rowwise_scaled_mm_all_reduce", 96, 64, 32, torch.bfloat16, 2, True),
+    Call("all_gather_rowwise_scaled_mm", 96, 64, 32, torch.float8_e4m3fn, 4, False, 1, 3),  # FP8 rows gathered
+    Call("rowwise_scaled_mm_reduce_scatter", 96, 64, 32, torch.bfloat16, 2, False, 1, 2),
 ]
 
 
@@ -56,7 +59,7 @@ def test_specs_name_their_patterns_and_paths():
     # each pattern makes its op, and its FP8 form's (a _scaled_mm in the matmul's place)
     assert list(dict.fromkeys(s.pattern for s in SPECS.values())) == [p.NAME for p in patterns.ALL]
     assert [s.name for s in SPECS.values() if s.name not in {p.NAME for p in patterns.ALL}] == [
-        p.FP8_NAME for p in patterns.ALL]
+        *(p.FP8_NAME for p in patterns.ALL), *(p.ROWWISE_NAME for p in patterns.ALL)]
     for spec in SPECS.values():
         assert REGISTRY[(spec.name, "nccl")] is by_op(spec.name)[0]
         assert all(p.spec is spec for p in by_op(spec.name))

@@ -3,7 +3,10 @@
 * **Training with torchao's float8** (``float8_training``): every linear a ``Float8Linear`` with
   tensor-wise dynamic scales (torchao's default recipe), split by torchao's TP styles
   (``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, and ``PrepareFloat8ModuleInput``, which
-  casts a sequence shard to FP8 before it is gathered). torchao is optional: imported here only.
+  casts a sequence shard to FP8 before it is gathered); or with row-wise scales (torchao's
+  ``"rowwise"`` recipe), split by torch's own TP styles (torchao's take tensor-wise scales only),
+  so a sequence shard is gathered in bf16 and quantised after the gather. torchao is optional:
+  imported here only.
 * **Inference with FP8 weights** (``Fp8Linear``, ``quantize_linears``): each weight stored as
   ``float8_e4m3fn`` with one scale, each activation quantised tensor-wise as it arrives, the
   product ``torch._scaled_mm`` into the activation's dtype. Made from a model already split (the
@@ -55,15 +58,18 @@ def quantize_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def float8_training(model: nn.Module) -> nn.Module:
-    """torchao's float8 training, tensor-wise scales: every linear a ``Float8Linear`` (in place)."""
+def float8_training(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
+    """torchao's float8 training: every linear a ``Float8Linear`` (in place), with ``recipe``'s
+    scales: ``"tensorwise"`` (torchao's default) or ``"rowwise"``."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # (optional: the test extra)
 
-    return convert_to_float8_training(model, config=Float8LinearConfig())
+    config = Float8LinearConfig() if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(model, config=config)
 
 
 def tp_styles() -> dict:
-    """torchao's TP styles in place of torch's, for a model made by ``float8_training``."""
+    """torchao's TP styles in place of torch's, for a model made by ``float8_training`` with
+    tensor-wise scales (a row-wise model keeps torch's)."""
     from torchao.float8.float8_tensor_parallel import (  # (optional: the test extra)
         Float8ColwiseParallel,
         Float8RowwiseParallel,

@@ -137,13 +137,17 @@ def _check_divisible(cfg: Config, tp: int) -> None:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the TP size {tp}")
 
 
-def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = False, fp8: bool = False) -> Transformer:
+def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = False,
+                        fp8: str | bool | None = None) -> Transformer:
     """Megatron-style TP with DTensor: Q/K/V and w1/w3 column-wise, wo and w2 row-wise.
 
     With ``sequence_parallel`` the norms run on sequence shards (dim 1): an all-gather precedes the
     column-wise matmuls and a reduce-scatter follows the row-wise ones. With ``fp8`` (a model
-    made by ``demo.fp8.float8_training``) torchao's float8 styles take their place, as torchtitan's
-    float8 plan does: the attention and MLP inputs cast to FP8 before they are gathered.
+    made by ``demo.fp8.float8_training``; ``True`` or ``"tensorwise"``) torchao's float8 styles
+    take their place, as torchtitan's float8 plan does: the attention and MLP inputs cast to FP8
+    before they are gathered. With ``fp8="rowwise"`` torch's styles stay (torchao's take
+    tensor-wise scales only), as in torchtitan's row-wise plan: the inputs are gathered in bf16
+    and each ``Float8Linear`` quantises them row-wise after the gather.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -154,7 +158,7 @@ def parallelize_dtensor(model: Transformer, mesh, sequence_parallel: bool = Fals
         parallelize_module,
     )
 
-    if fp8:
+    if fp8 and fp8 != "rowwise":
         from .fp8 import tp_styles
 
         styles = tp_styles()

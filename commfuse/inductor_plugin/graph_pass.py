@@ -41,7 +41,7 @@ from ..patterns import merge_sums
 from ..runtime import plans, policy, rules
 from ..runtime.facts import local_facts
 from ..runtime.spec import SPECS, Call
-from ..patterns.common import SCALED_MM, Skip, graph_label, is_call, mnk, matmul_operands, val
+from ..patterns.common import SCALED_MM, Skip, graph_label, is_call, is_rowwise, mnk, matmul_operands, val
 from ..patterns.common import arg as read_arg
 from ..report import MatchRecord, configure_logging, log, note, record
 
@@ -71,7 +71,7 @@ def _describe(pattern, label: str, anchor: fx.Node, mm: fx.Node | None, fused: b
     """The record of one candidate of ``pattern`` (a module of ``patterns/``); an FP8 candidate (a
     ``_scaled_mm``) is named by its FP8 op and its dtype reads ``operand->output``."""
     shape = dtype = module = None
-    name = pattern.FP8_NAME if is_call(mm, (SCALED_MM,)) else pattern.NAME
+    name = pattern.NAME if not is_call(mm, (SCALED_MM,)) else pattern.ROWWISE_NAME if is_rowwise(mm) else pattern.FP8_NAME
     if mm is not None:
         try:
             a, b, _ = matmul_operands(mm)

@@ -31,8 +31,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..runtime import reference
 from ..runtime.counters import CALLS
-from ..runtime.spec import (ALL_GATHER_MM, ALL_GATHER_SCALED_MM, MM_ALL_REDUCE, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
-                            SCALED_MM_REDUCE_SCATTER, SPECS)
+from ..runtime.spec import (ALL_GATHER_MM, ALL_GATHER_ROWWISE_SCALED_MM, ALL_GATHER_SCALED_MM, MM_ALL_REDUCE,
+                            MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE, ROWWISE_SCALED_MM_REDUCE_SCATTER,
+                            SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, SPECS)
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -305,15 +306,21 @@ def _(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _check_scaled_args(op: str, a, b, scale_a, scale_b, bias, out_dtype, rows=None) -> None:
+def _check_scaled_args(op: str, a, b, scale_a, scale_b, bias, out_dtype, rows=None, rowwise: bool = False) -> None:
     """``a @ b`` scaled by one float32 per operand into ``out_dtype`` (``_scaled_mm``'s own checks
-    run with it; these name the op, and refuse what the FP8 ops do not take)."""
+    run with it; these name the op, and refuse what the FP8 ops do not take). ``rowwise``: the
+    scales may be one per row of ``a`` and one per column of ``b`` instead."""
     rows = a.shape[0] if rows is None else rows
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: f"commfuse.{op}: a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
     torch._check(a.shape[1] == b.shape[0], lambda: f"commfuse.{op}: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
     torch._check(a.dtype in _FP8_DTYPES and b.dtype in _FP8_DTYPES,
                  lambda: f"commfuse.{op}: a and b must be float8_e4m3fn or float8_e5m2, got {a.dtype} and {b.dtype}")
-    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+    for name, scale, axis in (("scale_a", scale_a, (rows, 1)), ("scale_b", scale_b, (1, b.shape[1]))):
+        if rowwise and scale.numel() != 1:  # a row-wise scale: one float32 per row of a, per column of b
+            torch._check(scale.dtype == torch.float32 and tuple(scale.shape) == axis,
+                         lambda: f"commfuse.{op}: {name} must be one float32 or a float32 {axis} (row-wise), got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
+            continue
         torch._check(scale.dtype == torch.float32 and scale.numel() == 1,
                      lambda: f"commfuse.{op}: {name} must be one float32 (a tensor-wise scale), got {scale.dtype} "
                      f"{tuple(scale.shape)}")
@@ -321,11 +328,44 @@ def _check_scaled_args(op: str, a, b, scale_a, scale_b, bias, out_dtype, rows=No
     _check_bias(op, bias, out_dtype, "out_dtype", rows, b.shape[1])
 
 
+#: The row-wise FP8 ops whose product is reduced: their scales may be row-wise, and they take post scales.
+_ROWWISE_REDUCED = (ROWWISE_SCALED_MM_ALL_REDUCE, ROWWISE_SCALED_MM_REDUCE_SCATTER)
+
+
+def _check_post_scales(op: str, args) -> None:
+    """The backward's row and column scales: both or neither, float32, each broadcasting to the product."""
+    pa, pb = args.post_scale_a, args.post_scale_b
+    torch._check((pa is None) == (pb is None), lambda: f"commfuse.{op}: post_scale_a and post_scale_b go together")
+    for name, scale in (("post_scale_a", pa), ("post_scale_b", pb)):
+        if scale is not None:
+            _check_bias(op, scale, torch.float32, f"{name}'s float32", args.a.shape[0], args.b.shape[1])
+
+
+def _check_rowwise_gather_args(args) -> None:
+    """The shard is what the op quantises (a float dtype), the weight FP8 with a tensor-wise or
+    column-wise scale, the recipe's dtype FP8."""
+    op = ALL_GATHER_ROWWISE_SCALED_MM.name
+    shard = args.shard
+    _check_gather_args(shard, args.b, args.gather_dim, args.world_size, op)
+    torch._check(shard.dtype in _FUSABLE_DTYPES,
+                 lambda: f"commfuse.{op}: the shard is quantised here: it must be fp16, bf16 or fp32, got {shard.dtype}")
+    torch._check(args.float8_dtype in _FP8_DTYPES,
+                 lambda: f"commfuse.{op}: float8_dtype must be float8_e4m3fn or float8_e5m2, got {args.float8_dtype}")
+    rows = math.prod(_gathered_shape(shard, args.gather_dim, args.world_size)[:-1])
+    a = shard.new_empty((rows, shard.shape[-1]), dtype=args.float8_dtype)
+    _check_scaled_args(op, a, args.b, a.new_ones((rows, 1), dtype=torch.float32), args.scale_b, args.bias,
+                       args.out_dtype, rows, rowwise=True)
+
+
 def _validate_scaled(spec, args) -> None:
     """A call's checks (once per signature), its gradient guard and count."""
     op = spec.name
 
     def check():
+        if spec is ALL_GATHER_ROWWISE_SCALED_MM:
+            _check_rowwise_gather_args(args)
+            _check_world(op, args.group_name, args.world_size)
+            return
         if spec is ALL_GATHER_SCALED_MM:
             _check_gather_args(args.shard, args.b, args.gather_dim, args.world_size, op)
             _check_world(op, args.group_name, args.world_size)
@@ -333,11 +373,14 @@ def _validate_scaled(spec, args) -> None:
             a = args.shard.reshape(-1, args.shard.shape[-1])
         else:
             a, rows = args.a, None
-        _check_scaled_args(op, a, args.b, args.scale_a, args.scale_b, args.bias, args.out_dtype, rows)
-        if spec is SCALED_MM_REDUCE_SCATTER:
+        _check_scaled_args(op, a, args.b, args.scale_a, args.scale_b, args.bias, args.out_dtype, rows,
+                           rowwise=spec in _ROWWISE_REDUCED)
+        if spec in _ROWWISE_REDUCED:
+            _check_post_scales(op, args)
+        if spec in (SCALED_MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_REDUCE_SCATTER):
             _check_scatter_args(args.a, args.b, args.shape, args.scatter_dim, args.world_size, op)
             _check_world(op, args.group_name, args.world_size)
-        elif spec is SCALED_MM_ALL_REDUCE:
+        elif spec in (SCALED_MM_ALL_REDUCE, ROWWISE_SCALED_MM_ALL_REDUCE):
             _group_size(op, args.group_name)
 
     _once(_signature(op, *args), check)
@@ -351,7 +394,7 @@ def _scaled_kernels(spec):
     width = len(spec.args)
 
     def finish(args, out):
-        if spec is ALL_GATHER_SCALED_MM:  # the gathered tensor only when the graph reads it
+        if spec in (ALL_GATHER_SCALED_MM, ALL_GATHER_ROWWISE_SCALED_MM):  # the gathered tensor only when read
             return out[0], out[1] if args.return_gathered else args.shard.new_empty((0,))
         return out
 
@@ -394,7 +437,33 @@ def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, shape, scatter_di
     return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]), dtype=out_dtype)
 
 
-for _spec in (SCALED_MM_ALL_REDUCE, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER):
+@torch.library.register_fake("commfuse::rowwise_scaled_mm_all_reduce")
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a, post_scale_b, group_name, site=0):
+    op = "rowwise_scaled_mm_all_reduce"
+    _check_scaled_args(op, a, b, scale_a, scale_b, bias, out_dtype, rowwise=True)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("commfuse::rowwise_scaled_mm_reduce_scatter")
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a, post_scale_b, shape, scatter_dim,
+      world_size, group_name, site=0):
+    op = "rowwise_scaled_mm_reduce_scatter"
+    _check_scaled_args(op, a, b, scale_a, scale_b, bias, out_dtype, rowwise=True)
+    _check_scatter_args(a, b, shape, scatter_dim, world_size, op)
+    return a.new_empty(_scattered_shape(shape, scatter_dim, world_size, a.shape[0] * b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("commfuse::all_gather_rowwise_scaled_mm")
+def _(*values):
+    args = ALL_GATHER_ROWWISE_SCALED_MM.Args(*values[:len(ALL_GATHER_ROWWISE_SCALED_MM.args)])
+    _check_rowwise_gather_args(args)
+    shape = _gathered_shape(args.shard, args.gather_dim, args.world_size)
+    out = args.shard.new_empty((math.prod(shape[:-1]), args.b.shape[1]), dtype=args.out_dtype)
+    return out, args.shard.new_empty(shape) if args.return_gathered else args.shard.new_empty((0,))
+
+
+for _spec in (SCALED_MM_ALL_REDUCE, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE,
+              ALL_GATHER_ROWWISE_SCALED_MM, ROWWISE_SCALED_MM_REDUCE_SCATTER):
     _generic, _cuda = _scaled_kernels(_spec)
     _LIB.impl(_spec.name, _generic, "CompositeExplicitAutograd")
     _LIB.impl(_spec.name, _cuda, "CUDA")

@@ -16,13 +16,15 @@ from torch.utils._pytree import tree_map
 from ..exclusion import excluded_by
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 
 VIEW_OPS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 MATMUL_OPS = (aten.mm.default, aten.addmm.default)
 FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: The FP8 matmul the FP8 ops take: ``_scaled_mm(a, b, scale_a, scale_b, bias, scale_result,
-#: out_dtype, use_fast_accum)``, with tensor-wise scales (one float32 per operand).
+#: out_dtype, use_fast_accum)``, with tensor-wise scales (one float32 per operand) or, for the
+#: row-wise ops, one per row of ``a`` and one per column of ``b``.
 SCALED_MM = aten._scaled_mm.default
 #: Scaled matmuls no pattern takes, so the report says why: ``_scaled_mm_v2`` describes each
 #: operand's scaling by a recipe list (row-wise, block-wise, MX alike), a form not matched yet.
@@ -81,20 +83,60 @@ def matmul_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Scaled:
-    """What an FP8 ``_scaled_mm`` adds to a matmul's operands: the fused op takes them as they are."""
+    """What an FP8 ``_scaled_mm`` adds to a matmul's operands: the fused op takes them as they are.
+    ``rowwise``: the row-wise op's form (row-wise scales, or the backward's post scales)."""
 
     scale_a: fx.Node
     scale_b: fx.Node
     out_dtype: torch.dtype
     use_fast_accum: bool
+    rowwise: bool = False
+    post_scale_a: fx.Node | None = None
+    post_scale_b: fx.Node | None = None
 
 
 def fused_args(a: Any, b: Any, bias: Any, scaled: Scaled | None, rest: tuple) -> tuple:
     """A fused op's arguments: ``(a, b, bias, *rest)``, or for its FP8 form (``scaled``)
-    ``(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, *rest)`` (``runtime/spec.py``)."""
+    ``(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, *rest)``, the row-wise form's with
+    ``post_scale_a, post_scale_b`` before ``rest`` (``runtime/spec.py``)."""
     if scaled is None:
         return (a, b, bias, *rest)
-    return (a, b, scaled.scale_a, scaled.scale_b, bias, scaled.out_dtype, scaled.use_fast_accum, *rest)
+    post = (scaled.post_scale_a, scaled.post_scale_b) if scaled.rowwise else ()
+    return (a, b, scaled.scale_a, scaled.scale_b, bias, scaled.out_dtype, scaled.use_fast_accum, *post, *rest)
+
+
+@dataclasses.dataclass(frozen=True)
+class PostScale:
+    """The backward's row-wise form after ``_scaled_mm`` (scales of one):
+    ``convert(mul(_scaled_mm, mul(row scale, column scale)), out_dtype)``; ``nodes`` the convert
+    and the outer mul, consumers first."""
+
+    nodes: tuple[fx.Node, ...]
+    scale: fx.Node  # the product of the two scales
+    dtype: torch.dtype
+
+
+def post_scale(x: Any) -> tuple[fx.Node, PostScale] | None:
+    """``(the _scaled_mm, its PostScale)`` when ``x`` is the backward's row-wise form, else None."""
+    if not (is_call(x, (prims.convert_element_type.default,)) and is_call(x.args[0], (aten.mul.Tensor,))):
+        return None
+    mul = x.args[0]
+    products = [a for a in mul.args if is_call(a, (SCALED_MM,))]
+    if len(products) != 1 or len(mul.args) != 2:
+        return None
+    mm = products[0]
+    scale = mul.args[1] if mul.args[0] is mm else mul.args[0]
+    return mm, PostScale((x, mul), scale, x.args[1])
+
+
+def is_rowwise(mm: Any) -> bool:
+    """Whether ``_scaled_mm`` node ``mm`` is of a row-wise op's form (what the report names it by)."""
+    scales = [val(arg(mm, 2, "scale_a")), val(arg(mm, 3, "scale_b"))]
+    if any(v is not None and v.dtype == torch.float32 and v.dim() == 2 and not statically_known_true(v.numel() == 1)
+           for v in scales):
+        return True
+    users = list(mm.users)
+    return len(users) == 1 and post_scale(next(iter(users[0].users), None)) is not None
 
 
 def _scale_kind(scale: Any, rows: Any, cols: Any) -> str | None:
@@ -111,19 +153,25 @@ def _scale_kind(scale: Any, rows: Any, cols: Any) -> str | None:
     return "block-wise scales"
 
 
-def scaled_operands(mm: fx.Node) -> Scaled:
+def scaled_operands(mm: fx.Node, rowwise_ok: bool = False, post: PostScale | None = None) -> Scaled:
     """The FP8 arguments of ``_scaled_mm`` node ``mm``, or Skip with why the FP8 ops cannot take it:
-    only tensor-wise scales, e4m3/e5m2 operands, a bf16/fp16/fp32 output and no output scale."""
+    tensor-wise scales (``rowwise_ok``: or one float32 per row of ``a`` and per column of ``b``),
+    e4m3/e5m2 operands, a bf16/fp16/fp32 output and no output scale. ``post``: the backward's
+    row-wise scales multiplied in after the product (``post_scale``)."""
     a, b, bias = matmul_operands(mm)
     va, vb = val(a), val(b)
     if va is None or vb is None:
         raise Skip("matmul operands carry no meta['val'] (not a traced post-grad graph)")
     if va.dtype not in FP8_DTYPES or vb.dtype not in FP8_DTYPES:
         raise Skip(f"_scaled_mm of {va.dtype} and {vb.dtype}: only float8_e4m3fn and float8_e5m2 operands fuse")
+    rowwise = False
     for scale, rows, cols in ((arg(mm, 2, "scale_a"), va.shape[0], None), (arg(mm, 3, "scale_b"), None, vb.shape[1])):
         kind = _scale_kind(scale, rows, cols)
-        if kind is not None:
-            raise Skip(f"_scaled_mm with {kind}: only tensor-wise scales (one float32 per operand) fuse")
+        if kind == "row-wise scales" and rowwise_ok and _one_per(val(scale), rows, cols):
+            rowwise = True
+        elif kind is not None:
+            allowed = "tensor-wise or row-wise scales" if rowwise_ok else "tensor-wise scales (one float32 per operand)"
+            raise Skip(f"_scaled_mm with {kind}: only {allowed} fuse")
     if arg(mm, 5, "scale_result") is not None:
         raise Skip("_scaled_mm with scale_result (an FP8 output): only bf16, fp16 or fp32 outputs fuse")
     out_dtype = arg(mm, 6, "out_dtype")
@@ -135,7 +183,38 @@ def scaled_operands(mm: fx.Node) -> Scaled:
                    "so there is no unfused form to fuse")
     if bias is not None and (val(bias) is None or val(bias).dtype != out_dtype):
         raise Skip("_scaled_mm's bias is not of its output dtype")
-    return Scaled(arg(mm, 2, "scale_a"), arg(mm, 3, "scale_b"), out_dtype, bool(arg(mm, 7, "use_fast_accum", False)))
+    pa = pb = None
+    if post is not None:
+        pa, pb = _post_factors(post, va.shape[0], vb.shape[1], out_dtype)
+        rowwise = True
+    return Scaled(arg(mm, 2, "scale_a"), arg(mm, 3, "scale_b"), out_dtype, bool(arg(mm, 7, "use_fast_accum", False)),
+                  rowwise, pa, pb)
+
+
+def _one_per(v, rows, cols) -> bool:
+    """A row-wise scale as ``_scaled_mm`` takes it: ``[M, 1]`` for ``a``, ``[1, N]`` for ``b``."""
+    if rows is not None:
+        return statically_known_true(v.shape[0] == rows) and statically_known_true(v.shape[1] == 1)
+    return statically_known_true(v.shape[0] == 1) and statically_known_true(v.shape[1] == cols)
+
+
+def _post_factors(post: PostScale, rows, cols, out_dtype) -> tuple[fx.Node, fx.Node]:
+    """The row and column scales of the backward's form, each float32 and broadcasting to the product."""
+    if post.dtype != out_dtype:
+        raise Skip(f"the scaled product is cast to {post.dtype}, not its output dtype {out_dtype}")
+    scale = post.scale
+    if not (is_call(scale, (aten.mul.Tensor,)) and len(scale.args) == 2
+            and all(isinstance(f, fx.Node) for f in scale.args)):
+        raise Skip(f"the scaled product is multiplied by {target_name(scale)}, not by a row scale times a column "
+                   "scale (the row-wise backward's form)")
+    for factor in scale.args:
+        v = val(factor)
+        if v is None or v.dtype != torch.float32 or v.dim() != 2 or not (
+                _one_per(v, rows, None) or _one_per(v, None, cols)):
+            raise Skip("the scaled product's post scales are not a float32 [M, 1] and [1, N]")
+    if len(scale.users) != 1:
+        raise Skip("the product of the post scales has other users")
+    return scale.args[0], scale.args[1]
 
 
 def require_sum(collective: fx.Node) -> None:
@@ -148,19 +227,33 @@ def require_sum(collective: fx.Node) -> None:
 def matmul_through_views(x: Any, collective: str) -> tuple[fx.Node, list[fx.Node]]:
     """The mm/addmm that produced ``x`` through views only, with those views (nearest ``x``
     first); each must have no other user, or the matmul's partial result would be lost."""
+    mm, views, post = product_through_views(x, collective)
+    if post is not None:
+        raise Skip(f"{collective} input comes from a scaled product multiplied after it, a form only the reduce "
+                   "patterns take", mm=mm)
+    return mm, views
+
+
+def product_through_views(x: Any, collective: str) -> tuple[fx.Node, list[fx.Node], PostScale | None]:
+    """As ``matmul_through_views``, and through the row-wise backward's post scales
+    (``post_scale``): ``(the matmul, the views, the PostScale or None)``."""
     views: list[fx.Node] = []
     while is_call(x, VIEW_OPS):
         views.append(x)
         x = x.args[0]
+    found = post_scale(x)
+    post = None
+    if found is not None:
+        x, post = found
     if is_call(x, UNMATCHED_SCALED):
         raise Skip(f"{collective} input comes from {target_name(x)} (per-operand scaling recipes), a form no "
-                   "pattern takes yet: only _scaled_mm with tensor-wise scales fuses", mm=x)
+                   "pattern takes yet: only _scaled_mm with tensor-wise or row-wise scales fuses", mm=x)
     if not is_call(x, (*MATMUL_OPS, SCALED_MM)):
         raise Skip(f"{collective} input comes from {target_name(x)}, not mm/addmm/_scaled_mm (through views)")
-    for producer in [x, *views]:
+    for producer in [x, *(post.nodes if post else ()), *views]:
         if len(producer.users) != 1:
             raise Skip(f"the partial {producer.name} has other users", mm=x)
-    return x, views
+    return x, views, post
 
 
 def depends_on(nodes, targets: set) -> bool:

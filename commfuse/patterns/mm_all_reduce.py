@@ -38,9 +38,10 @@ from .common import (
     check_fusable,
     fused_args,
     insert_call,
+    PostScale,
     is_call,
     matmul_operands,
-    matmul_through_views,
+    product_through_views,
     require_sum,
     scaled_operands,
     single_wait_users,
@@ -49,6 +50,8 @@ from .common import (
 NAME = "mm_all_reduce"
 #: The op (and report name) of the FP8 form.
 FP8_NAME = "scaled_mm_all_reduce"
+#: The op (and report name) of the row-wise FP8 form.
+ROWWISE_NAME = "rowwise_scaled_mm_all_reduce"
 ANCHORS = (c10d.all_reduce.default, c10d.all_reduce_.default)
 
 
@@ -63,24 +66,26 @@ class MmAllReduceMatch:
     bias: fx.Node | None
     group_name: str
     scaled: Scaled | None = None  # the FP8 form's scales and output
+    post: PostScale | None = None  # the row-wise backward's scaling after the product
 
     @property
     def op(self):
-        return getattr(torch.ops.commfuse, FP8_NAME if self.scaled else NAME).default
+        name = NAME if self.scaled is None else ROWWISE_NAME if self.scaled.rowwise else FP8_NAME
+        return getattr(torch.ops.commfuse, name).default
 
     @classmethod
     def from_anchor(cls, ar: fx.Node, settings) -> "MmAllReduceMatch":
         """The match rooted at the all_reduce ``ar``, or Skip with the reason."""
         require_sum(ar)
-        x, views = matmul_through_views(ar.args[0], "all_reduce")
+        x, views, post = product_through_views(ar.args[0], "all_reduce")
         try:
             a, b, bias = matmul_operands(x)
-            scaled = scaled_operands(x) if is_call(x, (SCALED_MM,)) else None
+            scaled = scaled_operands(x, rowwise_ok=True, post=post) if is_call(x, (SCALED_MM,)) else None
             waits = single_wait_users(ar, "all_reduce")
             check_fusable(x, a, b, bias, settings, graph_lane=scaled is None, scaled=scaled)
         except Skip as exc:
             raise Skip(str(exc), mm=x) from None
-        return cls(ar, waits, views, x, a, b, bias, arg(ar, 2, "group_name"), scaled)
+        return cls(ar, waits, views, x, a, b, bias, arg(ar, 2, "group_name"), scaled, post)
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         out = insert_call(graph, self.all_reduce, self.op,
@@ -89,8 +94,11 @@ class MmAllReduceMatch:
             out = insert_call(graph, self.all_reduce, view.target, (out, *view.args[1:]), view)
         for wait in self.waits:
             wait.replace_all_uses_with(out)
-        for node in [*self.waits, self.all_reduce, *self.views, self.mm]:  # consumers first
+        post = list(self.post.nodes) if self.post else []
+        for node in [*self.waits, self.all_reduce, *self.views, *post, self.mm]:  # consumers first
             graph.erase_node(node)
+        if self.post is not None and not self.post.scale.users:  # the scales' product: the op multiplies them
+            graph.erase_node(self.post.scale)
         return out
 
 

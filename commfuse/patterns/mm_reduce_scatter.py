@@ -47,9 +47,10 @@ from .common import (
     check_fusable,
     fused_args,
     insert_call,
+    PostScale,
     is_call,
     matmul_operands,
-    matmul_through_views,
+    product_through_views,
     require_sum,
     normalize_dim,
     scaled_operands,
@@ -61,6 +62,8 @@ from .common import (
 NAME = "mm_reduce_scatter"
 #: The op (and report name) of the FP8 form.
 FP8_NAME = "scaled_mm_reduce_scatter"
+#: The op (and report name) of the row-wise FP8 form.
+ROWWISE_NAME = "rowwise_scaled_mm_reduce_scatter"
 ANCHORS = (c10d.reduce_scatter_tensor.default,)
 
 
@@ -116,10 +119,12 @@ class MmReduceScatterMatch:
     scatter_dim: int
     perm: list[int] | None  # the permutation of the permuted-copy form (None: not that form)
     scaled: Scaled | None = None  # the FP8 form's scales and output
+    post: PostScale | None = None  # the row-wise backward's scaling after the product
 
     @property
     def op(self):
-        return getattr(torch.ops.commfuse, FP8_NAME if self.scaled else NAME).default
+        name = NAME if self.scaled is None else ROWWISE_NAME if self.scaled.rowwise else FP8_NAME
+        return getattr(torch.ops.commfuse, name).default
 
     @classmethod
     def from_anchor(cls, rs: fx.Node, settings) -> "MmReduceScatterMatch":
@@ -130,10 +135,10 @@ class MmReduceScatterMatch:
         if not layout:
             x, perm, layout = unpermute(rs.args[0])
             dim = perm[0] if perm else 0
-        mm, views = matmul_through_views(x, "reduce_scatter")
+        mm, views, post = product_through_views(x, "reduce_scatter")
         try:
             a, b, bias = matmul_operands(mm)
-            scaled = scaled_operands(mm) if is_call(mm, (SCALED_MM,)) else None
+            scaled = scaled_operands(mm, rowwise_ok=True, post=post) if is_call(mm, (SCALED_MM,)) else None
             # Symbolic sizes must not enter the graph as raw SymInts: one becomes -1 (as in view).
             shape = [size if isinstance(size, int) else -1 for size in val(x).shape]
             if shape.count(-1) > 1:
@@ -146,7 +151,7 @@ class MmReduceScatterMatch:
             check_fusable(mm, a, b, bias, settings, scaled=scaled)
         except Skip as exc:
             raise Skip(str(exc), mm=mm) from None
-        return cls(rs, waits, layout, views, mm, a, b, bias, shape, dim, perm, scaled)
+        return cls(rs, waits, layout, views, mm, a, b, bias, shape, dim, perm, scaled, post)
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         rs = self.reduce_scatter
@@ -157,8 +162,11 @@ class MmReduceScatterMatch:
                 wait.replace_all_uses_with(out)
             else:
                 self._unpermute_readers(graph, wait, out)
-        for node in [*self.waits, rs, *self.layout, *self.views, self.mm]:  # consumers first
+        post = list(self.post.nodes) if self.post else []
+        for node in [*self.waits, rs, *self.layout, *self.views, *post, self.mm]:  # consumers first
             graph.erase_node(node)
+        if self.post is not None and not self.post.scale.users:  # the scales' product: the op multiplies them
+            graph.erase_node(self.post.scale)
         return out
 
     def _unpermute_readers(self, graph: fx.Graph, wait: fx.Node, out: fx.Node) -> None:

@@ -80,6 +80,75 @@ def all_gather_scaled_mm(shard, b, scale_a, scale_b, bias, out_dtype, use_fast_a
     return out, gathered
 
 
+def quantise_rows(x: torch.Tensor, float8_dtype: torch.dtype, eps: float,
+                  pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's row-wise dynamic quantisation of ``x`` (a row: the last dimension), step for step
+    as its post-grad graph computes it, so the FP8 values and scales are the same bits: the row's
+    absolute maximum in float64, floored at ``eps``; the multiplier ``fmax / amax`` in float32,
+    rounded down to a power of two when ``pow2_scales``; ``x * multiplier`` clamped to the FP8
+    range and cast. Returns ``(FP8 rows, multipliers [..., 1])``: ``_scaled_mm`` takes their
+    reciprocals. Each row is its own, so quantising a shard's rows gives the gathered tensor's."""
+    fmax = torch.finfo(float8_dtype).max
+    amax = x.abs().amax(-1, keepdim=True).to(torch.float64).clamp_min(eps)
+    multiplier = (amax.reciprocal() * fmax).to(torch.float32)
+    if pow2_scales:
+        multiplier = torch.exp2(torch.floor(torch.log2(multiplier)))
+    q = (x.to(torch.float32) * multiplier).clamp_min(-fmax).clamp_max(fmax).to(float8_dtype)
+    return q, multiplier
+
+
+def rowwise_scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a=None,
+                          post_scale_b=None) -> torch.Tensor:
+    """A row-wise FP8 product as the graph computed it: ``_scaled_mm`` with its scales, then, in
+    the backward's form, the row and column scales multiplied in (in float32) and the product
+    cast back to ``out_dtype``."""
+    product = scaled_matmul(a, b, _unit_stride(scale_a), _unit_stride(scale_b), bias, out_dtype, use_fast_accum)
+    if post_scale_a is None:
+        return product
+    return (product * (post_scale_a * post_scale_b)).to(out_dtype)
+
+
+def _unit_stride(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with a last stride of 1, which ``_scaled_mm`` asks of a row-wise scale: Inductor
+    may lay a ``[M, 1]`` scale out with any stride on its size-1 dimension."""
+    return scale if scale.dim() < 2 or scale.stride(-1) == 1 else scale.clone(memory_format=torch.contiguous_format)
+
+
+def rowwise_scaled_mm_all_reduce(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a, post_scale_b,
+                                 group_name: str) -> torch.Tensor:
+    return all_reduce(rowwise_scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a,
+                                            post_scale_b), group_name)
+
+
+def rowwise_scaled_mm_reduce_scatter(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a,
+                                     post_scale_b, shape: list[int], scatter_dim: int, world_size: int,
+                                     group_name: str) -> torch.Tensor:
+    partial = rowwise_scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a,
+                                    post_scale_b)
+    return reduce_scatter(partial, shape, scatter_dim, world_size, group_name)
+
+
+def all_gather_rowwise_scaled_mm(shard, b, scale_b, bias, out_dtype, use_fast_accum, float8_dtype, eps: float,
+                                 pow2_scales: bool, gather_dim: int, world_size: int, group_name: str,
+                                 return_gathered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise the shard's rows, gather the FP8 rows (as bytes) and their multipliers, multiply:
+    the gather moves FP8, not bf16. When the graph still reads the bf16 gathered tensor
+    (``return_gathered``: training quantises it column-wise too, for the weight's gradient) that
+    is gathered instead and quantised after the gather (the same rows, so the same bits): one
+    gather, not two. The choice reads an argument every rank holds alike."""
+    if return_gathered:
+        gathered = all_gather(shard, gather_dim, world_size, group_name)
+        q, multiplier = quantise_rows(gathered, float8_dtype, eps, pow2_scales)
+    else:
+        q, multiplier = quantise_rows(shard, float8_dtype, eps, pow2_scales)
+        q = all_gather(q, gather_dim, world_size, group_name)
+        multiplier = all_gather(multiplier, gather_dim, world_size, group_name)
+        gathered = shard.new_empty((0,))
+    scale_a = multiplier.reshape(-1, 1).reciprocal()
+    out = scaled_matmul(q.reshape(-1, q.shape[-1]), b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    return out, gathered
+
+
 def resolve_shape(shape, numel) -> list:
     """``shape`` with its one ``-1`` (a dynamic size, as in ``view``) worked out from ``numel``."""
     if -1 not in shape:

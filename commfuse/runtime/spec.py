@@ -346,12 +346,14 @@ def _scaled_rs_inputs(c: Call, g: str, rand):
                                          x.world_size, g)
 
 
-def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str) -> OpSpec:
+def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str,
+              extra: tuple[Arg, ...] = ()) -> OpSpec:
     """``base`` with an FP8 ``_scaled_mm`` in its matmul's place: its layout with the FP8 arguments
-    added, its sizes read alike, its signature and shared arguments with the FP8 ones."""
+    added (and ``extra`` after them), its sizes read alike, its signature and shared arguments
+    with the FP8 ones."""
     return OpSpec(
         name=name,
-        args=(*base.args[:2], *_SCALES, base.args[2], *_FP8_OUT, *base.args[3:]),
+        args=(*base.args[:2], *_SCALES, base.args[2], *_FP8_OUT, *extra, *base.args[3:]),
         outputs=base.outputs,
         reference=reference,
         pattern=base.pattern,
@@ -382,14 +384,87 @@ SCALED_MM_REDUCE_SCATTER = _fp8_spec(
     _scaled_rs_inputs, 'reduce_scatter(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, '
     'use_fast_accum=f).view(shape), "sum", dim=d, g)')
 
+# ---------------------------------------------------------------------------------------------
+# The row-wise FP8 ops (torchao's row-wise recipe). A reduced product takes its scales as they are
+# ([M, 1] for ``a``, [1, N] for ``b``), and, for the backward's form (``_scaled_mm`` with scales of
+# one, then the row and column scales multiplied in and the product cast back), ``post_scale_a``
+# and ``post_scale_b``: each rank scales its own partial before the exchange, as the graph did.
+# The gathered operand is the bf16 shard: the op quantises it row-wise (the recipe's FP8 dtype,
+# ``eps``, power-of-two scales or not), so it can gather FP8 rows and their scales, not bf16.
+
+_POST_SCALES = (Arg("post_scale_a", "Tensor?"), Arg("post_scale_b", "Tensor?"))
+
+
+def _rowwise_ar_inputs(c: Call, g: str, rand):
+    x = _scaled_ar_inputs(c, g, rand)
+    return ROWWISE_SCALED_MM_ALL_REDUCE.Args(*x[:2], _row_scale(c.m, 1), _row_scale(1, c.n), *x[4:7], None, None,
+                                             x.group_name)
+
+
+def _rowwise_rs_inputs(c: Call, g: str, rand):
+    x = _scaled_rs_inputs(c, g, rand)
+    return ROWWISE_SCALED_MM_REDUCE_SCATTER.Args(*x[:2], _row_scale(c.m, 1), _row_scale(1, c.n), *x[4:7], None, None,
+                                                 *x[7:])
+
+
+def _row_scale(rows: int, cols: int) -> torch.Tensor:
+    return torch.ones(rows, cols, dtype=torch.float32)
+
+
+def _rowwise_ag_call(args, world: int) -> Call:
+    """As the all-gather's, with the exchanged dtype the FP8 rows' (their scales: 4 bytes a row more)."""
+    return dataclasses.replace(_ag_call(args, world, ALL_GATHER_ROWWISE_SCALED_MM.name), dtype=args.float8_dtype)
+
+
+def _rowwise_ag_inputs(c: Call, g: str, rand):
+    x = _ag_inputs(c, g, lambda *shape: rand(*shape).float().to(torch.bfloat16))
+    b = _fp8_weight(rand, c.k, c.n)
+    return ALL_GATHER_ROWWISE_SCALED_MM.Args(x.shard, b, _row_scale(1, c.n), None, torch.bfloat16, True, c.dtype,
+                                             1e-12, True, x.gather_dim, x.world_size, g, False)
+
+
+ROWWISE_SCALED_MM_ALL_REDUCE = _fp8_spec(
+    MM_ALL_REDUCE, "rowwise_scaled_mm_all_reduce", lambda x: reference.rowwise_scaled_mm_all_reduce(*x), _ar_call,
+    _rowwise_ar_inputs, 'all_reduce(rowwise(a, b, scale_a, scale_b, bias, o, f, pa, pb), "sum", g)', _POST_SCALES)
+ROWWISE_SCALED_MM_REDUCE_SCATTER = _fp8_spec(
+    MM_REDUCE_SCATTER, "rowwise_scaled_mm_reduce_scatter", lambda x: reference.rowwise_scaled_mm_reduce_scatter(*x),
+    _rs_call, _rowwise_rs_inputs, 'reduce_scatter(rowwise(a, b, scale_a, scale_b, bias, o, f, pa, pb).view(shape), '
+    '"sum", dim=d, g)', _POST_SCALES)
+ALL_GATHER_ROWWISE_SCALED_MM = OpSpec(
+    name="all_gather_rowwise_scaled_mm",
+    args=(Arg("shard", "Tensor"), Arg("b", "Tensor"), Arg("scale_b", "Tensor"), Arg("bias", "Tensor?"), *_FP8_OUT,
+          Arg("float8_dtype", "ScalarType"), Arg("eps", "float"), Arg("pow2_scales", "bool"),
+          *ALL_GATHER_MM.args[3:]),
+    outputs=ALL_GATHER_MM.outputs,
+    reference=lambda x: reference.all_gather_rowwise_scaled_mm(*x),
+    pattern=ALL_GATHER_MM.pattern,
+    call=_rowwise_ag_call,
+    key=lambda x: (*ALL_GATHER_MM.key(x), x.b.dtype, x.out_dtype, x.use_fast_accum, x.float8_dtype, x.eps,
+                   x.pow2_scales),
+    own_size=ALL_GATHER_MM.own_size,
+    shared=lambda x: dict(ALL_GATHER_MM.shared(x), b_dtype=x.b.dtype, out_dtype=x.out_dtype,
+                          use_fast_accum=x.use_fast_accum, float8_dtype=x.float8_dtype, eps=x.eps,
+                          pow2_scales=x.pow2_scales),
+    exchanged=ALL_GATHER_MM.exchanged,
+    inputs=_rowwise_ag_inputs,
+    rows_unit=ALL_GATHER_MM.rows_unit,
+    cuts_rows=True,
+    unfused="(_scaled_mm(q, b, 1/s, scale_b, bias, out_dtype=o, use_fast_accum=f), the gathered x if r else empty) "
+            "with q, s = quantise_rows(cat(all_gather(x, g), dim=d)).flatten(0, -2)",
+    unfused_reason=FP8_UNFUSED,
+)
+
 #: Every op, by name, in the order the registry and the report list them.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
-                                                 ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER)}
+                                                 ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
+                                                 ROWWISE_SCALED_MM_ALL_REDUCE, ALL_GATHER_ROWWISE_SCALED_MM,
+                                                 ROWWISE_SCALED_MM_REDUCE_SCATTER)}
 OPS = tuple(SPECS)
 
 #: Each op's argument tuple by its own name (what paths, tools and tests construct).
 MmAllReduceArgs, AllGatherMmArgs, MmReduceScatterArgs = MM_ALL_REDUCE.Args, ALL_GATHER_MM.Args, MM_REDUCE_SCATTER.Args
 
-__all__ = ["ALL_GATHER_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "FP8_UNFUSED", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
-           "MM_REDUCE_SCATTER", "OPS", "OpSpec", "SCALED_MM_ALL_REDUCE", "SCALED_MM_REDUCE_SCATTER", "SPECS",
+__all__ = ["ALL_GATHER_MM", "ALL_GATHER_ROWWISE_SCALED_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "FP8_UNFUSED", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
+           "MM_REDUCE_SCATTER", "OPS", "OpSpec", "ROWWISE_SCALED_MM_ALL_REDUCE",
+           "ROWWISE_SCALED_MM_REDUCE_SCATTER", "SCALED_MM_ALL_REDUCE", "SCALED_MM_REDUCE_SCATTER", "SPECS",
            "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]

@@ -30,6 +30,9 @@ MODELS = {
 FP8 = {
     "tensorwise": "torchao float8 training, tensor-wise scales (Float8Linear; with --model dtensor or sp its "
                   "Float8ColwiseParallel / Float8RowwiseParallel plan; needs torchao)",
+    "rowwise": "torchao float8 training, row-wise scales (Float8Linear, its 'rowwise' recipe; with --model "
+               "dtensor or sp torch's own TP plan, as torchtitan's: the activation is gathered in bf16 and "
+               "quantised row-wise after the gather; needs torchao)",
     "weights": "FP8 weights with one scale each, activations quantised tensor-wise per call (inference; "
                "--model hooks)",
 }
@@ -120,19 +123,19 @@ def run(args: argparse.Namespace):
     dtype = getattr(torch, args.dtype)
     model = demo.Transformer(cfg).to(dtype)
     seq = args.seq
-    if args.fp8 == "tensorwise":
+    if args.fp8 in ("tensorwise", "rowwise"):
         from commfuse.demo import fp8
 
         try:
-            fp8.float8_training(model)
+            fp8.float8_training(model, recipe=args.fp8)
         except ImportError as exc:
-            raise SystemExit(f"commfuse explain: --fp8 tensorwise needs torchao ({exc})") from None
+            raise SystemExit(f"commfuse explain: --fp8 {args.fp8} needs torchao ({exc})") from None
     try:
         if args.model == "hooks":
             demo.parallelize_hooks(model)
         else:
             mesh = init_device_mesh("cpu", (world,))
-            demo.parallelize_dtensor(model, mesh, sequence_parallel=args.model == "sp", fp8=args.fp8 is not None)
+            demo.parallelize_dtensor(model, mesh, sequence_parallel=args.model == "sp", fp8=args.fp8)
     except ValueError as exc:
         raise SystemExit(f"commfuse explain: {exc}") from None
     if args.fp8 == "weights":

@@ -15,6 +15,7 @@ _ALL: tuple[Path, ...] = (
     nccl.ALL_GATHER_MM, ag_pull.PULL, ag_ce_overlap.CE_OVERLAP, ag_fused.FUSED,
     nccl.MM_REDUCE_SCATTER, rs_pull.PULL, rs_ce_overlap.CE_OVERLAP, rs_fused.FUSED,
     nccl.SCALED_MM_ALL_REDUCE, nccl.ALL_GATHER_SCALED_MM, nccl.SCALED_MM_REDUCE_SCATTER,
+    nccl.ROWWISE_SCALED_MM_ALL_REDUCE, nccl.ALL_GATHER_ROWWISE_SCALED_MM, nccl.ROWWISE_SCALED_MM_REDUCE_SCATTER,
 )
 
 REGISTRY: dict[tuple[str, str], Path] = {(p.op, p.name): p for p in _ALL}
