@@ -19,6 +19,7 @@ from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.paths import REGISTRY, base
 from commfuse.runtime.paths.base import (Call, MmAllReduceArgs, MAX_ROW_SLABS)
 from commfuse.runtime.counters import PATHS
+from commfuse.runtime.spec import SPECS
 
 from sim import (  # noqa: F401  (fixtures: pytest finds them by name in this module)
     AR, AG, RS, _Buffers, _Group, _Stream, _all_gather_mm, _mm_all_reduce, _mm_reduce_scatter, _one_thread, sim,
@@ -464,15 +465,13 @@ def test_releasing_a_group_releases_all_its_state(sim, monkeypatch):
     assert list(fresh.plans) and [d[0] for d in fresh.decisions.values()] == ["one_shot"]
 
 
-@pytest.mark.parametrize("op", ["scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter"])
+@pytest.mark.parametrize("op", sorted(name for name, spec in SPECS.items() if spec.unfused_reason))
 def test_ops_without_a_kernel_run_their_nccl_path_through_the_entry(sim, op):
     """An op whose only path is NCCL (the FP8 ops) runs through the same entry as the others: its
     call reaches a runner (every registered path has one) and counts the NCCL path."""
-    from commfuse.runtime.spec import SPECS
-
     assert set(running.RUNS) == set(REGISTRY.values())
     spec = SPECS[op]
-    call = Call(op, 8 * sim.world, 16, 16, torch.bfloat16 if op != "all_gather_scaled_mm" else torch.float8_e4m3fn,
+    call = Call(op, 8 * sim.world, 16, 16, torch.float8_e4m3fn if op.startswith("all_gather") else torch.bfloat16,
                 sim.world)
     args = spec.inputs(call, "0", lambda *shape: torch.randn(*shape).to(call.dtype))
     before = dict(PATHS)
