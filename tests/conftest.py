@@ -31,6 +31,16 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# Without a CUDA GPU every test under tests/gpu would be skipped one by one: the directory is not
+# collected at all then, which the report's header says.
+collect_ignore = [] if _gpus() else ["gpu"]
+
+
+def pytest_report_header(config):
+    if not _gpus():
+        return "tests/gpu: not collected (no CUDA GPU; those tests run on GPU machines, see docs/benchmarks.md)"
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests need 2 GPUs, those also marked ``one_gpu`` one."""
     gpus = _gpus()
