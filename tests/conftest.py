@@ -31,6 +31,14 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+if not _gpus():
+    # Without a GPU, Inductor compiles in the process that compiles, not in a pool of worker
+    # processes: the kernels are tiny C++ ones, and each process that compiles (xdist workers,
+    # every rank a test starts) would otherwise start a pool that imports torch once more, on a CI
+    # machine of two cores. Subprocesses inherit the setting.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+
 # Without a CUDA GPU every test under tests/gpu would be skipped one by one: the directory is not
 # collected at all then, which the report's header says.
 collect_ignore = [] if _gpus() else ["gpu"]
