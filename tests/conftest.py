@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 
@@ -30,6 +31,24 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+if not _gpus():
+    # Without a GPU, Inductor compiles in the process that compiles, not in a pool of worker
+    # processes: the kernels are tiny C++ ones, and each process that compiles (xdist workers,
+    # every rank a test starts) would otherwise start a pool that imports torch once more, on a CI
+    # machine of two cores. Subprocesses inherit the setting.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    torch._inductor.config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+
+# Without a CUDA GPU every test under tests/gpu would be skipped one by one: the directory is not
+# collected at all then, which the report's header says.
+collect_ignore = [] if _gpus() else ["gpu"]
+
+
+def pytest_report_header(config):
+    if not _gpus():
+        return "tests/gpu: not collected (no CUDA GPU; those tests run on GPU machines, see docs/benchmarks.md)"
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests need 2 GPUs, those also marked ``one_gpu`` one."""
     gpus = _gpus()
@@ -37,6 +56,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and gpus < (1 if "one_gpu" in item.keywords else 2):
             item.add_marker(one if "one_gpu" in item.keywords else two)
+
+
+def pytest_collection_finish(session):
+    """What is alive once the tests are collected (torch, the tests' modules) lives to the end:
+    frozen out of the collector's generations, so that each ``gc.collect()`` (``groups.release``
+    makes one, and many tests release every group twice) walks only what the tests made since."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # for the interpreter's own clean-up at exit (bindings check that theirs is freed)
 
 
 @pytest.fixture(params=[2, 4, 8], ids=lambda w: f"world{w}")
