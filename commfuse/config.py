@@ -13,8 +13,10 @@ from . import env
 from .exclusion import exclude as exclude_instance
 
 #: Names of the rewrites, in the order the graph pass applies them. ``merge_sums`` turns a sum of
-#: matmul partials that is reduced (or of reduced partials) into one matmul reduced once.
-PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
+#: matmul partials that is reduced (or of reduced partials) into one matmul reduced once. ``fp8``
+#: is the FP8 (``_scaled_mm``) form of the three op patterns: without it they take bf16/fp16/fp32
+#: matmuls only, and FP8 ones stay with Inductor.
+PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter", "fp8")
 
 #: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing
 #: (the rank-local dimension counts as ``patterns.common.SHARDED_DIM``).

@@ -86,6 +86,23 @@ def test_scaled_mm_all_reduce_2d(world2, fused_nodes, out_dtype, bias, fast):
     torch.testing.assert_close(out, f(a, b, sa, sb, c))
 
 
+def test_patterns_without_fp8_leave_scaled_matmuls_to_inductor(world2, fused_nodes):
+    """``backend(patterns=...)`` without ``fp8``: the FP8 product and its all-reduce stay as they
+    are, with the reason in the report, while a bf16 matmul beside it still fuses."""
+    a, b, sa, sb = fp8(64, 32), weight(32, 48), scale(), scale()
+    x, w = torch.randn(64, 32, dtype=BF16), torch.randn(32, 48, dtype=BF16)
+
+    def f(a, b, sa, sb, x, w):
+        return _ar(torch._scaled_mm(a, b, sa, sb, out_dtype=BF16)) + _ar(x @ w)
+
+    patterns = [p for p in commfuse.PATTERNS if p != "fp8"]
+    out, code = compile_code(f, a, b, sa, sb, x, w, backend=commfuse.backend(min_mnk=0, patterns=patterns))
+    assert [op for op, _ in fused_nodes] == ["mm_all_reduce"]
+    (skipped,) = [r for r in commfuse.report().skipped if "fp8" in r.reason]
+    assert skipped.reason == "pattern fp8 (the _scaled_mm forms) is disabled in this backend's settings"
+    torch.testing.assert_close(out, f(a, b, sa, sb, x, w))
+
+
 def test_scaled_mm_all_reduce_reshape_form(world2, fused_nodes):
     """A 3-D activation: reshape -> _scaled_mm -> reshape -> all_reduce (torchao's Float8Linear)."""
     x, b, sa, sb = fp8(4, 16, 32), weight(32, 48), scale(), scale()

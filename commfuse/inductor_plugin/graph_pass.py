@@ -140,6 +140,10 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
                 reason = f"commfuse could not analyse this graph form ({type(exc).__name__}: {exc})"
                 record(_describe(pattern, label, anchor, None, False, reason))
                 continue
+            if match.scaled is not None and "fp8" not in settings.patterns:
+                reason = "pattern fp8 (the _scaled_mm forms) is disabled in this backend's settings"
+                record(_describe(pattern, label, anchor, match.mm, False, reason))
+                continue
             rec = _describe(pattern, label, anchor, match.mm, True, "fused")
             match.replace(graph)
             record(rec)
