@@ -15,8 +15,12 @@ can time both in alternating processes (``--label``).
 
 ``--commfuse`` asks whether commfuse slows the ops it does not touch: ``absent`` times the unfused
 calls in a process that never imports commfuse, ``imported`` imports it (and registers its ops)
-without calling it, ``used`` (the default) times them among the fused cases. ``--back-to-back``
-times each case in a run of its own calls instead of in turn with the others (warm caches).
+without calling it, ``used`` (the default) times them among the fused cases, ``warmed`` runs every
+fused case first (kernels compiled, workspaces allocated) and then times the unfused calls alone,
+``released`` does the same after ``commfuse.release_all()``. ``--back-to-back`` times each case in
+a run of its own calls instead of in turn with the others (warm caches). In turn, the cases' order
+rotates from batch to batch, so no case is always the first after the GPU sleep (the first call
+after it costs the host most).
 """
 
 from __future__ import annotations
@@ -86,9 +90,10 @@ def main() -> int:
     p.add_argument("--sleep-ms", type=float, default=60.0)
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
-    p.add_argument("--commfuse", choices=("absent", "imported", "used"), default="used",
+    p.add_argument("--commfuse", choices=("absent", "imported", "used", "warmed", "released"), default="used",
                    help="absent: never import commfuse (unfused cases only); imported: import it, time the "
-                   "unfused cases only; used: every case, fused among unfused")
+                   "unfused cases only; used: every case, fused among unfused; warmed: run the fused cases, "
+                   "then time the unfused ones alone; released: the same after commfuse.release_all()")
     p.add_argument("--back-to-back", action="store_true",
                    help="time each case in a run of its own calls, not in turn with the other cases")
     p.add_argument("--profile", default="", help="comma-separated case names (substrings): a cProfile of 50 "
@@ -109,7 +114,8 @@ def main() -> int:
         tree = _force_new(forced) if hasattr(commfuse, "release_all") else _force_old(forced)
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
-    ops = torch.ops.commfuse if args.commfuse == "used" else None
+    uses = args.commfuse in ("used", "warmed", "released")
+    ops = torch.ops.commfuse if uses else None
     torch.manual_seed(0)
 
     def operands(op, m, k, n, layout):
@@ -136,7 +142,7 @@ def main() -> int:
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.ops.aten.mm(a, b), "sum", 1, group))
 
     cases = []
-    for op, path, m, k, n, layout in CASES if args.commfuse == "used" else ():
+    for op, path, m, k, n, layout in CASES if uses else ():
         a, b = operands(op, m, k, n, layout)
         cases.append((f"{op} {path} {m}x{k}x{n}", lambda op=op, path=path, a=a, b=b: fused(op, path, a, b), a, b))
     for op, m, k, n in UNFUSED:
@@ -151,6 +157,10 @@ def main() -> int:
         if not err < 2e-2:
             raise RuntimeError(f"host_time: {name} is wrong (relative error {err})")
     torch.cuda.synchronize()
+    if args.commfuse in ("warmed", "released"):  # the fused cases have run: time the unfused ones alone
+        cases = [case for case in cases if "unfused" in case[0]]
+        if args.commfuse == "released":
+            commfuse.release_all()
     cycles = int(args.sleep_ms * (getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000))
     host = {name: [] for name, *_ in cases}
     if args.back_to_back:
@@ -162,9 +172,10 @@ def main() -> int:
                 host[name].append((time.perf_counter() - start) * 1e6)
                 torch.cuda.synchronize()
     else:
-        for _ in range(args.batches):
+        for batch in range(args.batches):
             torch.cuda._sleep(cycles)
-            for name, fn, _, _ in cases:
+            turn = batch % len(cases)
+            for name, fn, _, _ in cases[turn:] + cases[:turn]:
                 start = time.perf_counter()
                 fn()
                 host[name].append((time.perf_counter() - start) * 1e6)
