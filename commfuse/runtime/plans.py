@@ -42,10 +42,3 @@ def name_site(site: int, where: str) -> None:
 
 def site_name(site: int) -> str | None:
     return _sites.get(site)
-
-
-def clear() -> None:
-    """Forget every plan and site name (tests)."""
-    with _lock:
-        _planned.clear()
-        _sites.clear()
