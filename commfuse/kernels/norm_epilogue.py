@@ -32,11 +32,13 @@ MAX_HIDDEN = 8192
 
 
 def _block(hidden: int) -> tuple[int, int]:
-    """(block, warps) for rows of ``hidden`` elements: one row per block, ~16 elements a thread."""
+    """(block, warps) for rows of ``hidden`` elements: one row per block, at most ~16 elements a
+    thread. The grid is capped at one program per SM (every rank launches the same grid), so the
+    warps of one program are all the loads an SM has in flight: rows of 2048 and more take 16."""
     if hidden > MAX_HIDDEN:
         raise ValueError(f"commfuse: the norm epilogue holds rows of at most {MAX_HIDDEN} elements, not {hidden}")
     block = triton.next_power_of_2(hidden)
-    return block, max(1, min(16, block // 512))
+    return block, max(1, min(16, block // 128))
 
 
 @triton.jit
