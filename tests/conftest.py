@@ -93,3 +93,25 @@ def clean_state(monkeypatch):
     with torch._inductor.config.patch(fx_graph_cache=False):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def fused_nodes(monkeypatch):
+    """The fused op nodes each rewritten graph holds: (op name, its arguments that are not
+    tensors)."""
+    from commfuse.inductor_plugin import graph_pass
+
+    found: list[tuple[str, tuple]] = []
+    real = graph_pass.rewrite
+
+    def rewrite(graph, settings):
+        count = real(graph, settings)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in graph_pass._FUSED_OPS:
+                plain = tuple(a for a in node.args[:-1] if not isinstance(a, torch.fx.Node) and a is not None)
+                found.append((node.target.__name__.split(".")[0], plain))
+        return count
+
+    monkeypatch.setattr(graph_pass, "rewrite", rewrite)
+    return found
+

@@ -53,3 +53,8 @@ def gloo_rank(rank: int, init_file: str, world_size: int, seed: int = 100):
                             timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(seed + rank)
     return dist.group.WORLD
+
+
+def fp8(*shape, dtype=torch.float8_e4m3fn):
+    """A random FP8 tensor (drawn in fp32, then cast)."""
+    return torch.randn(*shape).to(dtype)

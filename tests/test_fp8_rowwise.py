@@ -18,11 +18,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse
-from commfuse.inductor_plugin import graph_pass
 from commfuse.runtime import policy, reference
 from commfuse.runtime.facts import GroupFacts
 from commfuse.runtime.spec import FP8_UNFUSED, SPECS, Call
-from helpers import compile_code, group_name
+from helpers import compile_code, fp8, group_name
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 AR, AG, RS = "rowwise_scaled_mm_all_reduce", "all_gather_rowwise_scaled_mm", "rowwise_scaled_mm_reduce_scatter"
@@ -32,26 +31,6 @@ def _backend():
     return commfuse.backend(min_mnk=0, launch_bound_bytes=0)
 
 
-@pytest.fixture
-def fused_nodes(monkeypatch):
-    """The fused op nodes each rewritten graph holds: (op name, its arguments that are not tensors)."""
-    found: list[tuple[str, tuple]] = []
-    real = graph_pass.rewrite
-
-    def rewrite(graph, settings):
-        count = real(graph, settings)
-        for node in graph.nodes:
-            if node.op == "call_function" and node.target in graph_pass._FUSED_OPS:
-                plain = tuple(a for a in node.args[:-1] if not isinstance(a, torch.fx.Node) and a is not None)
-                found.append((node.target.__name__.split(".")[0], plain))
-        return count
-
-    monkeypatch.setattr(graph_pass, "rewrite", rewrite)
-    return found
-
-
-def fp8(*shape, dtype=E4M3):
-    return torch.randn(*shape).to(dtype)
 
 
 def weight(k, n):
