@@ -113,6 +113,7 @@ def _run_time_worker(rank: int, init_file: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_run_time_settings_that_differ_are_one_error_on_every_rank():
     """``COMMFUSE_TUNE_MARGIN``, ``COMMFUSE_ALGO``, ``COMMFUSE_VERIFY`` on one rank only, the
     pairing check, tuning, the graph lane's size and the provider, each set differently on the two
@@ -173,6 +174,7 @@ def _compile_worker(rank: int, init_file: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_compile_time_settings_that_differ_are_one_error_on_every_rank():
     """The launch bound, merge sums and the backend's ``min_mnk``, ``patterns`` and ``exclude`` decide
     whether a call fuses: set differently, one rank called commfuse where its peer called NCCL, and
@@ -282,6 +284,7 @@ def _cache_worker(rank: int, init_files: list, caches: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_whose_inductor_caches_differ_compile_alike(tmp_path):
     """The backend compares the compile-time settings for a group used only inside an
     ``autograd.Function`` (in a higher-order op's subgraph) on every rank; the graph pass, which a

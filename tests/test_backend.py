@@ -19,6 +19,7 @@ from commfuse.inductor_plugin import CommfusePass
 from helpers import calls, compile_code
 
 
+@pytest.mark.slow
 def test_backend_by_name_without_import():
     """``backend="commfuse"`` resolves through the torch_dynamo_backends entry point."""
     script = textwrap.dedent("""

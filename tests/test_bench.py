@@ -255,6 +255,7 @@ def test_model_plot_keeps_the_latest_record_per_case(tmp_path):
     assert sorted(labels.values()) == ["dtensor prefill (bbb)", "hooks decode_cg_b4 (bbb)"]
 
 
+@pytest.mark.slow
 def test_every_maintained_benchmark_answers_help_on_the_cpu():
     """Each script in benchmarks/ (they run under torchrun on GPUs) imports on the CPU and
     describes its options: one interpreter runs every Python script's ``--help``, and the device

@@ -27,6 +27,7 @@ def _fresh_cache():
     return getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
 
 
+@pytest.mark.slow
 def test_fx_graph_cache_hit_still_fuses(world2):
     def f(a, w):
         return funcol.all_reduce(a @ w, "sum", dist.group.WORLD).relu()

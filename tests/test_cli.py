@@ -57,6 +57,7 @@ def test_bench_model_outside_torchrun_exits_with_one_line():
     assert "launch it with torchrun --nproc_per_node=2 -m commfuse bench model (RANK is not set)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_tune_shows_and_clears_a_machines_cache(tmp_path):
     """A cache written as the run-time writes it, for 2 simulated H200s on this machine's software,
     beside one for another GPU: ``--show`` prints this machine's as a table, ``--clear`` removes

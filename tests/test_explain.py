@@ -75,6 +75,7 @@ def test_explain_launch_bound_decode_sizes_fuse_only_with_cuda_graphs():
     _assert_dtensor_training(_explain("--world-size", "2", "--layers", "1", env=env))
 
 
+@pytest.mark.slow
 def test_explain_bad_sizes_are_clear_errors():
     proc = subprocess.run([sys.executable, "-m", "commfuse", "explain", "--world-size", "3"],
                           capture_output=True, text=True, timeout=300)

@@ -169,6 +169,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("triton", "iris")))
 """
 
 
+@pytest.mark.slow
 def test_deciding_imports_no_triton():
     """The compile-time modules, the policy, the rules and every path's deciding side import, and
     decide a call, in a process where Triton and Iris cannot be imported."""

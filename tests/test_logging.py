@@ -33,6 +33,7 @@ def _run(**env):
     return proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("torch_logs, commfuse_log, debug", [("commfuse", None, False), ("+commfuse", "1", True)])
 def test_torch_logs_names_the_commfuse_log(torch_logs, commfuse_log, debug):
     """INFO: each decision; DEBUG (``+``): also the pass's own lines. With ``COMMFUSE_LOG`` set as

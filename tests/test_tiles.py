@@ -37,7 +37,8 @@ INTERPRETED = {
 
 #: Scripts that take more than ~20 s of CPU (the fused kernels' cases run every program of every
 #: position one after another): marked slow
-SLOW = {"interpreted_fused.py", "interpreted_norm_epilogue.py"}
+SLOW = {"interpreted_fused.py", "interpreted_norm_epilogue.py", "interpreted_inline_order.py", "interpreted_exchange.py",
+        "interpreted_split_k.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
