@@ -9,18 +9,13 @@ must equal eager); real ranks are in ``test_fp8_rowwise_gloo.py``.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse
-from commfuse.runtime import policy, reference
-from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.spec import FP8_UNFUSED, SPECS, Call
+from commfuse.runtime import reference
 from helpers import compile_code, fp8, group_name
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
@@ -29,8 +24,6 @@ AR, AG, RS = "rowwise_scaled_mm_all_reduce", "all_gather_rowwise_scaled_mm", "ro
 
 def _backend():
     return commfuse.backend(min_mnk=0, launch_bound_bytes=0)
-
-
 
 
 def weight(k, n):
@@ -220,24 +213,6 @@ def test_errors_name_the_op(world2):
     args[8] = None
     with pytest.raises(RuntimeError, match="commfuse.rowwise_scaled_mm_all_reduce: post_scale_a and post_scale_b"):
         torch.ops.commfuse.rowwise_scaled_mm_all_reduce(*args)
-
-
-@pytest.mark.parametrize("op", [AR, AG, RS])
-def test_run_time_runs_the_unfused_composition_with_one_reason(op, caplog):
-    """No row-wise FP8 kernel yet: on every group and in any capture state the policy sends the
-    call to its NCCL path with one logged reason, from the op alone, so every rank decides alike."""
-    call = Call(op, 256, 128, 64, BF16 if op != AG else E4M3, 2)
-    policy._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="commfuse"):
-        for facts in (GroupFacts.simulated(2), GroupFacts.simulated(8, arch="sm_100", name="NVIDIA B200", sms=148)):
-            for capturing in (False, True):
-                decision = policy.choose(dataclasses.replace(call, world=facts.world), facts, capturing=capturing,
-                                         forced="pull", tuned=lambda: pytest.fail("the tuner was asked"))
-                assert (decision.name, decision.source, decision.reason) == ("nccl", "unsupported", FP8_UNFUSED)
-        assert policy.workspace_bytes(call, GroupFacts.simulated(2), tuning=True) == 0
-    assert [r.getMessage() for r in caplog.records] == [
-        f"commfuse.{op}: this call runs the unfused NCCL path ({FP8_UNFUSED})"]
-    assert SPECS[op].unfused_reason == FP8_UNFUSED
 
 
 # ---- torchao's row-wise recipe under torch's TP plan ------------------------------------------------

@@ -95,6 +95,13 @@ class Scaled:
     post_scale_b: fx.Node | None = None
 
 
+def fused_op(scaled: Scaled | None, names: tuple[str, str, str]):
+    """The commfuse op a match makes: ``names`` is (plain, tensor-wise FP8, row-wise FP8)."""
+    plain, tensorwise, rowwise = names
+    name = plain if scaled is None else rowwise if scaled.rowwise else tensorwise
+    return getattr(torch.ops.commfuse, name).default
+
+
 def fused_args(a: Any, b: Any, bias: Any, scaled: Scaled | None, rest: tuple) -> tuple:
     """A fused op's arguments: ``(a, b, bias, *rest)``, or for its FP8 form (``scaled``)
     ``(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, *rest)``, the row-wise form's with

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
 from .common import (
@@ -34,6 +33,7 @@ from .common import (
     Scaled,
     Skip,
     arg,
+    fused_op,
     c10d,
     check_fusable,
     fused_args,
@@ -70,8 +70,7 @@ class MmAllReduceMatch:
 
     @property
     def op(self):
-        name = NAME if self.scaled is None else ROWWISE_NAME if self.scaled.rowwise else FP8_NAME
-        return getattr(torch.ops.commfuse, name).default
+        return fused_op(self.scaled, (NAME, FP8_NAME, ROWWISE_NAME))
 
     @classmethod
     def from_anchor(cls, ar: fx.Node, settings) -> "MmAllReduceMatch":

@@ -42,6 +42,7 @@ from .common import (
     Scaled,
     Skip,
     arg,
+    fused_op,
     aten,
     c10d,
     check_fusable,
@@ -123,8 +124,7 @@ class MmReduceScatterMatch:
 
     @property
     def op(self):
-        name = NAME if self.scaled is None else ROWWISE_NAME if self.scaled.rowwise else FP8_NAME
-        return getattr(torch.ops.commfuse, name).default
+        return fused_op(self.scaled, (NAME, FP8_NAME, ROWWISE_NAME))
 
     @classmethod
     def from_anchor(cls, rs: fx.Node, settings) -> "MmReduceScatterMatch":
