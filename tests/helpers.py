@@ -58,3 +58,28 @@ def gloo_rank(rank: int, init_file: str, world_size: int, seed: int = 100):
 def fp8(*shape, dtype=torch.float8_e4m3fn):
     """A random FP8 tensor (drawn in fp32, then cast)."""
     return torch.randn(*shape).to(dtype)
+
+
+def _then_shutdown(rank: int, worker, *args) -> None:
+    """``worker(rank, *args)``, then the process groups torn down while the interpreter is whole.
+
+    A worker's own ``destroy_process_group()`` leaves a gloo group alive while Dynamo's compiled
+    graphs still reference it; left to interpreter finalization, its worker threads can abort the
+    process after a passing test (docs/reliability.md). Dropping the compiled graphs and collecting
+    here frees such a group on this thread, which joins its worker threads first."""
+    import gc
+
+    from commfuse.demo import shutdown
+
+    worker(rank, *args)
+    torch._dynamo.reset()
+    gc.collect()
+    shutdown()  # a group the worker left: barrier, commfuse's state released, destroyed
+
+
+def spawn(worker, args: tuple = (), nprocs: int = 2, **_) -> None:
+    """``torch.multiprocessing.spawn`` of ``worker`` on ``nprocs`` ranks, each ending in an orderly
+    teardown (``_then_shutdown``)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_then_shutdown, args=(worker, *args), nprocs=nprocs, join=True)

@@ -12,9 +12,9 @@ import tempfile
 
 import pytest
 import torch
+from helpers import spawn
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 
 WORLD = 2
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -106,4 +106,4 @@ def _worker(rank: int, init_file: str) -> None:
 @pytest.mark.slow
 def test_rowwise_fp8_forms_on_two_gloo_ranks():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)

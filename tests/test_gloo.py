@@ -8,9 +8,9 @@ import tempfile
 
 import pytest
 import torch
+from helpers import spawn
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 WORLD = 2
@@ -255,4 +255,4 @@ def _verify_counts_calls(rank: int, group) -> None:
 @pytest.mark.slow
 def test_gloo_two_ranks_match_eager():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)

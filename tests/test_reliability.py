@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import commfuse
-from helpers import calls, compile_code, init_fake_pg
+from helpers import calls, compile_code, init_fake_pg, spawn
 
 
 @pytest.mark.parametrize("mark, sizes", [
@@ -177,10 +177,9 @@ def test_ranks_that_disagree_about_a_shape_get_a_clear_error():
     naming both ranks and the shapes, instead of exchanging mismatched data."""
     import tempfile
 
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_verify_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
+        spawn(_verify_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
 
 
 def _skip_worker(rank: int, init_file: str) -> None:
@@ -248,10 +247,9 @@ def test_a_skipped_call_among_alike_calls_is_an_error_on_every_rank():
     and a check that waits for a call the peer never makes."""
     import tempfile
 
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_skip_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
+        spawn(_skip_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
 
 
 def _capturing_backend(backend):

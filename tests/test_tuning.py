@@ -16,8 +16,8 @@ import tempfile
 
 import pytest
 import torch
+from helpers import spawn
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from commfuse import env
 from commfuse.runtime import groups, tuning
@@ -149,7 +149,7 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
 def _run(world: int):
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
         init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(world, init, tmp, results), nprocs=world, join=True)
+        spawn(_worker, args=(world, init, tmp, results), nprocs=world, join=True)
         return [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
 
 
@@ -258,7 +258,7 @@ def test_candidates_compile_before_any_bounded_wait_and_timeouts_are_retried_lat
     cached as transient, not as a permanent exclusion."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
-        mp.spawn(_compile_first_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
+        spawn(_compile_first_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
                  join=True)
         outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
     assert outs[1]["transient"] == outs[0]["transient"] and outs[1]["recovered"] == outs[0]["recovered"]
@@ -308,7 +308,7 @@ def test_a_check_that_fails_with_a_timed_out_wait_is_transient():
     on any rank stays excluded."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
-        mp.spawn(_timeout_fails_check_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
+        spawn(_timeout_fails_check_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
                  join=True)
         outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
     assert outs[0] == outs[1] == [["fused", "one_shot"], ["fused"]]
@@ -340,7 +340,7 @@ def test_cache_reads_agree_or_are_dropped():
     cache written mid-run, another's missing) agree to use none, on every rank."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
-        mp.spawn(_cache_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world, join=True)
+        spawn(_cache_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world, join=True)
         outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
     assert [o["same"] for o in outs] == [["sig"], ["sig"]]
     assert [o["differ"] for o in outs] == [[], []]
