@@ -30,7 +30,7 @@ def test_hf_llama_split_by_its_own_plan_fuses_every_row_parallel_linear():
 def test_model_benchmark_runs_the_transformers_model(tmp_path):
     out = tmp_path / "hf.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse", "bench",
-           "model", "--small", "--layers", "1", "--models", "hf", "--modes", "prefill,decode,train",
+           "model", "--small", "--layers", "1", "--models", "hf", "--modes", "prefill,decode",
            "--backends", "eager,commfuse", "--iters", "2", "--seq", "32", "--batch", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -38,10 +38,9 @@ def test_model_benchmark_runs_the_transformers_model(tmp_path):
     import json
 
     records = json.loads(out.read_text())
-    assert [r["mode"] for r in records] == ["prefill", "train"]  # no decode for this model
-    # training: q/k/v and gate/up input gradients merged (2 sums), then fused with the forward's 2
-    assert records[0]["fused"] == 2 and records[1]["fused"] == 4 and records[1]["merged"] == 2
-    assert records[0]["commfuse_rel_err"] < 1e-4
+    assert [r["mode"] for r in records] == ["prefill"]  # no decode for this model
+    # o_proj and down_proj (its training step's fusions: test_frameworks, under transformers' own plan)
+    assert records[0]["fused"] == 2 and records[0]["commfuse_rel_err"] < 1e-4
 
 
 def _without_torchrun() -> dict:
