@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from . import ops  # noqa: F401  (registers torch.ops.commfuse.*)
-from .config import PATTERNS, Settings
+from .config import DEFAULT_PATTERNS, PATTERNS, Settings
 from .exclusion import exclude, include
 from .report import MatchRecord, Report, clear_report, report
 from .runtime.errors import check_errors
@@ -32,6 +32,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DEFAULT_PATTERNS",
     "PATTERNS",
     "CommfuseBackend",
     "MatchRecord",

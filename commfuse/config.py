@@ -15,8 +15,16 @@ from .exclusion import exclude as exclude_instance
 #: Names of the rewrites, in the order the graph pass applies them. ``merge_sums`` turns a sum of
 #: matmul partials that is reduced (or of reduced partials) into one matmul reduced once. ``fp8``
 #: is the FP8 (``_scaled_mm``) form of the three op patterns: without it they take bf16/fp16/fp32
-#: matmuls only, and FP8 ones stay with Inductor.
-PATTERNS = ("merge_sums", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter", "fp8")
+#: matmuls only, and FP8 ones stay with Inductor. ``add_rms_norm`` takes a row-parallel matmul's
+#: all-reduce together with the residual add and RMSNorm after it (``patterns/add_rms_norm.py``).
+PATTERNS = ("merge_sums", "add_rms_norm", "mm_all_reduce", "all_gather_mm", "mm_reduce_scatter", "fp8")
+#: The rewrites only a backend that names them runs (``backend(patterns=[...])``): once the add and
+#: norm are in the op, Inductor's own fused add + norm kernel is no longer a run-time candidate, so
+#: the chain fuses where the user asked for it (or, once measured, where a rule of the GPU's table
+#: does).
+OPT_IN = ("add_rms_norm",)
+#: What a backend runs when ``patterns`` is not given.
+DEFAULT_PATTERNS = tuple(p for p in PATTERNS if p not in OPT_IN)
 
 #: Default minimum M*N*K for a fusion: below it the exchange is pure latency and fusing buys nothing
 #: (the rank-local dimension counts as ``patterns.common.SHARDED_DIM``).
@@ -46,7 +54,7 @@ def merge_sums_allowed() -> bool:
 class Settings:
     """What one configured backend does. Part of the pass's cache key (``key()``)."""
 
-    patterns: tuple[str, ...] = PATTERNS
+    patterns: tuple[str, ...] = DEFAULT_PATTERNS
     exclude_classes: tuple[type, ...] = ()
     exclude_names: tuple[str, ...] = ()
     min_mnk: int = DEFAULT_MIN_MNK
@@ -95,7 +103,7 @@ class Settings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
                 raise ValueError(f"commfuse.backend: {name} must be a whole number of at least 0, got {value!r}")
         return cls(
-            patterns=tuple(PATTERNS if patterns is None else patterns),
+            patterns=tuple(DEFAULT_PATTERNS if patterns is None else patterns),
             exclude_classes=tuple(classes),
             exclude_names=tuple(names),
             min_mnk=int(min_mnk),

@@ -29,6 +29,8 @@ CALLS = [
     Call("rowwise_scaled_mm_all_reduce", 96, 64, 32, torch.bfloat16, 2, True),
     Call("all_gather_rowwise_scaled_mm", 96, 64, 32, torch.float8_e4m3fn, 4, False, 1, 3),  # FP8 rows gathered
     Call("rowwise_scaled_mm_reduce_scatter", 96, 64, 32, torch.bfloat16, 2, False, 1, 2),
+    Call("mm_all_reduce_add_rms_norm", 96, 64, 32, torch.bfloat16, 2, True),
+    Call("mm_all_reduce_add_rms_norm", 5, 16, 999, torch.float32, 4),
 ]
 
 
@@ -56,10 +58,13 @@ def test_the_tuners_inputs_make_the_call_they_were_made_for(call):
 
 
 def test_specs_name_their_patterns_and_paths():
-    # each pattern makes its op, and its FP8 form's (a _scaled_mm in the matmul's place)
-    assert list(dict.fromkeys(s.pattern for s in SPECS.values())) == [p.NAME for p in patterns.ALL]
+    # each pattern makes its op, and its FP8 form's (a _scaled_mm in the matmul's place); the
+    # add_rms_norm pattern (no FP8 form) makes the op of the matmul, all-reduce, add and norm
+    assert set(s.pattern for s in SPECS.values()) == {p.NAME for p in patterns.ALL}
+    products = [p for p in patterns.ALL if hasattr(p, "FP8_NAME")]
     assert [s.name for s in SPECS.values() if s.name not in {p.NAME for p in patterns.ALL}] == [
-        *(p.FP8_NAME for p in patterns.ALL), *(p.ROWWISE_NAME for p in patterns.ALL)]
+        *(p.FP8_NAME for p in products), *(p.ROWWISE_NAME for p in products), "mm_all_reduce_add_rms_norm"]
+    assert SPECS["mm_all_reduce_add_rms_norm"].pattern == "add_rms_norm"
     for spec in SPECS.values():
         assert REGISTRY[(spec.name, "nccl")] is by_op(spec.name)[0]
         assert all(p.spec is spec for p in by_op(spec.name))

@@ -181,7 +181,8 @@ def backend(
     Args:
         exclude: module classes, module instances, or qualified-name patterns (``fnmatch``, relative
             to the compiled module, e.g. ``"layers.0.*"``) whose matmuls stay unfused.
-        patterns: which rewrites run, names from ``commfuse.PATTERNS`` (default: all; an empty
+        patterns: which rewrites run, names from ``commfuse.PATTERNS`` (default:
+            ``commfuse.DEFAULT_PATTERNS``, every one but the opt-in ``"add_rms_norm"``; an empty
             list warns: that backend fuses nothing).
         min_mnk: matmuls with M*N*K below this stay unfused (the dimension a rank's shard may size
             differently from its peers', K of an all-reduced or reduce-scattered product, N of an

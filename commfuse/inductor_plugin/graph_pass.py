@@ -71,7 +71,9 @@ def _describe(pattern, label: str, anchor: fx.Node, mm: fx.Node | None, fused: b
     """The record of one candidate of ``pattern`` (a module of ``patterns/``); an FP8 candidate (a
     ``_scaled_mm``) is named by its FP8 op and its dtype reads ``operand->output``."""
     shape = dtype = module = None
-    name = pattern.NAME if not is_call(mm, (SCALED_MM,)) else pattern.ROWWISE_NAME if is_rowwise(mm) else pattern.FP8_NAME
+    name = pattern.NAME
+    if is_call(mm, (SCALED_MM,)):  # (a pattern without an FP8 form names it by its own name)
+        name = getattr(pattern, "ROWWISE_NAME" if is_rowwise(mm) else "FP8_NAME", name)
     if mm is not None:
         try:
             a, b, _ = matmul_operands(mm)
@@ -122,10 +124,13 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             fused += 1
             candidates += 1
     for pattern in patterns.ALL:
+        opt_in = getattr(pattern, "OPT_IN", False) and pattern.NAME not in settings.patterns
+        if opt_in and not rules.may_ask_for(pattern.NAME):
+            continue  # off unless asked for: no report entry for every collective of the graph
         anchors = [n for n in graph.nodes if n.op == "call_function" and n.target in pattern.ANCHORS]
         candidates += len(anchors)
         for anchor in anchors:
-            if pattern.NAME not in settings.patterns:
+            if pattern.NAME not in settings.patterns and not opt_in:
                 reason = f"pattern {pattern.NAME} is disabled in this backend's settings"
                 record(_describe(pattern, label, anchor, None, False, reason))
                 continue

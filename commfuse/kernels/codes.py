@@ -11,12 +11,14 @@ knows the two ranks paired different calls (a rank skipped or reordered one) and
 
 OP_MM_ALL_REDUCE, OP_ALL_GATHER_MM, OP_MM_REDUCE_SCATTER, GRAPH_LANE_OP = 1, 2, 3, 4
 FUSED_AR_OP, FUSED_RS_OP, FUSED_AG_OP, FUSED_SPLIT_K_OP = 5, 6, 7, 8
+OP_AR_NORM = 9
 OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
        OP_MM_REDUCE_SCATTER: "mm_reduce_scatter", GRAPH_LANE_OP: "mm_all_reduce (graph lane)",
        FUSED_AR_OP: "mm_all_reduce (fused tile kernel)",
        FUSED_RS_OP: "mm_reduce_scatter (fused tile kernel)",
        FUSED_AG_OP: "all_gather_mm (fused tile kernel)",
-       FUSED_SPLIT_K_OP: "mm_all_reduce (fused split-K kernel)"}
+       FUSED_SPLIT_K_OP: "mm_all_reduce (fused split-K kernel)",
+       OP_AR_NORM: "mm_all_reduce_add_rms_norm"}
 
 #: Error-word kinds (``err[0]``): a wait passed its bound; a peer reached the same call with
 #: another tag.

@@ -25,10 +25,8 @@ import triton.language as tl
 from .codes import flag_value
 from .exchange import MAX_PROGRAMS, sum_over_peers
 from .launch import run as run_kernel
+from .sizes.norm_epilogue import MAX_HIDDEN
 from .sync import TAG_SHIFT, require_iris, signal_peers, wait_peers
-
-#: The largest row one program holds in registers (bf16: 16 fp32 values per thread at 16 warps).
-MAX_HIDDEN = 8192
 
 
 def _block(hidden: int) -> tuple[int, int]:

@@ -20,6 +20,9 @@ Each op's unfused equivalent::
                                               the gathered x if r else empty)
     mm_reduce_scatter(a, b, bias, shape, d, W, g)
                                           == reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)
+    mm_all_reduce_add_rms_norm(a, b, bias, residual, weight, eps, weight_last, g)
+                                          == (h, rms_norm(h, weight, eps, weight_last))
+                                             with h = residual + mm_all_reduce(a, b, bias, g)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ..runtime import reference
 from ..runtime.counters import CALLS
 from ..runtime.spec import (ALL_GATHER_MM, ALL_GATHER_ROWWISE_SCALED_MM, ALL_GATHER_SCALED_MM, MM_ALL_REDUCE,
-                            MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE, ROWWISE_SCALED_MM_REDUCE_SCATTER,
+                            MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE, ROWWISE_SCALED_MM_REDUCE_SCATTER,
                             SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, SPECS)
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -388,9 +391,10 @@ def _validate_scaled(spec, args) -> None:
     CALLS[op] += 1
 
 
-def _scaled_kernels(spec):
+def _spec_kernels(spec, validate=_validate_scaled):
     """The op's kernels: any device runs the unfused computation, CUDA the run-time's entry.
-    ``values``: the schema's arguments in order, the call site last."""
+    ``values``: the schema's arguments in order, the call site last; ``validate(spec, args)``: the
+    call's checks."""
     width = len(spec.args)
 
     def finish(args, out):
@@ -400,12 +404,12 @@ def _scaled_kernels(spec):
 
     def generic(*values):
         args, site = spec.Args(*values[:width]), (values[width:] or (0,))[0]
-        _validate_scaled(spec, args)
+        validate(spec, args)
         return finish(args, _entry().reference_call(spec, args, lambda: spec.reference(args), site))
 
     def cuda(*values):
         args, site = spec.Args(*values[:width]), (values[width:] or (0,))[0]
-        _validate_scaled(spec, args)
+        validate(spec, args)
         return finish(args, _entry().run(spec, args, site))
 
     return generic, cuda
@@ -462,9 +466,53 @@ def _(*values):
     return out, args.shard.new_empty(shape) if args.return_gathered else args.shard.new_empty((0,))
 
 
+# ---- The all-reduce with the residual add and RMSNorm after it ---------------------------------
+#
+#     mm_all_reduce_add_rms_norm(a, b, bias, residual, weight, eps, weight_last, g) == (h, n) with
+#         h = residual + all_reduce(a @ b + bias, "sum", g).view(residual.shape)
+#         n = rmsnorm(h) * weight, in fp32, cast to h's dtype before the weight (weight_last:
+#             LlamaRMSNorm's rounding) or after it (F.rms_norm's)
+
+
+def _check_norm_args(op: str, a, b, bias, residual, weight) -> None:
+    """The matmul's checks, a residual of the product's dtype and elements whose last dimension is
+    the product's N, and a 1-D weight of that size and dtype."""
+    _check_matmul_args(op, a, b, bias)
+    n = b.shape[1]
+    torch._check(residual.dtype == a.dtype and weight.dtype == a.dtype,
+                 lambda: f"commfuse.{op}: residual and weight must be {a.dtype}, got {residual.dtype} and {weight.dtype}")
+    torch._check(residual.dim() >= 1 and residual.shape[-1] == n and residual.numel() == a.shape[0] * n,
+                 lambda: f"commfuse.{op}: residual {tuple(residual.shape)} is not a view of the "
+                 f"{a.shape[0]}x{n} product")
+    torch._check(weight.dim() == 1 and weight.shape[0] == n,
+                 lambda: f"commfuse.{op}: weight must be [{n}], got {tuple(weight.shape)}")
+
+
+def _validate_norm(spec, args) -> None:
+    op = spec.name
+
+    def check():
+        _check_norm_args(op, args.a, args.b, args.bias, args.residual, args.weight)
+        _group_size(op, args.group_name)
+
+    _once(_signature(op, *args), check)
+    _no_gradient(op, args.a, args.b, args.bias, args.residual, args.weight)
+    CALLS[op] += 1
+
+
+@torch.library.register_fake("commfuse::mm_all_reduce_add_rms_norm")
+def _(a, b, bias, residual, weight, eps, weight_last, group_name, site=0):
+    _check_norm_args(MM_ALL_REDUCE_ADD_RMS_NORM.name, a, b, bias, residual, weight)
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+_generic, _cuda = _spec_kernels(MM_ALL_REDUCE_ADD_RMS_NORM, _validate_norm)
+_LIB.impl(MM_ALL_REDUCE_ADD_RMS_NORM.name, _generic, "CompositeExplicitAutograd")
+_LIB.impl(MM_ALL_REDUCE_ADD_RMS_NORM.name, _cuda, "CUDA")
+
 for _spec in (SCALED_MM_ALL_REDUCE, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE,
               ALL_GATHER_ROWWISE_SCALED_MM, ROWWISE_SCALED_MM_REDUCE_SCATTER):
-    _generic, _cuda = _scaled_kernels(_spec)
+    _generic, _cuda = _spec_kernels(_spec)
     _LIB.impl(_spec.name, _generic, "CompositeExplicitAutograd")
     _LIB.impl(_spec.name, _cuda, "CUDA")
 

@@ -14,7 +14,9 @@ In order, the first that applies decides:
 4. ``COMMFUSE_ALGO`` names a path of the op that supports the call: that path;
 5. a tuned answer for the call's signature (``tuning.py``), kept unless it no longer supports it;
 6. the first rule of the group's table (``rules.py``) that matches and whose path supports it;
-7. NCCL.
+7. the op's default path where it supports the call (``OpSpec.default_path``: an op that is in a
+   graph only where the user asked for it, outside a capture);
+8. NCCL.
 
 What the graph lane changes (its path, the variant it takes, whether a replayed lane takes an
 eager call) the capture module answers (``capture.Selection``), asked once per decision.
@@ -80,8 +82,23 @@ def rules_choice(call: Call, facts: GroupFacts, capture: bool = False) -> Decisi
     rule, path = _from_table(table, key, call, facts)
     label = table.label() if table is not None else "no table"
     if path is None:
-        return Decision(REGISTRY[(call.op, "nccl")], None, "fallback", f"no rule of {label} applies", label)
+        reason = f"no rule of {label} applies"
+        default = None if capture else REGISTRY.get((call.op, call.spec.default_path))
+        if default is not None:  # an op the user asked for: its path where it takes the call
+            why = default.supports(call, facts)
+            if why is None:
+                return Decision(default, None, "rules", f"{reason}: the op's default path", label)
+            reason = f"{reason}, and the op's {default.name} path cannot take the call ({why})"
+        return Decision(REGISTRY[(call.op, "nccl")], None, "fallback", reason, label)
     return Decision(path, rule.variant_dict, "rules", rule.describe(), label)
+
+
+def ruled(call: Call, facts: GroupFacts) -> bool:
+    """Whether a row of the group's rules table (not an op's default path) sends ``call`` to a
+    symmetric path: what makes an opt-in pattern fuse without the user asking."""
+    table = rules.table(facts.arch, facts.world, facts.name, facts.sms)
+    _, path = _from_table(table, call.op, call, facts)
+    return path is not None and path.symmetric
 
 
 def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes: int = 0,

@@ -37,6 +37,26 @@ def mm_all_reduce(
     return all_reduce(matmul(a, b, bias), group_name)
 
 
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, weight_last: bool) -> torch.Tensor:
+    """``rmsnorm(h) * weight`` as the matched graph computed it: the mean of squares and the
+    normalisation in fp32, then either (``weight_last``: transformers' ``LlamaRMSNorm``, the bundled
+    model) cast to ``h``'s dtype and multiplied by the weight, or (``F.rms_norm``, ``nn.RMSNorm``)
+    multiplied by the weight in fp32 and cast once."""
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_last:
+        return weight * normed.to(h.dtype)
+    return (normed * weight).to(h.dtype)
+
+
+def mm_all_reduce_add_rms_norm(a, b, bias, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               weight_last: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + all_reduce(a @ b + bias)`` (the reduced product viewed as the residual) and
+    ``n = rms_norm(h, weight)``: the unfused chain, step for step."""
+    h = residual + mm_all_reduce(a, b, bias, group_name).view(residual.shape)
+    return h, rms_norm(h, weight, eps, weight_last)
+
+
 def scaled_mm_all_reduce(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, group_name: str) -> torch.Tensor:
     return all_reduce(scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum), group_name)
 

@@ -40,6 +40,7 @@ import pathlib
 
 from ..env import ALGO_ALIASES
 from .paths.base import Call
+from .spec import SPECS
 
 RULES_DIR = pathlib.Path(__file__).resolve().parent / "rules"
 #: The table of architectures without a file of their own.
@@ -172,6 +173,14 @@ def load(arch: str) -> tuple[Table, ...]:
     if not path.exists():
         path = RULES_DIR / f"{DEFAULT}.json"
     return tuple(parse(json.loads(path.read_text()), path.name))
+
+
+@functools.lru_cache(None)
+def may_ask_for(pattern: str) -> bool:
+    """Whether any rules file has rows for an op that ``pattern`` (a module of ``patterns/``) makes:
+    an opt-in pattern the settings do not name runs only then, fusing where such a row matches."""
+    ops = {spec.name for spec in SPECS.values() if spec.pattern == pattern}
+    return any(op in t.ops for path in sorted(RULES_DIR.glob("*.json")) for t in load(path.stem) for op in ops)
 
 
 def table(arch: str, world: int, name: str = "", sms: int = 0) -> Table | None:

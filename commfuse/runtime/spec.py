@@ -160,6 +160,10 @@ class OpSpec:
     #: Why every call of this op runs its NCCL path (the unfused computation) whatever the group:
     #: the op has no fused kernel yet. Empty: its paths and rules decide (``policy.choose``).
     unfused_reason: str = ""
+    #: The path a call outside a capture takes where no rule of the group's table applies (empty:
+    #: NCCL). For an op that is in a graph only because the user asked for it (an opt-in pattern),
+    #: where a rule row is what would make it fuse by default.
+    default_path: str = ""
 
     #: The argument tuple, made from ``args`` (a named tuple of the op's arguments, ``site`` excluded).
     Args: type = dataclasses.field(init=False, repr=False, compare=False)
@@ -457,17 +461,47 @@ ALL_GATHER_ROWWISE_SCALED_MM = OpSpec(
     unfused_reason=FP8_UNFUSED,
 )
 
+# ---------------------------------------------------------------------------------------------
+# The row-parallel matmul's all-reduce with the residual add and RMSNorm after it (the
+# ``add_rms_norm`` pattern, opt-in): two outputs, ``h`` (the residual stream) and ``n`` (its norm),
+# each shaped as the residual (the reduced product viewed so).
+
+
+def _norm_inputs(c: Call, g: str, rand):
+    return MM_ALL_REDUCE_ADD_RMS_NORM.Args(rand(c.m, c.k), rand(c.k, c.n), rand(c.n) if c.bias else None,
+                                           rand(c.m, c.n), rand(c.n), 1e-6, True, g)
+
+
+MM_ALL_REDUCE_ADD_RMS_NORM = OpSpec(
+    name="mm_all_reduce_add_rms_norm",
+    args=(*MM_ALL_REDUCE.args[:3], Arg("residual", "Tensor"), Arg("weight", "Tensor"), Arg("eps", "float"),
+          Arg("weight_last", "bool"), Arg("group_name", "str")),
+    outputs=("h", "n"),
+    reference=lambda x: reference.mm_all_reduce_add_rms_norm(*x),
+    pattern="add_rms_norm",
+    call=lambda x, world: _ar_call(x, world, MM_ALL_REDUCE_ADD_RMS_NORM.name),
+    key=lambda x: (*MM_ALL_REDUCE.key(x), tuple(x.residual.shape), x.weight_last),
+    own_size=MM_ALL_REDUCE.own_size,
+    shared=lambda x: dict(MM_ALL_REDUCE.shared(x), residual=x.residual, weight=x.weight, eps=x.eps,
+                          weight_last=x.weight_last),
+    exchanged=MM_ALL_REDUCE.exchanged,
+    inputs=_norm_inputs,
+    rows_unit=MM_ALL_REDUCE.rows_unit,
+    unfused='(h, rms_norm(h, weight, eps, weight_last)) with h = residual + all_reduce(a @ b + bias, "sum", g)',
+    default_path="one_shot",
+)
+
 #: Every op, by name, in the order the registry and the report list them.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
                                                  ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
                                                  ROWWISE_SCALED_MM_ALL_REDUCE, ALL_GATHER_ROWWISE_SCALED_MM,
-                                                 ROWWISE_SCALED_MM_REDUCE_SCATTER)}
+                                                 ROWWISE_SCALED_MM_REDUCE_SCATTER, MM_ALL_REDUCE_ADD_RMS_NORM)}
 OPS = tuple(SPECS)
 
 #: Each op's argument tuple by its own name (what paths, tools and tests construct).
 MmAllReduceArgs, AllGatherMmArgs, MmReduceScatterArgs = MM_ALL_REDUCE.Args, ALL_GATHER_MM.Args, MM_REDUCE_SCATTER.Args
 
 __all__ = ["ALL_GATHER_MM", "ALL_GATHER_ROWWISE_SCALED_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "FP8_UNFUSED", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
-           "MM_REDUCE_SCATTER", "OPS", "OpSpec", "ROWWISE_SCALED_MM_ALL_REDUCE",
+           "MM_ALL_REDUCE_ADD_RMS_NORM", "MM_REDUCE_SCATTER", "OPS", "OpSpec", "ROWWISE_SCALED_MM_ALL_REDUCE",
            "ROWWISE_SCALED_MM_REDUCE_SCATTER", "SCALED_MM_ALL_REDUCE", "SCALED_MM_REDUCE_SCATTER", "SPECS",
            "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]

@@ -4,8 +4,8 @@ decides; its module of ``running/`` runs it."""
 
 from __future__ import annotations
 
-from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
-               rs_fused, rs_pull, split_k)
+from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, ar_norm, nccl,
+               rs_ce_overlap, rs_fused, rs_pull, split_k)
 from .base import OPS, Call, Context, Path
 
 #: In each op's order: NCCL first (the unfused computation), then the symmetric paths.
@@ -16,6 +16,7 @@ _ALL: tuple[Path, ...] = (
     nccl.MM_REDUCE_SCATTER, rs_pull.PULL, rs_ce_overlap.CE_OVERLAP, rs_fused.FUSED,
     nccl.SCALED_MM_ALL_REDUCE, nccl.ALL_GATHER_SCALED_MM, nccl.SCALED_MM_REDUCE_SCATTER,
     nccl.ROWWISE_SCALED_MM_ALL_REDUCE, nccl.ALL_GATHER_ROWWISE_SCALED_MM, nccl.ROWWISE_SCALED_MM_REDUCE_SCATTER,
+    nccl.MM_ALL_REDUCE_ADD_RMS_NORM, ar_norm.ONE_SHOT,
 )
 
 REGISTRY: dict[tuple[str, str], Path] = {(p.op, p.name): p for p in _ALL}

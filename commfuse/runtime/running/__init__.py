@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .. import paths
-from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, nccl, rs_ce_overlap,
-               rs_fused, rs_pull, split_k)
+from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, ar_norm, nccl,
+               rs_ce_overlap, rs_fused, rs_pull, split_k)
 
 #: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``. Every op's NCCL path runs
 #: its spec's unfused computation, so an op added with only that path (the FP8 ops) runs too.
@@ -24,7 +24,7 @@ RUNS: dict[paths.Path, Callable] = {
     paths.ag_pull.PULL: ag_pull.run, paths.ag_ce_overlap.CE_OVERLAP: ag_ce_overlap.run,
     paths.ag_fused.FUSED: ag_fused.run,
     paths.rs_pull.PULL: rs_pull.run, paths.rs_ce_overlap.CE_OVERLAP: rs_ce_overlap.run,
-    paths.rs_fused.FUSED: rs_fused.run,
+    paths.rs_fused.FUSED: rs_fused.run, paths.ar_norm.ONE_SHOT: ar_norm.run,
 }
 
 

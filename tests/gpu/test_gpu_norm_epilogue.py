@@ -1,0 +1,106 @@
+"""``mm_all_reduce_add_rms_norm``'s one-shot path (``runtime/running/ar_norm.py``: cuBLAS into the
+workspace, then the norm epilogue kernel) at 2, 4 and 8 ranks emulated on one GPU, as
+``test_gpu_one_device.py`` emulates them: every rank's call on its own stream, the outputs poisoned
+with NaN, ``h`` and ``n`` compared with an fp32 reference of the unfused chain (every rank's
+partial summed, the residual added, the norm and the weight) and ``n`` with the models' own norm
+applied to the path's ``h`` (both roundings). Hidden sizes that fill no power of two, rows from 1
+to 8192. Runs in one process:
+
+    pytest -m gpu tests/gpu/test_gpu_norm_epilogue.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commfuse.runtime import errors
+from commfuse.runtime.facts import local_facts
+from commfuse.runtime.paths import ar_norm
+from commfuse.runtime.paths.base import Context
+from commfuse.runtime.running import ar_norm as ar_norm_run
+from commfuse.runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM, Call
+from commfuse.tools import emulated
+
+pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu,
+              pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", "1")) > 1, reason="runs in one process")]
+
+DT = torch.bfloat16
+EPS = 1e-5
+CONNECTIONS = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+
+
+class _Rank(emulated.GroupState):
+    """One emulated rank as a path's context reads its group: its workspace (large enough, so
+    ``paths.common.workspace`` hands it out) and no process group (epochs never restart here)."""
+
+    def __init__(self, ws):
+        super().__init__(ws)
+        self.streams = None
+
+    def pg(self):
+        raise AssertionError("an emulated rank has no process group")
+
+
+def _operands(world, m, k, n, call):
+    torch.manual_seed(world * 7919 + m + n + call)
+    a = [torch.randn(m, k, device="cuda", dtype=DT) for _ in range(world)]
+    b = [(torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5).t() for _ in range(world)]
+    residual = torch.randn(m, n, device="cuda", dtype=DT)
+    weight = (1 + 0.2 * torch.randn(n, device="cuda")).to(DT)
+    h = residual.float() + sum(x.float() @ y.float() for x, y in zip(a, b))
+    return a, b, residual, weight, h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+
+
+def _model_norm(h, weight, weight_last):
+    if weight_last:  # LlamaRMSNorm
+        x = h.float()
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
+    return F.rms_norm(h, (h.shape[-1],), weight, EPS)
+
+
+def _relerr(got, want):
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("m, n", [(1, 4096), (7, 999), (128, 5120), (1000, 4095), (8192, 8191)])
+@pytest.mark.parametrize("weight_last", [True, False], ids=["llama", "rms_norm"])
+def test_one_shot_norm_path(world, m, n, weight_last):
+    if world > CONNECTIONS:
+        pytest.skip(f"{world} spinning streams need CUDA_DEVICE_MAX_CONNECTIONS >= {world}")
+    k = 256
+    call = Call(MM_ALL_REDUCE_ADD_RMS_NORM.name, m, k, n, DT, world)
+    facts = local_facts(world)
+    why = ar_norm.ONE_SHOT.supports(call, facts)
+    if why:
+        pytest.skip(why)
+    ranks = [_Rank(w) for w in emulated.group(world, ar_norm.ONE_SHOT.workspace_bytes(call), timeout_s=20.0)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    for c in range(3):  # both parities, and a reused one
+        a, b, residual, weight, want_h, want_n = _operands(world, m, k, n, c)
+        a[0] @ b[0]  # cuBLAS's kernel loaded before any rank spins
+        shape = (m // 2, 2, n) if m % 2 == 0 else (m, n)  # a 3-D residual where the rows split
+        # NaN-poisoned outputs: an element the kernel does not write shows
+        outs = [(torch.full((m, n), float("nan"), device="cuda", dtype=DT),
+                 torch.full((m, n), float("nan"), device="cuda", dtype=DT)) for _ in range(world)]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        for r in range(world):
+            args = MM_ALL_REDUCE_ADD_RMS_NORM.Args(a[r], b[r], None, residual.view(shape), weight, EPS, weight_last,
+                                                   "emulated")
+            with torch.cuda.stream(streams[r]):
+                ar_norm_run.run_into(ar_norm.ONE_SHOT, Context(call, facts, ranks[r]), args, *outs[r])
+        torch.cuda.synchronize()
+        errors.check(ranks[0])
+        for r, (h, out) in enumerate(outs):
+            assert _relerr(h, want_h) < 1e-2, (c, r, "h")
+            assert _relerr(out, want_n) < 1e-2, (c, r, "n")
+            chain = _model_norm(h, weight, weight_last)
+            torch.testing.assert_close(out, chain, rtol=2e-2, atol=2e-2)
+            assert (out != chain).float().mean().item() < 0.01, (c, r, "another rounding")
+            assert torch.equal(h, outs[0][0]) and torch.equal(out, outs[0][1]), (c, r, "ranks differ")
