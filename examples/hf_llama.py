@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
-from commfuse.demo import exit_unless_launched, hf_llama, init_distributed
+from commfuse.demo import exit_unless_launched, hf_llama, init_distributed, shutdown
 from commfuse.demo.transformer import sized_config
 
 
@@ -58,7 +58,7 @@ def main() -> None:
         if world == 1:
             print("one rank: nothing to exchange, so nothing to fuse; launch two or more to see fusion "
                   "(torchrun --nproc_per_node=2 examples/hf_llama.py)")
-    dist.destroy_process_group()
+    shutdown()  # every rank got here: leave the group in order (commfuse.demo.shutdown says why)
     if err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
         raise SystemExit(f"compiled logits differ from eager: {err:.2e}")
     if world > 1 and not commfuse.report().fused:

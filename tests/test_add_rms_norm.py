@@ -121,10 +121,18 @@ def _operands(dtype=BF16, hidden=48):
 @pytest.mark.parametrize("form", ["llama", "rms_norm"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 def test_the_chain_fuses_when_asked_for_and_equals_eager(world, form, dtype, fused_nodes):
+    """At two ranks, the one measured; past two the opted-in chain stays with Inductor (a one-shot
+    reads every peer's rows) and ``mm_all_reduce`` takes the product."""
     f, args = _chain(form), _operands(dtype)
     with torch.no_grad():
         out, code = compile_code(f, *args, backend=opted_in())
         want = f(*args)
+    if world != 2:
+        assert [op for op, _ in fused_nodes] == ["mm_all_reduce"] and calls(code, OP) == 0
+        (skip,) = [r for r in commfuse.report().skipped if r.pattern == "add_rms_norm"]
+        assert f"measured at 2 ranks only: at {world} the chain stays with Inductor" in skip.reason
+        torch.testing.assert_close(out, want)  # Inductor's norm kernel: its own order of sums
+        return
     assert calls(code, OP) == 1 and C10D_AR not in code and calls(code, AR) == 0, code
     ((op, plain),) = fused_nodes
     assert op == NORM and plain[-2:] == (form == "llama" and dtype == BF16, group_name())
@@ -265,3 +273,38 @@ def test_transformers_llama_split_by_its_own_plan_fuses_both_chains_of_a_layer(w
     assert [plain[-2] for _, plain in fused_nodes] == [True, True]  # LlamaRMSNorm's rounding
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
 
+
+
+def test_a_view_that_changes_the_rows_is_left_to_mm_all_reduce(world2, fused_nodes):
+    """The norm over the last dimension of a view of the product ([16, 48] as [16, 6, 8]) does
+    not normalise the product's rows: skipped with its reason (it failed the compile before)."""
+    def f(a, b, residual, w):
+        h = residual + funcol.all_reduce((a @ b).view(16, 6, 8), "sum", dist.group.WORLD)
+        return h, llama_norm(h, w, 1e-6)
+
+    a, b = torch.randn(16, 32, dtype=BF16), torch.randn(32, 48, dtype=BF16)
+    args = (a, b, torch.randn(16, 6, 8, dtype=BF16), torch.randn(8, dtype=BF16))
+    with torch.no_grad():
+        out, _ = compile_code(f, *args, backend=opted_in())
+        want = f(*args)
+    assert [op for op, _ in fused_nodes] == ["mm_all_reduce"]
+    (skip,) = [r for r in commfuse.report().skipped if r.pattern == "add_rms_norm"]
+    assert "a view changes the product's last dimension" in skip.reason
+    torch.testing.assert_close(out, want)
+
+
+def test_a_strided_residual_gives_the_compiled_graph_its_contiguous_outputs(world2, fused_nodes):
+    """A transposed residual: the op's outputs are contiguous as its fake says (the reference
+    gave ``h`` the residual's strides, which the compiled graph's stride check refused)."""
+    def f(a, b, residual_t, w):
+        h = residual_t.t() + funcol.all_reduce(a @ b, "sum", dist.group.WORLD)
+        return h, llama_norm(h, w, 1e-6)
+
+    a, b = torch.randn(16, 32, dtype=BF16), torch.randn(32, 48, dtype=BF16)
+    args = (a, b, torch.randn(48, 16, dtype=BF16), torch.randn(48, dtype=BF16))
+    with torch.no_grad():
+        out, code = compile_code(f, *args, backend=opted_in())
+        want = f(*args)
+    assert calls(code, OP) == 1 and [op for op, _ in fused_nodes] == [NORM]
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)

@@ -74,7 +74,7 @@ def test_patterns_without_fp8_leave_scaled_matmuls_to_inductor(world2, fused_nod
     def f(a, b, sa, sb, x, w):
         return _ar(torch._scaled_mm(a, b, sa, sb, out_dtype=BF16)) + _ar(x @ w)
 
-    patterns = [p for p in commfuse.PATTERNS if p != "fp8"]
+    patterns = [p for p in commfuse.DEFAULT_PATTERNS if p != "fp8"]
     out, code = compile_code(f, a, b, sa, sb, x, w, backend=commfuse.backend(min_mnk=0, patterns=patterns))
     assert [op for op, _ in fused_nodes] == ["mm_all_reduce"]
     (skipped,) = [r for r in commfuse.report().skipped if "fp8" in r.reason]

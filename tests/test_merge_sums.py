@@ -202,7 +202,7 @@ def test_off_switches(world2, monkeypatch):
     assert calls(code, AR) == 2 and not _merges()
     monkeypatch.delenv("COMMFUSE_MERGE_SUMS")
     torch._dynamo.reset()
-    patterns = [p for p in commfuse.PATTERNS if p != "merge_sums"]
+    patterns = [p for p in commfuse.DEFAULT_PATTERNS if p != "merge_sums"]
     _, code = compile_code(f, x1, w1, x2, w2, backend=commfuse.backend(min_mnk=0, patterns=patterns))
     assert calls(code, AR) == 2 and not _merges()
 

@@ -254,7 +254,7 @@ def _checked_arguments(patterns: Any, mode: Any, tune: Any) -> tuple[str, ...] |
                          f"(known: {list(PATTERNS)})")
     if not patterns:
         warnings.warn("commfuse.backend: patterns=[] enables no rewrite: this backend fuses nothing (it is "
-                      "Inductor alone); leave patterns out for all of them", stacklevel=env.user_stacklevel())
+                      "Inductor alone); leave patterns out for the default ones", stacklevel=env.user_stacklevel())
     return patterns
 
 

@@ -58,7 +58,7 @@ from ..runtime import policy
 from ..runtime.facts import local_facts
 from ..runtime.paths.ar_norm import ARCH
 from ..runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM, Call
-from .common import (SCALED_MM, Skip, arg, aten, c10d, check_fusable, insert_call, insert_getitem, is_call,
+from .common import (SCALED_MM, Skip, arg, aten, c10d, check_fusable, depends_on, insert_call, insert_getitem, is_call,
                      matmul_operands, prims, product_through_views, require_sum, single_wait_users, target_name,
                      val)
 
@@ -172,8 +172,14 @@ def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
             raise Skip("ROCm: the norm epilogue is written for NVIDIA GPUs; the chain stays with Inductor")
         if facts.arch != ARCH:
             raise Skip(f"the norm epilogue is measured on {ARCH} only, not {facts.arch}: the chain stays with Inductor")
-    if NAME not in settings.patterns and not (facts is not None and policy.ruled(call, facts)):
+    ruled = facts is not None and policy.ruled(call, facts)
+    if NAME not in settings.patterns and not ruled:
         raise Skip(f"pattern {NAME} is opt-in and no rule of this GPU's table asks for it")
+    if call.world != 2 and not ruled:
+        # a one-shot exchange reads every peer's rows: past two ranks its cost grows with the
+        # group, and only two ranks are measured
+        raise Skip(f"opted in, but measured at 2 ranks only: at {call.world} the chain stays with Inductor "
+                   "until a rule of this GPU's table asks for it")
 
 
 @dataclasses.dataclass
@@ -213,6 +219,10 @@ class AddRmsNormMatch:
         x, views, post = product_through_views(ar.args[0], "all_reduce")
         if post is not None or is_call(x, (SCALED_MM,)):
             raise Skip("the reduced sum is a scaled (FP8) product: left to the mm_all_reduce pattern")
+        if val(x) is None or not statically_known_true(vs.shape[-1] == val(x).shape[-1]):
+            raise Skip("a view changes the product's last dimension: the norm's rows are not the product's rows")
+        if depends_on([norm.weight], {add}):
+            raise Skip("the norm's weight is computed from the sum it normalises")
         try:
             a, b, bias = matmul_operands(x)
             check_fusable(x, a, b, bias, settings)

@@ -53,8 +53,10 @@ def mm_all_reduce_add_rms_norm(a, b, bias, residual: torch.Tensor, weight: torch
                                weight_last: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + all_reduce(a @ b + bias)`` (the reduced product viewed as the residual) and
     ``n = rms_norm(h, weight)``: the unfused chain, step for step."""
-    h = residual + mm_all_reduce(a, b, bias, group_name).view(residual.shape)
-    return h, rms_norm(h, weight, eps, weight_last)
+    # contiguous like the op's declared outputs (its fake): a strided residual would give ``h``
+    # its strides, which the compiled graph does not expect
+    h = (residual + mm_all_reduce(a, b, bias, group_name).view(residual.shape)).contiguous()
+    return h, rms_norm(h, weight, eps, weight_last).contiguous()
 
 
 def scaled_mm_all_reduce(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, group_name: str) -> torch.Tensor:
