@@ -346,3 +346,42 @@ def test_the_copy_engine_path_reads_its_epoch_on_the_device_when_graphed(sim, mo
         assert all(s[2] == flag_value(ws.epoch) for s in seen) and len(ws.graphs_seen) == 1 and not ws.graphs
     else:
         assert not ws.graphs and not ws.graphs_seen
+
+
+@pytest.mark.parametrize("weight_last", [True, False], ids=["llama", "rms_norm"])
+@pytest.mark.parametrize("bias_kind", [None, "1d"])
+def test_add_rms_norm_one_shot_runs_the_chain_on_every_rank(sim, monkeypatch, weight_last, bias_kind):
+    """``mm_all_reduce_add_rms_norm``'s one-shot: the partial goes into this call's half of the
+    workspace (the kernel's stand-in reads every rank's at that offset), the 3-D residual is read as
+    rows of the product, and ``h`` and ``n`` come back shaped as the residual; against fp32 of the
+    unfused chain with the peers' partials."""
+    from commfuse.kernels import norm_epilogue
+    from commfuse.runtime import reference
+    from commfuse.runtime.paths import ar_norm
+    from commfuse.runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM
+
+    world, r, hidden = sim.world, sim.mine.rank, 7
+    seen = []
+
+    def stand_in(ws, partial, x, weight, h, n, eps, epoch, op_code, weight_last=True, **_):
+        seen.append((partial.shape, x.shape, x.is_contiguous()))
+        total = sum(sim.at(p, partial).float() for p in range(world))
+        h.copy_(x.float() + total)  # one rounding, as the kernel's
+        n.copy_(reference.rms_norm(h, weight, eps, weight_last))
+
+    monkeypatch.setattr(norm_epilogue, "all_reduce_add_rms_norm", stand_in)
+    a, b, bias = _inputs(world, 10, 6, hidden, bias_kind)
+    for p in sim.peers():
+        sim.peer_data(p, (10, hidden)).copy_(_partial(a[p], b[p], bias[p]))
+    residual, weight = torch.randn(2, 5, hidden), torch.randn(hidden)
+    args = MM_ALL_REDUCE_ADD_RMS_NORM.Args(a[r], b[r], bias[r], residual, weight, 1e-6, weight_last, "0")
+    call = Call(MM_ALL_REDUCE_ADD_RMS_NORM.name, 10, 6, hidden, torch.float32, world, bias_kind is not None)
+    path = REGISTRY[(MM_ALL_REDUCE_ADD_RMS_NORM.name, "one_shot")]
+    assert path is ar_norm.ONE_SHOT
+    h, n = running.run(path, Context(call, sim.facts, sim.group, path.config(call, sim.facts)), args)
+    assert seen == [(torch.Size([10, hidden]), torch.Size([10, hidden]), True)]
+    assert h.shape == n.shape == residual.shape and h.is_contiguous() and n.is_contiguous()
+    want_h = residual + sum(_partial(a[p], b[p], bias[p]) for p in range(world)).view(residual.shape)
+    want_n = want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    torch.testing.assert_close(h, want_h)
+    torch.testing.assert_close(n, want_n)
