@@ -132,7 +132,34 @@ def _worker(rank: int, init_file: str) -> None:
     _uneven_shards(rank, group)
     _review_forms(rank, group)
     _verify_counts_calls(rank, group)
+    _add_rms_norm(rank, group)
     dist.destroy_process_group()
+
+
+def _add_rms_norm(rank: int, group) -> None:
+    """The opt-in add + RMSNorm chain (a real all-reduce here, where the fake group's is the
+    identity): ``h`` and ``n`` against fp64 of the chain with both ranks' partials, in bf16's
+    LlamaRMSNorm rounding and fp32 (inference: the chain is a forward rewrite)."""
+    import commfuse
+
+    def chain(x, w, residual, weight):
+        h = residual + funcol.all_reduce(F.linear(x, w), "sum", group)
+        hf = h.float()
+        return h, weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+    backend = commfuse.backend(min_mnk=0, patterns=[*commfuse.DEFAULT_PATTERNS, "add_rms_norm"])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x, w = torch.randn(2, 8, 32).to(dtype), torch.randn(40, 32).to(dtype)
+        residual, weight = torch.randn(2, 8, 40).to(dtype), torch.randn(40).to(dtype)
+        torch._dynamo.reset()
+        commfuse.clear_report()
+        with torch.no_grad():
+            h, n = torch.compile(chain, backend=backend, fullgraph=True)(x, w, residual, weight)
+        want_h = residual.double() + sum(_gather_all(F.linear(x.double(), w.double())))
+        want_n = want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+        _check(f"add_rms_norm h {dtype}", h, want_h, tol)
+        _check(f"add_rms_norm n {dtype}", n, want_n, tol)
+        assert [r.pattern for r in commfuse.report().fused] == ["add_rms_norm"], commfuse.report()
 
 
 def _uneven_shards(rank: int, group) -> None:
