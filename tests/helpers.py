@@ -79,7 +79,7 @@ def _then_shutdown(rank: int, worker, *args) -> None:
     os._exit(0)
 
 
-def spawn(worker, args: tuple = (), nprocs: int = 2, **_) -> None:
+def spawn(worker, args: tuple = (), nprocs: int = 2) -> None:
     """``torch.multiprocessing.spawn`` of ``worker`` on ``nprocs`` ranks, each leaving as
     ``_then_shutdown`` says."""
     import torch.multiprocessing as mp

@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
-from helpers import spawn
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from commfuse.config import LAUNCH_BOUND
+from helpers import spawn
 
 WORLD = 2
 
@@ -123,7 +123,7 @@ def test_run_time_settings_that_differ_are_one_error_on_every_rank():
     rank only, whose peer never compares, makes that rank wait ``COMMFUSE_TIMEOUT_S``, then raise
     naming the peer and the setting it changed (its peer, which compared nothing, cannot name it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_run_time_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_run_time_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD)
 
 
 def _compile_worker(rank: int, init_file: str) -> None:
@@ -183,7 +183,7 @@ def test_compile_time_settings_that_differ_are_one_error_on_every_rank():
     one in force (the environment's on one rank and the backend's argument on the other, alike, is
     no error), and ``patterns`` in another order are alike."""
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_compile_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_compile_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD)
 
 
 def test_the_backend_finds_the_groups_of_collectives_and_of_dtensors(world2):
@@ -292,7 +292,7 @@ def test_ranks_whose_inductor_caches_differ_compile_alike(tmp_path):
     see the group and the pass compared on the rank that compiled only: that rank waited for a
     peer that never published, and raised after ``COMMFUSE_TIMEOUT_S`` on settings that were alike."""
     files = [str(tmp_path / "rendezvous-0"), str(tmp_path / "rendezvous-1")]
-    spawn(_cache_worker, args=(files, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_cache_worker, args=(files, str(tmp_path)), nprocs=WORLD)
 
 
 def _live_worker(rank: int, init_file: str, cache: str) -> None:
@@ -328,7 +328,7 @@ def test_a_setting_that_may_differ_changed_on_one_rank_starts_no_collective(tmp_
     cache their ranks agreed on. Before, the change dropped that rank's tuner, and the next answer
     agreed on a cache again, alone: an all-reduce its peer never joined (a hang, or one that met the
     program's own next collective)."""
-    spawn(_live_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_live_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD)
 
 
 def test_settings_that_fuse_alike_compare_alike(monkeypatch):

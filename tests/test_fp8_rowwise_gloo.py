@@ -12,9 +12,10 @@ import tempfile
 
 import pytest
 import torch
-from helpers import spawn
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from helpers import spawn
 
 WORLD = 2
 E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -106,4 +107,4 @@ def _worker(rank: int, init_file: str) -> None:
 @pytest.mark.slow
 def test_rowwise_fp8_forms_on_two_gloo_ranks():
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD)

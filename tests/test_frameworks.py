@@ -17,8 +17,9 @@ import tempfile
 
 import pytest
 import torch
-from helpers import spawn
 import torch.distributed as dist
+
+from helpers import spawn
 
 WORLD = 2
 
@@ -163,7 +164,7 @@ def _torchtitan_worker(rank: int, init_file: str) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan")
 def test_torchtitan_llama3_debugmodel_tp_fuses_every_collective_of_a_block():
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_torchtitan_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_torchtitan_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD)
 
 
 # ---- transformers ----------------------------------------------------------------------------------
@@ -215,4 +216,4 @@ def _transformers_worker(rank: int, init_file: str, folder: str) -> None:
                     reason="needs transformers and accelerate")
 def test_transformers_own_tp_plans_fuse_every_collective_of_a_layer():
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_transformers_worker, args=(os.path.join(tmp, "rendezvous"), tmp), nprocs=WORLD, join=True)
+        spawn(_transformers_worker, args=(os.path.join(tmp, "rendezvous"), tmp), nprocs=WORLD)

@@ -8,10 +8,11 @@ import tempfile
 
 import pytest
 import torch
-from helpers import spawn
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+
+from helpers import spawn
 
 WORLD = 2
 
@@ -282,4 +283,4 @@ def _verify_counts_calls(rank: int, group) -> None:
 @pytest.mark.slow
 def test_gloo_two_ranks_match_eager():
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD, join=True)
+        spawn(_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=WORLD)

@@ -179,7 +179,7 @@ def test_ranks_that_disagree_about_a_shape_get_a_clear_error():
 
 
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_verify_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
+        spawn(_verify_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2)
 
 
 def _skip_worker(rank: int, init_file: str) -> None:
@@ -249,7 +249,7 @@ def test_a_skipped_call_among_alike_calls_is_an_error_on_every_rank():
 
 
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_skip_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2, join=True)
+        spawn(_skip_worker, args=(os.path.join(tmp, "rendezvous"),), nprocs=2)
 
 
 def _capturing_backend(backend):

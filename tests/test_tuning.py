@@ -16,13 +16,13 @@ import tempfile
 
 import pytest
 import torch
-from helpers import spawn
 import torch.distributed as dist
 
 from commfuse import env
 from commfuse.runtime import groups, tuning
 from commfuse.runtime.facts import GroupFacts
 from commfuse.runtime.paths.base import Call
+from helpers import spawn
 
 BF16 = torch.bfloat16
 
@@ -149,7 +149,7 @@ def _worker(rank: int, world: int, init_file: str, tmp: str, results: str) -> No
 def _run(world: int):
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
         init = os.path.join(tmp, "init")
-        spawn(_worker, args=(world, init, tmp, results), nprocs=world, join=True)
+        spawn(_worker, args=(world, init, tmp, results), nprocs=world)
         return [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
 
 
@@ -258,8 +258,7 @@ def test_candidates_compile_before_any_bounded_wait_and_timeouts_are_retried_lat
     cached as transient, not as a permanent exclusion."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
-        spawn(_compile_first_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
-                 join=True)
+        spawn(_compile_first_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world)
         outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
     assert outs[1]["transient"] == outs[0]["transient"] and outs[1]["recovered"] == outs[0]["recovered"]
     events = outs[0]["events"]
@@ -308,8 +307,7 @@ def test_a_check_that_fails_with_a_timed_out_wait_is_transient():
     on any rank stays excluded."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
-        spawn(_timeout_fails_check_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world,
-                 join=True)
+        spawn(_timeout_fails_check_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world)
         outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
     assert outs[0] == outs[1] == [["fused", "one_shot"], ["fused"]]
 
@@ -340,7 +338,7 @@ def test_cache_reads_agree_or_are_dropped():
     cache written mid-run, another's missing) agree to use none, on every rank."""
     world = 2
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as results:
-        spawn(_cache_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world, join=True)
+        spawn(_cache_worker, args=(world, os.path.join(tmp, "init"), tmp, results), nprocs=world)
         outs = [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
     assert [o["same"] for o in outs] == [["sig"], ["sig"]]
     assert [o["differ"] for o in outs] == [[], []]

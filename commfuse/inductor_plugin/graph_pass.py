@@ -124,13 +124,15 @@ def rewrite(graph: fx.Graph, settings: Settings) -> int:
             fused += 1
             candidates += 1
     for pattern in patterns.ALL:
-        opt_in = getattr(pattern, "OPT_IN", False) and pattern.NAME not in settings.patterns
-        if opt_in and not rules.may_ask_for(pattern.NAME):
-            continue  # off unless asked for: no report entry for every collective of the graph
+        # an opt-in pattern the settings do not name: skipped, unless a rules row may ask for it
+        # (its match then decides), with no report entry for every collective of the graph
+        unasked_opt_in = getattr(pattern, "OPT_IN", False) and pattern.NAME not in settings.patterns
+        if unasked_opt_in and not rules.may_ask_for(pattern.NAME):
+            continue
         anchors = [n for n in graph.nodes if n.op == "call_function" and n.target in pattern.ANCHORS]
         candidates += len(anchors)
         for anchor in anchors:
-            if pattern.NAME not in settings.patterns and not opt_in:
+            if pattern.NAME not in settings.patterns and not unasked_opt_in:
                 reason = f"pattern {pattern.NAME} is disabled in this backend's settings"
                 record(_describe(pattern, label, anchor, None, False, reason))
                 continue

@@ -35,8 +35,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ..runtime import reference
 from ..runtime.counters import CALLS
 from ..runtime.spec import (ALL_GATHER_MM, ALL_GATHER_ROWWISE_SCALED_MM, ALL_GATHER_SCALED_MM, MM_ALL_REDUCE,
-                            MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE, ROWWISE_SCALED_MM_REDUCE_SCATTER,
-                            SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, SPECS)
+                            MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE,
+                            ROWWISE_SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, SPECS)
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -480,7 +480,8 @@ def _check_norm_args(op: str, a, b, bias, residual, weight) -> None:
     _check_matmul_args(op, a, b, bias)
     n = b.shape[1]
     torch._check(residual.dtype == a.dtype and weight.dtype == a.dtype,
-                 lambda: f"commfuse.{op}: residual and weight must be {a.dtype}, got {residual.dtype} and {weight.dtype}")
+                 lambda: f"commfuse.{op}: residual and weight must be {a.dtype}, "
+                 f"got {residual.dtype} and {weight.dtype}")
     torch._check(residual.dim() >= 1 and residual.shape[-1] == n and residual.numel() == a.shape[0] * n,
                  lambda: f"commfuse.{op}: residual {tuple(residual.shape)} is not a view of the "
                  f"{a.shape[0]}x{n} product")
