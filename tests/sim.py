@@ -32,11 +32,11 @@ class _Buffers:
         self.mine = wsmod.Workspace("0", rank, world, self.bufs[rank], torch.zeros(world, dtype=torch.int64),
                                     data_bytes, _keepalive=self)
 
-    def peer_data(self, peer: int, shape) -> torch.Tensor:
+    def peer_data(self, peer: int, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``peer``'s data half of the next call's parity (where its GEMM or copy writes)."""
         parity = (self.mine.epoch + 1) % 2
-        return self.get_buffer(peer, shape, torch.float32,
-                               (wsmod.HEADER_BYTES + parity * self.mine.data_bytes) // 4)
+        return self.get_buffer(peer, shape, dtype,
+                               (wsmod.HEADER_BYTES + parity * self.mine.data_bytes) // dtype.itemsize)
 
     def peers(self):
         return [p for p in range(self.world) if p != self.mine.rank]

@@ -491,7 +491,9 @@ def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
     # not swept: carried over from the table in force, unchanged
     assert table.rules("mm_all_reduce@capture") == current.rules("mm_all_reduce@capture")
     assert table.rules("mm_reduce_scatter") == current.rules("mm_reduce_scatter")
-    assert "mm_all_reduce@capture, mm_reduce_scatter carried over" in table.note
+    assert table.rules("scaled_mm_all_reduce") == current.rules("scaled_mm_all_reduce")
+    carried = table.note.split("; ")[1].removesuffix(" carried over from the table in force (sm_90 world 2)")
+    assert carried.split(", ") == sorted(set(current.ops) - {"mm_all_reduce", "all_gather_mm"}), table.note
     facts = GroupFacts.simulated(2)
     monkeypatch.setattr(rules, "load", lambda arch: (table,))
     assert policy.rules_choice(Call("mm_all_reduce", 8192, 2048, 4096, torch.bfloat16, 2), facts).name == "fused"

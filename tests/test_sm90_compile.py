@@ -115,27 +115,32 @@ _EXCHANGE_COMMON = {"flags": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank
                     "timeout": "i64"}
 
 
-@pytest.mark.parametrize("kernel", ["one_shot_kernel", "two_shot_kernel", "pull_gather_kernel",
-                                    "reduce_scatter_kernel", "staged_one_shot_kernel"])
-def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel):
+@pytest.mark.parametrize("kernel, dtype", [
+    ("one_shot_kernel", "bf16"), ("two_shot_kernel", "bf16"), ("pull_gather_kernel", "bf16"),
+    ("reduce_scatter_kernel", "bf16"), ("staged_one_shot_kernel", "bf16"),
+    # the FP8 ops' exchanges (decisions.md §20): fp32 products summed, FP8 shards gathered
+    ("one_shot_kernel", "fp32"), ("two_shot_kernel", "fp32"), ("reduce_scatter_kernel", "fp32"),
+    ("pull_gather_kernel", "fp8e4nv"), ("pull_gather_kernel", "fp8e5")])
+def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel, dtype):
     """The exchange kernels, with a late peer's NaN (``tests/interpreted_exchange.py`` checks the
     values), compile for sm_90: signals released and waits acquired at system scope."""
     pytest.importorskip("iris")
     from commfuse.kernels import exchange
 
+    t = f"*{dtype}"
     if kernel == "one_shot_kernel":
-        sig = {"partial": "*bf16", "out": "*bf16", "n": "i32", "slot_base": "i32", **_EXCHANGE_COMMON,
+        sig = {"partial": t, "out": t, "n": "i32", "slot_base": "i32", **_EXCHANGE_COMMON,
                "epoch_at": "*i32"}
         consts = dict(OP=1, WORLD=2, BLOCK=8192, VEC=1, DEVICE_EPOCH=False)
     elif kernel == "two_shot_kernel":
-        sig = {"partial": "*bf16", "out": "*bf16", "n": "i32", "share": "i32", **_EXCHANGE_COMMON}
+        sig = {"partial": t, "out": t, "n": "i32", "share": "i32", **_EXCHANGE_COMMON}
         consts = dict(OP=1, WORLD=4, BLOCK=8192)
     elif kernel == "staged_one_shot_kernel":  # the graph lane's: int64 flags and counters
-        sig = {"src": "*bf16", "out": "*bf16", "data": "*bf16", "n": "i32", "half_elems": "i32",
+        sig = {"src": t, "out": t, "data": t, "n": "i32", "half_elems": "i32",
                **_EXCHANGE_COMMON, "flags": "*i64", "counter": "*i64"}
         consts = dict(OP=4, WORLD=2, BLOCK=8192, SLOTS=128)
     else:
-        sig = {"shard" if kernel == "pull_gather_kernel" else "partial": "*bf16", "out": "*bf16",
+        sig = {"shard" if kernel == "pull_gather_kernel" else "partial": t, "out": t,
                "outer": "i32", "inner": "i32", **_EXCHANGE_COMMON}
         consts = dict(OP=2, WORLD=2, BLOCK=8192, VEC=1)
     # the argument order is the kernel's own

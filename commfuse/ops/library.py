@@ -303,8 +303,9 @@ def _(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
 #     all_gather_scaled_mm(x, b, sa, sb, bias, o, f, d, W, g, r)  (likewise, all_gather_mm's gather)
 #     scaled_mm_reduce_scatter(a, b, sa, sb, bias, o, f, shape, d, W, g)  (likewise)
 #
-# On every device they run that unfused computation for now: on CUDA through the run-time, whose
-# policy sends them to their NCCL path with one logged reason (``OpSpec.unfused_reason``).
+# On CUDA the run-time runs them by the same policy as the bf16 ops: the graph's own ``_scaled_mm``
+# before the after-GEMM and pull exchanges where a rule or the tuner picks those paths, else that
+# unfused computation (the row-wise gather always, ``OpSpec.unfused_reason``).
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

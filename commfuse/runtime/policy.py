@@ -2,8 +2,8 @@
 
 In order, the first that applies decides:
 
-0. an op without a fused kernel yet (``OpSpec.unfused_reason``: the FP8 ops): NCCL, with the
-   reason logged once;
+0. an op without a path of its own yet (``OpSpec.unfused_reason``: the row-wise FP8 gather):
+   NCCL, with the reason logged once;
 1. the group cannot run symmetric paths (one rank, ROCm, ranks on two hosts, no peer access,
    mixed GPUs): NCCL, with the reason logged once;
 2. inside a CUDA-graph capture: the rules for captured calls (``mm_all_reduce@capture``: the graph

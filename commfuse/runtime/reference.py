@@ -22,9 +22,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                  bias: torch.Tensor | None, out_dtype: torch.dtype | None, use_fast_accum: bool) -> torch.Tensor:
-    """The FP8 product exactly as the matched ``_scaled_mm`` node computed it."""
-    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+                  bias: torch.Tensor | None, out_dtype: torch.dtype | None, use_fast_accum: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 product exactly as the matched ``_scaled_mm`` node computed it (into ``out``)."""
+    if out is None:
+        return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+                            out=out)
 
 
 def all_reduce(partial: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -120,14 +124,18 @@ def quantise_rows(x: torch.Tensor, float8_dtype: torch.dtype, eps: float,
 
 
 def rowwise_scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, post_scale_a=None,
-                          post_scale_b=None) -> torch.Tensor:
+                          post_scale_b=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A row-wise FP8 product as the graph computed it: ``_scaled_mm`` with its scales, then, in
     the backward's form, the row and column scales multiplied in (in float32) and the product
-    cast back to ``out_dtype``."""
-    product = scaled_matmul(a, b, _unit_stride(scale_a), _unit_stride(scale_b), bias, out_dtype, use_fast_accum)
+    cast back to ``out_dtype`` (into ``out``)."""
+    scale_a, scale_b = _unit_stride(scale_a), _unit_stride(scale_b)
     if post_scale_a is None:
-        return product
-    return (product * (post_scale_a * post_scale_b)).to(out_dtype)
+        return scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out)
+    product = scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    scaled = product * (post_scale_a * post_scale_b)
+    if out is None:
+        return scaled.to(out_dtype)
+    return out.copy_(scaled)  # the cast to out's dtype, rounded once as .to() rounds
 
 
 def _unit_stride(scale: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,8 @@ class Rule:
     def describe(self) -> str:
         conds = ", ".join(f"{n} {_show(v)}" for n, v in self.when) or "otherwise"
         extra = f" {dict(self.variant)}" if self.variant else ""
-        return f"{self.path}{extra} when {conds}"
+        why = f": {self.note}" if self.note and self.path == "nccl" else ""  # why a rule keeps the unfused ops
+        return f"{self.path}{extra} when {conds}{why}"
 
 
 def _show(bound) -> str:

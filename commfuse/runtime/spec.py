@@ -164,6 +164,11 @@ class OpSpec:
     #: NCCL). For an op that is in a graph only because the user asked for it (an opt-in pattern),
     #: where a rule row is what would make it fuse by default.
     default_path: str = ""
+    #: The op's product of the rows ``a`` (its own left operand, or the gathered shards) written
+    #: into ``out``, exactly as the unfused graph computes it: ``product(args, a, out)``. None: the
+    #: plain matmul (``reference.matmul`` with ``args.b`` and ``args.bias``). What the paths that run
+    #: a library GEMM before or after their exchange call (``product_into``).
+    product: Callable[[Any, torch.Tensor, torch.Tensor], Any] | None = None
 
     #: The argument tuple, made from ``args`` (a named tuple of the op's arguments, ``site`` excluded).
     Args: type = dataclasses.field(init=False, repr=False, compare=False)
@@ -188,14 +193,27 @@ class OpSpec:
     def run_nccl(self, args):
         return (self.nccl or self.reference)(args)
 
+    def product_into(self, args, a: torch.Tensor, out: torch.Tensor) -> None:
+        """The op's product of rows ``a`` into ``out`` (``product``)."""
+        if self.product is None:
+            reference.matmul(a, args.b, args.bias, out=out)
+        else:
+            self.product(args, a, out)
+
+    @staticmethod
+    def product_dtype(args) -> torch.dtype:
+        """The dtype of the op's product (what an after-GEMM path exchanges or returns)."""
+        return _product_dtype(args)
+
 
 # ---------------------------------------------------------------------------------------------
 # The ops
 
 
 def _product_dtype(args) -> torch.dtype:
-    """The dtype of the product a rank exchanges: an FP8 op's ``out_dtype``, else its operands'."""
-    return getattr(args, "out_dtype", None) or args.a.dtype
+    """The dtype of the product: an FP8 op's ``out_dtype``, else its operands' (for the gathering
+    ops the shard's)."""
+    return getattr(args, "out_dtype", None) or (args.shard if hasattr(args, "shard") else args.a).dtype
 
 
 def _ar_call(args, world: int, op: str = "mm_all_reduce") -> Call:
@@ -312,8 +330,9 @@ MM_REDUCE_SCATTER = OpSpec(
 #: The arguments every FP8 op adds, in its layout's order around ``bias``.
 _SCALES = (Arg("scale_a", "Tensor"), Arg("scale_b", "Tensor"))
 _FP8_OUT = (Arg("out_dtype", "ScalarType?"), Arg("use_fast_accum", "bool"))
-#: Why the FP8 ops run unfused on every device for now (``OpSpec.unfused_reason``).
-FP8_UNFUSED = "no FP8 fused kernel yet: _scaled_mm, then the collective"
+#: Why the row-wise all-gather runs unfused on every device (``OpSpec.unfused_reason``): the other
+#: FP8 ops have the after-GEMM and pull paths (the graph's ``_scaled_mm``, the exchange kernels).
+FP8_UNFUSED = "no fused path yet for the row-wise gather: its FP8 rows and their scales by NCCL, then _scaled_mm"
 
 
 def _fp8(rand, *shape) -> torch.Tensor:
@@ -353,8 +372,18 @@ def _scaled_rs_inputs(c: Call, g: str, rand):
                                          x.world_size, g)
 
 
+def _scaled_product(args, a: torch.Tensor, out: torch.Tensor) -> None:
+    reference.scaled_matmul(a, args.b, args.scale_a, args.scale_b, args.bias, args.out_dtype, args.use_fast_accum,
+                            out=out)
+
+
+def _rowwise_product(args, a: torch.Tensor, out: torch.Tensor) -> None:
+    reference.rowwise_scaled_matmul(a, args.b, args.scale_a, args.scale_b, args.bias, args.out_dtype,
+                                    args.use_fast_accum, args.post_scale_a, args.post_scale_b, out=out)
+
+
 def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str,
-              extra: tuple[Arg, ...] = ()) -> OpSpec:
+              extra: tuple[Arg, ...] = (), product: Callable = _scaled_product) -> OpSpec:
     """``base`` with an FP8 ``_scaled_mm`` in its matmul's place: its layout with the FP8 arguments
     added (and ``extra`` after them), its sizes read alike, its signature and shared arguments
     with the FP8 ones."""
@@ -374,7 +403,7 @@ def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inpu
         rows_unit=base.rows_unit,
         cuts_rows=base.cuts_rows,
         unfused=unfused,
-        unfused_reason=FP8_UNFUSED,
+        product=product,
     )
 
 
@@ -432,11 +461,12 @@ def _rowwise_ag_inputs(c: Call, g: str, rand):
 
 ROWWISE_SCALED_MM_ALL_REDUCE = _fp8_spec(
     MM_ALL_REDUCE, "rowwise_scaled_mm_all_reduce", lambda x: reference.rowwise_scaled_mm_all_reduce(*x), _ar_call,
-    _rowwise_ar_inputs, 'all_reduce(rowwise(a, b, scale_a, scale_b, bias, o, f, pa, pb), "sum", g)', _POST_SCALES)
+    _rowwise_ar_inputs, 'all_reduce(rowwise(a, b, scale_a, scale_b, bias, o, f, pa, pb), "sum", g)', _POST_SCALES,
+    _rowwise_product)
 ROWWISE_SCALED_MM_REDUCE_SCATTER = _fp8_spec(
     MM_REDUCE_SCATTER, "rowwise_scaled_mm_reduce_scatter", lambda x: reference.rowwise_scaled_mm_reduce_scatter(*x),
     _rs_call, _rowwise_rs_inputs, 'reduce_scatter(rowwise(a, b, scale_a, scale_b, bias, o, f, pa, pb).view(shape), '
-    '"sum", dim=d, g)', _POST_SCALES)
+    '"sum", dim=d, g)', _POST_SCALES, _rowwise_product)
 ALL_GATHER_ROWWISE_SCALED_MM = OpSpec(
     name="all_gather_rowwise_scaled_mm",
     args=(Arg("shard", "Tensor"), Arg("b", "Tensor"), Arg("scale_b", "Tensor"), Arg("bias", "Tensor?"), *_FP8_OUT,

@@ -8,6 +8,11 @@ bytes per rank, which pays from 3 ranks and large outputs).
 
 Nothing overlaps: the gain over unfused is the exchange itself (a kernel reading NVLink directly
 against NCCL's ring latency), largest where the output is small.
+
+The FP8 all-reduces (``scaled_mm_all_reduce``, ``rowwise_scaled_mm_all_reduce``) run the same way,
+their product the graph's own ``_scaled_mm`` (``OpSpec.product``: cuBLAS writes its bf16 or fp32
+output into the workspace), the exchange on that output: nothing of the GEMM changes, so these paths
+run wherever the unfused graph's ``_scaled_mm`` runs.
 """
 
 from __future__ import annotations
@@ -17,10 +22,8 @@ from .base import Call, Path
 
 
 class AfterGemm(Path):
-    op = "mm_all_reduce"
-
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, op: str = "mm_all_reduce"):
+        self.name, self.op = name, op
 
     def workspace_bytes(self, call: Call) -> int:
         return call.m * call.n * call.itemsize
@@ -28,3 +31,7 @@ class AfterGemm(Path):
 
 ONE_SHOT = AfterGemm("one_shot")
 TWO_SHOT = AfterGemm("two_shot")
+SCALED_ONE_SHOT = AfterGemm("one_shot", "scaled_mm_all_reduce")
+SCALED_TWO_SHOT = AfterGemm("two_shot", "scaled_mm_all_reduce")
+ROWWISE_ONE_SHOT = AfterGemm("one_shot", "rowwise_scaled_mm_all_reduce")
+ROWWISE_TWO_SHOT = AfterGemm("two_shot", "rowwise_scaled_mm_all_reduce")

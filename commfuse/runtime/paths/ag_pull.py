@@ -6,6 +6,9 @@ that pulls every rank's shard into the gathered tensor, then cuBLAS.
 
 Nothing overlaps: the gain is the gather itself, a kernel reading the links directly against
 NCCL's latency, which matters most for small shards.
+
+``all_gather_scaled_mm`` runs the same way: the FP8 shards' bytes are gathered (half a bf16
+gather's), then the graph's own ``_scaled_mm`` (``OpSpec.product``) multiplies them.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ def gather_shape(shard: torch.Tensor, gather_dim: int, world: int) -> list:
 
 
 class AllGatherPull(Path):
-    op = "all_gather_mm"
     name = "pull"
+
+    def __init__(self, op: str = "all_gather_mm"):
+        self.op = op
 
     def workspace_bytes(self, call: Call) -> int:
         return shard_bytes(call)
 
 
 PULL = AllGatherPull()
+SCALED_PULL = AllGatherPull("all_gather_scaled_mm")

@@ -3,6 +3,9 @@ that pulls every rank's partial of this rank's share and sums them in rank order
 
     unfused:   mm -> reduce_scatter (NCCL)
     this path: mm into the workspace's half of this call -> pull-and-sum kernel -> this rank's share
+
+The FP8 reduce-scatters (``scaled_mm_reduce_scatter``, ``rowwise_scaled_mm_reduce_scatter``) run
+the same way, their product the graph's own ``_scaled_mm`` (``OpSpec.product``) into the workspace.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ def scattered_shape(args) -> list:
 
 
 class ReduceScatterPull(Path):
-    op = "mm_reduce_scatter"
     name = "pull"
+
+    def __init__(self, op: str = "mm_reduce_scatter"):
+        self.op = op
 
     def workspace_bytes(self, call: Call) -> int:
         return call.m * call.n * call.itemsize
 
 
 PULL = ReduceScatterPull()
+SCALED_PULL = ReduceScatterPull("scaled_mm_reduce_scatter")
+ROWWISE_PULL = ReduceScatterPull("rowwise_scaled_mm_reduce_scatter")

@@ -25,6 +25,11 @@ RUNS: dict[paths.Path, Callable] = {
     paths.ag_fused.FUSED: ag_fused.run,
     paths.rs_pull.PULL: rs_pull.run, paths.rs_ce_overlap.CE_OVERLAP: rs_ce_overlap.run,
     paths.rs_fused.FUSED: rs_fused.run, paths.ar_norm.ONE_SHOT: ar_norm.run,
+    # the FP8 ops' paths: the same runs, the op's own product (``OpSpec.product``)
+    paths.after_gemm.SCALED_ONE_SHOT: after_gemm.run, paths.after_gemm.SCALED_TWO_SHOT: after_gemm.run,
+    paths.after_gemm.ROWWISE_ONE_SHOT: after_gemm.run, paths.after_gemm.ROWWISE_TWO_SHOT: after_gemm.run,
+    paths.ag_pull.SCALED_PULL: ag_pull.run,
+    paths.rs_pull.SCALED_PULL: rs_pull.run, paths.rs_pull.ROWWISE_PULL: rs_pull.run,
 }
 
 

@@ -6,18 +6,18 @@ from __future__ import annotations
 import torch
 
 from ...kernels import exchange
-from ...kernels.codes import OP_MM_ALL_REDUCE
+from ...kernels.codes import EXCHANGE_CODE
 from ..paths.base import Context
-from ..paths.common import exchange as epoch_of, matmul_into, workspace
+from ..paths.common import exchange as epoch_of, workspace
 
 
 def run(path, ctx: Context, args) -> torch.Tensor:
-    a, b, bias = args.a, args.b, args.bias
-    m, n = a.shape[0], b.shape[1]
-    ws = workspace(ctx, m * n * a.dtype.itemsize, a.device)
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)  # allocations before the epoch
+    spec, a = path.spec, args.a
+    m, n, dtype = a.shape[0], args.b.shape[1], ctx.call.dtype  # the product's dtype (an FP8 op's out_dtype)
+    ws = workspace(ctx, m * n * dtype.itemsize, a.device)
+    out = torch.empty((m, n), dtype=dtype, device=a.device)  # allocations before the epoch
     with epoch_of(ctx, ws, path.op) as (epoch, parity):
-        partial = ws.data(parity, (m, n), a.dtype)
-        matmul_into(a, b, bias, partial)
-        exchange.all_reduce(ws, partial, out, epoch, path.name, OP_MM_ALL_REDUCE)
+        partial = ws.data(parity, (m, n), dtype)
+        spec.product_into(args, a, partial)
+        exchange.all_reduce(ws, partial, out, epoch, path.name, EXCHANGE_CODE[path.op])
     return out

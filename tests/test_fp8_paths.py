@@ -1,0 +1,225 @@
+"""The FP8 ops' symmetric paths (the graph's ``_scaled_mm`` before or after the exchange kernels),
+simulated on the CPU for 2, 4 and 8 ranks as ``tests/test_running.py`` simulates the bf16 ones:
+every rank's workspace in one process, the exchange kernels replaced by sums over them.
+
+What is checked: each path's output against an fp32 sum of the ranks' unfused products (the
+graph's own ``_scaled_mm``, each rank's scales its own), the gathered FP8 bits, that each exchange
+names the FP8 op (its error code), and how the policy and the tuner see the paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commfuse import env
+from commfuse.kernels import codes, exchange
+from commfuse.runtime import entry, policy, reference
+from commfuse.runtime.facts import GroupFacts
+from commfuse.runtime.paths import REGISTRY, by_op
+from commfuse.runtime.spec import (ALL_GATHER_SCALED_MM, FP8_UNFUSED, ROWWISE_SCALED_MM_ALL_REDUCE,
+                                   ROWWISE_SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
+                                   SPECS, Call)
+
+from sim import _changed, _one_thread, _ran, sim  # noqa: F401  (fixtures: pytest finds them by name in this module)
+
+E4M3, BF16 = torch.float8_e4m3fn, torch.bfloat16
+K, N = 32, 16
+
+
+def _fp8(*shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(E4M3)
+
+
+def _weight(seed: int) -> torch.Tensor:
+    """A ``[K, N]`` FP8 weight laid out column-major, as ``_scaled_mm`` takes its right operand."""
+    return _fp8(N, K, seed=seed).t()
+
+
+def _scale(seed: int, *shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g) + 0.5
+
+
+def _codes(monkeypatch, sim):
+    """Wrap the stand-in exchanges to record the op code each is launched with."""
+    seen = []
+    for name in ("all_reduce", "gather", "reduce_scatter"):
+        def wrapped(*a, _fn=getattr(exchange, name), **k):  # the runs pass the op code last, by position
+            seen.append(a[-1])
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(exchange, name, wrapped)
+    return seen
+
+
+def _close(got: torch.Tensor, want32: torch.Tensor) -> None:
+    """``got`` (the product's dtype) against the fp32 sum, rounded once to that dtype."""
+    torch.testing.assert_close(got.float(), want32.to(got.dtype).float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("out_dtype, with_bias", [(BF16, False), (BF16, True), (torch.float32, False)])
+def test_scaled_mm_all_reduce_paths(sim, monkeypatch, algo, out_dtype, with_bias):
+    """Each rank's own scales on its own partial, before the exchange."""
+    seen = _codes(monkeypatch, sim)
+    world, r, m = sim.world, sim.mine.rank, 3 * sim.world
+    a = [_fp8(m, K, seed=10 + p) for p in range(world)]
+    b = [_weight(20 + p) for p in range(world)]
+    sa = [_scale(30 + p) for p in range(world)]
+    sb = [_scale(40 + p) for p in range(world)]
+    bias = [_scale(50 + p, N).to(BF16) if with_bias else None for p in range(world)]
+    parts = [reference.scaled_matmul(a[p], b[p], sa[p], sb[p], bias[p], out_dtype, False) for p in range(world)]
+    for p in sim.peers():
+        sim.peer_data(p, (m, N), out_dtype).copy_(parts[p])  # what the peer's _scaled_mm wrote
+    before = _ran(SCALED_MM_ALL_REDUCE.name)
+    args = SCALED_MM_ALL_REDUCE.Args(a[r], b[r], sa[r], sb[r], bias[r], out_dtype, False, "0")
+    with env.override(algo=algo):
+        out = entry.run(SCALED_MM_ALL_REDUCE, args)
+    assert _changed(SCALED_MM_ALL_REDUCE.name, before) == [algo]
+    assert out.dtype == out_dtype and out.shape == (m, N)
+    _close(out, sum(part.float() for part in parts))
+    assert seen == [codes.OP_SCALED_AR]
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("post", [False, True], ids=["forward", "backward-form"])
+def test_rowwise_scaled_mm_all_reduce_paths(sim, monkeypatch, algo, post):
+    """Row-wise scales as they are; the backward's form (unit scales in ``_scaled_mm``, the row and
+    column scales multiplied in after it) scales each rank's partial before the exchange."""
+    seen = _codes(monkeypatch, sim)
+    world, r, m = sim.world, sim.mine.rank, 2 * sim.world
+    a = [_fp8(m, K, seed=60 + p) for p in range(world)]
+    b = [_weight(70 + p) for p in range(world)]
+    ones_a, ones_b = torch.ones(m, 1), torch.ones(1, N)
+    sa = [ones_a if post else _scale(80 + p, m, 1) for p in range(world)]
+    sb = [ones_b if post else _scale(90 + p, 1, N) for p in range(world)]
+    pa = [_scale(100 + p, m, 1) if post else None for p in range(world)]
+    pb = [_scale(110 + p, 1, N) if post else None for p in range(world)]
+    parts = [reference.rowwise_scaled_matmul(a[p], b[p], sa[p], sb[p], None, BF16, True, pa[p], pb[p])
+             for p in range(world)]
+    for p in sim.peers():
+        sim.peer_data(p, (m, N), BF16).copy_(parts[p])
+    spec = ROWWISE_SCALED_MM_ALL_REDUCE
+    args = spec.Args(a[r], b[r], sa[r], sb[r], None, BF16, True, pa[r], pb[r], "0")
+    before = _ran(spec.name)
+    with env.override(algo=algo):
+        out = entry.run(spec, args)
+    assert _changed(spec.name, before) == [algo]
+    _close(out, sum(part.float() for part in parts))
+    assert seen == [codes.OP_ROWWISE_AR]
+
+
+@pytest.mark.parametrize("spec_name", ["scaled_mm_reduce_scatter", "rowwise_scaled_mm_reduce_scatter"])
+@pytest.mark.parametrize("shape_of, scatter_dim", [(lambda w: [2 * w, N], 0), (lambda w: [2, w, N], 1)])
+def test_scaled_mm_reduce_scatter_paths(sim, monkeypatch, spec_name, shape_of, scatter_dim):
+    seen = _codes(monkeypatch, sim)
+    spec = SPECS[spec_name]
+    world, r, m = sim.world, sim.mine.rank, 2 * sim.world
+    shape = shape_of(world)
+    a = [_fp8(m, K, seed=120 + p) for p in range(world)]
+    b = [_weight(130 + p) for p in range(world)]
+    rowwise = spec is ROWWISE_SCALED_MM_REDUCE_SCATTER
+    sa = [_scale(140 + p, *((m, 1) if rowwise else ())) for p in range(world)]
+    sb = [_scale(150 + p, *((1, N) if rowwise else ())) for p in range(world)]
+    bias = [_scale(160 + p, N).to(BF16) for p in range(world)]
+    if rowwise:
+        parts = [reference.rowwise_scaled_matmul(a[p], b[p], sa[p], sb[p], bias[p], BF16, True) for p in range(world)]
+        args = [spec.Args(a[p], b[p], sa[p], sb[p], bias[p], BF16, True, None, None, shape, scatter_dim, world, "0")
+                for p in range(world)]
+    else:
+        parts = [reference.scaled_matmul(a[p], b[p], sa[p], sb[p], bias[p], BF16, True) for p in range(world)]
+        args = [spec.Args(a[p], b[p], sa[p], sb[p], bias[p], BF16, True, shape, scatter_dim, world, "0")
+                for p in range(world)]
+    for p in sim.peers():
+        sim.peer_data(p, (m, N), BF16).copy_(parts[p])
+    before = _ran(spec.name)
+    with env.override(algo="pull"):
+        out = entry.run(spec, args[r])
+    assert _changed(spec.name, before) == ["pull"]
+    total = sum(part.float() for part in parts).view(shape)
+    _close(out, total.chunk(world, dim=scatter_dim)[r])
+    assert seen == [codes.OP_ROWWISE_RS if rowwise else codes.OP_SCALED_RS]
+
+
+@pytest.mark.parametrize("gather_dim, shape", [(0, (3, K)), (1, (2, 3, K))])
+@pytest.mark.parametrize("float8", [E4M3, torch.float8_e5m2])
+def test_all_gather_scaled_mm_pull_moves_fp8(sim, monkeypatch, gather_dim, shape, float8):
+    """The gathered operand is the shards' FP8 bits, in rank order along ``gather_dim``; the
+    product is the graph's ``_scaled_mm`` of them."""
+    seen = _codes(monkeypatch, sim)
+    world, r = sim.world, sim.mine.rank
+    shards = [_fp8(*shape, seed=170 + p).to(torch.float32).to(float8) for p in range(world)]
+    b = _weight(180)
+    sa, sb = _scale(181), _scale(182)
+    bias = _scale(183, N).to(BF16)
+    for p in sim.peers():
+        sim.peer_data(p, shape, float8).copy_(shards[p])  # the peer's shard in its workspace
+    spec = ALL_GATHER_SCALED_MM
+    before = _ran(spec.name)
+    with env.override(algo="pull"):
+        out, gathered = entry.run(spec, spec.Args(shards[r], b, sa, sb, bias, BF16, True, gather_dim, world, "0",
+                                                   True))
+    assert _changed(spec.name, before) == ["pull"]
+    want = torch.cat([s.view(torch.uint8) for s in shards], dim=gather_dim)
+    assert gathered.dtype == float8 and torch.equal(gathered.view(torch.uint8), want)
+    expected = reference.scaled_matmul(want.view(float8).reshape(-1, K), b, sa, sb, bias, BF16, True)
+    assert out.dtype == BF16 and torch.equal(out, expected)  # the same product of the same bits
+    assert seen == [codes.OP_SCALED_AG]
+
+
+def _fp8_call(op: str, m: int = 4096, dtype=BF16, world: int = 2) -> Call:
+    return Call(op, m, 4096, 4096, dtype if "gather" not in op else E4M3, world)
+
+
+FP8_OPS = [name for name, spec in SPECS.items() if spec.product is not None]
+
+
+def test_the_fp8_ops_with_paths_and_the_one_without():
+    assert sorted(FP8_OPS) == ["all_gather_scaled_mm", "rowwise_scaled_mm_all_reduce",
+                               "rowwise_scaled_mm_reduce_scatter", "scaled_mm_all_reduce",
+                               "scaled_mm_reduce_scatter"]
+    assert [name for name, spec in SPECS.items() if spec.unfused_reason] == ["all_gather_rowwise_scaled_mm"]
+    assert SPECS["all_gather_rowwise_scaled_mm"].unfused_reason == FP8_UNFUSED
+    for op in FP8_OPS:
+        names = sorted(p.name for p in by_op(op))
+        assert names == (["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]), op
+
+
+@pytest.mark.parametrize("op", FP8_OPS)
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_89"])
+@pytest.mark.parametrize("world", [2, 8])
+def test_fp8_ops_stay_unfused_by_rule_until_measured(op, arch, world):
+    """Every shipped table keeps the FP8 ops on NCCL by a rule that says why; forcing or the tuner
+    may pick the symmetric paths, which are candidates wherever the group runs symmetric paths."""
+    facts = GroupFacts.simulated(world, arch=arch)
+    call = _fp8_call(op, world=world)
+    decision = policy.choose(call, facts, quiet=True)
+    assert (decision.name, decision.source) == ("nccl", "rules")
+    assert "FP8 paths not yet measured on real links" in decision.reason
+    names = [p.name for p in policy.candidates(call, facts)]
+    assert names[0] == "nccl" and len(names) == len(by_op(op)), names
+    forced = "pull" if "gather" in op or "scatter" in op else "two_shot"
+    assert policy.choose(call, facts, forced=forced, quiet=True).name == forced
+    assert policy.choose(call, facts, tuned=lambda: forced, quiet=True).source == "tuned"
+    # the graph pass plans the forced path's workspace: the product's bytes, or the FP8 shard's
+    planned = policy.workspace_bytes(call, facts, forced=forced)
+    assert planned == REGISTRY[(op, forced)].workspace_bytes(call) > 0
+    if "gather" in op:
+        assert planned == call.m // world * call.k  # one byte an element
+    # inside a capture: no graph lane for these ops, NCCL
+    assert policy.choose(call, facts, capturing=True, quiet=True).name == "nccl"
+
+
+def test_groups_that_cannot_run_symmetric_paths_keep_fp8_on_nccl():
+    call = _fp8_call("scaled_mm_all_reduce")
+    for facts in (GroupFacts.simulated(1), GroupFacts.simulated(2, arch="gfx942", rocm=True)):
+        assert policy.choose(call, facts, forced="one_shot", quiet=True).source == "unsupported"
+        assert [p.name for p in policy.candidates(call, facts)] == ["nccl"]
+
+
+def test_every_exchanging_op_has_its_own_error_code():
+    """A timed-out wait names the op the user's graph called, not the bf16 op whose kernel ran."""
+    for op in FP8_OPS + ["mm_all_reduce", "all_gather_mm", "mm_reduce_scatter", "mm_all_reduce_add_rms_norm"]:
+        assert codes.OPS[codes.EXCHANGE_CODE[op]] == op
+    assert len(set(codes.EXCHANGE_CODE.values())) == len(codes.EXCHANGE_CODE)
