@@ -498,3 +498,30 @@ def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
     monkeypatch.setattr(rules, "load", lambda arch: (table,))
     assert policy.rules_choice(Call("mm_all_reduce", 8192, 2048, 4096, torch.bfloat16, 2), facts).name == "fused"
     assert policy.rules_choice(Call("mm_all_reduce", 16, 2048, 4096, torch.bfloat16, 2), facts).name == "nccl"
+
+
+@pytest.mark.parametrize("op", ["scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter",
+                                "rowwise_scaled_mm_all_reduce", "rowwise_scaled_mm_reduce_scatter"])
+def test_fp8_ops_are_timed_through_their_specs(op, monkeypatch, world2):
+    """``bench ops --ops <FP8 op>``'s record on the CPU (a fake group of 2, every timing a call
+    counted instead of timed, no symmetric path on a CPU group): the spec's operands, its product
+    alone, the NCCL collective and the op itself each run, and the record has what the table reads."""
+    import torch.distributed as dist
+
+    from commfuse.runtime import groups
+    from commfuse.runtime.facts import GroupFacts
+    from commfuse.tools import bench
+
+    timed = []
+    monkeypatch.setattr(bench, "time_us", lambda fn: timed.append(fn()) or float(len(timed)))
+    monkeypatch.setattr(bench, "_exchange_alone", lambda case, t: t.update({"symm": 1.0}))
+    monkeypatch.setattr(groups, "group_facts", lambda state, device, capturing: GroupFacts(2, "cpu", "cpu", 0))
+    rec = bench.bench_spec_shape(op, 64, 32, 48, torch.bfloat16, dist.group.WORLD, device=torch.device("cpu"))
+    assert rec["op"] == op and rec["path"] == "nccl" and rec["peers"] == {}
+    assert set(rec["parts"]) >= {"mm", "unfused", "commfuse_default"}
+    assert any(key.startswith("nccl_") for key in rec["parts"])
+    out = timed[-1]  # the last timed call: commfuse's default, settled
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape == ((64, 48) if "scatter" not in op else (32, 48)) and out.dtype == torch.bfloat16
+    assert rec["dtype"] == ("float8_e4m3fn" if "gather" in op else "bfloat16")
+    assert f"| {op} | 64 | 32 | 48 | nccl |" in bench._table([rec])

@@ -50,6 +50,9 @@ MM_AR_SHAPES = [(m, k, n) for m in (16, 128, 1024, 4096, 8192)
 AG_MM_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (4096, 8192, 5120),
                 (8192, 8192, 28672), (2048, 4096, 7168), (16384, 4096, 7168)]
 OPS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
+#: The FP8 ops timed through their specs (``bench_spec_shape``), each on its base op's shapes.
+FP8_OPS = ("scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter",
+           "rowwise_scaled_mm_all_reduce", "rowwise_scaled_mm_reduce_scatter")
 
 
 def shapes_of(op: str, which: str = "default", limit: int = 0) -> list[tuple[int, int, int]]:
@@ -58,7 +61,7 @@ def shapes_of(op: str, which: str = "default", limit: int = 0) -> list[tuple[int
     if which == "square":
         shapes = [(s, s, s) for s in range(256, 4097, 128)]
     else:
-        shapes = MM_AR_SHAPES if op == "mm_all_reduce" else AG_MM_SHAPES
+        shapes = MM_AR_SHAPES if op.endswith("mm_all_reduce") else AG_MM_SHAPES
     return shapes[:limit] if limit else shapes
 
 
@@ -297,6 +300,76 @@ def bench_shape(op: str, m: int, k: int, n: int, dtype, group, iris: bool = Fals
     return rec
 
 
+def bench_spec_shape(op: str, m: int, k: int, n: int, dtype, group, device: torch.device | None = None) -> dict:
+    """One shape of an op timed through its spec (the FP8 ops): its synthetic operands
+    (``OpSpec.inputs``: FP8 operands, unit scales), the unfused computation (its NCCL path: the
+    graph's ``_scaled_mm``, then the functional collective), commfuse's default and each symmetric
+    path forced, and the pieces alone: the product (``OpSpec.product``), the NCCL collective and
+    commfuse's exchange kernel on the exchanged tensor (FP8 bytes for the gather). ``dtype``: the
+    product's (the gather's shard is FP8)."""
+    from commfuse.runtime import groups, policy, reference
+    from commfuse.runtime.spec import SPECS, Call
+
+    spec = SPECS[op]
+    world, gname = group.size(), group.group_name
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    gathers = spec.pattern == "all_gather_mm"
+    call = Call(op, m, k, n, torch.float8_e4m3fn if gathers else dtype, world)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(m + k + n)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) / 4).to(call.dtype)
+
+    args = spec.inputs(call, gname, rand)  # a reduced product's out_dtype is the call's dtype
+    state = groups.get(gname)
+    facts = groups.group_facts(state, device, False)
+    fn = getattr(torch.ops.commfuse, op)
+    t = {}
+    rows = args.shard.reshape(-1, k) if gathers else args.a
+    full = torch.cat([rows.view(torch.uint8)] * world).view(rows.dtype) if gathers else rows
+    product = torch.empty(m, n, device=device, dtype=spec.product_dtype(args))
+    t["mm"] = time_us(lambda: spec.product_into(args, full, product))
+    if gathers:
+        t["nccl_ag"] = time_us(lambda: reference.all_gather(args.shard, args.gather_dim, world, gname))
+    elif spec.pattern == "mm_all_reduce":
+        t["nccl_ar"] = time_us(lambda: reference.all_reduce(product, gname))
+    else:
+        t["nccl_rs"] = time_us(lambda: reference.reduce_scatter(product, list(args.shape), args.scatter_dim, world,
+                                                                gname))
+    t["unfused"] = time_us(lambda: spec.run_nccl(args))
+    shim = _SpecCase(spec.pattern, m, k, n, call.dtype if gathers else product.dtype, world, state, device)
+    _exchange_alone(shim, t)
+    paths = [p.name for p in policy.candidates(call, facts) if p.name != "nccl"]
+    with _forced(None):
+        t["commfuse_default"] = time_us(lambda: fn(*args))
+    for algo in paths:
+        with _forced(algo):
+            t[f"commfuse_{algo}"] = time_us(lambda: fn(*args))
+    _settle(t, {"unfused": (lambda: spec.run_nccl(args), None), "commfuse_default": (lambda: fn(*args), None)})
+    exchanges = [t[key] for key in ("nccl_ar", "nccl_ag", "nccl_rs", "one_shot_ar", "two_shot_ar", "symm_ag",
+                                    "symm_rs") if t.get(key)]
+    rec = dict(op=op, M=m, K=k, N=n, dtype=str(call.dtype).replace("torch.", ""), world=world,
+               path=policy.rules_choice(call, facts).name, unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
+               floor_us=max(t["mm"], min(exchanges)), parts=t, peers={})
+    rec["best_unfused_us"] = t["unfused"]  # no unfused alternative to NCCL is timed for the FP8 ops
+    return rec
+
+
+class _SpecCase:
+    """What ``_exchange_alone`` reads of a case, for a spec-timed op: the base op, the sizes, the
+    exchanged tensor's dtype and the group's workspace."""
+
+    def __init__(self, op, m, k, n, dtype, world, state, device):
+        self.op, self.m, self.k, self.n, self.dtype, self.world = op, m, k, n, dtype, world
+        self.state, self.device = state, device
+
+    def workspace(self, nbytes: int):
+        from commfuse.runtime import groups
+
+        return groups.workspace(self.state, nbytes, self.device)
+
+
 def bench_tuned(op: str, m: int, k: int, n: int, dtype, group, tuner) -> dict:
     """The rules' choice and the tuned choice of one shape, side by side: the tuner times every
     candidate of the shape's signature on this group and keeps its answer; then the two choices
@@ -463,7 +536,8 @@ def parser(prog: str = "python -m commfuse bench") -> argparse.ArgumentParser:
                          description="Time commfuse's ops against the unfused cuBLAS + NCCL computation and peers, "
                          "one run per shape (CUDA GPUs, under torchrun --nproc_per_node=N). Prints a markdown table "
                          "and writes the records as JSON.")
-    ops.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops to time (default: {','.join(OPS)})")
+    ops.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops to time (default: {','.join(OPS)}; "
+                     f"also the FP8 ops {','.join(FP8_OPS)}, with FP8 operands and --dtype their product's)")
     ops.add_argument("--shapes", choices=["default", "square"], default="default",
                      help="default: each op's standard shapes (the README's table); square: M=K=N from 256 to "
                      "4096 in steps of 128")
@@ -572,7 +646,8 @@ def _run_shapes(todo, dtype, group, tuner, iris: bool) -> list[dict]:
             line = (f"rules {rec['rules']} {rec['rules_us']:.1f} µs, tuned {rec['tuned']} {rec['tuned_us']:.1f} µs, "
                     f"unfused {rec['unfused_us']:.0f} µs")
         else:
-            rec = bench_shape(op, m, k, n, dtype, group, iris=iris)
+            rec = (bench_spec_shape(op, m, k, n, dtype, group) if op in FP8_OPS
+                   else bench_shape(op, m, k, n, dtype, group, iris=iris))
             line = (f"unfused {rec['unfused_us']:.0f} µs, commfuse {rec['commfuse_us']:.0f} µs "
                     f"({rec['unfused_us'] / rec['commfuse_us']:.2f}x, {rec['path']}), floor {rec['floor_us']:.0f} µs")
         rec["commit"] = commit()
@@ -591,9 +666,11 @@ def run_ops(args) -> int:
     group, rank = setup_ranks()
     dtype = getattr(torch, args.dtype)
     todo = [(op, s) for op in args.ops.split(",") for s in shapes_of(op, args.shapes, args.limit)]
-    unknown = sorted({op for op, _ in todo} - set(OPS))
+    unknown = sorted({op for op, _ in todo} - set(OPS) - set(FP8_OPS))
     if unknown:
-        raise SystemExit(f"{' '.join(unknown)}: not an op; choose from {', '.join(OPS)}")
+        raise SystemExit(f"{' '.join(unknown)}: not an op; choose from {', '.join(OPS + FP8_OPS)}")
+    if args.tuned and any(op in FP8_OPS for op, _ in todo):
+        raise SystemExit("--tuned times the bf16 ops only; leave the FP8 ops out of --ops")
     with contextlib.ExitStack() as stack:
         tuner = None
         if args.tuned:
