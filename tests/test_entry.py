@@ -465,16 +465,17 @@ def test_releasing_a_group_releases_all_its_state(sim, monkeypatch):
     assert list(fresh.plans) and [d[0] for d in fresh.decisions.values()] == ["one_shot"]
 
 
-@pytest.mark.parametrize("op", sorted(name for name, spec in SPECS.items() if spec.unfused_reason))
-def test_ops_without_a_kernel_run_their_nccl_path_through_the_entry(sim, op):
-    """An op whose only path is NCCL (the FP8 ops) runs through the same entry as the others: its
-    call reaches a runner (every registered path has one) and counts the NCCL path."""
+@pytest.mark.parametrize("op", sorted(SPECS))
+def test_every_ops_nccl_path_runs_through_the_entry(sim, op):
+    """Every op's unfused computation runs through the same entry as its symmetric paths: its call
+    reaches a runner (every registered path has one) and counts the NCCL path."""
     assert set(running.RUNS) == set(REGISTRY.values())
     spec = SPECS[op]
-    call = Call(op, 8 * sim.world, 16, 16, torch.float8_e4m3fn if op.startswith("all_gather") else torch.bfloat16,
-                sim.world)
+    fp8_shard = op.startswith("all_gather") and "scaled" in op
+    call = Call(op, 8 * sim.world, 16, 16, torch.float8_e4m3fn if fp8_shard else torch.bfloat16, sim.world)
     args = spec.inputs(call, "0", lambda *shape: torch.randn(*shape).to(call.dtype))
     before = dict(PATHS)
-    out = entry.run(spec, args, 0)
+    with env.override(algo="nccl"):
+        out = entry.run(spec, args, 0)
     assert PATHS[f"{op}:nccl"] == before.get(f"{op}:nccl", 0) + 1
     assert (out[0] if isinstance(out, tuple) else out).dtype == torch.bfloat16

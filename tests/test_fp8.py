@@ -8,8 +8,6 @@ must equal eager); real ranks are in ``test_fp8_gloo.py``.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 
 import pytest
 import torch
@@ -17,9 +15,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commfuse
-from commfuse.runtime import policy
-from commfuse.runtime.facts import GroupFacts
-from commfuse.runtime.spec import FP8_UNFUSED, SPECS, Call
 from helpers import compile_code, fp8, group_name
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
@@ -234,29 +229,6 @@ def test_errors_name_the_op(world2, bad, message):
     with pytest.raises(RuntimeError, match="commfuse.scaled_mm_all_reduce") as info:
         torch.ops.commfuse.scaled_mm_all_reduce(*args)
     assert message in str(info.value)
-
-
-# ---- the run-time's decision -----------------------------------------------------------------------
-
-@pytest.mark.parametrize("op", sorted(name for name, spec in SPECS.items() if spec.unfused_reason))
-def test_run_time_runs_the_unfused_composition_with_one_reason(op, caplog):
-    """No FP8 fused kernel yet (tensor-wise or row-wise): on every group (a capable one included)
-    and in any capture state the policy sends the call to its NCCL path with one logged reason,
-    from the op alone, so every rank decides alike; the graph pass plans no workspace for it."""
-    spec = SPECS[op]
-    call = Call(op, 256, 128, 64, E4M3 if op.startswith("all_gather") else BF16, 2)
-    policy._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="commfuse"):
-        for facts in (GroupFacts.simulated(2), GroupFacts.simulated(8, arch="sm_100", name="NVIDIA B200", sms=148)):
-            for capturing in (False, True):
-                decision = policy.choose(dataclasses.replace(call, world=facts.world), facts, capturing=capturing,
-                                         forced="pull", tuned=lambda: pytest.fail("the tuner was asked"))
-                assert (decision.name, decision.source, decision.reason) == ("nccl", "unsupported", FP8_UNFUSED)
-        assert policy.workspace_bytes(call, GroupFacts.simulated(2), tuning=True) == 0
-    assert [r.getMessage() for r in caplog.records] == [
-        f"commfuse.{op}: this call runs the unfused NCCL path ({FP8_UNFUSED})"]
-    assert spec.unfused_reason == FP8_UNFUSED
-
 
 
 # ---- torchao float8 training with its TP plan ------------------------------------------------------

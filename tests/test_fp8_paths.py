@@ -16,7 +16,7 @@ from commfuse.kernels import codes, exchange
 from commfuse.runtime import entry, policy, reference
 from commfuse.runtime.facts import GroupFacts
 from commfuse.runtime.paths import REGISTRY, by_op
-from commfuse.runtime.spec import (ALL_GATHER_SCALED_MM, FP8_UNFUSED, ROWWISE_SCALED_MM_ALL_REDUCE,
+from commfuse.runtime.spec import (ALL_GATHER_ROWWISE_SCALED_MM, ALL_GATHER_SCALED_MM, ROWWISE_SCALED_MM_ALL_REDUCE,
                                    ROWWISE_SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
                                    SPECS, Call)
 
@@ -168,19 +168,59 @@ def test_all_gather_scaled_mm_pull_moves_fp8(sim, monkeypatch, gather_dim, shape
     assert seen == [codes.OP_SCALED_AG]
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["fp8-rows", "bf16-read-after"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monkeypatch, gathered, pow2):
+    """Each rank's rows quantised before the gather, its FP8 rows and float32 multipliers gathered
+    as one block of bytes and unpacked: the same bits and the same product as the unfused op's
+    (quantise after an NCCL gather). Where the graph reads the bf16 gathered tensor, that is
+    gathered and quantised after, as the unfused op does."""
+    seen = _codes(monkeypatch, sim)
+    world, r, rows = sim.world, sim.mine.rank, 3
+    spec = ALL_GATHER_ROWWISE_SCALED_MM
+    g = torch.Generator().manual_seed(200)
+    shards = [(torch.randn(rows, K, generator=g) * (p + 1)).to(BF16) for p in range(world)]
+    b, sb, bias = _weight(201), _scale(202, 1, N), _scale(203, N).to(BF16)
+    for p in sim.peers():  # what each peer left in its workspace
+        if gathered:
+            sim.peer_data(p, (rows, K), BF16).copy_(shards[p])
+        else:
+            q, mult = reference.quantise_rows(shards[p], E4M3, 1e-12, pow2)
+            packed = sim.peer_data(p, (rows * K + 4 * rows,), torch.uint8)
+            packed[:rows * K].copy_(q.view(torch.uint8).reshape(-1))
+            packed[rows * K:].copy_(mult.reshape(-1).view(torch.uint8))
+    args = spec.Args(shards[r], b, sb, bias, BF16, True, E4M3, 1e-12, pow2, 0, world, "0", gathered)
+    before = _ran(spec.name)
+    with env.override(algo="pull"):
+        out, got_gathered = entry.run(spec, args)
+    assert _changed(spec.name, before) == ["pull"]
+    want, want_gathered = _unfused_rowwise(shards, b, sb, bias, pow2, gathered)
+    assert torch.equal(out, want)
+    if gathered:
+        assert torch.equal(got_gathered, want_gathered)
+    assert seen == [codes.OP_ROWWISE_AG]
+
+
+def _unfused_rowwise(shards, b, sb, bias, pow2, gathered):
+    """The unfused op's product: the gathered rows quantised after the gather (the same bits as
+    each shard's rows quantised before it, which the unfused op's FP8 form gathers)."""
+    full = torch.cat(shards)
+    q, mult = reference.quantise_rows(full, E4M3, 1e-12, pow2)
+    out = reference.scaled_matmul(q, b, mult.reciprocal(), sb, bias, BF16, True)
+    return out, full if gathered else None
+
+
 def _fp8_call(op: str, m: int = 4096, dtype=BF16, world: int = 2) -> Call:
     return Call(op, m, 4096, 4096, dtype if "gather" not in op else E4M3, world)
 
 
-FP8_OPS = [name for name, spec in SPECS.items() if spec.product is not None]
+FP8_OPS = [name for name, spec in SPECS.items() if "scaled" in name]
 
 
-def test_the_fp8_ops_with_paths_and_the_one_without():
-    assert sorted(FP8_OPS) == ["all_gather_scaled_mm", "rowwise_scaled_mm_all_reduce",
+def test_every_fp8_op_has_its_paths():
+    assert sorted(FP8_OPS) == ["all_gather_rowwise_scaled_mm", "all_gather_scaled_mm", "rowwise_scaled_mm_all_reduce",
                                "rowwise_scaled_mm_reduce_scatter", "scaled_mm_all_reduce",
                                "scaled_mm_reduce_scatter"]
-    assert [name for name, spec in SPECS.items() if spec.unfused_reason] == ["all_gather_rowwise_scaled_mm"]
-    assert SPECS["all_gather_rowwise_scaled_mm"].unfused_reason == FP8_UNFUSED
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
         assert names == (["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]), op
@@ -206,7 +246,8 @@ def test_fp8_ops_stay_unfused_by_rule_until_measured(op, arch, world):
     planned = policy.workspace_bytes(call, facts, forced=forced)
     assert planned == REGISTRY[(op, forced)].workspace_bytes(call) > 0
     if "gather" in op:
-        assert planned == call.m // world * call.k  # one byte an element
+        # one byte an element; the row-wise gather's: the bf16 shard it gathers where the graph reads it
+        assert planned == call.m // world * call.k * (2 if "rowwise" in op else 1)
     # inside a capture: no graph lane for these ops, NCCL
     assert policy.choose(call, facts, capturing=True, quiet=True).name == "nccl"
 

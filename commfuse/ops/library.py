@@ -304,8 +304,8 @@ def _(a, b, bias, shape, scatter_dim, world_size, group_name, site=0):
 #     scaled_mm_reduce_scatter(a, b, sa, sb, bias, o, f, shape, d, W, g)  (likewise)
 #
 # On CUDA the run-time runs them by the same policy as the bf16 ops: the graph's own ``_scaled_mm``
-# before the after-GEMM and pull exchanges where a rule or the tuner picks those paths, else that
-# unfused computation (the row-wise gather always, ``OpSpec.unfused_reason``).
+# after or before the exchange kernels where a rule or the tuner picks those paths, else that
+# unfused computation.
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

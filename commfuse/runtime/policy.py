@@ -2,8 +2,6 @@
 
 In order, the first that applies decides:
 
-0. an op without a path of its own yet (``OpSpec.unfused_reason``: the row-wise FP8 gather):
-   NCCL, with the reason logged once;
 1. the group cannot run symmetric paths (one rank, ROCm, ranks on two hosts, no peer access,
    mixed GPUs): NCCL, with the reason logged once;
 2. inside a CUDA-graph capture: the rules for captured calls (``mm_all_reduce@capture``: the graph
@@ -111,9 +109,6 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
     op = call.op
     once = (lambda *_: None) if quiet else _once
     nccl = REGISTRY[(op, "nccl")]
-    if call.spec.unfused_reason:
-        once(op, call.spec.unfused_reason)
-        return Decision(nccl, None, "unsupported", call.spec.unfused_reason)
     why = facts.unsupported()
     if why:
         once(op, why)

@@ -39,8 +39,6 @@ LAYOUTS = ((0, 1), (1, 2))
 
 def _calls():
     for spec in SPECS.values():
-        if spec.unfused_reason:  # no paths of its own: nothing the rules decide
-            continue
         for world in WORLDS:
             for dtype in DTYPES:
                 for m in MS:

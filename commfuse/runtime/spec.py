@@ -157,9 +157,6 @@ class OpSpec:
     lane_bytes: Callable[[Any], int] | None = None
     #: The unfused equivalent, as the op library's docstring shows it.
     unfused: str = ""
-    #: Why every call of this op runs its NCCL path (the unfused computation) whatever the group:
-    #: the op has no fused kernel yet. Empty: its paths and rules decide (``policy.choose``).
-    unfused_reason: str = ""
     #: The path a call outside a capture takes where no rule of the group's table applies (empty:
     #: NCCL). For an op that is in a graph only because the user asked for it (an opt-in pattern),
     #: where a rule row is what would make it fuse by default.
@@ -330,9 +327,6 @@ MM_REDUCE_SCATTER = OpSpec(
 #: The arguments every FP8 op adds, in its layout's order around ``bias``.
 _SCALES = (Arg("scale_a", "Tensor"), Arg("scale_b", "Tensor"))
 _FP8_OUT = (Arg("out_dtype", "ScalarType?"), Arg("use_fast_accum", "bool"))
-#: Why the row-wise all-gather runs unfused on every device (``OpSpec.unfused_reason``): the other
-#: FP8 ops have the after-GEMM and pull paths (the graph's ``_scaled_mm``, the exchange kernels).
-FP8_UNFUSED = "no fused path yet for the row-wise gather: its FP8 rows and their scales by NCCL, then _scaled_mm"
 
 
 def _fp8(rand, *shape) -> torch.Tensor:
@@ -488,7 +482,6 @@ ALL_GATHER_ROWWISE_SCALED_MM = OpSpec(
     cuts_rows=True,
     unfused="(_scaled_mm(q, b, 1/s, scale_b, bias, out_dtype=o, use_fast_accum=f), the gathered x if r else empty) "
             "with q, s = quantise_rows(cat(all_gather(x, g), dim=d)).flatten(0, -2)",
-    unfused_reason=FP8_UNFUSED,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -531,7 +524,7 @@ OPS = tuple(SPECS)
 #: Each op's argument tuple by its own name (what paths, tools and tests construct).
 MmAllReduceArgs, AllGatherMmArgs, MmReduceScatterArgs = MM_ALL_REDUCE.Args, ALL_GATHER_MM.Args, MM_REDUCE_SCATTER.Args
 
-__all__ = ["ALL_GATHER_MM", "ALL_GATHER_ROWWISE_SCALED_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "FP8_UNFUSED", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
+__all__ = ["ALL_GATHER_MM", "ALL_GATHER_ROWWISE_SCALED_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
            "MM_ALL_REDUCE_ADD_RMS_NORM", "MM_REDUCE_SCATTER", "OPS", "OpSpec", "ROWWISE_SCALED_MM_ALL_REDUCE",
            "ROWWISE_SCALED_MM_REDUCE_SCATTER", "SCALED_MM_ALL_REDUCE", "SCALED_MM_REDUCE_SCATTER", "SPECS",
            "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]

@@ -169,3 +169,29 @@ def test_all_gather_scaled_mm_pull(world, rows, gather_dim, float8):
         for r, (out, gathered) in enumerate(got):
             assert torch.equal(gathered.view(torch.uint8), want_gathered), r
             assert torch.equal(out, want), r  # the same product of the same bits
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("rows", [1, 1000])
+@pytest.mark.parametrize("gathered", [False, True], ids=["fp8-rows", "bf16-read-after"])
+def test_all_gather_rowwise_scaled_mm_pull(world, rows, gathered):
+    """Each rank's rows quantised before the gather and gathered with their multipliers: the same
+    product as quantising after a gather (the unfused op's), bit for bit."""
+    _skip_past_queues(world)
+    k, n = 2048, 1024
+    torch.manual_seed(world + rows + gathered)
+    op = "all_gather_rowwise_scaled_mm"
+    shards = [(torch.randn(rows, k, device="cuda") * (r + 1)).to(BF16) for r in range(world)]
+    b = _fp8(n, k, scale=k ** -0.5).t()
+    sb = torch.rand(1, n, device="cuda") + 0.5
+    bias = torch.randn(n, device="cuda", dtype=BF16)
+    full = torch.cat(shards)
+    q, multiplier = reference.quantise_rows(full, E4M3, 1e-12, True)
+    want = reference.scaled_matmul(q, b, multiplier.reciprocal(), sb, bias, BF16, True)
+    args = [SPECS[op].Args(shards[r], b, sb, bias, BF16, True, E4M3, 1e-12, True, 0, world, "emulated", gathered)
+            for r in range(world)]
+    for got in _run_every_rank(op, "pull", world, args, calls=2):
+        for r, (out, got_gathered) in enumerate(got):
+            assert torch.equal(out, want), r
+            if gathered:
+                assert torch.equal(got_gathered, full), r

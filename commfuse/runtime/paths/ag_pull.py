@@ -9,6 +9,19 @@ NCCL's latency, which matters most for small shards.
 
 ``all_gather_scaled_mm`` runs the same way: the FP8 shards' bytes are gathered (half a bf16
 gather's), then the graph's own ``_scaled_mm`` (``OpSpec.product``) multiplies them.
+
+``all_gather_rowwise_scaled_mm`` (``RowwiseGatherPull``) quantises its own rows first, as the graph
+would have quantised them after the gather (``reference.quantise_rows``: each row is its own, so
+the same bits), and gathers each rank's FP8 rows with their float32 multipliers packed behind them,
+one gather of ``rows * (K + 4)`` bytes per rank instead of ``rows * K * 2``:
+
+    unfused:   all_gather(bf16 x) -> quantise rows -> _scaled_mm
+    this path: quantise own rows -> [FP8 rows | multipliers] into the workspace -> pull kernel
+               -> unpack -> _scaled_mm
+
+Where the graph still reads the bf16 gathered tensor (``return_gathered``: training quantises it
+column-wise too), it gathers that once and quantises after the gather, as the unfused op does. Each
+rank's rows must be one block (``Call.rows_dim`` 0): the multipliers travel as a second block.
 """
 
 from __future__ import annotations
@@ -41,3 +54,20 @@ class AllGatherPull(Path):
 
 PULL = AllGatherPull()
 SCALED_PULL = AllGatherPull("all_gather_scaled_mm")
+
+
+class RowwiseGatherPull(AllGatherPull):
+    def __init__(self):
+        super().__init__("all_gather_rowwise_scaled_mm")
+
+    def supports(self, call: Call, facts) -> str | None:
+        if call.rows_dim != 0:
+            return "each rank's rows in slabs (its FP8 rows and multipliers gather as two blocks per rank)"
+        return super().supports(call, facts)
+
+    def workspace_bytes(self, call: Call) -> int:
+        """The larger of the two forms: FP8 rows and a float32 multiplier each, or the bf16 shard."""
+        return call.m // max(call.world, 1) * max(call.k + 4, 2 * call.k)
+
+
+ROWWISE_PULL = RowwiseGatherPull()

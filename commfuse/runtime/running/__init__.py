@@ -15,7 +15,7 @@ from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_f
                rs_ce_overlap, rs_fused, rs_pull, split_k)
 
 #: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``. Every op's NCCL path runs
-#: its spec's unfused computation, so an op added with only that path (the FP8 ops) runs too.
+#: its spec's unfused computation, so an op added with only that path runs too.
 RUNS: dict[paths.Path, Callable] = {
     **{p: nccl.run for p in paths.REGISTRY.values() if isinstance(p, paths.nccl.Nccl)},
     paths.after_gemm.ONE_SHOT: after_gemm.run, paths.after_gemm.TWO_SHOT: after_gemm.run,
@@ -28,7 +28,7 @@ RUNS: dict[paths.Path, Callable] = {
     # the FP8 ops' paths: the same runs, the op's own product (``OpSpec.product``)
     paths.after_gemm.SCALED_ONE_SHOT: after_gemm.run, paths.after_gemm.SCALED_TWO_SHOT: after_gemm.run,
     paths.after_gemm.ROWWISE_ONE_SHOT: after_gemm.run, paths.after_gemm.ROWWISE_TWO_SHOT: after_gemm.run,
-    paths.ag_pull.SCALED_PULL: ag_pull.run,
+    paths.ag_pull.SCALED_PULL: ag_pull.run, paths.ag_pull.ROWWISE_PULL: ag_pull.run_rowwise,
     paths.rs_pull.SCALED_PULL: rs_pull.run, paths.rs_pull.ROWWISE_PULL: rs_pull.run,
 }
 
