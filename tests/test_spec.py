@@ -57,6 +57,15 @@ def test_the_tuners_inputs_make_the_call_they_were_made_for(call):
     assert call.exchanged_bytes == spec.exchanged(call) * call.itemsize > 0
 
 
+@pytest.mark.parametrize("call", CALLS, ids=Call.short)
+def test_the_tuners_inputs_are_all_on_the_device_rand_makes(call):
+    """The tuner makes its inputs on the GPU through ``rand``: a tensor made elsewhere (a CPU
+    scale) would fail the candidates' and the reference's first run."""
+    args = call.spec.inputs(call, "g", lambda *shape: torch.empty(*shape, device="meta").to(call.dtype))
+    devices = {name: t.device.type for name, t in args._asdict().items() if isinstance(t, torch.Tensor)}
+    assert set(devices.values()) == {"meta"}, devices
+
+
 def test_specs_name_their_patterns_and_paths():
     # each pattern makes its op, and its FP8 form's (a _scaled_mm in the matmul's place); the
     # add_rms_norm pattern (no FP8 form) makes the op of the matmul, all-reduce, add and norm

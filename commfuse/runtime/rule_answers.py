@@ -33,20 +33,23 @@ WORLDS = (2, 4, 8)
 MS = (1, 16, 64, 128, 256, 1024, 4096, 8192, 16384, 32768)
 KNS = ((4096, 4096), (4096, 14336), (14336, 4096), (1024, 1024))
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: The FP8 gathers' calls carry the gathered shard's dtype.
+FP8_SHARD = {"fp8": torch.float8_e4m3fn}
 #: Row layouts of the gathered / scattered ops: (rows_dim, slabs).
 LAYOUTS = ((0, 1), (1, 2))
 
 
 def _calls():
     for spec in SPECS.values():
+        dtypes = FP8_SHARD if spec.name.startswith("all_gather") and "scaled" in spec.name else DTYPES
         for world in WORLDS:
-            for dtype in DTYPES:
+            for dtype in dtypes.values():
                 for m in MS:
                     for k, n in KNS:
                         for dim, slabs in LAYOUTS if spec.cuts_rows else ((0, 1),):
                             if spec.cuts_rows and m % (world * slabs):
                                 continue
-                            yield Call(spec.name, m, k, n, DTYPES[dtype], world, rows_dim=dim, slabs=slabs)
+                            yield Call(spec.name, m, k, n, dtype, world, rows_dim=dim, slabs=slabs)
 
 
 def _answer(call: Call, facts: GroupFacts, capturing: bool) -> str:

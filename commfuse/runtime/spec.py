@@ -427,18 +427,19 @@ _POST_SCALES = (Arg("post_scale_a", "Tensor?"), Arg("post_scale_b", "Tensor?"))
 
 def _rowwise_ar_inputs(c: Call, g: str, rand):
     x = _scaled_ar_inputs(c, g, rand)
-    return ROWWISE_SCALED_MM_ALL_REDUCE.Args(*x[:2], _row_scale(c.m, 1), _row_scale(1, c.n), *x[4:7], None, None,
+    return ROWWISE_SCALED_MM_ALL_REDUCE.Args(*x[:2], _row_scale(x.a, c.m, 1), _row_scale(x.a, 1, c.n), *x[4:7], None, None,
                                              x.group_name)
 
 
 def _rowwise_rs_inputs(c: Call, g: str, rand):
     x = _scaled_rs_inputs(c, g, rand)
-    return ROWWISE_SCALED_MM_REDUCE_SCATTER.Args(*x[:2], _row_scale(c.m, 1), _row_scale(1, c.n), *x[4:7], None, None,
+    return ROWWISE_SCALED_MM_REDUCE_SCATTER.Args(*x[:2], _row_scale(x.a, c.m, 1), _row_scale(x.a, 1, c.n), *x[4:7], None, None,
                                                  *x[7:])
 
 
-def _row_scale(rows: int, cols: int) -> torch.Tensor:
-    return torch.ones(rows, cols, dtype=torch.float32)
+def _row_scale(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Unit row-wise scales on ``like``'s device (the tuner's inputs live on the GPU)."""
+    return like.new_ones((rows, cols), dtype=torch.float32)
 
 
 def _rowwise_ag_call(args, world: int) -> Call:
@@ -449,7 +450,7 @@ def _rowwise_ag_call(args, world: int) -> Call:
 def _rowwise_ag_inputs(c: Call, g: str, rand):
     x = _ag_inputs(c, g, lambda *shape: rand(*shape).float().to(torch.bfloat16))
     b = _fp8_weight(rand, c.k, c.n)
-    return ALL_GATHER_ROWWISE_SCALED_MM.Args(x.shard, b, _row_scale(1, c.n), None, torch.bfloat16, True, c.dtype,
+    return ALL_GATHER_ROWWISE_SCALED_MM.Args(x.shard, b, _row_scale(b, 1, c.n), None, torch.bfloat16, True, c.dtype,
                                              1e-12, True, x.gather_dim, x.world_size, g, False)
 
 

@@ -65,11 +65,25 @@ def _run_every_rank(op: str, name: str, world: int, args: list, calls: int = 1):
         got = []
         for r in range(world):
             with torch.cuda.stream(streams[r]):
+                # NaN in the blocks the run's outputs will take (the caching allocator hands a freed
+                # block of this stream to its next allocations): an element the path does not write
+                # stays NaN
+                nan = [torch.full((bytes_ // 4 + 64,), float("nan"), device="cuda") for bytes_ in _out_bytes(call)]
+                del nan
                 got.append(running.run(path, Context(call, facts, ranks[r]), args[r]))
         torch.cuda.synchronize()
         errors.check(ranks[0])
         outs.append(got)
     return outs
+
+
+def _out_bytes(call) -> list[int]:
+    """The sizes of a call's outputs, largest first: the product (fp32 at most) and, for a gather,
+    the gathered shards (bf16 at most)."""
+    sizes = [call.m * call.n * 4]
+    if "gather" in call.op:
+        sizes.append(call.m * call.k * 2)
+    return sorted(sizes, reverse=True)
 
 
 def _skip_past_queues(world):
