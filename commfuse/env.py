@@ -149,7 +149,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMFUSE_IRIS_HEAP_BYTES", "int", 4 << 30, "size of the Iris heap with the iris provider",
             minimum=1, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_GRAPH_BYTES", "int", 4 << 20, "per-parity bytes of each group's graph lane: "
-            "`mm_all_reduce` calls captured in CUDA graphs up to this output size fuse", minimum=1,
+            "`mm_all_reduce` calls (and the opt-in add + RMSNorm chain's) captured in CUDA graphs up to this "
+            "output size fuse", minimum=1,
             paths=True, scope=ALIKE, unlike=_AGREED),
     Setting("COMMFUSE_LAUNCH_BOUND_BYTES", "int", 1 << 20, "default of `launch_bound_bytes`: without CUDA "
             "graphs, matmuls exchanging at most this many bytes stay unfused", minimum=0, compile=True,

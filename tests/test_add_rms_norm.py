@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
+from commfuse import env
 from commfuse.demo import transformer as demo
 from commfuse.demo.transformer import RMSNorm
 from commfuse.patterns import add_rms_norm
 from commfuse.patterns.common import Skip
 from commfuse.runtime import policy
 from commfuse.runtime.facts import GroupFacts
+from commfuse.runtime.paths import ar_norm
 from commfuse.runtime.spec import Call
 from helpers import calls, compile_code, group_name, init_fake_pg
 
@@ -86,19 +88,24 @@ def test_the_op_checks_its_operands(world2):
 
 # ---- the run-time's choice -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch, hidden, capturing, want", [
-    ("sm_90", 4096, False, "one_shot"),
-    ("sm_90", 8192, False, "one_shot"),
-    ("sm_90", 8193, False, "nccl"),  # past the kernel's rows
-    ("sm_90", 4096, True, "nccl"),  # no graph-lane path yet
-    ("sm_100", 4096, False, "nccl"),  # measured on sm_90 only
+@pytest.mark.parametrize("arch, rows, hidden, capturing, want", [
+    ("sm_90", 1024, 4096, False, "one_shot"),
+    ("sm_90", 1024, 8192, False, "one_shot"),
+    ("sm_90", 1024, 8193, False, "nccl"),  # past the kernel's rows
+    ("sm_90", 16, 4096, True, "graph"),  # in a capture: the graph lane (128 KiB of its 4 MiB)
+    ("sm_90", 1024, 4096, True, "nccl"),  # 8 MiB: past the lane
+    ("sm_90", 16, 8193, True, "nccl"),  # past the kernel's rows, in a capture too
+    ("sm_100", 1024, 4096, False, "nccl"),  # measured on sm_90 only
+    ("sm_100", 16, 4096, True, "nccl"),
 ])
-def test_a_call_takes_the_norm_epilogue_on_sm90_where_its_rows_fit(arch, hidden, capturing, want):
+def test_a_call_takes_the_norm_epilogue_on_sm90_where_its_rows_fit(arch, rows, hidden, capturing, want):
     facts = GroupFacts.simulated(2) if arch == "sm_90" else GroupFacts.simulated(2, arch=arch, name="B200", sms=148)
-    decision = policy.choose(Call(NORM, 1024, 2048, hidden, BF16, 2), facts, capturing=capturing, quiet=True)
+    decision = policy.choose(Call(NORM, rows, 2048, hidden, BF16, 2), facts, capturing=capturing, quiet=True)
     assert decision.name == want, decision
     if want == "nccl" and not capturing:
-        assert "one_shot path cannot take the call" in decision.reason
+        assert "one_shot path cannot take the call" in decision.reason, decision
+    if want == "nccl" and capturing:  # the lane's own reason
+        assert decision.reason == ar_norm.GRAPH.supports(Call(NORM, rows, 2048, hidden, BF16, 2), facts), decision
     one = policy.choose(Call(NORM, 1024, 2048, hidden, BF16, 1), GroupFacts.simulated(1), quiet=True)
     assert (one.name, one.source) == ("nccl", "unsupported")
 
@@ -179,9 +186,15 @@ def test_the_chain_stays_with_inductor_at_one_rank_under_graphs_and_past_the_ker
         init_fake_pg(2)
     commfuse.clear_report()
     torch._dynamo.reset()
-    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+    # under CUDA graphs a call past the graph lane: a capture would run the chain op by op
+    with torch._inductor.config.patch({"triton.cudagraphs": True}), env.override(graph_bytes=1024):
         (why,) = _skip_reason(_chain("llama"), _operands(), opted_in())
-    assert "under CUDA graphs" in why
+    assert why.startswith("under CUDA graphs, 1536 bytes is past the graph lane's COMMFUSE_GRAPH_BYTES (1024)"), why
+    commfuse.clear_report()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):  # within the lane: its graph path
+        assert _skip_reason(_chain("llama"), _operands(), opted_in()) == []
+    assert [r.pattern for r in commfuse.report().fused] == ["add_rms_norm"]
     commfuse.clear_report()
     torch._dynamo.reset()
     (why,) = _skip_reason(_chain("rms_norm", 8200), _operands(hidden=8200), opted_in())

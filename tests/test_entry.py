@@ -13,7 +13,7 @@ import torch
 from commfuse import env
 from commfuse.kernels import exchange
 from commfuse.kernels import fused_split_k
-from commfuse.kernels.codes import count_of, tag_of
+from commfuse.kernels.codes import OP_AR_NORM, count_of, tag_of
 from commfuse.runtime import capture, entry, groups, running, shards, verify
 from commfuse.runtime import workspace as wsmod
 from commfuse.runtime.paths import REGISTRY, base
@@ -479,3 +479,54 @@ def test_every_ops_nccl_path_runs_through_the_entry(sim, op):
         out = entry.run(spec, args, 0)
     assert PATHS[f"{op}:nccl"] == before.get(f"{op}:nccl", 0) + 1
     assert (out[0] if isinstance(out, tuple) else out).dtype == torch.bfloat16
+
+
+def test_the_add_rms_norm_chain_takes_the_graph_lane_in_a_capture(sim, monkeypatch):
+    """The opt-in chain's op inside a CUDA-graph capture takes its graph-lane path (no rule row:
+    the op's default in a capture is its lane): the staged exchange + add + norm kernel on the
+    group's lane. Once graphs replay the lane, an eager call that fits takes it too; a captured
+    call the lane cannot hold runs the unfused chain, and so does its eager twin."""
+    from commfuse.kernels import norm_epilogue
+    from commfuse.runtime import reference
+    from commfuse.runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM as NORM
+
+    world, staged = sim.world, []
+
+    def chain(src, x, weight, h, n, eps, weight_last):  # every rank's partial equal to this one's
+        h.copy_(x + src * world)
+        n.copy_(reference.rms_norm(h, weight, eps, weight_last))
+
+    monkeypatch.setattr(norm_epilogue, "all_reduce_add_rms_norm", lambda ws, partial, x, weight, h, n, eps, epoch, op,
+                        weight_last=True: chain(partial, x, weight, h, n, eps, weight_last))
+
+    def stand_in(lane, src, x, weight, h, n, eps, op_code, weight_last=True, tag=0):
+        staged.append((lane, op_code))
+        chain(src, x, weight, h, n, eps, weight_last)
+
+    monkeypatch.setattr(norm_epilogue, "staged_add_rms_norm", stand_in)
+    capturing = [False]
+    _capturing(monkeypatch, capturing)
+
+    def call(rows, capture):
+        capturing[0] = capture
+        a, b = torch.randn(rows, 6), torch.randn(6, 8)
+        residual, weight = torch.randn(rows, 8), torch.randn(8)
+        before = _ran(NORM.name)
+        h, n = entry.run(NORM, NORM.Args(a, b, None, residual, weight, 1e-6, True, "0"), 0)
+        ran = _changed(NORM.name, before)
+        # (the fake group's all-reduce, under the unfused chain, returns this rank's partial)
+        want_h = residual + (a @ b) * (1 if ran == ["nccl"] else world)
+        torch.testing.assert_close(h, want_h)
+        torch.testing.assert_close(n, reference.rms_norm(want_h, weight, 1e-6, True))
+        return ran
+
+    assert call(8, False) == ["one_shot"]  # eagerly, before any capture: the op's default path
+    group = groups.get("0")
+    buf = torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8)
+    group.lane = wsmod.GraphLane("0", sim.mine.rank, world, buf, torch.zeros(world, dtype=torch.int64), 4096, 132,
+                                 err=group.err)
+    assert call(8, True) == ["graph"] and staged == [(group.lane, OP_AR_NORM)]  # 256 bytes: in the lane
+    assert next(reversed(group.decisions.values()))[:2] == ("graph", "capture")
+    assert call(8, False) == ["graph"] and len(staged) == 2  # the lane replays: its eager twin takes it
+    assert call(160, True) == ["nccl"]  # 5120 bytes: past this lane, the unfused chain
+    assert call(160, False) == ["nccl"] and len(staged) == 2  # and its eager twin

@@ -31,8 +31,9 @@ shares: the pattern is opt-in (``backend(patterns=[..., "add_rms_norm"])``, a se
 agree on), or a row of the rules table for the op says so (none yet: the rows are to be measured on
 two GPUs). Where the chain cannot gain it stays with Inductor, with the reason recorded: one rank,
 a GPU other than sm_90 or ROCm (the kernel was measured on sm_90 only), a hidden size past the
-kernel's ``MAX_HIDDEN``, under CUDA graphs (the op has no graph-lane path yet: inside a capture it
-would run the chain op by op), and ``check_fusable``'s guards (dtype, sizes, launch bound,
+kernel's ``MAX_HIDDEN``, under CUDA graphs a call past the graph lane (``COMMFUSE_GRAPH_BYTES``:
+inside a capture it would run the chain op by op; within it the op takes the lane, its ``graph``
+path), and ``check_fusable``'s guards (dtype, sizes, launch bound,
 exclusions).
 
 Skipped too, with the reason: a reduce op other than sum; a reduced sum, add or norm step read by
@@ -162,9 +163,10 @@ def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
         raise Skip("one rank: nothing to exchange, the chain stays with Inductor")
     if call.n > MAX_HIDDEN:
         raise Skip(f"hidden size {call.n} is past the norm epilogue's {MAX_HIDDEN}: the chain stays with Inductor")
-    if inductor_config.triton.cudagraphs:
-        raise Skip("under CUDA graphs: the op has no graph-lane path yet (a capture would run the chain op by op), "
-                   "so the chain stays with Inductor")
+    lane = env.current().graph_bytes
+    if inductor_config.triton.cudagraphs and call.exchanged_bytes > lane:
+        raise Skip(f"under CUDA graphs, {call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES "
+                   f"({lane}): a capture would run the chain op by op, so it stays with Inductor")
     facts = None
     if device.type == "cuda":
         facts = local_facts(call.world, provider=env.current().symm_provider)

@@ -13,7 +13,7 @@ In order, the first that applies decides:
 5. a tuned answer for the call's signature (``tuning.py``), kept unless it no longer supports it;
 6. the first rule of the group's table (``rules.py``) that matches and whose path supports it;
 7. the op's default path where it supports the call (``OpSpec.default_path``: an op that is in a
-   graph only where the user asked for it, outside a capture);
+   graph only where the user asked for it; inside a capture, its graph-lane path);
 8. NCCL.
 
 What the graph lane changes (its path, the variant it takes, whether a replayed lane takes an
@@ -29,6 +29,7 @@ import dataclasses
 import logging
 
 from . import capture, rules
+from .capture import LANES
 from .facts import GroupFacts
 from .paths import REGISTRY, by_op
 from .paths.base import Call, Path
@@ -81,8 +82,10 @@ def rules_choice(call: Call, facts: GroupFacts, capture: bool = False) -> Decisi
     label = table.label() if table is not None else "no table"
     if path is None:
         reason = f"no rule of {label} applies"
-        default = None if capture else REGISTRY.get((call.op, call.spec.default_path))
-        if default is not None:  # an op the user asked for: its path where it takes the call
+        default = None
+        if call.spec.default_path:  # an op the user asked for: its path where it takes the call
+            default = LANES.get(call.op) if capture else REGISTRY.get((call.op, call.spec.default_path))
+        if default is not None:
             why = default.supports(call, facts)
             if why is None:
                 return Decision(default, None, "rules", f"{reason}: the op's default path", label)
@@ -124,8 +127,10 @@ def choose(call: Call, facts: GroupFacts, *, capturing: bool = False, lane_bytes
                 if path.supports_variant(call, facts, variant) is None:
                     return Decision(path, variant, "tuned", "tuned on this machine")
         if decision.path is nccl:
-            reason = (f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES"
-                      if lane.path is not None else "no graph-lane path for this op yet")
+            # why the lane cannot take the call (past its bytes; for the add + norm chain, also rows
+            # past the kernel's or another GPU), else the rules' reason
+            reason = ((lane.path.supports(call, facts) or decision.reason) if lane.path is not None
+                      else "no graph-lane path for this op yet")
             once(op, f"in a CUDA-graph capture: {reason}")
             return Decision(nccl, None, "capture", reason, decision.table)
         return dataclasses.replace(decision, source="capture")

@@ -159,7 +159,8 @@ class OpSpec:
     unfused: str = ""
     #: The path a call outside a capture takes where no rule of the group's table applies (empty:
     #: NCCL). For an op that is in a graph only because the user asked for it (an opt-in pattern),
-    #: where a rule row is what would make it fuse by default.
+    #: where a rule row is what would make it fuse by default. Inside a capture such an op's
+    #: default is its graph-lane path, if it has one (``policy.rules_choice``).
     default_path: str = ""
     #: The op's product of the rows ``a`` (its own left operand, or the gathered shards) written
     #: into ``out``, exactly as the unfused graph computes it: ``product(args, a, out)``. None: the
@@ -511,6 +512,8 @@ MM_ALL_REDUCE_ADD_RMS_NORM = OpSpec(
     exchanged=MM_ALL_REDUCE.exchanged,
     inputs=_norm_inputs,
     rows_unit=MM_ALL_REDUCE.rows_unit,
+    graph_lane=True,
+    lane_bytes=MM_ALL_REDUCE.lane_bytes,
     unfused='(h, rms_norm(h, weight, eps, weight_last)) with h = residual + all_reduce(a @ b + bias, "sum", g)',
     default_path="one_shot",
 )

@@ -62,6 +62,18 @@ def _model_norm(h, weight, weight_last):
     return F.rms_norm(h, (h.shape[-1],), weight, EPS)
 
 
+def _call_or_skip(path, world, m, k, n):
+    """The call and this GPU's facts, or a skip where the emulation or the path cannot take it."""
+    if world > CONNECTIONS:
+        pytest.skip(f"{world} spinning streams need CUDA_DEVICE_MAX_CONNECTIONS >= {world}")
+    call = Call(MM_ALL_REDUCE_ADD_RMS_NORM.name, m, k, n, DT, world)
+    facts = local_facts(world)
+    why = path.supports(call, facts)
+    if why:
+        pytest.skip(why)
+    return call, facts
+
+
 def _relerr(got, want):
     assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite output"
     return ((got.float() - want).norm() / want.norm()).item()
@@ -71,14 +83,8 @@ def _relerr(got, want):
 @pytest.mark.parametrize("m, n", [(1, 4096), (7, 999), (128, 5120), (1000, 4095), (8192, 8191)])
 @pytest.mark.parametrize("weight_last", [True, False], ids=["llama", "rms_norm"])
 def test_one_shot_norm_path(world, m, n, weight_last):
-    if world > CONNECTIONS:
-        pytest.skip(f"{world} spinning streams need CUDA_DEVICE_MAX_CONNECTIONS >= {world}")
     k = 256
-    call = Call(MM_ALL_REDUCE_ADD_RMS_NORM.name, m, k, n, DT, world)
-    facts = local_facts(world)
-    why = ar_norm.ONE_SHOT.supports(call, facts)
-    if why:
-        pytest.skip(why)
+    call, facts = _call_or_skip(ar_norm.ONE_SHOT, world, m, k, n)
     ranks = [_Rank(w) for w in emulated.group(world, ar_norm.ONE_SHOT.workspace_bytes(call), timeout_s=20.0)]
     streams = [torch.cuda.Stream() for _ in range(world)]
     for c in range(3):  # both parities, and a reused one
@@ -104,3 +110,64 @@ def test_one_shot_norm_path(world, m, n, weight_last):
             torch.testing.assert_close(out, chain, rtol=2e-2, atol=2e-2)
             assert (out != chain).float().mean().item() < 0.01, (c, r, "another rounding")
             assert torch.equal(h, outs[0][0]) and torch.equal(out, outs[0][1]), (c, r, "ranks differ")
+
+
+class _LaneRank(_Rank):
+    """An emulated rank whose group has a graph lane (``capture.lane`` reads ``group.lane``)."""
+
+    def __init__(self, ws, lane):
+        super().__init__(ws)
+        self.lane = lane
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("m, n", [(1, 4096), (16, 4095), (256, 8192)])
+def test_graph_norm_path_captured_and_replayed(world, m, n):
+    """``mm_all_reduce_add_rms_norm``'s ``graph`` path (the staged exchange + add + norm kernel on
+    the group's graph lane): every rank's call captured in a CUDA graph of its own, the graphs
+    replayed together three times (both parities, then one reused) with fresh operands copied into
+    the captured inputs and the outputs poisoned before each replay; ``h`` and ``n`` against fp32 of
+    the unfused chain."""
+    from commfuse.runtime import running
+
+    k = 256
+    call, facts = _call_or_skip(ar_norm.GRAPH, world, m, k, n)
+    lanes = emulated.lanes(world, 1 << 22, timeout_s=20.0)
+    ranks = [_LaneRank(w, lanes[r]) for r, w in enumerate(emulated.group(world, 1 << 16, timeout_s=20.0))]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    a, b, residual, weight, _, _ = _operands(world, m, k, n, 0)
+    args = [MM_ALL_REDUCE_ADD_RMS_NORM.Args(a[r], b[r], None, residual, weight, EPS, True, "emulated")
+            for r in range(world)]
+    a[0] @ b[0]  # cuBLAS's kernel loaded before any rank spins
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for r in range(world):  # compiled and loaded eagerly first, every rank alike
+        with torch.cuda.stream(streams[r]):
+            running.run(ar_norm.GRAPH, Context(call, facts, ranks[r]), args[r])
+    torch.cuda.synchronize()
+    assert int(lanes[0].err[0]) == 0, lanes[0].err  # the lanes' own error word: no wait timed out
+    graphs, outs = [], []
+    for r in range(world):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=streams[r]):
+            outs.append(running.run(ar_norm.GRAPH, Context(call, facts, ranks[r]), args[r]))
+        graphs.append(graph)
+    for c in range(1, 4):
+        fresh = _operands(world, m, k, n, c)
+        for r in range(world):
+            a[r].copy_(fresh[0][r])
+            b[r].copy_(fresh[1][r])
+        residual.copy_(fresh[2])
+        weight.copy_(fresh[3])
+        for h, out in outs:
+            h.fill_(float("nan"))
+            out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                graphs[r].replay()
+        torch.cuda.synchronize()
+        assert int(lanes[0].err[0]) == 0, (c, lanes[0].err)
+        for r, (h, out) in enumerate(outs):
+            assert _relerr(h, fresh[4]) < 1e-2, (c, r, "h")
+            assert _relerr(out, fresh[5]) < 1e-2, (c, r, "n")

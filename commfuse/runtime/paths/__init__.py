@@ -20,7 +20,7 @@ _ALL: tuple[Path, ...] = (
     nccl.ROWWISE_SCALED_MM_ALL_REDUCE, after_gemm.ROWWISE_ONE_SHOT, after_gemm.ROWWISE_TWO_SHOT,
     nccl.ALL_GATHER_ROWWISE_SCALED_MM, ag_pull.ROWWISE_PULL,
     nccl.ROWWISE_SCALED_MM_REDUCE_SCATTER, rs_pull.ROWWISE_PULL,
-    nccl.MM_ALL_REDUCE_ADD_RMS_NORM, ar_norm.ONE_SHOT,
+    nccl.MM_ALL_REDUCE_ADD_RMS_NORM, ar_norm.ONE_SHOT, ar_norm.GRAPH,
 )
 
 REGISTRY: dict[tuple[str, str], Path] = {(p.op, p.name): p for p in _ALL}

@@ -9,6 +9,15 @@ What it saves is the reduced sum's trip through memory (written, then read back 
 kernel) and a kernel launch. A program of the kernel owns whole rows, so the hidden size is at most
 ``MAX_HIDDEN``; beyond it, and on a group that runs no symmetric path, the call runs the unfused
 chain (NCCL). Measured on sm_90 only: other architectures run NCCL too.
+
+``graph``: the same through the group's graph lane (``paths/ar_graph.py``: epochs on the device),
+so a CUDA graph captures the call once and replays it (decode under ``mode="reduce-overhead"``,
+where a launch saved weighs most):
+
+    capture:  [ cuBLAS -> local buffer ][ staged exchange + add + norm: copy into the lane, signal,
+                                          sum, add the residual, normalise ]
+
+A call past the lane (``COMMFUSE_GRAPH_BYTES``) or that finds no lane runs the unfused chain.
 """
 
 from __future__ import annotations
@@ -41,3 +50,17 @@ class OneShotNorm(Path):
 
 
 ONE_SHOT = OneShotNorm()
+
+
+class GraphNorm(OneShotNorm):
+    name = "graph"
+    capture = True
+
+    def supports(self, call: Call, facts) -> str | None:
+        why = super().supports(call, facts)
+        if why is None and call.exchanged_bytes > facts.lane_bytes:
+            why = f"{call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES ({facts.lane_bytes})"
+        return why
+
+
+GRAPH = GraphNorm()

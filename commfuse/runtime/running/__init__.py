@@ -1,6 +1,6 @@
 """How each path runs a call, apart from how it is decided (``paths/``): one module per path
-module, importing its kernels (and Triton) when it is imported, so no import happens on a call's
-way and nothing that decides needs Triton.
+module (and ``common.py``, what the graph-lane runs share), importing its kernels (and Triton) when
+it is imported, so no import happens on a call's way and nothing that decides needs Triton.
 
 ``run(path, ctx, args)`` runs ``path`` (a ``paths.Path``) for one call of its op; ``runner(path)``
 is the function it calls, which the run-time's plans keep.
@@ -25,6 +25,7 @@ RUNS: dict[paths.Path, Callable] = {
     paths.ag_fused.FUSED: ag_fused.run,
     paths.rs_pull.PULL: rs_pull.run, paths.rs_ce_overlap.CE_OVERLAP: rs_ce_overlap.run,
     paths.rs_fused.FUSED: rs_fused.run, paths.ar_norm.ONE_SHOT: ar_norm.run,
+    paths.ar_norm.GRAPH: ar_norm.run_graph,
     # the FP8 ops' paths: the same runs, the op's own product (``OpSpec.product``)
     paths.after_gemm.SCALED_ONE_SHOT: after_gemm.run, paths.after_gemm.SCALED_TWO_SHOT: after_gemm.run,
     paths.after_gemm.ROWWISE_ONE_SHOT: after_gemm.run, paths.after_gemm.ROWWISE_TWO_SHOT: after_gemm.run,

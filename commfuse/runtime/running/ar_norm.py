@@ -7,8 +7,10 @@ import torch
 
 from ...kernels import norm_epilogue
 from ...kernels.codes import OP_AR_NORM
+from .. import reference
 from ..paths.base import Context
-from ..paths.common import exchange as epoch_of, matmul_into, workspace
+from .common import lane_for
+from ..paths.common import exchange as epoch_of, lane_exchange, matmul_into, workspace
 
 
 def run(path, ctx: Context, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,3 +36,24 @@ def run_into(path, ctx: Context, args, h: torch.Tensor, out: torch.Tensor) -> No
         matmul_into(a, b, args.bias, partial)
         norm_epilogue.all_reduce_add_rms_norm(ws, partial, x, weight, h, out, args.eps, epoch, OP_AR_NORM,
                                               args.weight_last)
+
+
+def run_graph(path, ctx: Context, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paths/ar_norm.py``'s ``graph``: cuBLAS into a local buffer, then the staged exchange + add
+    + norm kernel through the group's graph lane (capturable); the unfused chain where the group
+    has no lane yet (its first call was captured: allocation is collective) or the call is past it,
+    as ``running/ar_graph.py`` does."""
+    a, b = args.a, args.b
+    capturing = torch.cuda.is_current_stream_capturing()
+    m, n = a.shape[0], b.shape[1]
+    lane = lane_for(path, ctx, args, m * n * a.dtype.itemsize, a.device, capturing)
+    if lane is None:
+        return path.spec.run_nccl(args)
+    x, weight = args.residual.reshape(m, n).contiguous(), args.weight.contiguous()
+    with lane_exchange(lane, capturing):  # eager calls from two streams: in host order
+        partial = reference.matmul(a, b, args.bias)
+        h, out = torch.empty_like(partial), torch.empty_like(partial)
+        norm_epilogue.staged_add_rms_norm(lane, partial, x, weight, h, out, args.eps, OP_AR_NORM, args.weight_last,
+                                          ctx.tag)
+    shape = args.residual.shape
+    return h.view(shape), out.view(shape)
