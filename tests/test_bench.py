@@ -525,3 +525,35 @@ def test_fp8_ops_are_timed_through_their_specs(op, monkeypatch, world2):
     assert out.shape == ((64, 48) if "scatter" not in op else (32, 48)) and out.dtype == torch.bfloat16
     assert rec["dtype"] == ("float8_e4m3fn" if "gather" in op else "bfloat16")
     assert f"| {op} | 64 | 32 | 48 | nccl |" in bench._table([rec])
+
+
+@pytest.mark.parametrize("form", ["tensorwise", "rowwise", "weights"])
+def test_model_benchmark_builds_the_fp8_forms_explain_shows(form, world2):
+    """``bench model --fp8``: the bundled stack in the FP8 form ``explain --fp8`` compiles (torchao's
+    Float8Linear before the split, FP8 weights after it), on the split each form takes."""
+    from commfuse.demo import fp8
+    from commfuse.demo import transformer as demo
+    from commfuse.tools import bench_model
+
+    if form != "weights":
+        pytest.importorskip("torchao")
+        from torchao.float8.float8_linear import Float8Linear
+    kind = "hooks" if form == "weights" else "sp"
+    model = bench_model._build(kind, demo.sized_config(True, 1, 2), torch.device("cpu"), torch.bfloat16, form)
+    linears = [m for m in model.modules() if isinstance(m, (fp8.Fp8Linear if form == "weights" else Float8Linear))]
+    assert len(linears) == 7, model  # wq, wk, wv, wo, w1, w2, w3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp8", "tensorwise", "--models", "hf"], "--fp8 takes the bundled stack's splits (dtensor, sp, hooks), not hf"),
+    (["--fp8", "weights", "--models", "dtensor"], "--fp8 weights takes --models hooks and inference modes"),
+    (["--fp8", "weights", "--models", "hooks", "--modes", "prefill,train"],
+     "--fp8 weights takes --models hooks and inference modes"),
+])
+def test_model_benchmark_refuses_fp8_forms_a_split_cannot_take(argv, message):
+    from commfuse.tools import bench, bench_model
+
+    args = bench.parser().parse_args(["model", *argv])
+    with pytest.raises(SystemExit) as info:
+        bench_model.fill_defaults(args, cuda=False)
+    assert str(info.value).startswith(f"commfuse bench model: {message}"), info.value

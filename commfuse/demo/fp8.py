@@ -67,6 +67,22 @@ def float8_training(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
     return convert_to_float8_training(model, config=config)
 
 
+def split_in(model: nn.Module, form: str | None, split, command: str) -> nn.Module:
+    """``model`` split for tensor parallelism by ``split(model)``, in FP8 ``form`` (``tensorwise``,
+    ``rowwise``, ``weights``; None: as it is): torchao's float8 training converts the linears before the split, FP8 weights are
+    quantised after it (the gpt-fast hooks move with each module's forward hooks). A missing
+    torchao is one line naming ``command``."""
+    if form in ("tensorwise", "rowwise"):
+        try:
+            float8_training(model, recipe=form)
+        except ImportError as exc:
+            raise SystemExit(f"{command}: --fp8 {form} needs torchao ({exc})") from None
+    model = split(model)
+    if form == "weights":
+        quantize_linears(model)
+    return model
+
+
 def tp_styles() -> dict:
     """torchao's TP styles in place of torch's, for a model made by ``float8_training`` with
     tensor-wise scales (a row-wise model keeps torch's)."""

@@ -578,6 +578,9 @@ def parser(prog: str = "python -m commfuse bench") -> argparse.ArgumentParser:
     model.add_argument("--rounds", type=int, default=None,
                        help=f"alternating rounds over the backends; {_default('rounds')}")
     model.add_argument("--loss-steps", type=int, default=50, help="training steps of the loss mode (default 50)")
+    model.add_argument("--fp8", choices=["rowwise", "tensorwise", "weights"], default=None,
+                       help="the bundled stack in an FP8 form (as explain --fp8): tensorwise or rowwise, torchao's "
+                       "float8 training (needs torchao); weights: FP8 weights, inference, --models hooks")
     model.add_argument("--small", action="store_true",
                        help="small layer sizes (dim 256) on GPUs too (the CPU always uses them)")
     model.add_argument("--call-times", type=int, default=0, metavar="STEPS",

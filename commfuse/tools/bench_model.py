@@ -42,9 +42,11 @@ MODES = ("prefill", "train", "decode", "decode_cg", "loss")
 MODELS = ("dtensor", "sp", "hooks", "hf")
 
 
-def _build(kind: str, cfg, device, dtype):
+def _build(kind: str, cfg, device, dtype, fp8: str | None = None):
+    """The model of ``kind``, in FP8 form ``fp8`` (``demo.fp8.split_in``; the bundled stack only)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from commfuse.demo import fp8 as fp8_forms
     from commfuse.demo import transformer as demo
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -52,9 +54,13 @@ def _build(kind: str, cfg, device, dtype):
         return hf_llama.Logits(hf_llama.parallelize_by_own_plan(hf_llama.build(cfg, device, dtype), mesh))
     torch.manual_seed(0)  # identical weights on every rank and for every backend
     model = demo.Transformer(cfg).to(device=device, dtype=dtype)
-    if kind == "hooks":
-        return demo.parallelize_hooks(model)
-    return demo.parallelize_dtensor(model, mesh, sequence_parallel=kind == "sp")
+
+    def split(model):
+        if kind == "hooks":
+            return demo.parallelize_hooks(model)
+        return demo.parallelize_dtensor(model, mesh, sequence_parallel=kind == "sp", fp8=fp8)
+
+    return fp8_forms.split_in(model, fp8, split, "commfuse bench model")
 
 
 def _compile(backend: str, model, cudagraphs: bool = False):
@@ -216,7 +222,7 @@ def _call_lines(rows: list[dict], step_ms: float | None, host_ms: float) -> list
 
 
 def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, backends, iters: int,
-             context: int = 0, rounds: int = ROUNDS, call_steps: int = 0) -> dict:
+             context: int = 0, rounds: int = ROUNDS, call_steps: int = 0, fp8: str | None = None) -> dict:
     import commfuse
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -229,9 +235,9 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
     else:
         x = torch.randn(batch, local_seq, cfg.dim, device=device, dtype=dtype)
     label = (f"decode_cg_b{batch}" if graphs else f"decode_b{batch}") if decode else mode
-    rec = {"model": kind, "mode": label, "batch": batch, "seq": context if decode else seq,
+    rec = {"model": _named(kind, fp8), "mode": label, "batch": batch, "seq": context if decode else seq,
            "world": world, "layers": cfg.n_layers, "dim": cfg.dim, "device": device.type,
-           "dtype": str(dtype).replace("torch.", ""), "ms": {}, "compile_s": {}}
+           "dtype": str(dtype).replace("torch.", ""), "ms": {}, "compile_s": {}, "fp8": fp8}
     outputs, steps = {}, {}
     torch._dynamo.reset()
     _allow_many_compiles()
@@ -240,7 +246,7 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
             continue
         if graphs and (backend == "eager" or device.type != "cuda"):
             continue
-        model = _build(kind, cfg, device, dtype)
+        model = _build(kind, cfg, device, dtype, fp8)
         pos = None
         if decode:
             model.setup_cache(batch, context + iters + WARMUP + 16, device, dtype)
@@ -387,7 +393,7 @@ def _make_step(mode: str, compiled, x, pos, opt, graphs: bool):
     return step
 
 
-def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int) -> dict:
+def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int, fp8: str | None = None) -> dict:
     """Train ``steps`` SGD steps on a fixed regression task with eager, Inductor and commfuse from
     the same weights and data; the loss curves and commfuse's largest relative deviation."""
     import torch.nn.functional as F
@@ -407,7 +413,7 @@ def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int) -
     _allow_many_compiles()
     commfuse.clear_report()
     for backend in ("eager", "inductor", "commfuse"):
-        model = _build(kind, cfg, device, dtype)
+        model = _build(kind, cfg, device, dtype, fp8)
         compiled = _compile(backend, model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
         curve = []
@@ -425,10 +431,15 @@ def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int) -
     def max_rel_dev(backend: str) -> float:
         return max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses[backend], losses["eager"]))
 
-    return {"model": kind, "mode": "loss", "steps": steps, "batch": batch, "seq": seq, "world": world,
+    return {"model": _named(kind, fp8), "mode": "loss", "steps": steps, "batch": batch, "seq": seq, "world": world, "fp8": fp8,
             "layers": cfg.n_layers, "dim": cfg.dim, "dtype": str(dtype).replace("torch.", ""),
             "losses": losses, "commfuse_max_rel_dev": max_rel_dev("commfuse"), "fused": len(commfuse.report().fused),
             "inductor_max_rel_dev": max_rel_dev("inductor")}
+
+
+def _named(kind: str, fp8: str | None) -> str:
+    """A record's model: its split, and its FP8 form where it has one (tables and plots key on it)."""
+    return f"{kind} fp8-{fp8}" if fp8 else kind
 
 
 def _line(rec: dict) -> str:
@@ -543,10 +554,18 @@ def fill_defaults(args, cuda: bool) -> list[str]:
     for option in ("layers", "batch", "seq", "context", "iters", "rounds"):
         if getattr(args, option) < 1:
             raise SystemExit(f"commfuse bench model: --{option} must be at least 1, got {getattr(args, option)}")
+    fp8 = getattr(args, "fp8", None)
+    if fp8 and "hf" in args.models.split(","):
+        raise SystemExit("commfuse bench model: --fp8 takes the bundled stack's splits (dtensor, sp, hooks), not hf")
+    if fp8 == "weights" and (set(args.models.split(",")) != {"hooks"}
+                             or {"train", "loss"} & set(args.modes.split(","))):
+        raise SystemExit("commfuse bench model: --fp8 weights takes --models hooks and inference modes "
+                         "(prefill, decode, decode_cg): its weights are buffers, nothing trains")
     modes = [m for m in args.modes.split(",") if m and (cuda or m != "decode_cg")]
     decode = (f", decode batches {args.decode_batches} from context {args.context}"
               if any(m.startswith("decode") for m in modes) else "")
-    return [f"models {args.models}; modes {','.join(modes)}; backends {args.backends}",
+    fp8 = f"; FP8: {fp8}" if fp8 else ""
+    return [f"models {args.models}{fp8}; modes {','.join(modes)}; backends {args.backends}",
             f"{count(args.layers, 'layer')} ({'small' if args.small or not cuda else '8B-class'} sizes), batch "
             f"{args.batch}, sequence {args.seq}{decode}; {count(args.iters, 'step')} per backend in "
             f"{count(args.rounds, 'alternating round')}"]
@@ -597,10 +616,10 @@ def main(args) -> int:
                 cases = [(args.batch, {})]
             for batch, extra in cases:
                 if mode == "loss":
-                    rec = loss_case(kind, cfg, batch, args.seq, device, dtype, args.loss_steps)
+                    rec = loss_case(kind, cfg, batch, args.seq, device, dtype, args.loss_steps, args.fp8)
                 else:
                     rec = run_case(kind, mode, cfg, batch, args.seq, device, dtype, backends, args.iters,
-                                   rounds=args.rounds, call_steps=args.call_times, **extra)
+                                   rounds=args.rounds, call_steps=args.call_times, fp8=args.fp8, **extra)
                 records.append(rec)
                 if dist.get_rank() == 0:
                     print(_line(rec), file=sys.stderr, flush=True)

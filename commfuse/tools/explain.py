@@ -123,25 +123,19 @@ def run(args: argparse.Namespace):
     dtype = getattr(torch, args.dtype)
     model = demo.Transformer(cfg).to(dtype)
     seq = args.seq
-    if args.fp8 in ("tensorwise", "rowwise"):
-        from commfuse.demo import fp8
+    from commfuse.demo import fp8
 
-        try:
-            fp8.float8_training(model, recipe=args.fp8)
-        except ImportError as exc:
-            raise SystemExit(f"commfuse explain: --fp8 {args.fp8} needs torchao ({exc})") from None
-    try:
+    def split(model):
         if args.model == "hooks":
-            demo.parallelize_hooks(model)
-        else:
-            mesh = init_device_mesh("cpu", (world,))
-            demo.parallelize_dtensor(model, mesh, sequence_parallel=args.model == "sp", fp8=args.fp8)
+            return demo.parallelize_hooks(model)
+        return demo.parallelize_dtensor(model, init_device_mesh("cpu", (world,)), sequence_parallel=args.model == "sp",
+                                        fp8=args.fp8)
+
+    try:
+        model = fp8.split_in(model, args.fp8, split, "commfuse explain")
     except ValueError as exc:
         raise SystemExit(f"commfuse explain: {exc}") from None
     if args.fp8 == "weights":
-        from commfuse.demo import fp8
-
-        fp8.quantize_linears(model)
         args.inference = True  # the weights are buffers: nothing to train
     if args.model == "sp":
         if seq % world:
