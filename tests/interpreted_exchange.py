@@ -175,6 +175,17 @@ def late_peer_case(world: int, rank: int) -> None:
     assert torch.equal(out[:, rank], views[rank]), (world, rank, "own rows")
     others = [p for p in range(world) if p != rank]
     assert bool(out[:, others].isnan().all()), (world, rank, "gather: a late peer's rows")
+    # bytes (the row-wise FP8 gather's FP8 rows and float32 scales): all ones, NaN in both
+    views = [x.data(parity, (5, 48), torch.uint8) for x in ws]
+    for p, v in enumerate(views):
+        v.copy_(torch.randint(0, 255, (5, 48), dtype=torch.uint8))
+    me.err.zero_()
+    out = torch.zeros(5, world, 48, dtype=torch.uint8)
+    exchange.gather(me, views[rank], out, 5, 48, epoch, 2, block=BLOCK, num_warps=4)
+    assert torch.equal(out[:, rank], views[rank]), (world, rank, "own bytes")
+    assert bool((out[:, others] == 255).all()), (world, rank, "gather: a late peer's bytes")
+    assert bool(out[:, others].reshape(-1).view(torch.float8_e4m3fn).float().isnan().all())
+    assert bool(out[:, others].reshape(-1).view(torch.float32).isnan().all())
     views = arm((3, world, 40))
     out = torch.zeros(3, 40, dtype=DT)
     exchange.reduce_scatter(me, views[rank], out, 3, 40, epoch, 3, block=BLOCK, num_warps=4)

@@ -168,9 +168,9 @@ def test_all_gather_scaled_mm_pull_moves_fp8(sim, monkeypatch, gather_dim, shape
     assert seen == [codes.OP_SCALED_AG]
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["fp8-rows", "bf16-read-after"])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monkeypatch, gathered, pow2):
+@pytest.mark.parametrize("gathered", [False, True], ids=["fp8-rows", "read-after"])
+@pytest.mark.parametrize("pow2, hp", [(False, BF16), (True, BF16), (False, torch.float32)], ids=["bf16", "bf16-pow2", "fp32"])
+def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monkeypatch, gathered, pow2, hp):
     """Each rank's rows quantised before the gather, its FP8 rows and float32 multipliers gathered
     as one block of bytes and unpacked: the same bits and the same product as the unfused op's
     (quantise after an NCCL gather). Where the graph reads the bf16 gathered tensor, that is
@@ -179,11 +179,11 @@ def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monk
     world, r, rows = sim.world, sim.mine.rank, 3
     spec = ALL_GATHER_ROWWISE_SCALED_MM
     g = torch.Generator().manual_seed(200)
-    shards = [(torch.randn(rows, K, generator=g) * (p + 1)).to(BF16) for p in range(world)]
+    shards = [(torch.randn(rows, K, generator=g) * (p + 1)).to(hp) for p in range(world)]
     b, sb, bias = _weight(201), _scale(202, 1, N), _scale(203, N).to(BF16)
     for p in sim.peers():  # what each peer left in its workspace
         if gathered:
-            sim.peer_data(p, (rows, K), BF16).copy_(shards[p])
+            sim.peer_data(p, (rows, K), hp).copy_(shards[p])
         else:
             q, mult = reference.quantise_rows(shards[p], E4M3, 1e-12, pow2)
             packed = sim.peer_data(p, (rows * K + 4 * rows,), torch.uint8)

@@ -120,7 +120,8 @@ _EXCHANGE_COMMON = {"flags": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank
     ("reduce_scatter_kernel", "bf16"), ("staged_one_shot_kernel", "bf16"),
     # the FP8 ops' exchanges (decisions.md §20): fp32 products summed, FP8 shards gathered
     ("one_shot_kernel", "fp32"), ("two_shot_kernel", "fp32"), ("reduce_scatter_kernel", "fp32"),
-    ("pull_gather_kernel", "fp8e4nv"), ("pull_gather_kernel", "fp8e5")])
+    ("pull_gather_kernel", "fp8e4nv"), ("pull_gather_kernel", "fp8e5"),
+    ("pull_gather_kernel", "u8")])  # the row-wise FP8 gather's bytes, poisoned as all ones
 def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel, dtype):
     """The exchange kernels, with a late peer's NaN (``tests/interpreted_exchange.py`` checks the
     values), compile for sm_90: signals released and waits acquired at system scope."""

@@ -174,7 +174,8 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
     """Copy every rank's shard (``outer`` rows of ``inner`` elements) into ``out``, rank r's row o
     at ``out[o, r]`` of an ``[outer, WORLD, inner]`` view: a gather along any leading dimension.
     ``VEC``: 1 when rows start on 16-byte boundaries, so peer loads may be vectorised. A late peer
-    leaves NaN in this program's blocks of the peers' rows (its own rows are copied as usual)."""
+    leaves NaN in this program's blocks of the peers' rows (its own rows are copied as usual); in
+    a gather of bytes, bytes of all ones, which read as NaN in FP8 and in float32 alike."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
@@ -189,7 +190,10 @@ def pull_gather_kernel(shard, out, outer, inner, flags, heap_bases, epoch, rank,
             val = peer_load(shard + row.to(tl.int64) * inner + offs, rank, peer, heap_bases, mask, VEC)
             if i != 0:  # a peer's rows (i is a compile-time index)
                 if late != 0:
-                    val = tl.full((BLOCK,), float("nan"), tl.float32).to(val.dtype)
+                    if val.dtype == tl.uint8:  # bytes (FP8 rows with their float32 scales): all ones,
+                        val = tl.full((BLOCK,), 255, tl.uint8)  # a NaN in FP8 and in float32
+                    else:
+                        val = tl.full((BLOCK,), float("nan"), tl.float32).to(val.dtype)
             dst = out + (row.to(tl.int64) * WORLD + peer) * inner + offs
             tl.store(dst, val, mask=mask)
 

@@ -157,7 +157,7 @@ def rms_norm_of(h: fx.Node) -> Norm:
 
 def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
     """Skip unless the chain fuses here (module docstring): from what every rank shares, the
-    group's size, the call's sizes and the settings; the GPU's architecture is this rank's, alike
+    group's size, the call's sizes and the settings (under CUDA graphs, the graph lane's bytes); the GPU's architecture is this rank's, alike
     wherever the ranks could run a symmetric path (a mixed group's calls run the unfused chain)."""
     if call.world < 2:
         raise Skip("one rank: nothing to exchange, the chain stays with Inductor")

@@ -44,7 +44,9 @@ def run_rowwise(path, ctx: Context, args):
     shard, world = args.shard, args.world_size
     k = shard.shape[-1]
     rows = shard.numel() // k
-    ws = workspace(ctx, path.workspace_bytes(ctx.call), shard.device)
+    # the planned bytes hold a bf16 shard; an fp32 one that the graph reads gathered grows the
+    # workspace (collectively: every rank's shard has the dtype)
+    ws = workspace(ctx, max(path.workspace_bytes(ctx.call), shard.numel() * shard.element_size()), shard.device)
     out = torch.empty((ctx.call.m, args.b.shape[1]), dtype=path.spec.product_dtype(args), device=shard.device)
     code = EXCHANGE_CODE[path.op]
     if args.return_gathered:
