@@ -501,7 +501,8 @@ def test_path_sweep_turns_its_winners_into_a_rules_table(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter",
-                                "rowwise_scaled_mm_all_reduce", "rowwise_scaled_mm_reduce_scatter"])
+                                "rowwise_scaled_mm_all_reduce", "all_gather_rowwise_scaled_mm",
+                                "rowwise_scaled_mm_reduce_scatter"])
 def test_fp8_ops_are_timed_through_their_specs(op, monkeypatch, world2):
     """``bench ops --ops <FP8 op>``'s record on the CPU (a fake group of 2, every timing a call
     counted instead of timed, no symmetric path on a CPU group): the spec's operands, its product
@@ -514,7 +515,7 @@ def test_fp8_ops_are_timed_through_their_specs(op, monkeypatch, world2):
 
     timed = []
     monkeypatch.setattr(bench, "time_us", lambda fn: timed.append(fn()) or float(len(timed)))
-    monkeypatch.setattr(bench, "_exchange_alone", lambda case, t: t.update({"symm": 1.0}))
+    monkeypatch.setattr(bench, "_exchange_alone", lambda t, *_: t.update({"symm": 1.0}))
     monkeypatch.setattr(groups, "group_facts", lambda state, device, capturing: GroupFacts(2, "cpu", "cpu", 0))
     rec = bench.bench_spec_shape(op, 64, 32, 48, torch.bfloat16, dist.group.WORLD, device=torch.device("cpu"))
     assert rec["op"] == op and rec["path"] == "nccl" and rec["peers"] == {}

@@ -69,9 +69,9 @@ def float8_training(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
 
 def split_in(model: nn.Module, form: str | None, split, command: str) -> nn.Module:
     """``model`` split for tensor parallelism by ``split(model)``, in FP8 ``form`` (``tensorwise``,
-    ``rowwise``, ``weights``; None: as it is): torchao's float8 training converts the linears before the split, FP8 weights are
-    quantised after it (the gpt-fast hooks move with each module's forward hooks). A missing
-    torchao is one line naming ``command``."""
+    ``rowwise``, ``weights``; None: as it is): torchao's float8 training converts the linears
+    before the split, FP8 weights are quantised after it (the gpt-fast hooks move with each
+    module's forward hooks). A missing torchao is one line naming ``command``."""
     if form in ("tensorwise", "rowwise"):
         try:
             float8_training(model, recipe=form)

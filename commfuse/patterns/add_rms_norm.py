@@ -33,8 +33,7 @@ two GPUs). Where the chain cannot gain it stays with Inductor, with the reason r
 a GPU other than sm_90 or ROCm (the kernel was measured on sm_90 only), a hidden size past the
 kernel's ``MAX_HIDDEN``, under CUDA graphs a call past the graph lane (``COMMFUSE_GRAPH_BYTES``:
 inside a capture it would run the chain op by op; within it the op takes the lane, its ``graph``
-path), and ``check_fusable``'s guards (dtype, sizes, launch bound,
-exclusions).
+path), and ``check_fusable``'s guards (dtype, sizes, launch bound, exclusions).
 
 Skipped too, with the reason: a reduce op other than sum; a reduced sum, add or norm step read by
 anything outside the chain (a training forward saves the norm's ``rsqrt`` for the backward: only
@@ -157,8 +156,9 @@ def rms_norm_of(h: fx.Node) -> Norm:
 
 def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
     """Skip unless the chain fuses here (module docstring): from what every rank shares, the
-    group's size, the call's sizes and the settings (under CUDA graphs, the graph lane's bytes); the GPU's architecture is this rank's, alike
-    wherever the ranks could run a symmetric path (a mixed group's calls run the unfused chain)."""
+    group's size, the call's sizes and the settings (under CUDA graphs, the graph lane's bytes);
+    the GPU's architecture is this rank's, alike wherever the ranks could run a symmetric path (a
+    mixed group's calls run the unfused chain)."""
     if call.world < 2:
         raise Skip("one rank: nothing to exchange, the chain stays with Inductor")
     if call.n > MAX_HIDDEN:

@@ -25,8 +25,6 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
                   bias: torch.Tensor | None, out_dtype: torch.dtype | None, use_fast_accum: bool,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 product exactly as the matched ``_scaled_mm`` node computed it (into ``out``)."""
-    if out is None:
-        return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
                             out=out)
 
@@ -174,9 +172,15 @@ def all_gather_rowwise_scaled_mm(shard, b, scale_b, bias, out_dtype, use_fast_ac
         q = all_gather(q, gather_dim, world_size, group_name)
         multiplier = all_gather(multiplier, gather_dim, world_size, group_name)
         gathered = shard.new_empty((0,))
-    scale_a = multiplier.reshape(-1, 1).reciprocal()
-    out = scaled_matmul(q.reshape(-1, q.shape[-1]), b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
-    return out, gathered
+    return rows_times(q, multiplier, b, scale_b, bias, out_dtype, use_fast_accum), gathered
+
+
+def rows_times(q: torch.Tensor, multiplier: torch.Tensor, b, scale_b, bias, out_dtype, use_fast_accum,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantised rows ``q`` (``[..., K]``) times ``b``, each row scaled by its multiplier's
+    reciprocal (``quantise_rows``' outputs), into ``out``."""
+    return scaled_matmul(q.reshape(-1, q.shape[-1]), b, multiplier.reshape(-1, 1).reciprocal(), scale_b, bias,
+                         out_dtype, use_fast_accum, out)
 
 
 def resolve_shape(shape, numel) -> list:

@@ -372,6 +372,13 @@ def _scaled_product(args, a: torch.Tensor, out: torch.Tensor) -> None:
                             out=out)
 
 
+def _quantised_product(args, a: torch.Tensor, out: torch.Tensor) -> None:
+    """The row-wise gather's product of gathered high-precision rows ``a``: quantised row by row,
+    then multiplied (``reference.all_gather_rowwise_scaled_mm`` after its gather)."""
+    q, multiplier = reference.quantise_rows(a, args.float8_dtype, args.eps, args.pow2_scales)
+    reference.rows_times(q, multiplier, args.b, args.scale_b, args.bias, args.out_dtype, args.use_fast_accum, out)
+
+
 def _rowwise_product(args, a: torch.Tensor, out: torch.Tensor) -> None:
     reference.rowwise_scaled_matmul(a, args.b, args.scale_a, args.scale_b, args.bias, args.out_dtype,
                                     args.use_fast_accum, args.post_scale_a, args.post_scale_b, out=out)
@@ -484,6 +491,7 @@ ALL_GATHER_ROWWISE_SCALED_MM = OpSpec(
     cuts_rows=True,
     unfused="(_scaled_mm(q, b, 1/s, scale_b, bias, out_dtype=o, use_fast_accum=f), the gathered x if r else empty) "
             "with q, s = quantise_rows(cat(all_gather(x, g), dim=d)).flatten(0, -2)",
+    product=_quantised_product,
 )
 
 # ---------------------------------------------------------------------------------------------

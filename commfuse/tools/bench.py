@@ -52,7 +52,7 @@ AG_MM_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (409
 OPS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 #: The FP8 ops timed through their specs (``bench_spec_shape``), each on its base op's shapes.
 FP8_OPS = ("scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter",
-           "rowwise_scaled_mm_all_reduce", "rowwise_scaled_mm_reduce_scatter")
+           "rowwise_scaled_mm_all_reduce", "all_gather_rowwise_scaled_mm", "rowwise_scaled_mm_reduce_scatter")
 
 
 def shapes_of(op: str, which: str = "default", limit: int = 0) -> list[tuple[int, int, int]]:
@@ -185,24 +185,30 @@ class Case:
         return groups.workspace(self.state, nbytes, self.device)
 
 
-def _exchange_alone(case: Case, t: dict) -> None:
-    """commfuse's exchange kernels alone on the group's workspace (no matmul): the all-reduce's
-    one-shot and two-shot, the all-gather's pull, the reduce-scatter's pull."""
+#: The timings of an exchange alone (NCCL's, commfuse's kernels', torch symmetric memory's) that the
+#: floor takes the fastest of, those a shape has.
+EXCHANGES_ALONE = ("nccl_ar", "nccl_ag", "nccl_rs", "one_shot_ar", "two_shot_ar", "symm_ag", "symm_rs",
+                   "torch_symm_one_shot_ar", "torch_symm_two_shot_ar")
+
+
+def _exchange_alone(t: dict, op: str, m: int, k: int, n: int, dtype, world: int, workspace) -> None:
+    """commfuse's exchange kernels alone on the group's workspace (``workspace(nbytes)``), no
+    matmul, on the exchanged tensor's ``dtype``: the all-reduce's one-shot and two-shot, the
+    all-gather's pull, the reduce-scatter's pull (``op``: the base op of the one timed)."""
     from commfuse.kernels import exchange
     from commfuse.kernels.codes import OP_ALL_GATHER_MM, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER
 
-    m, n, k, dtype, world = case.m, case.n, case.k, case.dtype, case.world
-    if case.op == "mm_all_reduce":
-        ws = case.workspace(m * n * dtype.itemsize)
+    if op == "mm_all_reduce":
+        ws = workspace(m * n * dtype.itemsize)
         out = torch.empty(m, n, device="cuda", dtype=dtype)
         for algo in ("one_shot", "two_shot"):
             def exch(algo=algo):
                 epoch, parity = ws.next_epoch()
                 exchange.all_reduce(ws, ws.data(parity, (m, n), dtype), out, epoch, algo, OP_MM_ALL_REDUCE)
             t[f"{algo}_ar"] = time_us(exch)
-    elif case.op == "all_gather_mm":
+    elif op == "all_gather_mm":
         rows = m // world
-        ws = case.workspace(rows * k * dtype.itemsize)
+        ws = workspace(rows * k * dtype.itemsize)
         gathered = torch.empty(m, k, device="cuda", dtype=dtype)
 
         def exch():
@@ -210,7 +216,7 @@ def _exchange_alone(case: Case, t: dict) -> None:
             exchange.gather(ws, ws.data(parity, (rows, k), dtype), gathered, 1, rows * k, epoch, OP_ALL_GATHER_MM)
         t["symm_ag"] = time_us(exch)
     else:
-        ws = case.workspace(m * n * dtype.itemsize)
+        ws = workspace(m * n * dtype.itemsize)
         out = torch.empty(m // world, n, device="cuda", dtype=dtype)
 
         def exch():
@@ -263,7 +269,7 @@ def bench_shape(op: str, m: int, k: int, n: int, dtype, group, iris: bool = Fals
         t["nccl_ar" if op == "mm_all_reduce" else "nccl_rs"] = time_us(
             lambda: funcol.wait_tensor(case.collective(partial)))
     t["unfused"] = time_us(case.unfused)
-    _exchange_alone(case, t)
+    _exchange_alone(t, op, m, k, n, dtype, case.world, case.workspace)
     paths = case.paths()
     if op == "mm_all_reduce" and "fused" in paths:  # the tile kernels' GEMM alone, against cuBLAS's
         from commfuse.kernels import tiles
@@ -289,8 +295,7 @@ def bench_shape(op: str, m: int, k: int, n: int, dtype, group, iris: bool = Fals
         peers["torch_fused_matmul_reduce_scatter"] = _try(
             lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(case.a, case.b, "sum", 0, case.gname))
     _settle(t, {"unfused": (case.unfused, None), "commfuse_default": (case.commfuse, None)})
-    exchanges = [t[key] for key in ("nccl_ar", "nccl_ag", "nccl_rs", "one_shot_ar", "two_shot_ar", "symm_ag",
-                                    "symm_rs", "torch_symm_one_shot_ar", "torch_symm_two_shot_ar") if t.get(key)]
+    exchanges = [t[key] for key in EXCHANGES_ALONE if t.get(key)]
     for where, key in BEST_UNFUSED.get(op, ()):  # one not measured here is recorded as failed
         (peers if where == "peers" else t).setdefault(key, None)
     rec = dict(op=op, M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=case.world,
@@ -338,8 +343,8 @@ def bench_spec_shape(op: str, m: int, k: int, n: int, dtype, group, device: torc
         t["nccl_rs"] = time_us(lambda: reference.reduce_scatter(product, list(args.shape), args.scatter_dim, world,
                                                                 gname))
     t["unfused"] = time_us(lambda: spec.run_nccl(args))
-    shim = _SpecCase(spec.pattern, m, k, n, call.dtype if gathers else product.dtype, world, state, device)
-    _exchange_alone(shim, t)
+    _exchange_alone(t, spec.pattern, m, k, n, call.dtype if gathers else product.dtype, world,
+                    lambda nbytes: groups.workspace(state, nbytes, device))
     paths = [p.name for p in policy.candidates(call, facts) if p.name != "nccl"]
     with _forced(None):
         t["commfuse_default"] = time_us(lambda: fn(*args))
@@ -347,27 +352,12 @@ def bench_spec_shape(op: str, m: int, k: int, n: int, dtype, group, device: torc
         with _forced(algo):
             t[f"commfuse_{algo}"] = time_us(lambda: fn(*args))
     _settle(t, {"unfused": (lambda: spec.run_nccl(args), None), "commfuse_default": (lambda: fn(*args), None)})
-    exchanges = [t[key] for key in ("nccl_ar", "nccl_ag", "nccl_rs", "one_shot_ar", "two_shot_ar", "symm_ag",
-                                    "symm_rs") if t.get(key)]
+    exchanges = [t[key] for key in EXCHANGES_ALONE if t.get(key)]
     rec = dict(op=op, M=m, K=k, N=n, dtype=str(call.dtype).replace("torch.", ""), world=world,
                path=policy.rules_choice(call, facts).name, unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
                floor_us=max(t["mm"], min(exchanges)), parts=t, peers={})
     rec["best_unfused_us"] = t["unfused"]  # no unfused alternative to NCCL is timed for the FP8 ops
     return rec
-
-
-class _SpecCase:
-    """What ``_exchange_alone`` reads of a case, for a spec-timed op: the base op, the sizes, the
-    exchanged tensor's dtype and the group's workspace."""
-
-    def __init__(self, op, m, k, n, dtype, world, state, device):
-        self.op, self.m, self.k, self.n, self.dtype, self.world = op, m, k, n, dtype, world
-        self.state, self.device = state, device
-
-    def workspace(self, nbytes: int):
-        from commfuse.runtime import groups
-
-        return groups.workspace(self.state, nbytes, self.device)
 
 
 def bench_tuned(op: str, m: int, k: int, n: int, dtype, group, tuner) -> dict:

@@ -431,8 +431,8 @@ def loss_case(kind: str, cfg, batch: int, seq: int, device, dtype, steps: int, f
     def max_rel_dev(backend: str) -> float:
         return max(abs(c - e) / max(abs(e), 1e-12) for c, e in zip(losses[backend], losses["eager"]))
 
-    return {"model": _named(kind, fp8), "mode": "loss", "steps": steps, "batch": batch, "seq": seq, "world": world, "fp8": fp8,
-            "layers": cfg.n_layers, "dim": cfg.dim, "dtype": str(dtype).replace("torch.", ""),
+    return {"model": _named(kind, fp8), "mode": "loss", "steps": steps, "batch": batch, "seq": seq, "world": world,
+            "fp8": fp8, "layers": cfg.n_layers, "dim": cfg.dim, "dtype": str(dtype).replace("torch.", ""),
             "losses": losses, "commfuse_max_rel_dev": max_rel_dev("commfuse"), "fused": len(commfuse.report().fused),
             "inductor_max_rel_dev": max_rel_dev("inductor")}
 

@@ -39,23 +39,16 @@ def pull(ws, shard, gathered, gather_dim: int, epoch: int, parity: int, op_code:
 
 def run_rowwise(path, ctx: Context, args):
     """``paths/ag_pull.py``'s ``RowwiseGatherPull``: this rank's rows quantised, gathered with their
-    multipliers as bytes, unpacked, multiplied; or, where the graph reads the bf16 gathered tensor,
-    that gathered and quantised after (the unfused op's two forms, ``reference``)."""
+    multipliers as bytes, unpacked, multiplied; or, where the graph reads the high-precision
+    gathered tensor, ``run``: that gathered, then the op's product (quantised after the gather),
+    the unfused op's two forms (``reference``)."""
+    if args.return_gathered:
+        return run(path, ctx, args)
     shard, world = args.shard, args.world_size
     k = shard.shape[-1]
     rows = shard.numel() // k
-    # the planned bytes hold a bf16 shard; an fp32 one that the graph reads gathered grows the
-    # workspace (collectively: every rank's shard has the dtype)
-    ws = workspace(ctx, max(path.workspace_bytes(ctx.call), shard.numel() * shard.element_size()), shard.device)
+    ws = workspace(ctx, path.workspace_bytes(ctx.call), shard.device)
     out = torch.empty((ctx.call.m, args.b.shape[1]), dtype=path.spec.product_dtype(args), device=shard.device)
-    code = EXCHANGE_CODE[path.op]
-    if args.return_gathered:
-        gathered = torch.empty(gather_shape(shard, args.gather_dim, world), dtype=shard.dtype, device=shard.device)
-        with epoch_of(ctx, ws, path.op) as (epoch, parity):
-            pull(ws, shard, gathered, args.gather_dim, epoch, parity, code)
-            q, multiplier = reference.quantise_rows(gathered, args.float8_dtype, args.eps, args.pow2_scales)
-            _multiply(args, q.reshape(-1, k), multiplier, out)
-        return out, gathered
     q, multiplier = reference.quantise_rows(shard.reshape(rows, k), args.float8_dtype, args.eps, args.pow2_scales)
     body = rows * k  # the FP8 rows' bytes; the multipliers' 4 bytes a row follow
     packed = torch.empty((world, body + 4 * rows), dtype=torch.uint8, device=shard.device)
@@ -63,15 +56,9 @@ def run_rowwise(path, ctx: Context, args):
         mine = ws.data(parity, (body + 4 * rows,), torch.uint8)
         mine[:body].copy_(q.view(torch.uint8).reshape(-1))
         mine[body:].copy_(multiplier.reshape(-1).view(torch.uint8))
-        exchange.gather(ws, mine, packed, 1, body + 4 * rows, epoch, code)
+        exchange.gather(ws, mine, packed, 1, body + 4 * rows, epoch, EXCHANGE_CODE[path.op])
         q_all = packed[:, :body].reshape(world * rows, k).view(args.float8_dtype)  # a copy: rows of every rank
-        multipliers = packed[:, body:].contiguous().view(torch.float32).reshape(world * rows, 1)
-        _multiply(args, q_all, multipliers, out)
+        multipliers = packed[:, body:].contiguous().view(torch.float32)
+        reference.rows_times(q_all, multipliers, args.b, args.scale_b, args.bias, args.out_dtype, args.use_fast_accum,
+                             out)
     return out, shard.new_empty((0,))
-
-
-def _multiply(args, q, multiplier, out) -> None:
-    """The gathered FP8 rows times the weight, each row scaled by its multiplier's reciprocal
-    (``reference.all_gather_rowwise_scaled_mm``'s product)."""
-    reference.scaled_matmul(q, args.b, multiplier.reshape(-1, 1).reciprocal(), args.scale_b, args.bias,
-                            args.out_dtype, args.use_fast_accum, out=out)
