@@ -12,6 +12,11 @@ geomean of tile ÷ cuBLAS at M >= 1024, where the GEMM dominates the call. ``--a
 times a few other tilings per shape and reports the best, to show what choosing tiles per shape
 class could gain. Every result is checked against an fp32 product first (output poisoned).
 
+``--fp8 tensorwise|rowwise`` times the FP8 form instead: ``torch._scaled_mm`` on e4m3 operands
+(nn.Linear's weight transposed, bf16 output, ``--slow-accum`` for ``use_fast_accum=False``)
+against the tile GEMM with the same scales in its epilogue (``kernels.tiles.scaled_matmul``),
+with ``FP8_TILING`` and, with ``--alternatives``, ``FP8_ALTERNATIVES``.
+
 What it does not time: the split-K kernel (its K loop is split across programs, not a tile GEMM
 of this shape), nor the fused kernels' own K loop with the exchange switched off (only the fused
 all-reduce kernel has such a switch, ``fused_all_reduce.ABLATE``).
@@ -30,6 +35,11 @@ import torch
 #: Other tilings tried with ``--alternatives`` (Hopper, bf16): wide, square and tall tiles.
 ALTERNATIVES = ("128x128x64s4w8g8r0", "128x256x64s4w8g8r0", "256x128x64s3w8g8r0", "64x256x64s4w4g8r0",
                 "128x128x128s3w8g8r0")
+
+#: The FP8 form's tiling (Hopper: K blocks of 128 bytes, as bf16's 64) and the others it tries.
+FP8_TILING = "128x256x128s3w8g8r0"
+FP8_ALTERNATIVES = ("128x128x128s4w8g8r0", "128x256x128s4w8g8r0", "256x128x128s3w8g8r0", "64x256x128s4w4g8r0",
+                    "128x128x256s3w8g8r0")
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -54,12 +64,33 @@ def time_flushed(fn, flush: torch.Tensor, iters: int) -> float:
     return statistics.median(times)
 
 
+def _fp8_operands(a: torch.Tensor, weight: torch.Tensor, scales: str):
+    """``a`` and ``weight`` quantised to e4m3 as torchao's float8 does (amax to the format's
+    largest value): the FP8 operands (``b`` the weight's transpose, column-major as
+    ``_scaled_mm`` takes it) and the float32 multipliers that undo the quantisation, one per
+    tensor or one per row of ``a`` and column of ``b``."""
+    fp8 = torch.float8_e4m3fn
+    top = torch.finfo(fp8).max
+    if scales == "rowwise":
+        sa = a.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / top
+        sb = weight.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12).t() / top
+    else:
+        sa = a.abs().amax().float().clamp(min=1e-12) / top
+        sb = weight.abs().amax().float().clamp(min=1e-12) / top
+    qa = (a.float() / sa).to(fp8)
+    qb = (weight.float() / (sb.t() if scales == "rowwise" else sb)).to(fp8).t()
+    return qa, qb, sa, sb
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="the group size whose per-rank shares are timed")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--alternatives", action="store_true", help="also time the tilings in ALTERNATIVES")
     p.add_argument("--ops", default="mm_all_reduce,mm_reduce_scatter,all_gather_mm")
+    p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
+                   help="time the FP8 form against torch._scaled_mm with these scales")
+    p.add_argument("--slow-accum", action="store_true", help="FP8: use_fast_accum=False")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -95,24 +126,45 @@ def main() -> int:
             a = torch.randn(m, k, device="cuda", dtype=dt)
             weight = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
             b = weight.t()
-            ref = a.float() @ b.float()
             out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
-            tiles.matmul(a, b, None, cfg, out=out)
+            if args.fp8:
+                cfg = TileConfig.parse(FP8_TILING)
+                a, b, sa, sb = _fp8_operands(a, weight, args.fp8)
+                fast = not args.slow_accum
+                ref = (a.float() * sa) @ (b.float() * sb)
+
+                def library(out=out):
+                    torch._scaled_mm(a, b, sa, sb, out_dtype=dt, use_fast_accum=fast, out=out)
+
+                def ours(cfg, out=out):
+                    tiles.scaled_matmul(a, b, sa, sb, None, dt, fast, cfg, out=out)
+            else:
+                ref = a.float() @ b.float()
+
+                def library(out=out):
+                    torch.mm(a, b, out=out)
+
+                def ours(cfg, out=out):
+                    tiles.matmul(a, b, None, cfg, out=out)
+            ours(cfg)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
                 raise RuntimeError(f"gemm_half: the tile GEMM is wrong at {op} {m}x{k}x{n} ({cfg}): {err}")
-            cublas = time_flushed(lambda: torch.mm(a, b, out=out), flush, args.iters)
-            tile = time_flushed(lambda: tiles.matmul(a, b, None, cfg, out=out), flush, args.iters)
+            out.fill_(float("nan"))
+            library()
+            lib_err = ((out.float() - ref).norm() / ref.norm()).item()
+            cublas = time_flushed(library, flush, args.iters)
+            tile = time_flushed(lambda: ours(cfg), flush, args.iters)
             rec = dict(op=op, M=m, K=k, N=n, world=w, tiling=str(cfg), cublas_us=cublas, tile_us=tile,
-                       ratio=tile / cublas)
+                       ratio=tile / cublas, tile_err=err, cublas_err=lib_err)
             line = f"{op:18s} {m:6d} {k:6d} {n:6d} {str(cfg):>20s} {cublas:10.1f} {tile:9.1f} {tile / cublas:11.3f}"
             if args.alternatives:
                 best = (tile, str(cfg))
-                for text in ALTERNATIVES:
+                for text in FP8_ALTERNATIVES if args.fp8 else ALTERNATIVES:
                     alt = TileConfig.parse(text)
                     try:
-                        tiles.matmul(a, b, None, alt, out=out)
-                        us = time_flushed(lambda alt=alt: tiles.matmul(a, b, None, alt, out=out), flush, args.iters)
+                        ours(alt)
+                        us = time_flushed(lambda alt=alt: ours(alt), flush, args.iters)
                     except Exception as exc:  # a tiling the device cannot fit (shared memory)
                         rec.setdefault("alt_failed", {})[text] = f"{type(exc).__name__}"
                         continue
@@ -140,7 +192,8 @@ def main() -> int:
 
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "commit": commit(), "records": records, "summary": summary}, f, indent=1)
+                       "commit": commit(), "fp8": args.fp8, "use_fast_accum": not args.slow_accum,
+                       "records": records, "summary": summary}, f, indent=1)
     return 0
 
 

@@ -9,7 +9,9 @@ its own), bf16, two forms alternating round by round:
 Decode row counts run through the graph lane (its staged one-shot: the form commfuse replays under
 CUDA graphs), each rank's ``--unroll`` calls captured in a CUDA graph of its own and the ranks'
 graphs replayed together; prefill row counts run eagerly through the one-shot over the workspace,
-the partial already there as a GEMM leaves it. The fused form is checked against an fp32
+the partial already there as a GEMM leaves it. ``--sequence-parallel`` row counts (the product's
+rows, every rank's) time the sequence-parallel form eagerly: the pull reduce-scatter of the rank's
+share then Inductor's add + norm, against the pull + add + norm kernel. The fused form is checked against an fp32
 reference of the unfused chain before it is timed and again after (outputs poisoned first).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from commfuse.kernels import exchange, norm_epilogue  # noqa: E402
-from commfuse.kernels.codes import GRAPH_LANE_OP, OP_MM_ALL_REDUCE  # noqa: E402
+from commfuse.kernels.codes import GRAPH_LANE_OP, OP_MM_ALL_REDUCE, OP_MM_REDUCE_SCATTER  # noqa: E402
 from commfuse.runtime import errors  # noqa: E402
 from commfuse.tools import emulated  # noqa: E402
 from commfuse.tools.timing import SLEEP_CYCLES, commit  # noqa: E402
@@ -105,6 +107,35 @@ class Case:
         stage = 2 * elems if staged else 0
         return (self.world * (self.world * elems + 5 * elems + stage),
                 self.world * (self.world * elems + 3 * elems + stage))
+
+
+class ScatterCase(Case):
+    """The sequence-parallel form's (world, rows, hidden): every rank's ``rows x hidden`` partial,
+    and per rank its share's residual, reference and outputs (``rows / world`` rows)."""
+
+    def __init__(self, world: int, rows: int, hidden: int):
+        torch.manual_seed(world * 100_000 + rows + hidden + 1)
+        share = rows // world
+        self.world, self.rows, self.hidden, self.full = world, share, hidden, rows
+        self.parts = [torch.randn(rows, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.xs = [torch.randn(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DT)
+        self.ws = [w.clone() for _ in range(world)]
+        total = sum(p.float() for p in self.parts)
+        self.refs = []
+        for r in range(world):
+            h = self.xs[r].float() + total[r * share:(r + 1) * share]
+            self.refs.append((h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w.float()))
+        self.sums = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.hs = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.ns = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.poison()
+        ADD_NORM(self.xs[0], self.sums[0], self.ws[0])
+        torch.cuda.synchronize()
+
+    def errors(self, outs) -> dict:
+        return {"h_err": max(_relerr(h, ref[0]) for (h, _), ref in zip(outs, self.refs)),
+                "n_err": max(_relerr(n, ref[1]) for (_, n), ref in zip(outs, self.refs))}
 
 
 def _checked(case: Case, outs, what: str) -> dict:
@@ -202,9 +233,10 @@ def decode(world: int, rows: int, hidden: int, args) -> dict:
     return _row(row, case, args, staged=True, form="graph lane, CUDA graphs")
 
 
-def prefill(world: int, rows: int, hidden: int, args) -> dict:
-    """One-shot over the workspace, eager: the partial already in both data halves."""
-    case = Case(world, rows, hidden)
+def prefill(world: int, rows: int, hidden: int, args, scatter: bool = False) -> dict:
+    """One-shot over the workspace, eager: the partial already in both data halves. ``scatter``:
+    the sequence-parallel form (the pull reduce-scatter of this rank's rows)."""
+    case = ScatterCase(world, rows, hidden) if scatter else Case(world, rows, hidden)
     ws = emulated.group(world, rows * hidden * DT.itemsize, timeout_s=args.wait_s)
     for r in range(world):
         for parity in (0, 1):
@@ -212,13 +244,22 @@ def prefill(world: int, rows: int, hidden: int, args) -> dict:
     streams = [torch.cuda.Stream() for _ in range(world)]
 
     def unfused(r, epoch, parity):
-        exchange.all_reduce(ws[r], ws[r].data(parity, (rows, hidden), DT), case.sums[r], epoch, "one_shot",
-                            OP_MM_ALL_REDUCE)
+        partial = ws[r].data(parity, (rows, hidden), DT)
+        if scatter:
+            exchange.reduce_scatter(ws[r], partial, case.sums[r], 1, rows * hidden // world, epoch,
+                                    OP_MM_REDUCE_SCATTER)
+        else:
+            exchange.all_reduce(ws[r], partial, case.sums[r], epoch, "one_shot", OP_MM_ALL_REDUCE)
         return ADD_NORM(case.xs[r], case.sums[r], case.ws[r])
 
     def fused(r, epoch, parity):
-        norm_epilogue.all_reduce_add_rms_norm(ws[r], ws[r].data(parity, (rows, hidden), DT), case.xs[r], case.ws[r],
-                                              case.hs[r], case.ns[r], EPS, epoch, OP_MM_ALL_REDUCE)
+        partial = ws[r].data(parity, (rows, hidden), DT)
+        if scatter:
+            norm_epilogue.reduce_scatter_add_rms_norm(ws[r], partial, case.xs[r], case.ws[r], case.hs[r], case.ns[r],
+                                                      rows // world, EPS, epoch, OP_MM_REDUCE_SCATTER)
+        else:
+            norm_epilogue.all_reduce_add_rms_norm(ws[r], partial, case.xs[r], case.ws[r], case.hs[r], case.ns[r],
+                                                  EPS, epoch, OP_MM_ALL_REDUCE)
         return case.hs[r], case.ns[r]
 
     def calls(fn, times):
@@ -248,13 +289,14 @@ def prefill(world: int, rows: int, hidden: int, args) -> dict:
     case.poison()
     row["after"] = _checked(case, once(fused), "after timing")
     errors.check(emulated.GroupState(ws[0]))
-    return _row(row, case, args, staged=False, form="one-shot, eager")
+    return _row(row, case, args, staged=False, form="pull (SP), eager" if scatter else "one-shot, eager")
 
 
 def _row(row: dict, case: Case, args, staged: bool, form: str) -> dict:
     unfused_bytes, fused_bytes = case.bytes_moved(staged)
     tbs = args.hbm_tbs * 1e12
-    return dict(world=case.world, rows=case.rows, hidden=case.hidden, form=form, unfused_us=row.pop("unfused"),
+    return dict(world=case.world, rows=getattr(case, "full", case.rows), hidden=case.hidden, form=form,
+                unfused_us=row.pop("unfused"),
                 fused_us=row.pop("fused"), **row, floor_unfused_us=unfused_bytes / tbs * 1e6,
                 floor_fused_us=fused_bytes / tbs * 1e6)
 
@@ -265,6 +307,8 @@ def main() -> None:
     p.add_argument("--hidden", default="4096,8192")
     p.add_argument("--decode", default="1,8,32,128,256", help="row counts timed under CUDA graphs")
     p.add_argument("--prefill", default="1024,4096,16384", help="row counts timed eagerly")
+    p.add_argument("--sequence-parallel", default="", help="row counts (every rank's) of the sequence-parallel "
+                   "form, timed eagerly")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median is kept")
     p.add_argument("--replays", type=int, default=50, help="graph replays per decode round")
     p.add_argument("--unroll", type=int, default=8, help="calls captured in each rank's graph")
@@ -280,7 +324,8 @@ def main() -> None:
             setattr(torch._dynamo.config, name, 64)
     began = time.monotonic()
     cases = [(kind, world, hidden, m) for world in _ints(args.worlds) for hidden in _ints(args.hidden)
-             for kind, ms in (("decode", _ints(args.decode)), ("prefill", _ints(args.prefill))) for m in ms]
+             for kind, ms in (("decode", _ints(args.decode)), ("prefill", _ints(args.prefill)),
+                              ("sp", _ints(args.sequence_parallel))) for m in ms if kind != "sp" or m % world == 0]
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": commit(), "dtype": "bf16", "eps": EPS, "args": vars(args), "rows": [], "failed": [],
               "skipped": []}
@@ -291,7 +336,7 @@ def main() -> None:
             record["skipped"].append(dict(kind=kind, world=world, hidden=hidden, rows=m))
             continue
         try:
-            row = (decode if kind == "decode" else prefill)(world, m, hidden, args)
+            row = decode(world, m, hidden, args) if kind == "decode" else prefill(world, m, hidden, args, kind == "sp")
         except Exception as exc:  # noqa: BLE001 - recorded; the next case gets fresh ranks
             torch.cuda.synchronize()
             record["failed"].append(dict(kind=kind, world=world, hidden=hidden, rows=m, error=repr(exc)[:500]))

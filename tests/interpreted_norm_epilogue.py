@@ -1,5 +1,6 @@
 """Run by test_tiles.py under TRITON_INTERPRET=1: the all-reduce + add + RMSNorm kernels of
-``norm_epilogue.py`` (the one-shot over a workspace, the graph lane's staged form) as one rank of
+``norm_epilogue.py`` (the one-shot over a workspace, its sequence-parallel form over this rank's share of the
+rows, the graph lane's staged form) as one rank of
 2 and of 4, in one process, the other ranks simulated as in ``interpreted_exchange.py`` (their
 partials in their workspaces, their flags raised). Outputs start NaN; ``h`` and ``n`` are compared
 with an fp32 reference of the unfused chain (sum of partials, add, rmsnorm, weight), and ``n``
@@ -78,6 +79,29 @@ def one_shot_case(world: int, rank: int, rows: int, cols: int, weight_last: bool
         assert int(me.err[0]) == 0
 
 
+def scatter_case(world: int, rank: int, slabs: int, chunk: int, cols: int, weight_last: bool) -> None:
+    """The sequence-parallel form: every rank's partial holds ``slabs`` slabs of ``world * chunk``
+    rows; this rank's share is ``chunk`` rows of each (``chunk * slabs`` rows of ``h`` and ``n``)."""
+    ws = group(world, 1 << 17, PROGRAMS)
+    me = ws[rank]
+    full, rows = slabs * world * chunk, slabs * chunk
+    for call in range(2):
+        epoch, parity = me.next_epoch()
+        parts, _, w = operands(world, full, cols, world * 10 + full + cols + call)
+        x = torch.randn(rows, cols, dtype=DT)
+        for p in range(world):
+            ws[p].data(parity, (full, cols), DT).copy_(parts[p])
+        raise_peer_flags(ws, me, epoch, PROGRAMS)
+        h, n = poisoned(rows, cols)
+        norm_epilogue.reduce_scatter_add_rms_norm(me, me.data(parity, (full, cols), DT), x, w, h, n, chunk, EPS,
+                                                  epoch, 1, weight_last, max_programs=PROGRAMS)
+        mine = [p.view(slabs, world, chunk, cols)[:, rank].reshape(rows, cols) for p in parts]
+        what = (world, rank, slabs, chunk, cols, weight_last, "scatter", call)
+        check(mine, x, w, h, n, weight_last, what)
+        assert my_signals(ws, me, epoch, min(rows, PROGRAMS)), (what, "signals")
+        assert int(me.err[0]) == 0
+
+
 def lane_case(world: int, rank: int, rows: int, cols: int, weight_last: bool) -> None:
     """The staged form: the epoch from the device counters, advanced by the kernel."""
     lanes = group(world, 1 << 17, PROGRAMS, lane=True)
@@ -127,6 +151,8 @@ def main() -> None:
         for rows, cols in ((1, 1000), (5, 999), (33, 1000)):
             for weight_last in (True, False):
                 one_shot_case(world, rank, rows, cols, weight_last)
+        scatter_case(world, rank, 1, 5, 999, True)  # the scatter cuts the rows
+        scatter_case(world, rank, 3, 2, 1000, False)  # a batch of sequences cut along the sequence
         lane_case(world, rank, 2, 1000, True)
         lane_case(world, rank, 33, 999, False)
         late_peer_case(world, rank)

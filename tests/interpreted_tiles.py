@@ -113,8 +113,41 @@ def check_matmul() -> None:
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+def check_scaled_matmul() -> None:
+    """The GEMM on FP8 operands with ``_scaled_mm``'s scales: against ``torch._scaled_mm`` itself
+    (the CPU runs it) with the same operands, tensor-wise and row-wise scales, with and without a
+    bias, bf16 and fp32 outputs, both FP8 element types; outputs poisoned first."""
+    torch.manual_seed(1)
+    cfg = tiles.TileConfig(bm=32, bn=32, bk=32, stages=2, warps=4, group_m=2)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    for m, k, n, rowwise, bias, out_dtype, (ta, tb) in [
+            (70, 64, 96, False, True, torch.bfloat16, (e4m3, e4m3)),
+            (33, 32, 48, True, False, torch.bfloat16, (e4m3, e4m3)),
+            (64, 96, 40, True, True, torch.bfloat16, (e5m2, e4m3)),
+            (5, 64, 24, False, False, torch.float32, (e4m3, e5m2))]:
+        a = (torch.randn(m, k) * 4).to(ta)
+        b = (torch.randn(n, k) * 4).to(tb).t()  # nn.Linear's weight, column-major as _scaled_mm wants it
+        sa = torch.rand(m, 1) + 0.5 if rowwise else torch.tensor(0.37)
+        sb = torch.rand(1, n) + 0.5 if rowwise else torch.tensor(1.9)
+        c = torch.randn(n, dtype=torch.bfloat16) if bias else None
+        for fast in (True, False):
+            out = torch.full((m, n), float("nan"), dtype=out_dtype)
+            tiles.scaled_matmul(a, b, sa, sb, c, out_dtype, fast, cfg, out=out, programs=3)
+            ref = torch._scaled_mm(a, b, sa, sb, c, out_dtype=out_dtype, use_fast_accum=fast).float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            # bf16: each side rounds its output once (the interpreter's cast may truncate: 2**-8 relative)
+            assert err < (8e-3 if out_dtype == torch.bfloat16 else 1e-5), (m, k, n, rowwise, bias, out_dtype, err)
+    try:
+        tiles.scaled_matmul(a.float(), b, sa, sb, None, torch.float32, True, cfg)
+    except ValueError as exc:
+        assert "multiplies FP8 operands" in str(exc)
+    else:
+        raise AssertionError("a float32 operand was taken")
+
+
 if __name__ == "__main__":
     check_orders()
     check_scatter_places()
     check_matmul()
+    check_scaled_matmul()
     print("ok")

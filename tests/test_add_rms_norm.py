@@ -211,13 +211,13 @@ def test_the_gate_reads_the_gpu_and_the_rules(monkeypatch):
                        (GroupFacts.simulated(2, arch="gfx942", rocm=True), "ROCm")):
         monkeypatch.setattr(add_rms_norm, "local_facts", lambda *a, facts=facts, **k: facts)
         with pytest.raises(Skip, match=why):
-            add_rms_norm._gated("g", cuda, call, asked)
+            add_rms_norm._gated(cuda, call, asked)
     monkeypatch.setattr(add_rms_norm, "local_facts", lambda *a, **k: GroupFacts.simulated(2))
-    add_rms_norm._gated("g", cuda, call, asked)
+    add_rms_norm._gated(cuda, call, asked)
     with pytest.raises(Skip, match="opt-in and no rule"):
-        add_rms_norm._gated("g", cuda, call, commfuse.Settings())
+        add_rms_norm._gated(cuda, call, commfuse.Settings())
     monkeypatch.setattr(policy, "ruled", lambda call, facts: True)
-    add_rms_norm._gated("g", cuda, call, commfuse.Settings())
+    add_rms_norm._gated(cuda, call, commfuse.Settings())
 
 
 def test_a_training_forward_keeps_its_norm_for_the_backward(world2, fused_nodes):
@@ -321,3 +321,119 @@ def test_a_strided_residual_gives_the_compiled_graph_its_contiguous_outputs(worl
     assert calls(code, OP) == 1 and [op for op, _ in fused_nodes] == [NORM]
     for got, ref in zip(out, want):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+# ---- the sequence-parallel form: a reduce-scatter in the all-reduce's place ----------------------
+
+SP_OP, RS = "commfuse.mm_reduce_scatter_add_rms_norm", "commfuse.mm_reduce_scatter"
+SP_NORM = "mm_reduce_scatter_add_rms_norm"
+
+
+@pytest.mark.parametrize("weight_last", [True, False], ids=["llama", "rms_norm"])
+def test_the_sequence_parallel_op_is_the_unfused_chain_on_this_ranks_share(world2, weight_last):
+    """A batch of sequences scattered along the sequence: this rank's share (the fake group's rank 0
+    keeps block 0 of each sequence) plus the residual, then the norm; against fp32 of the chain."""
+    torch.manual_seed(3)
+    eps, hidden = 1e-5, 33
+    a, b = torch.randn(2 * 8, 24, dtype=BF16), torch.randn(24, hidden, dtype=BF16) / 5
+    residual, w = torch.randn(2, 4, hidden, dtype=BF16), (1 + 0.2 * torch.randn(hidden)).to(BF16)
+    with torch.no_grad():
+        h, n = torch.ops.commfuse.mm_reduce_scatter_add_rms_norm(a, b, None, residual, w, eps, weight_last,
+                                                                 [2, 8, hidden], 1, 2, group_name())
+    assert h.shape == n.shape == residual.shape and h.is_contiguous() and n.is_contiguous()
+    share = (a.float() @ b.float()).view(2, 8, hidden)[:, :4]
+    want_h = residual.float() + share
+    want_n = want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    for got, want in ((h, want_h), (n, want_n)):
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    model = llama_norm(h, w, eps) if weight_last else F.rms_norm(h, (hidden,), w, eps)
+    torch.testing.assert_close(n, model, rtol=0, atol=0)
+
+
+def test_the_sequence_parallel_op_checks_its_residual_is_the_share(world2):
+    a, b, w = torch.randn(8, 4), torch.randn(4, 16), torch.ones(16)
+    with pytest.raises(RuntimeError, match=r"residual \(8, 16\) is not a view of the 8x16 product's share of 2"):
+        torch.ops.commfuse.mm_reduce_scatter_add_rms_norm(a, b, None, torch.randn(8, 16), w, 1e-6, True, [8, 16], 0,
+                                                          2, group_name())
+    with pytest.raises(RuntimeError, match=r"residual \(2, 2, 16\) is not shaped as this rank's share \[4, 16\]"):
+        torch.ops.commfuse.mm_reduce_scatter_add_rms_norm(a, b, None, torch.randn(2, 2, 16), w, 1e-6, True, [8, 16], 0,
+                                                          2, group_name())
+
+
+@pytest.mark.parametrize("arch, capturing, hidden, want", [
+    ("sm_90", False, 4096, "pull"), ("sm_90", False, 8193, "nccl"), ("sm_90", True, 4096, "nccl"),
+    ("sm_100", False, 4096, "nccl")])
+def test_a_sequence_parallel_call_takes_the_pull_on_sm90_outside_captures(arch, capturing, hidden, want):
+    facts = GroupFacts.simulated(2) if arch == "sm_90" else GroupFacts.simulated(2, arch=arch, name="B200", sms=148)
+    decision = policy.choose(Call(SP_NORM, 1024, 2048, hidden, BF16, 2), facts, capturing=capturing, quiet=True)
+    assert decision.name == want, decision
+
+
+def _sp_chain(form: str, hidden: int = 48):
+    """A row-parallel linear's reduce-scatter (``form``: along dim 0 of [S, B, H]; along the
+    sequence of [B, S, H] as DTensor writes it; torchtitan's permuted copy), then the residual
+    add and LlamaRMSNorm."""
+    def f(x, w_out, residual, w):
+        y = F.linear(x, w_out)
+        if form == "dim0":
+            share = funcol.reduce_scatter_tensor(y, "sum", 0, dist.group.WORLD)
+        elif form == "dtensor":
+            share = funcol.reduce_scatter_tensor(y, "sum", 1, dist.group.WORLD)
+        else:  # torchtitan: the sequence to the front, a contiguous copy, scattered, permuted back
+            share = funcol.reduce_scatter_tensor(y.permute(1, 0, 2).contiguous(), "sum", 0,
+                                                 dist.group.WORLD).permute(1, 0, 2)
+        h = residual + share
+        return h, llama_norm(h, w, 1e-6)
+    return f
+
+
+def _sp_operands(form: str, dtype=BF16, hidden=48):
+    x = torch.randn(16, 2, 32, dtype=dtype) if form == "dim0" else torch.randn(2, 16, 32, dtype=dtype)
+    share = (8, 2, hidden) if form == "dim0" else (2, 8, hidden)
+    return x, torch.randn(hidden, 32, dtype=dtype), torch.randn(*share, dtype=dtype), torch.randn(hidden, dtype=dtype)
+
+
+@pytest.mark.parametrize("form", ["dim0", "dtensor", "permuted"])
+def test_the_sequence_parallel_chain_fuses_when_asked_for_and_equals_eager(world2, form, fused_nodes):
+    f, args = _sp_chain(form), _sp_operands(form)
+    with torch.no_grad():
+        out, code = compile_code(f, *args, backend=opted_in())
+        want = f(*args)
+    assert calls(code, SP_OP) == 1 and calls(code, RS) == 0 and "reduce_scatter_tensor" not in code, code
+    assert "aten.permute" not in code and "aten.cat" not in code, code
+    ((op, plain),) = fused_nodes
+    assert op == SP_NORM and plain[-1] == group_name()
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    (rec,) = commfuse.report().fused
+    assert rec.pattern == "add_rms_norm" and rec.shape == (32, 32, 48)
+
+
+def test_by_default_and_under_graphs_the_sequence_parallel_chain_stays_with_inductor(world2, fused_nodes):
+    f, args = _sp_chain("permuted"), _sp_operands("permuted")
+    with torch.no_grad():
+        _, code = compile_code(f, *args)
+    assert [op for op, _ in fused_nodes] == ["mm_reduce_scatter"] and calls(code, SP_OP) == 0
+    commfuse.clear_report()
+    torch._dynamo.reset()
+    fused_nodes.clear()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        (why,) = _skip_reason(f, args, opted_in())
+    assert why.startswith("under CUDA graphs the sequence-parallel form has no capturable path"), why
+    assert [op for op, _ in fused_nodes] == ["mm_reduce_scatter"]
+
+
+def test_a_sequence_parallel_share_read_by_more_than_the_add_is_left_to_mm_reduce_scatter(world2, fused_nodes):
+    def f(x, w_out, residual, w):
+        share = funcol.reduce_scatter_tensor(F.linear(x, w_out), "sum", 1, dist.group.WORLD)
+        h = residual + share
+        return h, llama_norm(h, w, 1e-6), share * 2
+
+    args = _sp_operands("dtensor")
+    with torch.no_grad():
+        out, _ = compile_code(f, *args, backend=opted_in())
+        want = f(*args)
+    assert [op for op, _ in fused_nodes] == ["mm_reduce_scatter"]
+    (skip,) = [r for r in commfuse.report().skipped if r.pattern == "add_rms_norm"]
+    assert "not read by one residual add alone" in skip.reason
+    torch.testing.assert_close(out, want)

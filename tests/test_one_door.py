@@ -32,7 +32,8 @@ RUNNING = ROOT / "runtime" / "running"
 #: (module, function) that launch an exchanging kernel when called.
 LAUNCHES = {("exchange", "all_reduce"), ("exchange", "gather"), ("exchange", "reduce_scatter"),
             ("exchange", "barrier"), ("exchange", "staged_all_reduce"), ("ce_graphs", "run"),
-            ("norm_epilogue", "all_reduce_add_rms_norm"), ("norm_epilogue", "staged_add_rms_norm")}
+            ("norm_epilogue", "all_reduce_add_rms_norm"), ("norm_epilogue", "reduce_scatter_add_rms_norm"),
+            ("norm_epilogue", "staged_add_rms_norm")}
 #: (module, function) whose result is a launch (called later, or at once).
 MAKES = {("fused_all_reduce", "prepare"), ("fused_all_gather", "prepare"), ("fused_split_k", "prepare")}
 #: (module, function) handed a workspace or lane that launch nothing.

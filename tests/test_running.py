@@ -385,3 +385,50 @@ def test_add_rms_norm_one_shot_runs_the_chain_on_every_rank(sim, monkeypatch, we
     want_n = want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
     torch.testing.assert_close(h, want_h)
     torch.testing.assert_close(n, want_n)
+
+
+@pytest.mark.parametrize("form", ["rows", "sequence"])
+def test_sequence_parallel_norm_pull_reads_this_ranks_share_of_every_partial(sim, monkeypatch, form):
+    """``mm_reduce_scatter_add_rms_norm``'s pull: the partial goes into this call's half of the
+    workspace whole, and the kernel is told how the share's rows lie in it (``chunk`` rows of each
+    slab of ``world * chunk``: the share along dim 0, or along the sequence of a batch of 3); the
+    stand-in reads the peers' partials by that rule, and ``h`` and ``n`` come back shaped as the
+    share against fp32 of the unfused chain."""
+    from commfuse.kernels import norm_epilogue
+    from commfuse.runtime import reference
+    from commfuse.runtime.paths import rs_norm
+    from commfuse.runtime.spec import MM_REDUCE_SCATTER_ADD_RMS_NORM
+
+    world, r, hidden, k = sim.world, sim.mine.rank, 7, 6
+    slabs, per = (1, 2) if form == "rows" else (3, 2)  # per: the share's rows of each slab
+    m = slabs * world * per
+    seen = []
+
+    def stand_in(ws, partial, x, weight, h, n, chunk, eps, epoch, op_code, weight_last=True, **_):
+        seen.append((tuple(partial.shape), tuple(x.shape), chunk))
+        total = sum(sim.at(p, partial).float() for p in range(world))
+        rows = [(i // chunk) * chunk * world + r * chunk + i % chunk for i in range(x.shape[0])]
+        h.copy_(x.float() + total[rows])
+        n.copy_(reference.rms_norm(h, weight, eps, weight_last))
+
+    monkeypatch.setattr(norm_epilogue, "reduce_scatter_add_rms_norm", stand_in)
+    a, b, bias = _inputs(world, m, k, hidden, "1d")
+    for p in sim.peers():
+        sim.peer_data(p, (m, hidden)).copy_(_partial(a[p], b[p], bias[p]))
+    shape, dim = ([m, hidden], 0) if form == "rows" else ([slabs, world * per, hidden], 1)
+    share = list(shape)
+    share[dim] //= world
+    residual, weight = torch.randn(share), torch.randn(hidden)
+    args = MM_REDUCE_SCATTER_ADD_RMS_NORM.Args(a[r], b[r], bias[r], residual, weight, 1e-6, True, shape, dim, world,
+                                               "0")
+    call = MM_REDUCE_SCATTER_ADD_RMS_NORM.call(args, world)
+    path = REGISTRY[(MM_REDUCE_SCATTER_ADD_RMS_NORM.name, "pull")]
+    assert path is rs_norm.PULL
+    h, n = running.run(path, Context(call, sim.facts, sim.group, path.config(call, sim.facts)), args)
+    assert seen == [((m, hidden), (slabs * per, hidden), per)]
+    assert h.shape == n.shape == residual.shape and h.is_contiguous() and n.is_contiguous()
+    total = sum(_partial(a[p], b[p], bias[p]) for p in range(world)).view(shape)
+    want_h = residual + total.chunk(world, dim)[r]
+    want_n = reference.rms_norm(want_h, weight, 1e-6, True)
+    torch.testing.assert_close(h, want_h)
+    torch.testing.assert_close(n, want_n)

@@ -151,18 +151,24 @@ def test_exchange_kernels_compile_for_sm90_with_their_late_peer_poison(kernel, d
     assert "sys.release" in ptx and "sys.acquire" in ptx, "the signal's release, the wait's acquire"
 
 
-@pytest.mark.parametrize("kernel", ["one_shot_add_rms_norm_kernel", "staged_add_rms_norm_kernel"])
-def test_norm_epilogue_compiles_for_sm90_with_a_row_in_registers(kernel):
+@pytest.mark.parametrize("kernel,scatter", [("one_shot_add_rms_norm_kernel", False),
+                                            ("one_shot_add_rms_norm_kernel", True),
+                                            ("staged_add_rms_norm_kernel", False)],
+                         ids=["one_shot", "one_shot_scatter", "staged"])
+def test_norm_epilogue_compiles_for_sm90_with_a_row_in_registers(kernel, scatter):
     """The all-reduce + add + RMSNorm kernels (``tests/interpreted_norm_epilogue.py`` checks the
-    values) at their largest row, 8192 bf16 elements at 16 warps: they compile for sm_90 with the
-    signal's release and the wait's acquire."""
+    values) at their largest row, 8192 bf16 elements at 16 warps, the one-shot in both its forms
+    (all-reduce, sequence parallelism's reduce-scatter): they compile for sm_90 with the signal's
+    release and the wait's acquire."""
     pytest.importorskip("iris")
     from commfuse.kernels import norm_epilogue
 
     rows = {name: "*bf16" for name in ("partial", "src", "x", "weight", "h", "n", "data")}
     sig = {**rows, "rows": "i32", "cols": "i32", "half_elems": "i32", "eps": "fp32", "slot_base": "i32",
-           **_EXCHANGE_COMMON}
+           "chunk": "i32", **_EXCHANGE_COMMON}
     consts = dict(OP=1, WORLD=2, BLOCK=8192, VEC=1, WEIGHT_LAST=True)
+    if kernel == "one_shot_add_rms_norm_kernel":
+        consts.update(SCATTER=scatter)
     if kernel == "staged_add_rms_norm_kernel":  # the graph lane's: int64 flags and counters
         sig.update(flags="*i64", counter="*i64")
         consts.update(OP=4, SLOTS=128)
@@ -170,3 +176,29 @@ def test_norm_epilogue_compiles_for_sm90_with_a_row_in_registers(kernel):
     sig = {name: sig[name] for name in fn.arg_names if name in sig}
     ptx = _compile_for_sm90(fn, sig, consts, num_warps=16).asm["ptx"]
     assert "sys.release" in ptx and "sys.acquire" in ptx, "the signal's release, the wait's acquire"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_accum", "fp32_accum"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_scaled_matmul_compiles_for_sm90_on_fp8_tensor_cores(fast, rowwise):
+    """The GEMM alone on FP8 operands (``tiles.scaled_matmul``; ``tests/interpreted_tiles.py``
+    checks its values against ``torch._scaled_mm``) compiles for sm_90 to Hopper's FP8
+    warpgroup MMA in both accumulations (not the fp16 MMA Triton falls back to for
+    ``max_num_imprecise_acc=0``); with ``use_fast_accum=False`` the partials are added into fp32
+    registers (adds the fast form has none of), and the tile fits the shared memory."""
+    from commfuse.kernels import tiles
+
+    bm, bn, bk = 128, 256, 128
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+           "bias": "*bf16", "c": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_bm": "i32", "stride_bn": "i32",
+           "scale_a": "*fp32", "scale_b": "*fp32"}
+    consts = dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, B_TRANSPOSED=True, HAS_BIAS=False, SCALED=True, ROWWISE=rowwise,
+                  IMPRECISE=tiles.fp8_accumulation(fast, bk))
+    kernel = _compile_for_sm90(tiles.matmul_kernel, sig, consts, num_warps=8, num_stages=3)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx
+    assert kernel.metadata.shared <= 227 * 1024
+    if not fast:
+        fast_ptx = _compile_for_sm90(tiles.matmul_kernel, sig, dict(consts, IMPRECISE=tiles.fp8_accumulation(True, bk)),
+                                     num_warps=8, num_stages=3).asm["ptx"]
+        assert ptx.count("add.f32") > fast_ptx.count("add.f32") == 0

@@ -31,6 +31,8 @@ CALLS = [
     Call("rowwise_scaled_mm_reduce_scatter", 96, 64, 32, torch.bfloat16, 2, False, 1, 2),
     Call("mm_all_reduce_add_rms_norm", 96, 64, 32, torch.bfloat16, 2, True),
     Call("mm_all_reduce_add_rms_norm", 5, 16, 999, torch.float32, 4),
+    Call("mm_reduce_scatter_add_rms_norm", 96, 64, 32, torch.bfloat16, 2, True),
+    Call("mm_reduce_scatter_add_rms_norm", 96, 16, 999, torch.float32, 4, False, 1, 2),
 ]
 
 
@@ -68,12 +70,15 @@ def test_the_tuners_inputs_are_all_on_the_device_rand_makes(call):
 
 def test_specs_name_their_patterns_and_paths():
     # each pattern makes its op, and its FP8 form's (a _scaled_mm in the matmul's place); the
-    # add_rms_norm pattern (no FP8 form) makes the op of the matmul, all-reduce, add and norm
+    # add_rms_norm pattern (no FP8 form) makes the ops of the matmul, all-reduce (or sequence
+    # parallelism's reduce-scatter), add and norm
     assert set(s.pattern for s in SPECS.values()) == {p.NAME for p in patterns.ALL}
     products = [p for p in patterns.ALL if hasattr(p, "FP8_NAME")]
     assert [s.name for s in SPECS.values() if s.name not in {p.NAME for p in patterns.ALL}] == [
-        *(p.FP8_NAME for p in products), *(p.ROWWISE_NAME for p in products), "mm_all_reduce_add_rms_norm"]
-    assert SPECS["mm_all_reduce_add_rms_norm"].pattern == "add_rms_norm"
+        *(p.FP8_NAME for p in products), *(p.ROWWISE_NAME for p in products), "mm_all_reduce_add_rms_norm",
+        "mm_reduce_scatter_add_rms_norm"]
+    assert SPECS["mm_all_reduce_add_rms_norm"].pattern == SPECS["mm_reduce_scatter_add_rms_norm"].pattern == (
+        "add_rms_norm")
     for spec in SPECS.values():
         assert REGISTRY[(spec.name, "nccl")] is by_op(spec.name)[0]
         assert all(p.spec is spec for p in by_op(spec.name))

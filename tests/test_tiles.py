@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: script -> what it checks: each runs in a fresh interpreter process with TRITON_INTERPRET=1
 INTERPRETED = {
-    "interpreted_tiles.py": "the tile GEMM and the fused all-reduce's tile order",
+    "interpreted_tiles.py": "the tile GEMM (bf16, and FP8 with _scaled_mm's scales) and the fused all-reduce's tile order",
     "interpreted_split_k.py": "the split-K kernel's slices, sums, pushes, flags, counters, ticket "
                               "and (graph lane) device epochs",
     "interpreted_fused.py": "the fused all-reduce (both forms: slabs, slots, pushes, ready/done "

@@ -1,6 +1,7 @@
 """All-reduce + residual add + RMSNorm in one kernel, where a program can own whole rows: the
 one-shot exchange of a partial already in the symmetric workspace, and the graph lane's staged
-one-shot (epochs on the device, so a CUDA graph may replay it).
+one-shot (epochs on the device, so a CUDA graph may replay it). The sequence-parallel form, a
+reduce-scatter in the all-reduce's place, is the one-shot over this rank's share of the rows only.
 
 For each row a program owns it sums every rank's partial in fp32 (rank order, as ``exchange.py``),
 adds the residual ``x``, stores ``h`` in the activation dtype, then stores
@@ -40,10 +41,23 @@ def _block(hidden: int) -> tuple[int, int]:
 
 
 @triton.jit
-def add_rms_norm_rows(src, x, weight, h, n, rows, cols, eps, start, step, late, rank, heap_bases,
-                      WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, WEIGHT_LAST: tl.constexpr):
+def scattered_row(row, chunk, rank, WORLD: tl.constexpr):
+    """The row of the full product that row ``row`` of this rank's share holds: a reduce-scatter
+    along a dimension of the product's ``[outer, rows, ...]`` view gives each rank ``chunk``
+    consecutive rows of each slab of ``WORLD * chunk`` (one slab when it cuts the rows
+    themselves)."""
+    row64 = tl.cast(row, tl.int64)
+    return (row64 // chunk) * (chunk * WORLD) + rank * chunk + row64 % chunk
+
+
+@triton.jit
+def add_rms_norm_rows(src, x, weight, h, n, rows, cols, eps, start, step, late, rank, heap_bases, chunk,
+                      WORLD: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, WEIGHT_LAST: tl.constexpr,
+                      SCATTER: tl.constexpr):
     """Rows ``start, start + step, ...`` of ``h = x + sum over ranks of src`` and
-    ``n = rmsnorm(h) * weight`` (module docstring), or NaN in both if a peer came ``late``."""
+    ``n = rmsnorm(h) * weight`` (module docstring), or NaN in both if a peer came ``late``.
+    ``SCATTER``: ``x``, ``h`` and ``n`` hold this rank's share of a reduce-scatter of ``src``'s
+    rows, ``chunk`` rows of each slab of ``WORLD * chunk`` (``scattered_row``)."""
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
     if late != 0:
@@ -56,7 +70,11 @@ def add_rms_norm_rows(src, x, weight, h, n, rows, cols, eps, start, step, late, 
         w = tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
         for row in range(start, rows, step):
             at = tl.cast(row, tl.int64) * cols + offs
-            acc = sum_over_peers(src + at, mask, rank, heap_bases, WORLD, VEC)
+            if SCATTER:
+                acc = sum_over_peers(src + scattered_row(row, chunk, rank, WORLD) * cols + offs, mask, rank,
+                                     heap_bases, WORLD, VEC)
+            else:
+                acc = sum_over_peers(src + at, mask, rank, heap_bases, WORLD, VEC)
             hv = (tl.load(x + at, mask=mask, other=0.0).to(tl.float32) + acc).to(h.dtype.element_ty)
             tl.store(h + at, hv, mask=mask)
             # masked lanes of a peer load hold anything: keep them out of the sum of squares
@@ -71,15 +89,16 @@ def add_rms_norm_rows(src, x, weight, h, n, rows, cols, eps, start, step, late, 
 
 @triton.jit(do_not_specialize=["rank", "slot_base", "epoch"])
 def one_shot_add_rms_norm_kernel(partial, x, weight, h, n, rows, cols, eps, slot_base, flags, heap_bases, epoch,
-                                 rank, err, timeout, OP: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                                 VEC: tl.constexpr, WEIGHT_LAST: tl.constexpr):
+                                 rank, err, timeout, chunk, OP: tl.constexpr, WORLD: tl.constexpr,
+                                 BLOCK: tl.constexpr, VEC: tl.constexpr, WEIGHT_LAST: tl.constexpr,
+                                 SCATTER: tl.constexpr):
     """``exchange.one_shot_kernel``'s signal and wait, then whole rows (``add_rms_norm_rows``):
-    program p owns rows p, p + grid, ..."""
+    program p owns rows p, p + grid, ... of the output."""
     pid = tl.program_id(0)
     signal_peers(flags, slot_base + pid, epoch, rank, heap_bases, WORLD)
     late = wait_peers(flags, slot_base + pid, epoch, rank, err, timeout, OP, WORLD)
     add_rms_norm_rows(partial, x, weight, h, n, rows, cols, eps, pid, tl.num_programs(0), late, rank, heap_bases,
-                      WORLD, BLOCK, VEC, WEIGHT_LAST)
+                      chunk, WORLD, BLOCK, VEC, WEIGHT_LAST, SCATTER)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch"])
@@ -102,8 +121,8 @@ def staged_add_rms_norm_kernel(src, x, weight, h, n, data, rows, cols, half_elem
         tl.store(half + at, tl.load(src + at, mask=offs < cols), mask=offs < cols)
     signal_peers(flags, pid, epoch, rank, heap_bases, WORLD)
     late = wait_peers(flags, pid, epoch, rank, err, timeout, OP, WORLD)
-    add_rms_norm_rows(half, x, weight, h, n, rows, cols, eps, pid, nprog, late, rank, heap_bases, WORLD, BLOCK, VEC,
-                      WEIGHT_LAST)
+    add_rms_norm_rows(half, x, weight, h, n, rows, cols, eps, pid, nprog, late, rank, heap_bases, rows, WORLD, BLOCK,
+                      VEC, WEIGHT_LAST, False)
     for slot in range(pid, SLOTS, nprog):
         tl.store(counter + slot, count)
 
@@ -134,13 +153,40 @@ def all_reduce_add_rms_norm(ws, partial: torch.Tensor, x: torch.Tensor, weight: 
     grid's cap (every rank launches the same grid: program p waits for program p of each peer)."""
     require_iris()
     rows, cols = _rows_of(partial, x, weight, h, n)
+    _one_shot(ws, partial, x, weight, h, n, rows, cols, eps, epoch, op_code, weight_last, max_programs, slot_base,
+              rows, False)
+
+
+def reduce_scatter_add_rms_norm(ws, partial: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,
+                                n: torch.Tensor, chunk: int, eps: float, epoch: int, op_code: int,
+                                weight_last: bool = True, max_programs: int = MAX_PROGRAMS,
+                                slot_base: int = 0) -> None:
+    """The sequence-parallel form: ``h = x + this rank's share of the reduce-scatter of partial``
+    and ``n = rmsnorm(h) * weight``, one kernel. ``partial`` ``[world * rows, hidden]`` is in
+    ``ws`` at the same offset on every rank; ``x``, ``h`` and ``n`` are ``[rows, hidden]``, row i
+    of them the product's row ``scattered_row(i)``: ``chunk`` rows of each slab of
+    ``world * chunk`` (``chunk == rows`` where the scatter cuts the product's rows)."""
+    require_iris()
+    rows, cols = _rows_of(x, x, weight, h, n)
+    world = ws.world
+    if partial.shape != (rows * world, cols) or not partial.is_contiguous():
+        raise ValueError(f"commfuse: the norm epilogue's partial must be a contiguous {rows * world}x{cols} "
+                         f"(every rank's rows), not {tuple(partial.shape)}")
+    if chunk < 1 or rows % chunk:
+        raise ValueError(f"commfuse: {rows} rows per rank are not whole slabs of {chunk}")
+    _one_shot(ws, partial, x, weight, h, n, rows, cols, eps, epoch, op_code, weight_last, max_programs, slot_base,
+              chunk, True)
+
+
+def _one_shot(ws, partial, x, weight, h, n, rows: int, cols: int, eps: float, epoch: int, op_code: int,
+              weight_last: bool, max_programs: int, slot_base: int, chunk: int, scatter: bool) -> None:
     block, warps = _block(cols)
     grid = (max(1, min(rows, max_programs, ws.max_programs)),)
     if (slot_base + grid[0]) * ws.world > ws.flags.numel():
         raise RuntimeError("commfuse: not enough flag slots for this launch")
     run_kernel(one_shot_add_rms_norm_kernel, grid, partial, x, weight, h, n, rows, cols, float(eps), slot_base,
-               ws.flags, ws.heap_bases, epoch, ws.rank, ws.err, ws.timeout_ns, OP=op_code, WORLD=ws.world,
-               BLOCK=block, VEC=_vec(partial, cols), WEIGHT_LAST=weight_last, num_warps=warps)
+               ws.flags, ws.heap_bases, epoch, ws.rank, ws.err, ws.timeout_ns, chunk, OP=op_code, WORLD=ws.world,
+               BLOCK=block, VEC=_vec(partial, cols), WEIGHT_LAST=weight_last, SCATTER=scatter, num_warps=warps)
 
 
 def staged_add_rms_norm(lane, src: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,

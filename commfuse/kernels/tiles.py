@@ -2,7 +2,8 @@
 K loop through TMA descriptors, and the host side that builds descriptors and picks configs.
 
 ``matmul_kernel`` is the GEMM alone on the same helpers: what the fused kernels' GEMM part costs
-without any communication (the ops benchmark compares it with cuBLAS).
+without any communication (the ops benchmark compares it with cuBLAS), on bf16/fp16 operands or on
+FP8 ones with ``_scaled_mm``'s scales (``scaled_matmul``, against ``torch._scaled_mm``).
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def mma_tile(a_desc, b_desc, off_m, off_n, K, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, B_TRANSPOSED: tl.constexpr):
+             BK: tl.constexpr, B_TRANSPOSED: tl.constexpr, IMPRECISE: tl.constexpr = None):
     """fp32 ``A[off_m:+BM, :] @ B[:, off_n:+BN]``. ``B_TRANSPOSED``: the descriptor is over B's
-    transpose ``[N, K]`` (a linear layer's weight), loaded as [BN, BK] tiles."""
-    return mma_range(a_desc, b_desc, off_m, off_n, 0, tl.cdiv(K, BK), BM, BN, BK, B_TRANSPOSED)
+    transpose ``[N, K]`` (a linear layer's weight), loaded as [BN, BK] tiles. ``IMPRECISE``
+    (FP8 operands): ``tl.dot``'s ``max_num_imprecise_acc`` (``fp8_accumulation``)."""
+    return mma_range(a_desc, b_desc, off_m, off_n, 0, tl.cdiv(K, BK), BM, BN, BK, B_TRANSPOSED, IMPRECISE)
 
 
 @triton.jit
 def mma_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, B_TRANSPOSED: tl.constexpr):
+              BK: tl.constexpr, B_TRANSPOSED: tl.constexpr, IMPRECISE: tl.constexpr = None):
     """``mma_tile`` over the K blocks ``k_lo`` to ``k_hi`` (exclusive) only: one split-K slice."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(k_lo, k_hi):
@@ -51,8 +53,20 @@ def mma_range(a_desc, b_desc, off_m, off_n, k_lo, k_hi, BM: tl.constexpr, BN: tl
             b = b_desc.load([off_n, k * BK]).T
         else:
             b = b_desc.load([k * BK, off_n])
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
     return acc
+
+
+@triton.jit
+def scale_tile(acc, scale_a, scale_b, rows, cols, M, N, ROWWISE: tl.constexpr):
+    """``acc`` times the operands' scales, as ``_scaled_mm`` applies them before its bias:
+    tensor-wise one float32 each, row-wise ``scale_a[M]`` and ``scale_b[N]`` (rows and cols past
+    the product read 1)."""
+    if ROWWISE:
+        sa = tl.load(scale_a + rows, mask=rows < M, other=1.0)
+        sb = tl.load(scale_b + cols, mask=cols < N, other=1.0)
+        return acc * sa[:, None] * sb[None, :]
+    return acc * (tl.load(scale_a) * tl.load(scale_b))
 
 
 @triton.jit
@@ -68,15 +82,20 @@ def tile_epilogue(acc, bias, off_m, off_n, M, N, stride_bm, stride_bn, BM: tl.co
 
 
 @triton.jit
-def matmul_kernel(a_desc, b_desc, bias, c, M, N, K, stride_bm, stride_bn, BM: tl.constexpr,
+def matmul_kernel(a_desc, b_desc, bias, c, M, N, K, stride_bm, stride_bn, scale_a, scale_b, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``c = a @ b (+ bias)``, persistent: program p takes tiles p, p + grid, ..."""
+                  B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr = False,
+                  ROWWISE: tl.constexpr = False, IMPRECISE: tl.constexpr = None):
+    """``c = a @ b (+ bias)``, persistent: program p takes tiles p, p + grid, ... ``SCALED``: FP8
+    operands, ``c = (a @ b) * scales (+ bias)`` as ``_scaled_mm`` (``scale_tile``)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+        acc = mma_tile(a_desc, b_desc, pid_m * BM, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED, IMPRECISE)
+        if SCALED:
+            acc = scale_tile(acc, scale_a, scale_b, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN),
+                             M, N, ROWWISE)
         rows, cols, mask, acc = tile_epilogue(acc, bias, pid_m * BM, pid_n * BN, M, N, stride_bm,
                                               stride_bn, BM, BN, HAS_BIAS)
         tl.store(c + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(c.dtype.element_ty), mask=mask)
@@ -161,16 +180,63 @@ def bias_strides(bias: torch.Tensor | None, m: int, n: int):
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
            out: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
     """The tile kernels' GEMM alone (benchmarks, tests)."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device) if out is None else out
+    _launch(a, b, bias, cfg, out, programs)
+    return out
+
+
+def _launch(a, b, bias, cfg: TileConfig, out: torch.Tensor, programs: int | None, scales=None,
+            imprecise=None) -> None:
+    """``matmul_kernel`` over ``out``, persistent on at most ``programs`` programs (one per SM);
+    ``scales``: the FP8 form's ``(scale_a, scale_b, rowwise)``."""
     m, k = a.shape
     n = b.shape[1]
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device) if out is None else out
     a_desc, b_desc, b_t = descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = bias_strides(bias, m, n)
     tiles = cdiv(m, cfg.bm) * cdiv(n, cfg.bn)
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    scale_a, scale_b, rowwise = scales if scales is not None else (out, out, False)
     run_kernel(matmul_kernel, (max(1, min(tiles, programs)),), a_desc, b_desc,
-               full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn, BM=cfg.bm,
-               BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t,
-               HAS_BIAS=bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+               full_bias if full_bias is not None else out, out, m, n, k, sbm, sbn, scale_a, scale_b, BM=cfg.bm,
+               BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t, HAS_BIAS=bias is not None,
+               SCALED=scales is not None, ROWWISE=rowwise, IMPRECISE=imprecise, num_warps=cfg.warps,
+               num_stages=cfg.stages)
+
+
+#: FP8 element types the tile kernels multiply (Hopper's FP8 tensor cores; e5m2 x e5m2 is not a
+#: ``_scaled_mm`` form).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_accumulation(use_fast_accum: bool, bk: int):
+    """``tl.dot``'s ``max_num_imprecise_acc`` for ``_scaled_mm``'s ``use_fast_accum`` with K
+    blocks of ``bk``. Triton's default on sm_90 (None) keeps every FP8 product in the tensor
+    cores' reduced-precision accumulator for the whole K loop, as cuBLAS's fast accumulation does;
+    without it, at most ``FP8_PROMOTE`` products (four FP8 MMAs, a K block's worth) are summed
+    there before joining the fp32 accumulator. (0 would not mean "every MMA": Triton then
+    converts the FP8 operands to fp16 for the older MMA instructions.)"""
+    return None if use_fast_accum else min(bk, FP8_PROMOTE)
+
+
+#: Products summed in the tensor cores' accumulator before each fp32 add without fast accumulation.
+FP8_PROMOTE = 128
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype, use_fast_accum: bool, cfg: TileConfig,
+                  out: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
+    """The tile kernels' GEMM alone on FP8 operands: ``torch._scaled_mm(a, b, scale_a, scale_b,
+    bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)`` with tensor-wise (one float32
+    each) or row-wise (``[M, 1]`` and ``[1, N]``) scales (benchmarks, tests)."""
+    m, n = a.shape[0], b.shape[1]
+    if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
+        raise ValueError(f"commfuse: scaled_matmul multiplies FP8 operands, not {a.dtype} x {b.dtype}")
+    rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
+    if rowwise and (scale_a.numel() != m or scale_b.numel() != n):
+        raise ValueError(f"commfuse: row-wise scales must be [{m}, 1] and [1, {n}], not {tuple(scale_a.shape)} "
+                         f"and {tuple(scale_b.shape)}")
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device) if out is None else out
+    _launch(a, b, bias, cfg, out, programs, (scale_a.float().contiguous(), scale_b.float().contiguous(), rowwise),
+            fp8_accumulation(use_fast_accum, cfg.bk))
     return out

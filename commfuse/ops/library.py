@@ -23,6 +23,9 @@ Each op's unfused equivalent::
     mm_all_reduce_add_rms_norm(a, b, bias, residual, weight, eps, weight_last, g)
                                           == (h, rms_norm(h, weight, eps, weight_last))
                                              with h = residual + mm_all_reduce(a, b, bias, g)
+    mm_reduce_scatter_add_rms_norm(a, b, bias, residual, weight, eps, weight_last, shape, d, W, g)
+                                          == (h, rms_norm(h, weight, eps, weight_last))
+                                             with h = residual + mm_reduce_scatter(a, b, bias, shape, d, W, g)
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from ..runtime import reference
 from ..runtime.counters import CALLS
 from ..runtime.spec import (ALL_GATHER_MM, ALL_GATHER_ROWWISE_SCALED_MM, ALL_GATHER_SCALED_MM, MM_ALL_REDUCE,
-                            MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE,
+                            MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER, MM_REDUCE_SCATTER_ADD_RMS_NORM,
+                            ROWWISE_SCALED_MM_ALL_REDUCE,
                             ROWWISE_SCALED_MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE, SCALED_MM_REDUCE_SCATTER, SPECS)
 
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -475,17 +479,18 @@ def _(*values):
 #             LlamaRMSNorm's rounding) or after it (F.rms_norm's)
 
 
-def _check_norm_args(op: str, a, b, bias, residual, weight) -> None:
-    """The matmul's checks, a residual of the product's dtype and elements whose last dimension is
-    the product's N, and a 1-D weight of that size and dtype."""
+def _check_norm_args(op: str, a, b, bias, residual, weight, shares: int = 1) -> None:
+    """The matmul's checks, a residual of the product's dtype whose last dimension is the
+    product's N and whose elements are the product's (``shares``: one of that many shares of
+    it), and a 1-D weight of that size and dtype."""
     _check_matmul_args(op, a, b, bias)
     n = b.shape[1]
     torch._check(residual.dtype == a.dtype and weight.dtype == a.dtype,
                  lambda: f"commfuse.{op}: residual and weight must be {a.dtype}, "
                  f"got {residual.dtype} and {weight.dtype}")
-    torch._check(residual.dim() >= 1 and residual.shape[-1] == n and residual.numel() == a.shape[0] * n,
+    torch._check(residual.dim() >= 1 and residual.shape[-1] == n and residual.numel() * shares == a.shape[0] * n,
                  lambda: f"commfuse.{op}: residual {tuple(residual.shape)} is not a view of the "
-                 f"{a.shape[0]}x{n} product")
+                 f"{a.shape[0]}x{n} product" + (f"'s share of {shares}" if shares > 1 else ""))
     torch._check(weight.dim() == 1 and weight.shape[0] == n,
                  lambda: f"commfuse.{op}: weight must be [{n}], got {tuple(weight.shape)}")
 
@@ -511,6 +516,42 @@ def _(a, b, bias, residual, weight, eps, weight_last, group_name, site=0):
 _generic, _cuda = _spec_kernels(MM_ALL_REDUCE_ADD_RMS_NORM, _validate_norm)
 _LIB.impl(MM_ALL_REDUCE_ADD_RMS_NORM.name, _generic, "CompositeExplicitAutograd")
 _LIB.impl(MM_ALL_REDUCE_ADD_RMS_NORM.name, _cuda, "CUDA")
+
+
+def _check_scatter_norm_args(args) -> None:
+    """The norm's checks on this rank's share, the reduce-scatter's on the product, and a residual
+    shaped as the share."""
+    op = MM_REDUCE_SCATTER_ADD_RMS_NORM.name
+    _check_norm_args(op, args.a, args.b, args.bias, args.residual, args.weight, max(args.world_size, 1))
+    _check_scatter_args(args.a, args.b, args.shape, args.scatter_dim, args.world_size, op)
+    share = _scattered_shape(args.shape, args.scatter_dim, args.world_size, args.a.shape[0] * args.b.shape[1])
+    torch._check(list(args.residual.shape) == share,
+                 lambda: f"commfuse.{op}: residual {tuple(args.residual.shape)} is not shaped as this rank's share "
+                 f"{share}")
+
+
+def _validate_scatter_norm(spec, args) -> None:
+    op = spec.name
+
+    def check():
+        _check_scatter_norm_args(args)
+        _check_world(op, args.group_name, args.world_size)
+
+    _once(_signature(op, *args), check)
+    _no_gradient(op, args.a, args.b, args.bias, args.residual, args.weight)
+    CALLS[op] += 1
+
+
+@torch.library.register_fake("commfuse::mm_reduce_scatter_add_rms_norm")
+def _(*values):
+    args = MM_REDUCE_SCATTER_ADD_RMS_NORM.Args(*values[:len(MM_REDUCE_SCATTER_ADD_RMS_NORM.args)])
+    _check_scatter_norm_args(args)
+    return args.residual.new_empty(args.residual.shape), args.residual.new_empty(args.residual.shape)
+
+
+_generic, _cuda = _spec_kernels(MM_REDUCE_SCATTER_ADD_RMS_NORM, _validate_scatter_norm)
+_LIB.impl(MM_REDUCE_SCATTER_ADD_RMS_NORM.name, _generic, "CompositeExplicitAutograd")
+_LIB.impl(MM_REDUCE_SCATTER_ADD_RMS_NORM.name, _cuda, "CUDA")
 
 for _spec in (SCALED_MM_ALL_REDUCE, ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER, ROWWISE_SCALED_MM_ALL_REDUCE,
               ALL_GATHER_ROWWISE_SCALED_MM, ROWWISE_SCALED_MM_REDUCE_SCATTER):

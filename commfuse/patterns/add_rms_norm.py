@@ -37,9 +37,21 @@ path), and ``check_fusable``'s guards (dtype, sizes, launch bound, exclusions).
 
 Skipped too, with the reason: a reduce op other than sum; a reduced sum, add or norm step read by
 anything outside the chain (a training forward saves the norm's ``rsqrt`` for the backward: only
-the forward of inference fuses); a residual, weight or output of another dtype or shape. The
-sequence-parallel form (a reduce-scatter in the all-reduce's place, the norm on each rank's share
-of the rows) is not matched: the kernel sums whole rows of an all-reduce.
+the forward of inference fuses); a residual, weight or output of another dtype or shape.
+
+**The sequence-parallel form.** A reduce-scatter in the all-reduce's place, the add and the norm
+on each rank's share of the rows, in every form ``mm_reduce_scatter`` matches (along dim 0,
+DTensor's split/cat, torchtitan's permuted copy whose reader permutes it back)::
+
+    before:  mm -> views -> [ split/cat | clone(permute(., p)) ] -> reduce_scatter(., "sum", W, g)
+             w = wait_tensor(.) [ -> permute(w, inverse of p) ] -> h = add(residual, .) -> RMSNorm -> n
+
+    after:   f  = commfuse.mm_reduce_scatter_add_rms_norm(a, b, bias, residual, weight, eps, weight_last,
+                                                          shape, d, W, g)
+             h' = f[0], n' = f[1]
+
+It is gated as the all-reduce form is, and under CUDA graphs it always stays with Inductor (it has
+no graph-lane path). A reduce-scatter this pattern does not take is left to ``mm_reduce_scatter``.
 """
 
 from __future__ import annotations
@@ -57,7 +69,8 @@ from ..kernels.sizes.norm_epilogue import MAX_HIDDEN
 from ..runtime import policy
 from ..runtime.facts import local_facts
 from ..runtime.paths.ar_norm import ARCH
-from ..runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM, Call
+from ..runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER_ADD_RMS_NORM, Call
+from . import mm_reduce_scatter
 from .common import (SCALED_MM, Skip, arg, aten, c10d, check_fusable, depends_on, insert_call, insert_getitem, is_call,
                      matmul_operands, prims, product_through_views, require_sum, single_wait_users, target_name,
                      val)
@@ -65,7 +78,7 @@ from .common import (SCALED_MM, Skip, arg, aten, c10d, check_fusable, depends_on
 NAME = "add_rms_norm"
 #: Not among the patterns a backend runs by default (``config.DEFAULT_PATTERNS``).
 OPT_IN = True
-ANCHORS = (c10d.all_reduce.default, c10d.all_reduce_.default)
+ANCHORS = (c10d.all_reduce.default, c10d.all_reduce_.default, c10d.reduce_scatter_tensor.default)
 
 _CONVERT = (prims.convert_element_type.default,)
 _MUL = (aten.mul.Tensor,)
@@ -154,7 +167,7 @@ def rms_norm_of(h: fx.Node) -> Norm:
     return Norm(steps[::-1], weight, eps, weight_last)
 
 
-def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
+def _gated(device: torch.device, call: Call, settings) -> None:
     """Skip unless the chain fuses here (module docstring): from what every rank shares, the
     group's size, the call's sizes and the settings (under CUDA graphs, the graph lane's bytes);
     the GPU's architecture is this rank's, alike wherever the ranks could run a symmetric path (a
@@ -164,6 +177,9 @@ def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
     if call.n > MAX_HIDDEN:
         raise Skip(f"hidden size {call.n} is past the norm epilogue's {MAX_HIDDEN}: the chain stays with Inductor")
     lane = env.current().graph_bytes
+    if inductor_config.triton.cudagraphs and not call.spec.graph_lane:
+        raise Skip("under CUDA graphs the sequence-parallel form has no capturable path: a capture would run the "
+                   "chain op by op, so it stays with Inductor")
     if inductor_config.triton.cudagraphs and call.exchanged_bytes > lane:
         raise Skip(f"under CUDA graphs, {call.exchanged_bytes} bytes is past the graph lane's COMMFUSE_GRAPH_BYTES "
                    f"({lane}): a capture would run the chain op by op, so it stays with Inductor")
@@ -182,6 +198,24 @@ def _gated(group_name: str, device: torch.device, call: Call, settings) -> None:
         # group, and only two ranks are measured
         raise Skip(f"opted in, but measured at 2 ranks only: at {call.world} the chain stays with Inductor "
                    "until a rule of this GPU's table asks for it")
+
+
+def _replace_chain(graph: fx.Graph, op, args: tuple, mm: fx.Node, add: fx.Node, norm: Norm,
+                   before_add: list[fx.Node]) -> fx.Node:
+    """``op(*args)`` in place of the chain: its ``h`` read where the residual add was, its ``n``
+    where the norm's output was; the norm's steps, the add, then ``before_add`` (consumers first,
+    down to the matmul ``mm``) erased."""
+    # before the norm's output: every operand is computed before it
+    fused = insert_call(graph, norm.out, op, args, mm)
+    h = insert_getitem(graph, fused, 0, add)
+    n = insert_getitem(graph, fused, 1, norm.out)
+    norm.out.replace_all_uses_with(n)
+    for node in norm.nodes:  # consumers first
+        graph.erase_node(node)
+    add.replace_all_uses_with(h)
+    for node in [add, *before_add]:
+        graph.erase_node(node)
+    return fused
 
 
 @dataclasses.dataclass
@@ -208,23 +242,15 @@ class AddRmsNormMatch:
         """The match rooted at the all_reduce ``ar``, or Skip with the reason."""
         require_sum(ar)
         waits = single_wait_users(ar, "all_reduce")
-        users = list(waits[0].users) if len(waits) == 1 else []
-        if len(users) != 1 or not is_call(users[0], (aten.add.Tensor,)) or users[0].kwargs:
+        if len(waits) != 1:
             raise Skip("the reduced sum is not read by one residual add alone")
-        add = users[0]
-        residual = _other(add, waits[0])
-        vr, vs, vh = val(residual), val(waits[0]), val(add)
-        if vr is None or vs is None or vh is None or not (vr.shape == vs.shape == vh.shape) or not (
-                vr.dtype == vs.dtype == vh.dtype):
-            raise Skip("the residual add broadcasts or mixes dtypes")
-        norm = rms_norm_of(add)
+        add, residual, norm = _residual_add(waits[0])
+        vh = val(add)
         x, views, post = product_through_views(ar.args[0], "all_reduce")
         if post is not None or is_call(x, (SCALED_MM,)):
             raise Skip("the reduced sum is a scaled (FP8) product: left to the mm_all_reduce pattern")
-        if val(x) is None or not statically_known_true(vs.shape[-1] == val(x).shape[-1]):
+        if val(x) is None or not statically_known_true(vh.shape[-1] == val(x).shape[-1]):
             raise Skip("a view changes the product's last dimension: the norm's rows are not the product's rows")
-        if depends_on([norm.weight], {add}):
-            raise Skip("the norm's weight is computed from the sum it normalises")
         try:
             a, b, bias = matmul_operands(x)
             check_fusable(x, a, b, bias, settings)
@@ -232,7 +258,7 @@ class AddRmsNormMatch:
             m, k, n = val(x).shape[0], val(a).shape[1], val(x).shape[1]
             world = _resolve_process_group(group_name).size()
             call = Call(MM_ALL_REDUCE_ADD_RMS_NORM.name, m, k, n, vh.dtype, world, bias is not None)
-            _gated(group_name, vh.device, call, settings)
+            _gated(vh.device, call, settings)
         except Skip as exc:
             raise Skip(str(exc), mm=x) from None
         return cls(ar, waits[0], views, x, a, b, bias, group_name, add, residual, norm)
@@ -240,17 +266,90 @@ class AddRmsNormMatch:
     def replace(self, graph: fx.Graph) -> fx.Node:
         norm = self.norm
         args = (self.a, self.b, self.bias, self.residual, norm.weight, norm.eps, norm.weight_last, self.group_name)
-        # before the norm's output: every operand is computed before it
-        fused = insert_call(graph, norm.out, self.op, args, self.mm)
-        h = insert_getitem(graph, fused, 0, self.add)
-        n = insert_getitem(graph, fused, 1, norm.out)
-        norm.out.replace_all_uses_with(n)
-        for node in norm.nodes:  # consumers first
-            graph.erase_node(node)
-        self.add.replace_all_uses_with(h)
-        for node in [self.add, self.wait, self.all_reduce, *self.views, self.mm]:
-            graph.erase_node(node)
-        return fused
+        return _replace_chain(graph, self.op, args, self.mm, self.add, norm,
+                              [self.wait, self.all_reduce, *self.views, self.mm])
 
 
-MATCH = AddRmsNormMatch
+def _residual_add(reader: fx.Node) -> tuple[fx.Node, fx.Node, Norm]:
+    """(the residual add that alone reads ``reader``, the residual, the RMSNorm of the sum), or
+    Skip with why not."""
+    users = list(reader.users)
+    if len(users) != 1 or not is_call(users[0], (aten.add.Tensor,)) or users[0].kwargs:
+        raise Skip("the reduced sum is not read by one residual add alone")
+    add = users[0]
+    residual = _other(add, reader)
+    vr, vs, vh = val(residual), val(reader), val(add)
+    if vr is None or vs is None or vh is None or not (vr.shape == vs.shape == vh.shape) or not (
+            vr.dtype == vs.dtype == vh.dtype):
+        raise Skip("the residual add broadcasts or mixes dtypes")
+    norm = rms_norm_of(add)
+    if depends_on([norm.weight], {add}):
+        raise Skip("the norm's weight is computed from the sum it normalises")
+    return add, residual, norm
+
+
+@dataclasses.dataclass
+class ScatterAddRmsNormMatch:
+    """The sequence-parallel form (module docstring): ``mm_reduce_scatter``'s match, then the
+    residual add and RMSNorm of this rank's share."""
+
+    scatter: mm_reduce_scatter.MmReduceScatterMatch
+    unpermute: fx.Node | None  # the permuted form's reader, which permutes the share back
+    add: fx.Node
+    residual: fx.Node
+    norm: Norm
+    scaled: None = None  # (no FP8 form)
+
+    @property
+    def mm(self) -> fx.Node:
+        return self.scatter.mm
+
+    @property
+    def op(self):
+        return getattr(torch.ops.commfuse, MM_REDUCE_SCATTER_ADD_RMS_NORM.name).default
+
+    @classmethod
+    def from_anchor(cls, rs: fx.Node, settings) -> "ScatterAddRmsNormMatch":
+        scatter = mm_reduce_scatter.MmReduceScatterMatch.from_anchor(rs, settings)
+        if scatter.scaled is not None:
+            raise Skip("the reduced sum is a scaled (FP8) product: left to the mm_reduce_scatter pattern",
+                       mm=scatter.mm)
+        if len(scatter.waits) != 1:
+            raise Skip("the reduce-scatter is waited on more than once", mm=scatter.mm)
+        reader, unpermute = scatter.waits[0], None
+        if scatter.perm is not None:
+            users = list(reader.users)
+            if len(users) != 1 or not mm_reduce_scatter.inverts(users[0], scatter.perm):
+                raise Skip("the permuted share is not read by one permute back alone", mm=scatter.mm)
+            reader = unpermute = users[0]
+        try:
+            add, residual, norm = _residual_add(reader)
+            vh, vx = val(add), val(scatter.mm)
+            if not statically_known_true(vh.shape[-1] == vx.shape[-1]):
+                raise Skip("a view changes the product's last dimension: the norm's rows are not the product's rows")
+            world = arg(rs, 2, "group_size")
+            m, k, n = vx.shape[0], val(scatter.a).shape[1], vx.shape[1]
+            call = Call(MM_REDUCE_SCATTER_ADD_RMS_NORM.name, m, k, n, vh.dtype, world, scatter.bias is not None)
+            _gated(vh.device, call, settings)
+        except Skip as exc:
+            raise Skip(str(exc), mm=scatter.mm) from None
+        return cls(scatter, unpermute, add, residual, norm)
+
+    def replace(self, graph: fx.Graph) -> fx.Node:
+        sc, norm = self.scatter, self.norm
+        rs = sc.reduce_scatter
+        args = (sc.a, sc.b, sc.bias, self.residual, norm.weight, norm.eps, norm.weight_last, sc.shape, sc.scatter_dim,
+                arg(rs, 2, "group_size"), arg(rs, 3, "group_name"))
+        readers = [self.unpermute] if self.unpermute is not None else []
+        return _replace_chain(graph, self.op, args, sc.mm, self.add, norm,
+                              [*readers, *sc.waits, rs, *sc.layout, *sc.views, sc.mm])
+
+
+class MATCH:
+    """The form by the anchor's collective: the all-reduce's, or sequence parallelism's reduce-scatter."""
+
+    @staticmethod
+    def from_anchor(anchor: fx.Node, settings):
+        if anchor.target is c10d.reduce_scatter_tensor.default:
+            return ScatterAddRmsNormMatch.from_anchor(anchor, settings)
+        return AddRmsNormMatch.from_anchor(anchor, settings)

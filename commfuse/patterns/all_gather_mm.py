@@ -110,13 +110,13 @@ def _permuted(ag: fx.Node, wait: fx.Node) -> tuple[fx.Node, fx.Node, int, list[f
     sequence-parallel reduce-scatter): ``permute(wait(all_gather(clone?(permute(shard, p)))), q)``
     with ``q`` undoing ``p``, maybe copied again, is ``shard`` gathered along ``p[0]``. Returns
     (shard, gathered, p[0], nodes after the wait, nodes before the all-gather), consumers first."""
-    from .mm_reduce_scatter import _inverts, unpermute
+    from .mm_reduce_scatter import inverts, unpermute
 
     shard, perm, before = unpermute(ag.args[0])
     if perm is None or any(len(n.users) != 1 for n in before) or len(wait.users) != 1:
         return None
     (back,) = wait.users
-    if not _inverts(back, perm):
+    if not inverts(back, perm):
         return None
     gathered, after = back, [back]
     if len(back.users) == 1 and is_call(next(iter(back.users)), (aten.clone.default,)):

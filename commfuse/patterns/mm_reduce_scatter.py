@@ -98,7 +98,7 @@ def unpermute(x: fx.Node) -> tuple[fx.Node, list[int] | None, list[fx.Node]]:
     return (nodes[0] if nodes else x), None, []
 
 
-def _inverts(node: fx.Node, perm: list[int]) -> bool:
+def inverts(node: fx.Node, perm: list[int]) -> bool:
     """Whether ``node`` is ``permute(., q)`` with ``q`` undoing ``perm``."""
     if not is_call(node, (aten.permute.default,)):
         return False
@@ -175,7 +175,7 @@ class MmReduceScatterMatch:
         its values and strides stay the ones the graph was traced with."""
         copy = None
         for user in list(wait.users):
-            if _inverts(user, self.perm):
+            if inverts(user, self.perm):
                 user.replace_all_uses_with(out)
                 graph.erase_node(user)
                 continue

@@ -61,6 +61,16 @@ def mm_all_reduce_add_rms_norm(a, b, bias, residual: torch.Tensor, weight: torch
     return h, rms_norm(h, weight, eps, weight_last).contiguous()
 
 
+def mm_reduce_scatter_add_rms_norm(a, b, bias, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   weight_last: bool, shape: list[int], scatter_dim: int, world_size: int,
+                                   group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence-parallel form: ``h = residual + mm_reduce_scatter(a, b, bias, shape, ...)``
+    (this rank's share, viewed as the residual) and ``n = rms_norm(h, weight)``."""
+    share = mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
+    h = (residual + share.view(residual.shape)).contiguous()
+    return h, rms_norm(h, weight, eps, weight_last).contiguous()
+
+
 def scaled_mm_all_reduce(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, group_name: str) -> torch.Tensor:
     return all_reduce(scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum), group_name)
 

@@ -526,17 +526,49 @@ MM_ALL_REDUCE_ADD_RMS_NORM = OpSpec(
     default_path="one_shot",
 )
 
+
+def _rs_norm_inputs(c: Call, g: str, rand):
+    rs = _rs_inputs(c, g, rand)
+    share = list(rs.shape)
+    share[rs.scatter_dim] //= c.world
+    return MM_REDUCE_SCATTER_ADD_RMS_NORM.Args(rs.a, rs.b, rs.bias, rand(*share), rand(c.n), 1e-6, True, rs.shape,
+                                               rs.scatter_dim, rs.world_size, g)
+
+
+# The sequence-parallel form: a reduce-scatter in the all-reduce's place, the add and the norm on
+# this rank's share of the rows; ``h`` and ``n`` shaped as the residual (the share's shape).
+MM_REDUCE_SCATTER_ADD_RMS_NORM = OpSpec(
+    name="mm_reduce_scatter_add_rms_norm",
+    args=(*MM_REDUCE_SCATTER.args[:3], *MM_ALL_REDUCE_ADD_RMS_NORM.args[3:7], *MM_REDUCE_SCATTER.args[3:]),
+    outputs=("h", "n"),
+    reference=lambda x: reference.mm_reduce_scatter_add_rms_norm(*x),
+    pattern="add_rms_norm",
+    call=lambda x, world: _rs_call(x, world, MM_REDUCE_SCATTER_ADD_RMS_NORM.name),
+    key=lambda x: (*MM_REDUCE_SCATTER.key(x), tuple(x.residual.shape), x.weight_last),
+    own_size=MM_REDUCE_SCATTER.own_size,
+    shared=lambda x: dict(MM_REDUCE_SCATTER.shared(x), residual=x.residual, weight=x.weight, eps=x.eps,
+                          weight_last=x.weight_last),
+    exchanged=MM_REDUCE_SCATTER.exchanged,
+    inputs=_rs_norm_inputs,
+    rows_unit=MM_REDUCE_SCATTER.rows_unit,
+    cuts_rows=True,
+    unfused='(h, rms_norm(h, weight, eps, weight_last)) with '
+            'h = residual + reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)',
+    default_path="pull",
+)
+
 #: Every op, by name, in the order the registry and the report list them.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
                                                  ALL_GATHER_SCALED_MM, SCALED_MM_REDUCE_SCATTER,
                                                  ROWWISE_SCALED_MM_ALL_REDUCE, ALL_GATHER_ROWWISE_SCALED_MM,
-                                                 ROWWISE_SCALED_MM_REDUCE_SCATTER, MM_ALL_REDUCE_ADD_RMS_NORM)}
+                                                 ROWWISE_SCALED_MM_REDUCE_SCATTER, MM_ALL_REDUCE_ADD_RMS_NORM,
+                                                 MM_REDUCE_SCATTER_ADD_RMS_NORM)}
 OPS = tuple(SPECS)
 
 #: Each op's argument tuple by its own name (what paths, tools and tests construct).
 MmAllReduceArgs, AllGatherMmArgs, MmReduceScatterArgs = MM_ALL_REDUCE.Args, ALL_GATHER_MM.Args, MM_REDUCE_SCATTER.Args
 
 __all__ = ["ALL_GATHER_MM", "ALL_GATHER_ROWWISE_SCALED_MM", "ALL_GATHER_SCALED_MM", "Arg", "Call", "MAX_ROW_SLABS", "MM_ALL_REDUCE",
-           "MM_ALL_REDUCE_ADD_RMS_NORM", "MM_REDUCE_SCATTER", "OPS", "OpSpec", "ROWWISE_SCALED_MM_ALL_REDUCE",
+           "MM_ALL_REDUCE_ADD_RMS_NORM", "MM_REDUCE_SCATTER", "MM_REDUCE_SCATTER_ADD_RMS_NORM", "OPS", "OpSpec", "ROWWISE_SCALED_MM_ALL_REDUCE",
            "ROWWISE_SCALED_MM_REDUCE_SCATTER", "SCALED_MM_ALL_REDUCE", "SCALED_MM_REDUCE_SCATTER", "SPECS",
            "AllGatherMmArgs", "MmAllReduceArgs", "MmReduceScatterArgs", "row_slabs", "rows_dim"]

@@ -1,5 +1,7 @@
 """``mm_all_reduce_add_rms_norm``'s one-shot path (``runtime/running/ar_norm.py``: cuBLAS into the
-workspace, then the norm epilogue kernel) at 2, 4 and 8 ranks emulated on one GPU, as
+workspace, then the norm epilogue kernel), its graph-lane path under capture, and the
+sequence-parallel form's (``mm_reduce_scatter_add_rms_norm``, ``runtime/running/rs_norm.py``) at 2,
+4 and 8 ranks emulated on one GPU, as
 ``test_gpu_one_device.py`` emulates them: every rank's call on its own stream, the outputs poisoned
 with NaN, ``h`` and ``n`` compared with an fp32 reference of the unfused chain (every rank's
 partial summed, the residual added, the norm and the weight) and ``n`` with the models' own norm
@@ -19,10 +21,11 @@ import torch.nn.functional as F
 
 from commfuse.runtime import errors
 from commfuse.runtime.facts import local_facts
-from commfuse.runtime.paths import ar_norm
+from commfuse.runtime.paths import ar_norm, rs_norm
 from commfuse.runtime.paths.base import Context
 from commfuse.runtime.running import ar_norm as ar_norm_run
-from commfuse.runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM, Call
+from commfuse.runtime.running import rs_norm as rs_norm_run
+from commfuse.runtime.spec import MM_ALL_REDUCE_ADD_RMS_NORM, MM_REDUCE_SCATTER_ADD_RMS_NORM, Call
 from commfuse.tools import emulated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.one_gpu,
@@ -66,7 +69,7 @@ def _call_or_skip(path, world, m, k, n):
     """The call and this GPU's facts, or a skip where the emulation or the path cannot take it."""
     if world > CONNECTIONS:
         pytest.skip(f"{world} spinning streams need CUDA_DEVICE_MAX_CONNECTIONS >= {world}")
-    call = Call(MM_ALL_REDUCE_ADD_RMS_NORM.name, m, k, n, DT, world)
+    call = Call(path.op, m, k, n, DT, world)
     facts = local_facts(world)
     why = path.supports(call, facts)
     if why:
@@ -171,3 +174,50 @@ def test_graph_norm_path_captured_and_replayed(world, m, n):
         for r, (h, out) in enumerate(outs):
             assert _relerr(h, fresh[4]) < 1e-2, (c, r, "h")
             assert _relerr(out, fresh[5]) < 1e-2, (c, r, "n")
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("slabs, rows, n", [(1, 1, 4096), (1, 7, 999), (2, 64, 5120), (1, 1024, 8191),
+                                             (3, 5, 4095)])
+def test_sequence_parallel_norm_path(world, slabs, rows, n):
+    """``mm_reduce_scatter_add_rms_norm``'s ``pull``: the product ``[slabs, world * rows, n]``
+    scattered along dim 1 (dim 0 where ``slabs`` is 1), so each rank's share is ``rows`` rows of each
+    slab; every rank's ``h`` and ``n`` (poisoned first) against fp32 of the unfused chain on its
+    share, both roundings over the calls."""
+    k = 256
+    m = slabs * world * rows
+    call, facts = _call_or_skip(rs_norm.PULL, world, m, k, n)
+    ranks = [_Rank(w) for w in emulated.group(world, rs_norm.PULL.workspace_bytes(call), timeout_s=20.0)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    shape, dim = ([slabs, world * rows, n], 1) if slabs > 1 else ([m, n], 0)
+    share = list(shape)
+    share[dim] //= world
+    for c in range(3):  # both parities, and a reused one
+        weight_last = c != 1
+        torch.manual_seed(world * 7919 + m + n + c)
+        a = [torch.randn(m, k, device="cuda", dtype=DT) for _ in range(world)]
+        b = [(torch.randn(n, k, device="cuda", dtype=DT) / k ** 0.5).t() for _ in range(world)]
+        residual = [torch.randn(share, device="cuda", dtype=DT) for _ in range(world)]
+        weight = (1 + 0.2 * torch.randn(n, device="cuda")).to(DT)
+        total = sum(x.float() @ y.float() for x, y in zip(a, b)).view(shape)
+        a[0] @ b[0]  # cuBLAS's kernel loaded before any rank spins
+        outs = [(torch.full((slabs * rows, n), float("nan"), device="cuda", dtype=DT),
+                 torch.full((slabs * rows, n), float("nan"), device="cuda", dtype=DT)) for _ in range(world)]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        for r in range(world):
+            args = MM_REDUCE_SCATTER_ADD_RMS_NORM.Args(a[r], b[r], None, residual[r], weight, EPS, weight_last, shape,
+                                                       dim, world, "emulated")
+            with torch.cuda.stream(streams[r]):
+                rs_norm_run.run_into(rs_norm.PULL, Context(call, facts, ranks[r]), args, *outs[r])
+        torch.cuda.synchronize()
+        errors.check(ranks[0])
+        for r, (h, out) in enumerate(outs):
+            mine = total.chunk(world, dim)[r].reshape(-1, n)
+            want_h = residual[r].float().reshape(-1, n) + mine
+            want_n = want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+            assert _relerr(h, want_h) < 1e-2, (c, r, "h")
+            assert _relerr(out, want_n) < 1e-2, (c, r, "n")
+            chain = _model_norm(h, weight, weight_last)
+            torch.testing.assert_close(out, chain, rtol=2e-2, atol=2e-2)
+            assert (out != chain).float().mean().item() < 0.01, (c, r, "another rounding")

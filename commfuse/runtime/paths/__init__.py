@@ -5,7 +5,7 @@ decides; its module of ``running/`` runs it."""
 from __future__ import annotations
 
 from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, ar_norm, nccl,
-               rs_ce_overlap, rs_fused, rs_pull, split_k)
+               rs_ce_overlap, rs_fused, rs_norm, rs_pull, split_k)
 from .base import OPS, Call, Context, Path
 
 #: In each op's order: NCCL first (the unfused computation), then the symmetric paths.
@@ -21,6 +21,7 @@ _ALL: tuple[Path, ...] = (
     nccl.ALL_GATHER_ROWWISE_SCALED_MM, ag_pull.ROWWISE_PULL,
     nccl.ROWWISE_SCALED_MM_REDUCE_SCATTER, rs_pull.ROWWISE_PULL,
     nccl.MM_ALL_REDUCE_ADD_RMS_NORM, ar_norm.ONE_SHOT, ar_norm.GRAPH,
+    nccl.MM_REDUCE_SCATTER_ADD_RMS_NORM, rs_norm.PULL,
 )
 
 REGISTRY: dict[tuple[str, str], Path] = {(p.op, p.name): p for p in _ALL}

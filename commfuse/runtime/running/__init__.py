@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from .. import paths
 from . import (after_gemm, ag_ce_overlap, ag_fused, ag_pull, ar_ce_overlap, ar_fused, ar_graph, ar_norm, nccl,
-               rs_ce_overlap, rs_fused, rs_pull, split_k)
+               rs_ce_overlap, rs_fused, rs_norm, rs_pull, split_k)
 
 #: What runs each path of ``paths.REGISTRY``: ``fn(path, ctx, args)``. Every op's NCCL path runs
 #: its spec's unfused computation, so an op added with only that path runs too.
@@ -25,7 +25,7 @@ RUNS: dict[paths.Path, Callable] = {
     paths.ag_fused.FUSED: ag_fused.run,
     paths.rs_pull.PULL: rs_pull.run, paths.rs_ce_overlap.CE_OVERLAP: rs_ce_overlap.run,
     paths.rs_fused.FUSED: rs_fused.run, paths.ar_norm.ONE_SHOT: ar_norm.run,
-    paths.ar_norm.GRAPH: ar_norm.run_graph,
+    paths.ar_norm.GRAPH: ar_norm.run_graph, paths.rs_norm.PULL: rs_norm.run,
     # the FP8 ops' paths: the same runs, the op's own product (``OpSpec.product``)
     paths.after_gemm.SCALED_ONE_SHOT: after_gemm.run, paths.after_gemm.SCALED_TWO_SHOT: after_gemm.run,
     paths.after_gemm.ROWWISE_ONE_SHOT: after_gemm.run, paths.after_gemm.ROWWISE_TWO_SHOT: after_gemm.run,

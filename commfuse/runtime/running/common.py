@@ -1,7 +1,10 @@
-"""What the graph-lane paths' runs share (``running/ar_graph.py``, ``running/ar_norm.py``'s ``graph``):
-finding the group's lane for a call, or stepping aside to the unfused computation."""
+"""What several paths' runs share: finding the group's lane for a call, or stepping aside to the
+unfused computation (the graph-lane paths: ``running/ar_graph.py``, ``running/ar_norm.py``'s
+``graph``), and the two outputs of the norm ops' runs (``running/ar_norm.py``, ``running/rs_norm.py``)."""
 
 from __future__ import annotations
+
+import torch
 
 from .. import capture, groups
 from ..counters import ran_instead
@@ -29,3 +32,14 @@ def lane_for(path, ctx, args, nbytes: int, device, capturing: bool):
     if capturing:
         capture.mark_replayed(group)
     return lane
+
+
+def norm_outputs(path, ctx, args, rows: int, run_into) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm op's ``(h, n)``: ``rows x N`` outputs allocated (before the call's epoch), filled by
+    ``run_into(path, ctx, args, h, n)``, each viewed as the residual (contiguous, as the op's fake
+    implementation says)."""
+    h = torch.empty((rows, args.b.shape[1]), dtype=args.a.dtype, device=args.a.device)
+    out = torch.empty_like(h)
+    run_into(path, ctx, args, h, out)
+    shape = args.residual.shape
+    return h.view(shape), out.view(shape)
