@@ -15,7 +15,8 @@ class could gain. Every result is checked against an fp32 product first (output 
 ``--fp8 tensorwise|rowwise`` times the FP8 form instead: ``torch._scaled_mm`` on e4m3 operands
 (nn.Linear's weight transposed, bf16 output, ``--slow-accum`` for ``use_fast_accum=False``)
 against the tile GEMM with the same scales in its epilogue (``kernels.tiles.scaled_matmul``),
-with ``FP8_TILING`` and, with ``--alternatives``, ``FP8_ALTERNATIVES``.
+with the path's tiling in K blocks of 128 bytes (``ar_fused.FP8_BK``, what the FP8 ops' fused
+paths take) and, with ``--alternatives``, ``FP8_ALTERNATIVES``.
 
 What it does not time: the split-K kernel (its K loop is split across programs, not a tile GEMM
 of this shape), nor the fused kernels' own K loop with the exchange switched off (only the fused
@@ -25,6 +26,7 @@ all-reduce kernel has such a switch, ``fused_all_reduce.ABLATE``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -36,8 +38,7 @@ import torch
 ALTERNATIVES = ("128x128x64s4w8g8r0", "128x256x64s4w8g8r0", "256x128x64s3w8g8r0", "64x256x64s4w4g8r0",
                 "128x128x128s3w8g8r0")
 
-#: The FP8 form's tiling (Hopper: K blocks of 128 bytes, as bf16's 64) and the others it tries.
-FP8_TILING = "128x256x128s3w8g8r0"
+#: Other tilings of the FP8 form (K blocks of 128 bytes, as bf16's 64 elements).
 FP8_ALTERNATIVES = ("128x128x128s4w8g8r0", "128x256x128s4w8g8r0", "256x128x128s3w8g8r0", "64x256x128s4w4g8r0",
                     "128x128x256s3w8g8r0")
 
@@ -128,7 +129,7 @@ def main() -> int:
             b = weight.t()
             out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
             if args.fp8:
-                cfg = TileConfig.parse(FP8_TILING)
+                cfg = dataclasses.replace(cfg, bk=ar_fused.FP8_BK)
                 a, b, sa, sb = _fp8_operands(a, weight, args.fp8)
                 fast = not args.slow_accum
                 ref = (a.float() * sa) @ (b.float() * sb)

@@ -82,6 +82,44 @@ def test_scaled_mm_all_reduce_paths(sim, monkeypatch, algo, out_dtype, with_bias
     assert seen == [codes.OP_SCALED_AR]
 
 
+@pytest.mark.parametrize("spec_name, scatter", [("scaled_mm_all_reduce", False), ("scaled_mm_reduce_scatter", True)])
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, spec_name, scatter, fast):
+    """The ``fused`` paths of the tensor-wise FP8 ops hand the tile kernel the FP8 operands, this
+    rank's scales and its accumulation, with K blocks of 128 bytes, and an output (the partials'
+    dtype) of ``out_dtype``; the kernel's stand-in sums every rank's ``_scaled_mm`` (what the
+    interpreter checks the kernel against, ``tests/interpreted_fused.py``)."""
+    from commfuse.kernels import fused_all_reduce
+
+    world, r, m = sim.world, sim.mine.rank, 4 * sim.world
+    a = [_fp8(m, K, seed=120 + p) for p in range(world)]
+    b = [_weight(130 + p) for p in range(world)]
+    sa, sb = [_scale(140 + p) for p in range(world)], [_scale(150 + p) for p in range(world)]
+    parts = [reference.scaled_matmul(a[p], b[p], sa[p], sb[p], None, BF16, fast) for p in range(world)]
+    total = sum(part.float() for part in parts)
+    seen = []
+
+    def prepare(ws, a_, b_, bias, out, cfg, scatter_, opts, trace=None, scales=None, use_fast_accum=True):
+        seen.append((a_.dtype, out.dtype, cfg.bk, scatter_, use_fast_accum))
+        assert scales[0] is sa[r] and scales[1] is sb[r]
+
+        def launch(epoch, parity):
+            out.copy_(total.chunk(world)[r] if scatter_ else total)
+        launch.variants = ()
+        return launch
+
+    monkeypatch.setattr(fused_all_reduce, "prepare", prepare)
+    spec = SPECS[spec_name]
+    rest = ([m, N], 0, world, "0") if scatter else ("0",)
+    args = spec.Args(a[r], b[r], sa[r], sb[r], None, BF16, fast, *rest)
+    before = _ran(spec.name)
+    with env.override(algo="fused"):
+        out = entry.run(spec, args)
+    assert _changed(spec.name, before) == ["fused"]
+    assert seen == [(E4M3, BF16, 128, scatter, fast)]
+    _close(out, total.chunk(world)[r] if scatter else total)
+
+
 @pytest.mark.parametrize("algo", ["one_shot", "two_shot"])
 @pytest.mark.parametrize("post", [False, True], ids=["forward", "backward-form"])
 def test_rowwise_scaled_mm_all_reduce_paths(sim, monkeypatch, algo, post):
@@ -223,7 +261,10 @@ def test_every_fp8_op_has_its_paths():
                                "scaled_mm_reduce_scatter"]
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
-        assert names == (["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]), op
+        want = ["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]
+        if op in ("scaled_mm_all_reduce", "scaled_mm_reduce_scatter"):  # the tile kernel on FP8 operands too
+            want = sorted([*want, "fused"])
+        assert names == want, op
 
 
 @pytest.mark.parametrize("op", FP8_OPS)
@@ -238,7 +279,9 @@ def test_fp8_ops_stay_unfused_by_rule_until_measured(op, arch, world):
     assert (decision.name, decision.source) == ("nccl", "rules")
     assert "FP8 paths not yet measured on real links" in decision.reason
     names = [p.name for p in policy.candidates(call, facts)]
-    assert names[0] == "nccl" and len(names) == len(by_op(op)), names
+    # the tile kernel needs TMA (sm_90 and later): not a candidate on sm_89
+    tiles = [p.name for p in by_op(op) if p.name == "fused"] if arch == "sm_89" else []
+    assert names[0] == "nccl" and names == [p.name for p in by_op(op) if p.name not in tiles], names
     forced = "pull" if "gather" in op or "scatter" in op else "two_shot"
     assert policy.choose(call, facts, forced=forced, quiet=True).name == forced
     assert policy.choose(call, facts, tuned=lambda: forced, quiet=True).source == "tuned"

@@ -10,7 +10,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _compile(tma: bool, scatter: bool, stagger: bool = False):
+def _compile(tma: bool, scatter: bool, stagger: bool = False, fp8: tuple | None = None):
     from commfuse.kernels import fused_all_reduce
 
     bm, bn, bk = 128, 256, 64
@@ -18,10 +18,17 @@ def _compile(tma: bool, scatter: bool, stagger: bool = False):
            "bias": "*bf16", "data": "*bf16", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32",
            "stride_bm": "i32", "stride_bn": "i32", "flags": "*i32", "heap_bases": "*i64", "epoch": "i32",
            "rank": "i32", "err": "*i32", "timeout": "i64", "ticket": "*i32", "ticket_base": "i32",
-           "trace": "*i64", "compute": "i32", "lag": "i32", "positions": "i32", "stagger": "i32"}
+           "trace": "*i64", "compute": "i32", "lag": "i32", "positions": "i32", "stagger": "i32",
+           "scale_a": "*fp32", "scale_b": "*fp32"}
     consts = dict(OP=5, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, SUB_M=64, B_TRANSPOSED=True,
                   HAS_BIAS=False, TICKETS=True, SCATTER=scatter, ABLATE=0, PULL=False, TRACE=False,
-                  INLINE=not scatter, TMA_PUSH=tma, STAGGER=stagger)
+                  INLINE=not scatter, TMA_PUSH=tma, STAGGER=stagger, SCALED=False, ROWWISE=False, IMPRECISE=None)
+    if fp8 is not None:  # FP8 operands: (row-wise scales, use_fast_accum)
+        from commfuse.kernels import tiles
+
+        bk = 128
+        sig.update({"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>"})
+        consts.update(BK=bk, SCALED=True, ROWWISE=fp8[0], IMPRECISE=tiles.fp8_accumulation(fp8[1], bk))
     return _compile_for_sm90(fused_all_reduce.gemm_all_reduce_kernel, sig, consts, num_warps=8, num_stages=3)
 
 
@@ -56,6 +63,21 @@ def test_tma_push_compiles_for_sm90(scatter):
     assert tma.asm["ptx"].count("st.global.v4") < plain.asm["ptx"].count("st.global.v4")
     assert tma.metadata.shared <= plain.metadata.shared <= 227 * 1024
     assert tma.metadata.global_scratch_size > 0  # the device-made descriptors
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+@pytest.mark.parametrize("rowwise, fast", [(False, True), (True, True), (False, False)],
+                         ids=["tensorwise", "rowwise", "fp32_accum"])
+def test_fp8_form_compiles_for_sm90_on_fp8_tensor_cores(scatter, rowwise, fast):
+    """The fused all-reduce (and its reduce-scatter form) on FP8 operands with ``_scaled_mm``'s
+    scales (``tests/interpreted_fused.py`` checks the values): FP8 warpgroup MMAs, the
+    partials exchanged in bf16 as the plain kernel's are, within the shared memory."""
+    pytest.importorskip("iris")
+    compiled = _compile(False, scatter, fp8=(rowwise, fast))
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx
+    assert "sys.release" in ptx or "release.sys" in ptx
+    assert compiled.metadata.shared <= 227 * 1024
 
 
 def test_staggered_start_compiles_for_sm90():

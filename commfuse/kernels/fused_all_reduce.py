@@ -56,7 +56,7 @@ from . import tiles
 from .launch import Bound
 from .sync import (TRACE_SLOTS, FUSED_AR_OP, FUSED_RS_OP, iris, now, paired, peer_pointer, require_iris, trace_tile,
                    trace_time, wait_or_record, wait_other_ranks)
-from .tiles import claim, mma_tile, tile_coords, tile_epilogue
+from .tiles import claim, mma_tile, scale_tile, tile_coords, tile_epilogue
 from .sizes.fused_all_reduce import Options, data_elems, num_tiles, tile_flag_slots  # noqa: F401
 
 
@@ -291,7 +291,8 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        GROUP_M: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SCATTER: tl.constexpr, ABLATE: tl.constexpr, PULL: tl.constexpr = False,
-                       TMA_PUSH: tl.constexpr = False):
+                       TMA_PUSH: tl.constexpr = False, scale_a=None, scale_b=None, SCALED: tl.constexpr = False,
+                       ROWWISE: tl.constexpr = False, IMPRECISE: tl.constexpr = None):
     """Multiply the tile at position ``i`` of this rank's order, release ``prev`` (the previous
     tile's stores had this whole K loop to land), then push the partial to its owner or, for an
     own tile, add the pushed partials and write ``out`` (all-reduce: every row, and push the sum
@@ -312,7 +313,10 @@ def _multiply_position(i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, 
             if early != 0:
                 pulled, late = _pull_partials(flags, data, tile, slot, slab_tiles, epoch, rank,
                                               heap_bases, err, timeout, late, OP, WORLD, BM, BN, ABLATE)
-    acc = mma_tile(a_desc, b_desc, off_m, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+    acc = mma_tile(a_desc, b_desc, off_m, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED, IMPRECISE)
+    if SCALED:  # FP8: this rank's scales on its own partial, before any exchange
+        acc = scale_tile(acc, scale_a, scale_b, off_m + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N,
+                         ROWWISE)
     rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, pid_n * BN, row_end, N,
                                           stride_bm, stride_bn, BM, BN, HAS_BIAS)
     if prev >= 0:
@@ -369,14 +373,15 @@ def _stagger(pid, programs, spread_ns):
 @triton.jit(do_not_specialize=["rank", "epoch", "ticket_base", "compute", "lag", "positions", "stagger"])
 def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                            flags, heap_bases, epoch, rank, err, timeout, ticket, ticket_base,
-                           trace, compute, lag, positions, stagger, OP: tl.constexpr,
+                           trace, compute, lag, positions, stagger, scale_a, scale_b, OP: tl.constexpr,
                            WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            GROUP_M: tl.constexpr, SUB_M: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, TICKETS: tl.constexpr,
                            SCATTER: tl.constexpr = False, ABLATE: tl.constexpr = 0,
                            PULL: tl.constexpr = False, TRACE: tl.constexpr = False,
                            INLINE: tl.constexpr = False, TMA_PUSH: tl.constexpr = False,
-                           STAGGER: tl.constexpr = False):
+                           STAGGER: tl.constexpr = False, SCALED: tl.constexpr = False,
+                           ROWWISE: tl.constexpr = False, IMPRECISE: tl.constexpr = None):
     """The all-reduce (module docstring); with ``SCATTER`` the reduce-scatter along rows: the
     same order and pushes, each rank's share of the rows is what it owns, and nothing is pushed
     back (no result area, no reducers: launch ``compute`` programs only). ``INLINE`` (all-reduce,
@@ -389,7 +394,10 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
     ``TRACE`` (ticket order only): GPU times into ``trace`` (``sync.TRACE_SLOTS`` per program:
     its start, its end, each multiplied position's start and end), for the benchmarks.
     ``STAGGER`` (ticket order only): program p starts its first tile p / ``compute`` of
-    ``stagger`` ns late (``_stagger``, ``stagger_ns``)."""
+    ``stagger`` ns late (``_stagger``, ``stagger_ns``). ``SCALED``: FP8 operands with
+    ``_scaled_mm``'s scales (``tiles.scale_tile``; ``ROWWISE``, ``IMPRECISE`` as
+    ``tiles.matmul_kernel``'s), applied to each tile before it is pushed or summed: the partials
+    exchanged are the output dtype's."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -419,7 +427,8 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                         i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm,
                         stride_bn, flags, heap_bases, epoch, rank, err, timeout, num_m, num_n,
                         num_tiles, slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M,
-                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, TMA_PUSH)
+                        B_TRANSPOSED, HAS_BIAS, SCATTER, ABLATE, PULL, TMA_PUSH, scale_a, scale_b, SCALED,
+                        ROWWISE, IMPRECISE)
                     trace_tile(trace, j, i, 1, TRACE)
                     j += 1
                 elif kind == 1:
@@ -434,7 +443,7 @@ def gemm_all_reduce_kernel(a_desc, b_desc, bias, data, out, M, N, K, stride_bm, 
                     i, prev, late, a_desc, b_desc, bias, data, out, M, N, K, stride_bm, stride_bn,
                     flags, heap_bases, epoch, rank, err, timeout, num_m, num_n, num_tiles,
                     slab_tiles, result_at, OP, WORLD, BM, BN, BK, GROUP_M, B_TRANSPOSED, HAS_BIAS,
-                    SCATTER, ABLATE, PULL, TMA_PUSH)
+                    SCATTER, ABLATE, PULL, TMA_PUSH, scale_a, scale_b, SCALED, ROWWISE, IMPRECISE)
         if prev >= 0:
             _release(flags, prev, epoch, rank, heap_bases, num_tiles, slab_tiles, WORLD, SCATTER, TMA_PUSH)
     else:
@@ -469,7 +478,7 @@ _resident: dict[tuple, int] = {}
 
 #: The fused kernel's arguments that change from call to call (``launch.Bound``).
 _PER_CALL = ("a_desc", "b_desc", "bias", "data", "out", "stride_bm", "stride_bn", "epoch", "ticket_base",
-             "trace")
+             "trace", "scale_a", "scale_b")
 
 
 class _Plan(NamedTuple):
@@ -485,7 +494,8 @@ class _Plan(NamedTuple):
 
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int,
           sbn: int, out: torch.Tensor, cfg: tiles.TileConfig, scatter: bool, opts: "Options", traced: bool,
-          device: torch.device) -> _Plan:
+          device: torch.device, fp8: tuple | None = None) -> _Plan:
+    """``dtype``: the partials' (the output's); ``fp8``: ``(rowwise, imprecise)`` of an FP8 call."""
     if tile_flag_slots(m, n, ws.world, cfg, scatter) > ws.tile_flags.numel():
         raise RuntimeError("commfuse: too many tiles for the workspace's tile flags")
     if scatter and m % ws.world:
@@ -502,15 +512,16 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
                   HAS_BIAS=full_bias is not None, TICKETS=opts.tickets, SCATTER=scatter, ABLATE=opts.ablate,
                   PULL=opts.pull and scatter, TRACE=traced, INLINE=inline,
                   TMA_PUSH=opts.tma_push and not (opts.pull and scatter), STAGGER=staggered,
-                  num_warps=cfg.warps, num_stages=cfg.stages)
+                  SCALED=fp8 is not None, ROWWISE=fp8 is not None and fp8[0],
+                  IMPRECISE=fp8[1] if fp8 is not None else None, num_warps=cfg.warps, num_stages=cfg.stages)
     key = (cfg, dtype, ws.world, b_t, full_bias is not None, device.index, consts["TICKETS"], scatter,
-           opts.ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"])
+           opts.ablate, consts["PULL"], traced, consts["TMA_PUSH"], consts["STAGGER"], fp8)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = gemm_all_reduce_kernel.warmup(
             a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
             data=ws.data(0, (elems,), dtype), out=out, stride_bm=sbm, stride_bn=sbn, epoch=0,
-            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, stagger=0, grid=(1,), **fixed,
-            **consts)
+            ticket_base=0, trace=ws.ticket, compute=1, lag=0, positions=1, stagger=0, scale_a=ws.err,
+            scale_b=ws.err, grid=(1,), **fixed, **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -536,7 +547,8 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: tiles.TileConfig,
-            scatter: bool = False, opts: Options = Options(), trace: torch.Tensor | None = None):
+            scatter: bool = False, opts: Options = Options(), trace: torch.Tensor | None = None,
+            scales: tuple | None = None, use_fast_accum: bool = True):
     """What of a call can fail on one rank alone (operand copies, descriptors, the first compile
     of a configuration), done before the call's epoch begins; returns ``launch(epoch, parity)``,
     which writes ``out = sum over the group of (a @ b + bias)`` through ``ws`` (``data_elems`` per
@@ -545,18 +557,25 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     compiles a new specialisation of a known configuration. ``trace``: an int64 tensor of at
     least ``TRACE_SLOTS`` per program, filled with GPU times (benchmarks only; the ticket order;
     -1 where a program left slots unused). What depends only on the shapes, layouts and options
-    is worked out once per workspace (``_plan``): a model step waits for this host work."""
+    is worked out once per workspace (``_plan``): a model step waits for this host work.
+    ``scales``: ``(scale_a, scale_b)`` of FP8 operands (``_scaled_mm``'s: one float32 each, or
+    ``[M, 1]`` and ``[1, N]``), with ``use_fast_accum``; ``out``'s dtype is the partials'."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     traced = trace is not None
+    dtype = out.dtype
+    fp8, scale_a, scale_b = None, ws.err, ws.err  # (pointers the plain kernel never reads)
+    if scales is not None:
+        scale_a, scale_b = (s.float().contiguous() for s in scales)
+        fp8 = (scale_a.numel() != 1 or scale_b.numel() != 1, tiles.fp8_accumulation(use_fast_accum, cfg.bk))
     # every option the plan reads is in its key, so a changed one makes a new plan
-    key = ("fused_all_reduce", m, k, n, a.dtype, b_t, bias is not None, cfg, scatter, opts, traced, ws.err.data_ptr(),
-           ws.timeout_ns)
-    plan = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
-                                      scatter, opts, traced, a.device))
+    key = ("fused_all_reduce", m, k, n, a.dtype, dtype, b_t, bias is not None, cfg, scatter, opts, traced, fp8,
+           ws.err.data_ptr(), ws.timeout_ns)
+    plan = ws.kept(key, lambda: _plan(ws, m, k, n, dtype, a_desc, b_desc, b_t, full_bias, sbm, sbn, out, cfg,
+                                      scatter, opts, traced, a.device, fp8))
     consts = plan.bound.fixed
     if consts["TMA_PUSH"]:  # device-made descriptors need an allocator, which Triton keeps per thread
         tiles.ensure_allocator()
@@ -568,8 +587,9 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
         if traced:
             trace.fill_(-1)
         plan.bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
-                   data=ws.data(parity, (plan.elems,), a.dtype), out=out, stride_bm=sbm, stride_bn=sbn,
-                   epoch=epoch, ticket_base=base, trace=trace if traced else ws.ticket)
+                   data=ws.data(parity, (plan.elems,), dtype), out=out, stride_bm=sbm, stride_bn=sbn,
+                   epoch=epoch, ticket_base=base, trace=trace if traced else ws.ticket, scale_a=scale_a,
+                   scale_b=scale_b)
         if consts["TICKETS"]:  # every position claimed once, plus one failed claim per program
             ws.ticket_base = base + consts["positions"] + consts["compute"]
 

@@ -1,5 +1,6 @@
 """The FP8 ops' symmetric paths (decisions.md §20: the graph's own ``_scaled_mm`` into the workspace,
-then the exchange kernels; the FP8 shards gathered, then ``_scaled_mm``) at 2, 4 and 8 ranks
+then the exchange kernels; the FP8 shards gathered, then ``_scaled_mm``; the fused tile kernel on
+FP8 operands, tensor-wise scales) at 2, 4 and 8 ranks
 emulated on one GPU, as ``test_gpu_one_device.py`` emulates them: every rank's call on its own
 stream, outputs poisoned with NaN, compared with an fp32 sum of every rank's unfused product (its
 own scales) and, for the gather, the FP8 bits of every rank's shard. Needs a GPU whose
@@ -92,7 +93,7 @@ def _skip_past_queues(world):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("name", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("name", ["one_shot", "two_shot", "fused"])
 @pytest.mark.parametrize("m, k, n, out_dtype, bias", [
     (1, 4096, 4096, BF16, False), (48, 2048, 1040, BF16, True), (1000, 1024, 4096, torch.float32, False),
     (4096, 2048, 4096, BF16, False)])
@@ -138,9 +139,10 @@ def test_rowwise_scaled_mm_all_reduce_paths(world, name, post):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("op", ["scaled_mm_reduce_scatter", "rowwise_scaled_mm_reduce_scatter"])
+@pytest.mark.parametrize("op, name", [("scaled_mm_reduce_scatter", "pull"), ("rowwise_scaled_mm_reduce_scatter", "pull"),
+                                      ("scaled_mm_reduce_scatter", "fused")])
 @pytest.mark.parametrize("rows, scatter_dim", [(1024, 0), (8, 0), (256, 1)])
-def test_scaled_mm_reduce_scatter_pull(world, op, rows, scatter_dim):
+def test_scaled_mm_reduce_scatter_paths(world, op, name, rows, scatter_dim):
     _skip_past_queues(world)
     k, n = 2048, 1536
     m = rows * world
@@ -157,7 +159,7 @@ def test_scaled_mm_reduce_scatter_pull(world, op, rows, scatter_dim):
     extra = (None, None) if rowwise else ()
     args = [SPECS[op].Args(a[r], b[r], sa[r], sb[r], c[r], BF16, True, *extra, shape, scatter_dim, world, "emulated")
             for r in range(world)]
-    for got in _run_every_rank(op, "pull", world, args, calls=2):
+    for got in _run_every_rank(op, name, world, args, calls=2):
         for r, out in enumerate(got):
             assert _relerr(out, want.chunk(world, dim=scatter_dim)[r]) < 1e-2, r
 

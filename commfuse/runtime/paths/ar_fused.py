@@ -9,6 +9,10 @@ Every rank multiplies the peers' tiles first and its own last, so by the time it
 it owns, the peers pushed their partials of that tile long ago; every byte crossing the links is a
 store. The programs start their first tiles spread over ``stagger_us`` so their pushes do not
 leave at once (a one-wave call spreads less: the spread delays its end as much as its start).
+
+``scaled_mm_all_reduce`` (FP8 operands, tensor-wise scales) runs the same kernel on FP8 tensor
+cores: each tile's accumulator is multiplied by this rank's scales before it is pushed or summed,
+so the partials exchanged are the output dtype's, as the unfused graph's are.
 """
 
 from __future__ import annotations
@@ -38,9 +42,17 @@ class FusedConfig:
     options: fused_all_reduce.Options
 
 
+#: The FP8 ops the tile kernel takes (tensor-wise scales: one float32 per operand and rank).
+FP8_OPS = ("scaled_mm_all_reduce", "scaled_mm_reduce_scatter")
+#: K block of FP8 operands: 128 bytes of a row, as bf16's 64 elements are.
+FP8_BK = 128
+
+
 def tile_config(call: Call, scatter: bool) -> TileConfig:
-    """The tiling: 128 x 256, or ``SMALL_TILE`` for a small reduce-scatter."""
-    return SMALL_TILE if scatter and call.m * call.n <= SMALL_ELEMS else TILE
+    """The tiling: 128 x 256, or ``SMALL_TILE`` for a small reduce-scatter; FP8 operands take K
+    blocks of ``FP8_BK``."""
+    cfg = SMALL_TILE if scatter and call.m * call.n <= SMALL_ELEMS else TILE
+    return dataclasses.replace(cfg, bk=FP8_BK) if call.op in FP8_OPS else cfg
 
 
 def fused_support(call: Call, facts, scatter: bool) -> str | None:
@@ -48,6 +60,8 @@ def fused_support(call: Call, facts, scatter: bool) -> str | None:
     why = symmetric_support(call, facts) or tile_support(call, facts)
     if why:
         return why
+    if call.op in FP8_OPS and call.k % 16:  # (the call's dtype is the output's; the operands are bytes)
+        return "K is not a multiple of 16 (FP8 rows for TMA descriptors)"
     if scatter:
         if call.rows_dim != 0:
             return "a scatter along a dimension other than the rows"
@@ -67,8 +81,10 @@ def fused_bytes(call: Call, scatter: bool) -> int:
 
 
 class FusedAllReduce(Path):
-    op = "mm_all_reduce"
     name = "fused"
+
+    def __init__(self, op: str = "mm_all_reduce"):
+        self.op = op
 
     def supports(self, call: Call, facts) -> str | None:
         return fused_support(call, facts, scatter=False)
@@ -82,3 +98,4 @@ class FusedAllReduce(Path):
 
 
 FUSED = FusedAllReduce()
+SCALED_FUSED = FusedAllReduce("scaled_mm_all_reduce")

@@ -6,6 +6,8 @@
                  tiles, adding the pushed partials in their epilogue ]
 
 Nothing is pushed back (each rank keeps only its share), so every program multiplies.
+``scaled_mm_reduce_scatter`` (FP8, tensor-wise scales) runs it on FP8 operands, as ``ar_fused.py``
+says.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from .ar_fused import FusedConfig, fused_bytes, fused_support, tile_config
 
 
 class FusedReduceScatter(Path):
-    op = "mm_reduce_scatter"
     name = "fused"
+
+    def __init__(self, op: str = "mm_reduce_scatter"):
+        self.op = op
 
     def supports(self, call: Call, facts) -> str | None:
         return fused_support(call, facts, scatter=True)
@@ -31,3 +35,4 @@ class FusedReduceScatter(Path):
 
 
 FUSED = FusedReduceScatter()
+SCALED_FUSED = FusedReduceScatter("scaled_mm_reduce_scatter")

@@ -31,6 +31,7 @@ RUNS: dict[paths.Path, Callable] = {
     paths.after_gemm.ROWWISE_ONE_SHOT: after_gemm.run, paths.after_gemm.ROWWISE_TWO_SHOT: after_gemm.run,
     paths.ag_pull.SCALED_PULL: ag_pull.run, paths.ag_pull.ROWWISE_PULL: ag_pull.run_rowwise,
     paths.rs_pull.SCALED_PULL: rs_pull.run, paths.rs_pull.ROWWISE_PULL: rs_pull.run,
+    paths.ar_fused.SCALED_FUSED: ar_fused.run, paths.rs_fused.SCALED_FUSED: rs_fused.run,
 }
 
 

@@ -14,15 +14,19 @@ from ..paths.ar_fused import FusedConfig, fused_bytes
 
 def run(path, ctx: Context, args) -> torch.Tensor:
     a, b = args.a, args.b
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    return run_fused(ctx, a, b, args.bias, out, path.op, False, ctx.config or path.config(ctx.call, ctx.facts))
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=path.spec.product_dtype(args), device=a.device)
+    return run_fused(ctx, args, out, path.op, False, ctx.config or path.config(ctx.call, ctx.facts))
 
 
-def run_fused(ctx: Context, a, b, bias, out, op: str, scatter: bool, cfg: FusedConfig) -> torch.Tensor:
-    """One kernel: GEMM tiles, their exchange and sum overlapped; ``scatter``: along the rows."""
+def run_fused(ctx: Context, args, out, op: str, scatter: bool, cfg: FusedConfig) -> torch.Tensor:
+    """One kernel: GEMM tiles, their exchange and sum overlapped; ``scatter``: along the rows. An
+    FP8 op's scales and accumulation go to the kernel (``fused_all_reduce.prepare``)."""
+    a, b = args.a, args.b
+    scales = (args.scale_a, args.scale_b) if hasattr(args, "scale_a") else None
     ws = workspace(ctx, fused_bytes(ctx.call, scatter), a.device)
-    launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
-                                      cfg.options)  # before the epoch
+    launch = fused_all_reduce.prepare(ws, a, b, args.bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
+                                      cfg.options, scales=scales,
+                                      use_fast_accum=getattr(args, "use_fast_accum", True))  # before the epoch
     with exchange(ctx, ws, op) as (epoch, parity):
         launch(epoch, parity)
     launched("fused_all_reduce", launch.variants)

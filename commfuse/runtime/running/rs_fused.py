@@ -10,9 +10,8 @@ from .ar_fused import run_fused
 
 
 def run(path, ctx: Context, args) -> torch.Tensor:
-    a, b = args.a, args.b
-    out = torch.empty(_scattered(args), dtype=a.dtype, device=a.device)  # before the epoch
-    return run_fused(ctx, a, b, args.bias, out, path.op, True, ctx.config or path.config(ctx.call, ctx.facts))
+    out = torch.empty(_scattered(args), dtype=path.spec.product_dtype(args), device=args.a.device)  # before the epoch
+    return run_fused(ctx, args, out, path.op, True, ctx.config or path.config(ctx.call, ctx.facts))
 
 
 def _scattered(args) -> list:
