@@ -148,32 +148,38 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
 
 
 def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, gathered: bool,
-                calls: int = 2) -> None:
+                calls: int = 2, fp8: bool = False) -> None:
+    """``fp8``: e4m3 shards and weight with one float32 scale each: the FP8 bytes gathered, the
+    product ``torch._scaled_mm``'s."""
     torch.manual_seed(rows + k + n + world + rank)
-    cfg = tiles.TileConfig(bm=fused_all_gather.CHUNK_ROWS, bn=16, bk=16, stages=2, warps=4, group_m=1,
-                           reducers=0, per_sm=1)
+    cfg = tiles.TileConfig(bm=fused_all_gather.CHUNK_ROWS, bn=16, bk=32 if fp8 else 16, stages=2, warps=4,
+                           group_m=1, reducers=0, per_sm=1)
+    dt = torch.float8_e4m3fn if fp8 else DT
     chunks = -(-rows // fused_all_gather.CHUNK_ROWS)
     ws = group(world, 1 << 17, 8)
     me = ws[rank]
     push_k = min(256, triton.next_power_of_2(k))
+    imprecise = tiles.fp8_accumulation(True, cfg.bk) if fp8 else None
     for traced in (False, True):
-        fused_all_gather._resident[(cfg, DT, world, True, bias, None, push_k, gathered, traced)] = 1
+        fused_all_gather._resident[(cfg, dt, DT, world, True, bias, None, push_k, gathered, traced, fp8,
+                                    imprecise)] = 1
     for call in range(calls):
-        shards = [torch.randn(rows, k, dtype=DT) for _ in range(world)]
-        w = torch.randn(n, k, dtype=DT) / k ** 0.5
+        shards = [(torch.randn(rows, k) * (8 if fp8 else 1)).to(dt) for _ in range(world)]
+        w = ((torch.randn(n, k) * 8).to(dt) if fp8 else torch.randn(n, k, dtype=DT) / k ** 0.5)
         c = torch.randn(n, dtype=DT) if bias else None
-        full = torch.cat(shards)
+        scales = (torch.rand(()) / 4 + 0.25, torch.rand(()) / 4 + 0.25) if fp8 else None
+        full = torch.cat([x.view(torch.uint8) for x in shards]).view(dt)
         epoch = me.epoch + 1
-        area = [x.data(epoch % 2, (world * rows, k), DT) for x in ws]
+        area = [x.data(epoch % 2, (world * rows, k), dt) for x in ws]
         for p in range(world):
             if p != rank:  # rank p's chunks, pushed into this rank's gathered rows, and their flags
                 area[rank][p * rows:(p + 1) * rows].copy_(shards[p])
                 for ch in range(chunks):
                     me.tile_flags[ch * world + p] = flag_value(epoch)
         out = torch.full((world * rows, n), float("nan"), dtype=DT)
-        got_rows = torch.full((world * rows, k), float("nan"), dtype=DT) if gathered else None
+        got_rows = torch.full((world * rows, k), float("nan")).to(dt) if gathered else None
         trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
-        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg, trace)
+        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg, trace, scales=scales)
         launch(*me.next_epoch())
         if trace is not None:  # the second call is traced: positions once each, with their times
             # (the interpreter runs programs one by one: the first claims every position, and the
@@ -186,14 +192,18 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
             assert positions[-1] < count, positions
             assert bool(((tiles_[:, :, 0] >= 0) == (tiles_[:, :, 2] >= 0)).all()), "a tile without its end"
             assert int((slots[:, 0] >= 0).sum()) >= 2 and int((slots[:, 1] >= 0).sum()) >= 1
-        want = full.float() @ w.float().t() + (c.float() if bias else 0)
+        if fp8:
+            want = torch._scaled_mm(full, w.t(), *scales, c, out_dtype=DT, use_fast_accum=True).float()
+        else:
+            want = full.float() @ w.float().t() + (c.float() if bias else 0)
         err = ((out.float() - want).norm() / want.norm()).item()
-        assert err < 2e-3, (rows, k, n, world, rank, call, err)
+        assert err < (8e-3 if fp8 else 2e-3), (rows, k, n, world, rank, call, fp8, err)
+        bits = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
         if gathered:
-            assert torch.equal(got_rows, full), "the gathered rows, in rank order"
+            assert torch.equal(bits(got_rows), bits(full)), "the gathered rows, in rank order"
         for p in range(world):  # this rank's shard and chunk flags in every peer
             if p != rank:
-                assert torch.equal(area[p][rank * rows:(rank + 1) * rows], shards[rank]), p
+                assert torch.equal(bits(area[p][rank * rows:(rank + 1) * rows]), bits(shards[rank])), p
                 assert all(int(ws[p].tile_flags[ch * world + rank]) == flag_value(epoch) for ch in range(chunks)), p
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
         assert int(me.err[0]) == 0
@@ -238,7 +248,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
         for x in ws:
             x._keepalive = _PeerViews([y.buffer for y in ws])
         push_k = min(256, triton.next_power_of_2(k))
-        fused_all_gather._resident[(cfg, DT, world, True, False, None, push_k, False, False)] = 1
+        fused_all_gather._resident[(cfg, DT, DT, world, True, False, None, push_k, False, False, False, None)] = 1
         for call in range(calls):
             shards = [torch.randn(rows, k, dtype=DT) for _ in range(world)]
             w = torch.randn(n, k, dtype=DT) / k ** 0.5
@@ -415,6 +425,8 @@ def main() -> None:
         # the all-gather: 2 chunks, the last short; a shard of one short chunk
         ("every", lambda w, r: gather_case(40, 48, 24, w, r, bias=True, gathered=True)),
         ("every", lambda w, r: gather_case(7, 32, 16, w, r, bias=False, gathered=False)),
+        # FP8 shards: the bytes gathered, the scales on every tile
+        ("every", lambda w, r: gather_case(40, 64, 24, w, r, bias=True, gathered=True, fp8=True)),
     ]
     for world, rank in EVERY:
         for where, run in runs:

@@ -120,6 +120,36 @@ def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, 
     _close(out, total.chunk(world)[r] if scatter else total)
 
 
+def test_the_gather_tile_kernel_takes_fp8_shards_with_their_scales(sim, monkeypatch):
+    """``all_gather_scaled_mm``'s ``fused`` path hands the gather kernel the FP8 shard, the
+    scales, K blocks of 128 bytes, an output of ``out_dtype`` and a gathered tensor of FP8."""
+    from commfuse.kernels import fused_all_gather
+
+    world, r, rows = sim.world, sim.mine.rank, 32
+    shards = [_fp8(rows, K, seed=160 + p) for p in range(world)]
+    b, sa, sb = _weight(170), _scale(171), _scale(172)
+    full = torch.cat([x.view(torch.uint8) for x in shards]).view(E4M3)
+    want = reference.scaled_matmul(full, b, sa, sb, None, BF16, True)
+    seen = []
+
+    def prepare(ws, shard, b_, bias, gathered, out, cfg, side=None, pushers=0, ce_chunk_count=1, scales=None,
+                use_fast_accum=True):
+        seen.append((shard.dtype, gathered.dtype, out.dtype, cfg.bk, scales[0] is sa and scales[1] is sb))
+
+        def launch(epoch, parity):
+            out.copy_(want)
+            gathered.copy_(full)
+        launch.variants = ()
+        return launch
+
+    monkeypatch.setattr(fused_all_gather, "prepare", prepare)
+    args = ALL_GATHER_SCALED_MM.Args(shards[r], b, sa, sb, None, BF16, True, 0, world, "0", True)
+    with env.override(algo="fused"):
+        out, gathered = entry.run(ALL_GATHER_SCALED_MM, args)
+    assert seen == [(E4M3, E4M3, BF16, 128, True)]
+    assert torch.equal(out, want) and torch.equal(gathered.view(torch.uint8), full.view(torch.uint8))
+
+
 @pytest.mark.parametrize("algo", ["one_shot", "two_shot"])
 @pytest.mark.parametrize("post", [False, True], ids=["forward", "backward-form"])
 def test_rowwise_scaled_mm_all_reduce_paths(sim, monkeypatch, algo, post):
@@ -262,7 +292,7 @@ def test_every_fp8_op_has_its_paths():
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
         want = ["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]
-        if op in ("scaled_mm_all_reduce", "scaled_mm_reduce_scatter"):  # the tile kernel on FP8 operands too
+        if op in ("scaled_mm_all_reduce", "scaled_mm_reduce_scatter", "all_gather_scaled_mm"):  # the tile kernel too
             want = sorted([*want, "fused"])
         assert names == want, op
 

@@ -224,3 +224,28 @@ def test_scaled_matmul_compiles_for_sm90_on_fp8_tensor_cores(fast, rowwise):
         fast_ptx = _compile_for_sm90(tiles.matmul_kernel, sig, dict(consts, IMPRECISE=tiles.fp8_accumulation(True, bk)),
                                      num_warps=8, num_stages=3).asm["ptx"]
         assert ptx.count("add.f32") > fast_ptx.count("add.f32") == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_all_gather_compiles_for_sm90(fp8):
+    """The fused all-gather kernel (``tests/interpreted_fused.py`` checks its values) with its
+    pushers and the gathered copy: bf16, and FP8 shards with tensor-wise scales (FP8 warpgroup
+    MMAs over the gathered bytes), within the shared memory."""
+    pytest.importorskip("iris")
+    from commfuse.kernels import fused_all_gather, tiles
+
+    bm, bn, bk, el = 128, 256, 128 if fp8 else 64, "fp8e4nv" if fp8 else "bf16"
+    sig = {"g_desc": f"tensordesc<{el}[{bm}, {bk}]>", "b_desc": f"tensordesc<{el}[{bn}, {bk}]>",
+           "gathered": f"*{el}", "bias": "*bf16", "out": "*bf16", "data": f"*{el}", "rows": "i32", "N": "i32",
+           "K": "i32", "stride_bm": "i32", "stride_bn": "i32", "flags": "*i32", "heap_bases": "*i64",
+           "epoch": "i32", "rank": "i32", "err": "*i32", "timeout": "i64", "ticket": "*i32", "ticket_base": "i32",
+           "trace": "*i64", "pushers": "i32", "flag_rows": "i32", "scale_a": "*fp32", "scale_b": "*fp32"}
+    consts = dict(OP=7, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, CH=32, PUSH_K=256, B_TRANSPOSED=True,
+                  HAS_BIAS=False, GATHER=True, TRACE=False, SCALED=fp8,
+                  IMPRECISE=tiles.fp8_accumulation(True, bk) if fp8 else None)
+    fn = fused_all_gather.all_gather_gemm_kernel
+    assert list(sig) == [n for n in fn.arg_names if n not in consts]
+    compiled = _compile_for_sm90(fn, sig, consts, num_warps=8, num_stages=3)
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx and ((".e4m3.e4m3" in ptx) == fp8)
+    assert compiled.metadata.shared <= 227 * 1024

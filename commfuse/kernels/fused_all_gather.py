@@ -36,7 +36,7 @@ import triton.language as tl
 from . import tiles
 from .launch import run as run_kernel
 from .sync import TRACE_SLOTS, FUSED_AG_OP, iris, now, require_iris, trace_tile, trace_time, wait_or_record
-from .tiles import claim, mma_tile, tile_coords, tile_epilogue
+from .tiles import claim, mma_tile, scale_tile, tile_coords, tile_epilogue
 from .sizes.fused_all_gather import CHUNK_ROWS, PUSHERS, ce_chunks, ce_flag_base, chunk_flag_slots, data_elems  # noqa: F401
 
 @triton.jit
@@ -115,13 +115,14 @@ def _wait_rows(flags, src, first_chunk, last_chunk, epoch, rank, err, timeout, O
 
 @triton.jit(do_not_specialize=["rank", "epoch", "ticket_base", "pushers", "flag_rows"])
 def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K, stride_bm, stride_bn, flags, heap_bases, epoch, rank, err,
-                           timeout, ticket, ticket_base, trace, pushers, flag_rows,
+                           timeout, ticket, ticket_base, trace, pushers, flag_rows, scale_a, scale_b,
                            OP: tl.constexpr,
                            WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, GROUP_M: tl.constexpr, CH: tl.constexpr,
                            PUSH_K: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
-                           TRACE: tl.constexpr = False):
+                           TRACE: tl.constexpr = False, SCALED: tl.constexpr = False,
+                           IMPRECISE: tl.constexpr = None):
     """``out = all_gather(shard) @ b (+ bias)`` and, with ``GATHER``, ``gathered =
     all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``g_desc`` is over
     this parity's gathered rows in the workspace (``data``), whose own rows hold the shard
@@ -129,7 +130,9 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
     chunk of ``flag_rows`` rows is flagged once: ``CH`` with pushers; with none (the copy
     engines push, ``prepare``), the host's chunk. ``TRACE``: GPU times into ``trace``
     (``sync.TRACE_SLOTS`` per program: the second time is the pushes' end, each tile's middle
-    time its wait's end), for the benchmarks."""
+    time its wait's end), for the benchmarks. ``SCALED``: FP8 shards and weight with one float32
+    scale each (``tiles.scale_tile``; ``IMPRECISE`` as ``tiles.matmul_kernel``'s): the FP8 bytes
+    are what crosses the links."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
     late = pid * 0  # once a wait timed out, this program waits no more: its later tiles are NaN
@@ -152,7 +155,9 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
                               err, timeout, OP, WORLD)
         trace_tile(trace, j, i, 0, TRACE)  # the wait's end
         first = src * rows + local_m * BM
-        acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED)
+        acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED, IMPRECISE)
+        if SCALED:
+            acc = scale_tile(acc, scale_a, scale_b, first, pid_n * BN, 0, 0, False)
         r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
                                            stride_bm, stride_bn, BM, BN, HAS_BIAS)
         if late != 0:
@@ -164,7 +169,8 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
         i = claim(ticket, ticket_base)
 
 
-#: (config, dtype, world, weight layout, bias, device, push width, gathered) -> programs per SM
+#: (config, dtype, output dtype, world, weight layout, bias, device, push width, gathered, traced, scaled,
+#: FP8 accumulation) -> programs per SM
 _resident: dict[tuple, int] = {}
 
 
@@ -179,7 +185,8 @@ def copy_engine_flags():
 
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
             out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None,
-            side: torch.cuda.Stream | None = None, pushers: int = PUSHERS, ce_chunk_count: int = 1):
+            side: torch.cuda.Stream | None = None, pushers: int = PUSHERS, ce_chunk_count: int = 1,
+            scales: tuple | None = None, use_fast_accum: bool = True):
     """What of a call can fail on one rank alone (operand copies, descriptors, peer views, the
     first compile of a configuration), done before the call's epoch begins; returns
     ``launch(epoch, parity)``, which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless
@@ -189,7 +196,9 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     (a stream write); every program then multiplies. Without it, or without peer views or the
     stream write, ``pushers`` programs push. ``trace``: an int64 tensor of at least
     ``TRACE_SLOTS`` per program, which the kernel fills with GPU times (benchmarks only; -1
-    where a program left slots unused)."""
+    where a program left slots unused). ``scales``: ``(scale_a, scale_b)`` of an FP8 shard and
+    weight (one float32 each, ``_scaled_mm``'s), with ``use_fast_accum``; ``out`` is of the
+    output dtype, ``gathered`` of the shard's."""
     require_iris()
     rows, k = shard.shape
     n = b.shape[1]
@@ -213,6 +222,11 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
     push_k = min(256, triton.next_power_of_2(k))
     gather_in_kernel = gathered is not None and not ce  # else copied from the workspace after
+    imprecise = None
+    scale_a = scale_b = ws.err  # (pointers the plain kernel never reads)
+    if scales is not None:
+        scale_a, scale_b = (s.float().contiguous() for s in scales)
+        imprecise = tiles.fp8_accumulation(use_fast_accum, cfg.bk)
 
     def args(epoch, parity, ticket_base):
         return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
@@ -223,11 +237,12 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, GATHER=gather_in_kernel, TRACE=trace is not None,
-                  num_warps=cfg.warps, num_stages=cfg.stages)
-    key = (cfg, shard.dtype, world, b_t, bias is not None, shard.device.index, push_k,
-           gather_in_kernel, trace is not None)
+                  SCALED=scales is not None, IMPRECISE=imprecise, num_warps=cfg.warps, num_stages=cfg.stages)
+    key = (cfg, shard.dtype, out.dtype, world, b_t, bias is not None, shard.device.index, push_k,
+           gather_in_kernel, trace is not None, scales is not None, imprecise)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, flag_rows, grid=(1,), **consts)
+        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, flag_rows, scale_a, scale_b, grid=(1,),
+                                                 **consts)
         compiled._init_handles()
         _resident[key] = tiles.resident_programs(compiled, shard.device)
     per_sm = min(cfg.per_sm, _resident[key])
@@ -264,7 +279,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
             push(epoch, parity)
         gathered_rows[parity][mine].copy_(shard)
         run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers,
-                   flag_rows, **consts)
+                   flag_rows, scale_a, scale_b, **consts)
         if ce:
             if gathered is not None:  # every peer's rows are in the workspace once the kernel ends
                 gathered.copy_(gathered_rows[parity])

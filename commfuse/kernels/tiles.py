@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.runtime import _allocation
 
 from .launch import run as run_kernel
-from .sizes.tiles import TileConfig, cdiv  # noqa: F401  (the kernels' tiling, kept apart: deciding imports no Triton)
+from .sizes.tiles import FP8_DTYPES, TileConfig, cdiv  # noqa: F401  (the kernels' tiling, kept apart: deciding imports no Triton)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -202,11 +202,6 @@ def _launch(a, b, bias, cfg: TileConfig, out: torch.Tensor, programs: int | None
                BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, B_TRANSPOSED=b_t, HAS_BIAS=bias is not None,
                SCALED=scales is not None, ROWWISE=rowwise, IMPRECISE=imprecise, num_warps=cfg.warps,
                num_stages=cfg.stages)
-
-
-#: FP8 element types the tile kernels multiply (Hopper's FP8 tensor cores; e5m2 x e5m2 is not a
-#: ``_scaled_mm`` form).
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def fp8_accumulation(use_fast_accum: bool, bk: int):

@@ -6,6 +6,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import torch
+
+#: FP8 element types the tile kernels multiply (Hopper's FP8 tensor cores; e5m2 x e5m2 is not a
+#: ``_scaled_mm`` form).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def cdiv(x: int, y: int) -> int:
     """Ceiling division for host code (``triton.cdiv`` is a constexpr function, slow to call)."""

@@ -15,7 +15,7 @@ _ALL: tuple[Path, ...] = (
     nccl.ALL_GATHER_MM, ag_pull.PULL, ag_ce_overlap.CE_OVERLAP, ag_fused.FUSED,
     nccl.MM_REDUCE_SCATTER, rs_pull.PULL, rs_ce_overlap.CE_OVERLAP, rs_fused.FUSED,
     nccl.SCALED_MM_ALL_REDUCE, after_gemm.SCALED_ONE_SHOT, after_gemm.SCALED_TWO_SHOT, ar_fused.SCALED_FUSED,
-    nccl.ALL_GATHER_SCALED_MM, ag_pull.SCALED_PULL,
+    nccl.ALL_GATHER_SCALED_MM, ag_pull.SCALED_PULL, ag_fused.SCALED_FUSED,
     nccl.SCALED_MM_REDUCE_SCATTER, rs_pull.SCALED_PULL, rs_fused.SCALED_FUSED,
     nccl.ROWWISE_SCALED_MM_ALL_REDUCE, after_gemm.ROWWISE_ONE_SHOT, after_gemm.ROWWISE_TWO_SHOT,
     nccl.ALL_GATHER_ROWWISE_SCALED_MM, ag_pull.ROWWISE_PULL,

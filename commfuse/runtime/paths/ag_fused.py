@@ -9,6 +9,9 @@ workspace, chunk by chunk, each chunk flagged; a tile of a peer's rows waits onl
 Who pushes: from ``CE_MIN_SHARD_BYTES`` shards the copy engines (no SMs taken from the GEMM, each
 chunk's flag a stream write), below it ``PUSHERS`` programs of the kernel (a copy's start-up
 latency costs more than they do there).
+
+``all_gather_scaled_mm`` (FP8 shards, tensor-wise scales) runs the same kernel on FP8 tensor
+cores: the FP8 bytes are pushed, and the scales applied to each output tile.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 from ...kernels.sizes import fused_all_gather
 from ...kernels.sizes.tiles import TileConfig
 from ..workspace import TILE_FLAG_SLOTS
+from .ar_fused import FP8_BK
 from .base import SYMM_MAX_BYTES, Call, Path, symmetric_support, tile_support
 
 #: Shards from this size are pushed by the copy engines, smaller ones by programs of the kernel.
@@ -38,10 +42,12 @@ class AgFusedConfig:
 
 def tile_config(call: Call) -> TileConfig:
     if call.m * call.n <= SMALL_ELEMS:
-        return TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
-    if call.m * call.n <= MID_ELEMS:
-        return TileConfig(bm=128, bn=128, stages=4, reducers=0)
-    return TileConfig(reducers=0)
+        cfg = TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
+    elif call.m * call.n <= MID_ELEMS:
+        cfg = TileConfig(bm=128, bn=128, stages=4, reducers=0)
+    else:
+        cfg = TileConfig(reducers=0)
+    return dataclasses.replace(cfg, bk=FP8_BK) if call.op == SCALED_OP else cfg
 
 
 def fused_bytes(call: Call) -> int:
@@ -49,8 +55,10 @@ def fused_bytes(call: Call) -> int:
 
 
 class FusedAllGather(Path):
-    op = "all_gather_mm"
     name = "fused"
+
+    def __init__(self, op: str = "all_gather_mm"):
+        self.op = op
 
     def supports(self, call: Call, facts) -> str | None:
         why = symmetric_support(call, facts) or tile_support(call, facts)
@@ -78,3 +86,5 @@ class FusedAllGather(Path):
 
 
 FUSED = FusedAllGather()
+SCALED_OP = "all_gather_scaled_mm"
+SCALED_FUSED = FusedAllGather(SCALED_OP)

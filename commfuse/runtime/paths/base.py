@@ -30,6 +30,7 @@ import torch
 
 from ... import env
 from ...kernels.codes import TAG_MASK
+from ...kernels.sizes.tiles import FP8_DTYPES
 from ..facts import GroupFacts
 from ..spec import (MAX_ROW_SLABS, OPS, SPECS, AllGatherMmArgs, Call, MmAllReduceArgs,  # noqa: F401  (the paths' names)
                     MmReduceScatterArgs, OpSpec, row_slabs, rows_dim)
@@ -133,8 +134,8 @@ def tile_support(call: Call, facts: GroupFacts) -> str | None:
     """What every Triton tile kernel (TMA GEMM) needs beyond ``symmetric_support``."""
     if not facts.tma:
         return f"{facts.arch} has no TMA (the tile kernels need sm_90 or later)"
-    if call.dtype not in (torch.float16, torch.bfloat16):
-        return f"{call.dtype} (the tile kernels take fp16 and bf16)"
+    if call.dtype not in (torch.float16, torch.bfloat16, *FP8_DTYPES):
+        return f"{call.dtype} (the tile kernels take fp16, bf16 and FP8)"
     if min(call.m, call.k, call.n) < 1:
         return "an empty dimension"
     if (call.k * call.itemsize) % 16 or (call.n * call.itemsize) % 16:

@@ -17,14 +17,16 @@ def run(path, ctx: Context, args):
     shard, b, bias, world = args.shard, args.b, args.bias, args.world_size
     cfg = ctx.config or path.config(ctx.call, ctx.facts)
     k = shard.shape[-1]
-    out = torch.empty((ctx.call.m, b.shape[1]), dtype=shard.dtype, device=shard.device)
+    out = torch.empty((ctx.call.m, b.shape[1]), dtype=path.spec.product_dtype(args), device=shard.device)
     gathered = (torch.empty(gather_shape(shard, args.gather_dim, world), dtype=shard.dtype, device=shard.device)
                 if args.return_gathered else None)
     ws = workspace(ctx, fused_bytes(ctx.call), shard.device)
     side = ctx.group.side_streams(shard.device)[0] if cfg.push == "ce" else None
     launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
                                       None if gathered is None else gathered.view(-1, k), out, cfg.tile,
-                                      side=side, pushers=cfg.pushers, ce_chunk_count=cfg.ce_chunks)
+                                      side=side, pushers=cfg.pushers, ce_chunk_count=cfg.ce_chunks,
+                                      scales=(args.scale_a, args.scale_b) if hasattr(args, "scale_a") else None,
+                                      use_fast_accum=getattr(args, "use_fast_accum", True))
     with exchange(ctx, ws, path.op) as (epoch, parity):  # (everything above before the epoch)
         launch(epoch, parity)
     launched("fused_all_gather", launch.variants)
