@@ -128,7 +128,7 @@ def main() -> int:
             weight = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
             b = weight.t()
             out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
-            if args.fp8:
+            if args.fp8:  # the FP8 paths' tiling (``tile_config(..., fp8=True)``)
                 cfg = dataclasses.replace(cfg, bk=ar_fused.FP8_BK)
                 a, b, sa, sb = _fp8_operands(a, weight, args.fp8)
                 fast = not args.slow_accum

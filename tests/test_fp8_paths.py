@@ -120,6 +120,46 @@ def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, 
     _close(out, total.chunk(world)[r] if scatter else total)
 
 
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
+def test_scaled_mm_all_reduce_through_the_graph_lane(sim, monkeypatch, out_dtype):
+    """``scaled_mm_all_reduce``'s ``graph`` path: the graph's ``_scaled_mm`` (this rank's scales)
+    into a local buffer of the output dtype, then the lane's staged one-shot, whose error code
+    names the FP8 op; a product past the lane runs NCCL. Its split-K variant is refused."""
+    from commfuse.runtime import running
+    from commfuse.runtime import workspace as wsmod
+    from commfuse.runtime.paths.ar_graph import SCALED_GRAPH
+    from commfuse.runtime.paths.base import Context
+
+    world, r, m = sim.world, sim.mine.rank, 4
+    a = [_fp8(m, K, seed=180 + p) for p in range(world)]
+    b = [_weight(190 + p) for p in range(world)]
+    sa, sb = [_scale(200 + p) for p in range(world)], [_scale(210 + p) for p in range(world)]
+    parts = [reference.scaled_matmul(a[p], b[p], sa[p], sb[p], None, out_dtype, True) for p in range(world)]
+    staged = []
+
+    def stand_in(lane, src, out, op, tag=0):
+        staged.append((src.dtype, op))
+        torch.testing.assert_close(src, parts[r])  # this rank's own product, scaled
+        out.copy_(sum(part.float() for part in parts))
+
+    monkeypatch.setattr(exchange, "staged_all_reduce", stand_in)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (eager; the path asks CUDA)
+    lane = wsmod.GraphLane("0", r, world, torch.zeros(wsmod.GRAPH_FLAG_BYTES + 2 * 4096, dtype=torch.uint8),
+                           torch.zeros(world, dtype=torch.int64), 4096, 132)
+    sim.group.lane, sim.group.capture = lane, type("State", (), {"failure": None})()
+    args = SCALED_MM_ALL_REDUCE.Args(a[r], b[r], sa[r], sb[r], None, out_dtype, True, "0")
+    call = SCALED_MM_ALL_REDUCE.call(args, world)
+    assert SCALED_GRAPH.supports(call, sim.facts) is None
+    assert "split-K" in SCALED_GRAPH.supports_variant(call, sim.facts, {"split_k": True})
+    out = running.run(SCALED_GRAPH, Context(call, sim.facts, sim.group), args)
+    assert staged == [(out_dtype, codes.OP_SCALED_GRAPH)] and out.dtype == out_dtype
+    _close(out, sum(part.float() for part in parts))
+    big = [_fp8(80, K, seed=7)] * 2  # 80 x 16 of the output dtype: past the lane's 4096 bytes
+    args = SCALED_MM_ALL_REDUCE.Args(big[0], b[r], sa[r], sb[r], None, torch.float32, True, "0")
+    running.run(SCALED_GRAPH, Context(SCALED_MM_ALL_REDUCE.call(args, world), sim.facts, sim.group), args)
+    assert len(staged) == 1
+
+
 def test_the_gather_tile_kernel_takes_fp8_shards_with_their_scales(sim, monkeypatch):
     """``all_gather_scaled_mm``'s ``fused`` path hands the gather kernel the FP8 shard, the
     scales, K blocks of 128 bytes, an output of ``out_dtype`` and a gathered tensor of FP8."""
@@ -292,8 +332,10 @@ def test_every_fp8_op_has_its_paths():
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
         want = ["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]
-        if op in ("scaled_mm_all_reduce", "scaled_mm_reduce_scatter", "all_gather_scaled_mm"):  # the tile kernel too
+        if op in ("scaled_mm_reduce_scatter", "all_gather_scaled_mm"):  # the tile kernel too
             want = sorted([*want, "fused"])
+        if op == "scaled_mm_all_reduce":  # and the graph lane
+            want = sorted([*want, "fused", "graph"])
         assert names == want, op
 
 
@@ -309,9 +351,10 @@ def test_fp8_ops_stay_unfused_by_rule_until_measured(op, arch, world):
     assert (decision.name, decision.source) == ("nccl", "rules")
     assert "FP8 paths not yet measured on real links" in decision.reason
     names = [p.name for p in policy.candidates(call, facts)]
-    # the tile kernel needs TMA (sm_90 and later): not a candidate on sm_89
-    tiles = [p.name for p in by_op(op) if p.name == "fused"] if arch == "sm_89" else []
-    assert names[0] == "nccl" and names == [p.name for p in by_op(op) if p.name not in tiles], names
+    # the tile kernel needs TMA (sm_90 and later): not a candidate on sm_89; the graph lane is a
+    # capture's, not an eager call's
+    tiles = ["fused"] if arch == "sm_89" else []
+    assert names[0] == "nccl" and names == [p.name for p in by_op(op) if p.name not in (*tiles, "graph")], names
     forced = "pull" if "gather" in op or "scatter" in op else "two_shot"
     assert policy.choose(call, facts, forced=forced, quiet=True).name == forced
     assert policy.choose(call, facts, tuned=lambda: forced, quiet=True).source == "tuned"

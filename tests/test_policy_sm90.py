@@ -69,7 +69,7 @@ def test_forced_fused_falls_back_to_the_rules_where_the_tile_kernel_cannot_go(ca
         assert choose(AR, 7, 1003, 771, forced="fused") == "one_shot"
         assert choose(AR, 7, 1024, 776, torch.float32, forced="fused") == rules(AR, 7, 1024, 776, torch.float32)
     assert caplog.text.count("COMMFUSE_ALGO=fused cannot take this call") == 2  # once per reason
-    assert "16-byte" in caplog.text and "fp16 and bf16" in caplog.text
+    assert "16-byte" in caplog.text and "fp16, bf16 and FP8" in caplog.text
     assert choose(AR, 7, 1024, 776, world=1, forced="fused") == "nccl"
     assert supports(AR, "fused", 4096, 0, 776) == "an empty dimension"
     assert choose(AR, 4096, 0, 776) != "fused"  # K = 0: torch returns the bias
@@ -103,7 +103,7 @@ def test_fused_all_gather_is_taken_only_where_the_kernel_can_go(monkeypatch):
     assert choose(AG, 2048, 1024, 776, torch.float32, forced="fused") == "pull"
     assert supports(AG, "fused", 2048, 1024, 776) is None
     # a tiling whose tiles do not hold whole pushed chunks of rows is refused
-    monkeypatch.setattr(ag_fused, "tile_config", lambda call: tiles.TileConfig.parse("80x128x64s4w8g8r0o1"))
+    monkeypatch.setattr(ag_fused, "tile_config", lambda call, fp8=False: tiles.TileConfig.parse("80x128x64s4w8g8r0o1"))
     assert "not a multiple of 32" in supports(AG, "fused", 2048, 1024, 776)
 
 

@@ -82,7 +82,8 @@ def test_specs_name_their_patterns_and_paths():
     for spec in SPECS.values():
         assert REGISTRY[(spec.name, "nccl")] is by_op(spec.name)[0]
         assert all(p.spec is spec for p in by_op(spec.name))
-    assert [s.name for s in SPECS.values() if s.graph_lane] == ["mm_all_reduce", "mm_all_reduce_add_rms_norm"]
+    assert [s.name for s in SPECS.values() if s.graph_lane] == ["mm_all_reduce", "scaled_mm_all_reduce",
+                                                                 "mm_all_reduce_add_rms_norm"]
     assert all((s.lane_bytes is not None) == s.graph_lane for s in SPECS.values())
 
 

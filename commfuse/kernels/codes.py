@@ -13,6 +13,7 @@ OP_MM_ALL_REDUCE, OP_ALL_GATHER_MM, OP_MM_REDUCE_SCATTER, GRAPH_LANE_OP = 1, 2, 
 FUSED_AR_OP, FUSED_RS_OP, FUSED_AG_OP, FUSED_SPLIT_K_OP = 5, 6, 7, 8
 OP_AR_NORM = 9
 OP_RS_NORM = 16
+OP_SCALED_GRAPH = 17
 #: The FP8 ops' exchanges after cuBLAS's ``_scaled_mm`` (the after-GEMM and pull paths).
 OP_SCALED_AR, OP_SCALED_AG, OP_SCALED_RS, OP_ROWWISE_AR, OP_ROWWISE_RS, OP_ROWWISE_AG = 10, 11, 12, 13, 14, 15
 OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
@@ -25,10 +26,12 @@ OPS = {OP_MM_ALL_REDUCE: "mm_all_reduce", OP_ALL_GATHER_MM: "all_gather_mm",
        OP_SCALED_AR: "scaled_mm_all_reduce", OP_SCALED_AG: "all_gather_scaled_mm",
        OP_SCALED_RS: "scaled_mm_reduce_scatter", OP_ROWWISE_AR: "rowwise_scaled_mm_all_reduce",
        OP_ROWWISE_RS: "rowwise_scaled_mm_reduce_scatter", OP_ROWWISE_AG: "all_gather_rowwise_scaled_mm",
-       OP_RS_NORM: "mm_reduce_scatter_add_rms_norm"}
+       OP_RS_NORM: "mm_reduce_scatter_add_rms_norm", OP_SCALED_GRAPH: "scaled_mm_all_reduce (graph lane)"}
 #: The code an op's exchange after a library GEMM writes (the after-GEMM and pull paths run for
 #: several ops: an error names the op the user's graph called).
 EXCHANGE_CODE = {name: code for code, name in OPS.items() if " " not in name}
+#: The code the graph lane's staged all-reduce writes, by op.
+LANE_CODE = {"mm_all_reduce": GRAPH_LANE_OP, "scaled_mm_all_reduce": OP_SCALED_GRAPH}
 
 #: Error-word kinds (``err[0]``): a wait passed its bound; a peer reached the same call with
 #: another tag.

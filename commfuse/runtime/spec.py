@@ -385,10 +385,11 @@ def _rowwise_product(args, a: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str,
-              extra: tuple[Arg, ...] = (), product: Callable = _scaled_product) -> OpSpec:
+              extra: tuple[Arg, ...] = (), product: Callable = _scaled_product, lane: bool = False) -> OpSpec:
     """``base`` with an FP8 ``_scaled_mm`` in its matmul's place: its layout with the FP8 arguments
     added (and ``extra`` after them), its sizes read alike, its signature and shared arguments
-    with the FP8 ones."""
+    with the FP8 ones. ``lane``: captured calls may take the group's graph lane (the product,
+    of the output dtype, through it)."""
     return OpSpec(
         name=name,
         args=(*base.args[:2], *_SCALES, base.args[2], *_FP8_OUT, *extra, *base.args[3:]),
@@ -406,13 +407,15 @@ def _fp8_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inpu
         cuts_rows=base.cuts_rows,
         unfused=unfused,
         product=product,
+        graph_lane=lane,
+        lane_bytes=(lambda x: x.a.shape[0] * x.b.shape[1] * _product_dtype(x).itemsize) if lane else None,
     )
 
 
 # (each reference takes the op's arguments in order; the all-gather's but its return_gathered)
 SCALED_MM_ALL_REDUCE = _fp8_spec(
     MM_ALL_REDUCE, "scaled_mm_all_reduce", lambda x: reference.scaled_mm_all_reduce(*x), _ar_call, _scaled_ar_inputs,
-    'all_reduce(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, use_fast_accum=f), "sum", g)')
+    'all_reduce(_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=o, use_fast_accum=f), "sum", g)', lane=True)
 ALL_GATHER_SCALED_MM = _fp8_spec(
     ALL_GATHER_MM, "all_gather_scaled_mm", lambda x: reference.all_gather_scaled_mm(*x[:-1]), _ag_call,
     _scaled_ag_inputs, "(_scaled_mm(cat(all_gather(x, g), dim=d).flatten(0, -2), b, scale_a, scale_b, bias, "

@@ -40,14 +40,14 @@ class AgFusedConfig:
     ce_chunks: int = 1
 
 
-def tile_config(call: Call) -> TileConfig:
+def tile_config(call: Call, fp8: bool = False) -> TileConfig:
     if call.m * call.n <= SMALL_ELEMS:
         cfg = TileConfig(bm=64, bn=128, stages=4, warps=4, reducers=0)
     elif call.m * call.n <= MID_ELEMS:
         cfg = TileConfig(bm=128, bn=128, stages=4, reducers=0)
     else:
         cfg = TileConfig(reducers=0)
-    return dataclasses.replace(cfg, bk=FP8_BK) if call.op == SCALED_OP else cfg
+    return dataclasses.replace(cfg, bk=FP8_BK) if fp8 else cfg
 
 
 def fused_bytes(call: Call) -> int:
@@ -57,8 +57,8 @@ def fused_bytes(call: Call) -> int:
 class FusedAllGather(Path):
     name = "fused"
 
-    def __init__(self, op: str = "all_gather_mm"):
-        self.op = op
+    def __init__(self, op: str = "all_gather_mm", fp8: bool = False):
+        self.op, self.fp8 = op, fp8
 
     def supports(self, call: Call, facts) -> str | None:
         why = symmetric_support(call, facts) or tile_support(call, facts)
@@ -68,7 +68,7 @@ class FusedAllGather(Path):
             return "a gather along a dimension other than the rows"
         if call.m % call.world:
             return "rows that do not split into world shares"
-        cfg = tile_config(call)
+        cfg = tile_config(call, self.fp8)
         if cfg.bm % fused_all_gather.CHUNK_ROWS:
             return f"tile height {cfg.bm} is not a multiple of {fused_all_gather.CHUNK_ROWS} rows"
         if fused_all_gather.chunk_flag_slots(call.m // call.world, call.world) > TILE_FLAG_SLOTS:
@@ -82,9 +82,8 @@ class FusedAllGather(Path):
 
     def config(self, call: Call, facts, variant=None) -> AgFusedConfig:
         shard = call.m // call.world * call.k * call.itemsize
-        return AgFusedConfig(tile_config(call), "ce" if shard >= CE_MIN_SHARD_BYTES else "sm")
+        return AgFusedConfig(tile_config(call, self.fp8), "ce" if shard >= CE_MIN_SHARD_BYTES else "sm")
 
 
 FUSED = FusedAllGather()
-SCALED_OP = "all_gather_scaled_mm"
-SCALED_FUSED = FusedAllGather(SCALED_OP)
+SCALED_FUSED = FusedAllGather("all_gather_scaled_mm", fp8=True)

@@ -42,32 +42,31 @@ class FusedConfig:
     options: fused_all_reduce.Options
 
 
-#: The FP8 ops the tile kernel takes (tensor-wise scales: one float32 per operand and rank).
-FP8_OPS = ("scaled_mm_all_reduce", "scaled_mm_reduce_scatter")
 #: K block of FP8 operands: 128 bytes of a row, as bf16's 64 elements are.
 FP8_BK = 128
 
 
-def tile_config(call: Call, scatter: bool) -> TileConfig:
-    """The tiling: 128 x 256, or ``SMALL_TILE`` for a small reduce-scatter; FP8 operands take K
+def tile_config(call: Call, scatter: bool, fp8: bool = False) -> TileConfig:
+    """The tiling: 128 x 256, or ``SMALL_TILE`` for a small reduce-scatter; ``fp8`` operands take K
     blocks of ``FP8_BK``."""
     cfg = SMALL_TILE if scatter and call.m * call.n <= SMALL_ELEMS else TILE
-    return dataclasses.replace(cfg, bk=FP8_BK) if call.op in FP8_OPS else cfg
+    return dataclasses.replace(cfg, bk=FP8_BK) if fp8 else cfg
 
 
-def fused_support(call: Call, facts, scatter: bool) -> str | None:
-    """Why the tile kernel (or its reduce-scatter form) cannot take ``call``, or None."""
+def fused_support(call: Call, facts, scatter: bool, fp8: bool = False) -> str | None:
+    """Why the tile kernel (or its reduce-scatter form; on ``fp8`` operands) cannot take ``call``,
+    or None."""
     why = symmetric_support(call, facts) or tile_support(call, facts)
     if why:
         return why
-    if call.op in FP8_OPS and call.k % 16:  # (the call's dtype is the output's; the operands are bytes)
+    if fp8 and call.k % 16:  # (the call's dtype is the output's; the operands are bytes)
         return "K is not a multiple of 16 (FP8 rows for TMA descriptors)"
     if scatter:
         if call.rows_dim != 0:
             return "a scatter along a dimension other than the rows"
         if call.m % call.world:
             return "rows that do not split into world shares"
-    cfg = tile_config(call, scatter)
+    cfg = tile_config(call, scatter, fp8)
     if fused_all_reduce.tile_flag_slots(call.m, call.n, call.world, cfg, scatter) > TILE_FLAG_SLOTS:
         return "more tiles than the workspace has tile flags"
     if fused_all_reduce.data_elems(call.m, call.n, call.world, cfg, scatter) * call.itemsize > 2 * SYMM_MAX_BYTES:
@@ -83,19 +82,19 @@ def fused_bytes(call: Call, scatter: bool) -> int:
 class FusedAllReduce(Path):
     name = "fused"
 
-    def __init__(self, op: str = "mm_all_reduce"):
-        self.op = op
+    def __init__(self, op: str = "mm_all_reduce", fp8: bool = False):
+        self.op, self.fp8 = op, fp8
 
     def supports(self, call: Call, facts) -> str | None:
-        return fused_support(call, facts, scatter=False)
+        return fused_support(call, facts, False, self.fp8)
 
     def workspace_bytes(self, call: Call) -> int:
         return fused_bytes(call, scatter=False)
 
     def config(self, call: Call, facts, variant=None) -> FusedConfig:
         stagger = tuple(us * 1000 for us in STAGGER_US)
-        return FusedConfig(tile_config(call, False), fused_all_reduce.Options(stagger_ns=stagger))
+        return FusedConfig(tile_config(call, False, self.fp8), fused_all_reduce.Options(stagger_ns=stagger))
 
 
 FUSED = FusedAllReduce()
-SCALED_FUSED = FusedAllReduce("scaled_mm_all_reduce")
+SCALED_FUSED = FusedAllReduce("scaled_mm_all_reduce", fp8=True)

@@ -9,6 +9,9 @@ every rank); once a process replays graphs on a group, its eager calls that fit 
 re-warming its graphs must meet its peer's replays on the same flags). The lane is allocated with
 the group's first workspace, never inside a capture (allocation is collective); a call that finds
 none runs NCCL.
+
+``scaled_mm_all_reduce`` (FP8, tensor-wise scales) has the same path: the graph's ``_scaled_mm``
+(``OpSpec.product``) into a local buffer, then the staged one-shot of its output dtype.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ def _split_k_config(call: Call, facts) -> fused_split_k.SplitConfig:
 
 
 class GraphAllReduce(Path):
-    op = "mm_all_reduce"
     name = "graph"
     capture = True
+
+    def __init__(self, op: str = "mm_all_reduce", split_k: bool = True):
+        self.op, self.split_k = op, split_k  # whether a rule's split-K variant may run
 
     def supports(self, call: Call, facts) -> str | None:
         why = symmetric_support(call, facts)
@@ -38,6 +43,8 @@ class GraphAllReduce(Path):
     def supports_variant(self, call: Call, facts, variant: dict | None) -> str | None:
         why = self.supports(call, facts)
         if why is None and variant and variant.get("split_k"):
+            if not self.split_k:
+                return "the split-K kernel multiplies fp16 and bf16 operands only"
             why = split_k_support(call, facts)
             if why is None:
                 slots, counters = graph_lane_capacity()
@@ -54,3 +61,4 @@ class GraphAllReduce(Path):
 
 
 GRAPH = GraphAllReduce()
+SCALED_GRAPH = GraphAllReduce("scaled_mm_all_reduce", split_k=False)

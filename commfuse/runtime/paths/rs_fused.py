@@ -21,18 +21,18 @@ from .ar_fused import FusedConfig, fused_bytes, fused_support, tile_config
 class FusedReduceScatter(Path):
     name = "fused"
 
-    def __init__(self, op: str = "mm_reduce_scatter"):
-        self.op = op
+    def __init__(self, op: str = "mm_reduce_scatter", fp8: bool = False):
+        self.op, self.fp8 = op, fp8
 
     def supports(self, call: Call, facts) -> str | None:
-        return fused_support(call, facts, scatter=True)
+        return fused_support(call, facts, True, self.fp8)
 
     def workspace_bytes(self, call: Call) -> int:
         return fused_bytes(call, scatter=True)
 
     def config(self, call: Call, facts, variant=None) -> FusedConfig:
-        return FusedConfig(tile_config(call, True), fused_all_reduce.Options())
+        return FusedConfig(tile_config(call, True, self.fp8), fused_all_reduce.Options())
 
 
 FUSED = FusedReduceScatter()
-SCALED_FUSED = FusedReduceScatter("scaled_mm_reduce_scatter")
+SCALED_FUSED = FusedReduceScatter("scaled_mm_reduce_scatter", fp8=True)
