@@ -148,9 +148,10 @@ def case(m: int, k: int, n: int, world: int, rank: int, scatter: bool, bias: boo
 
 
 def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, gathered: bool,
-                calls: int = 2, fp8: bool = False) -> None:
+                calls: int = 2, fp8: bool = False, rowwise: bool = False) -> None:
     """``fp8``: e4m3 shards and weight with one float32 scale each: the FP8 bytes gathered, the
-    product ``torch._scaled_mm``'s."""
+    product ``torch._scaled_mm``'s. ``rowwise`` too: a scale per row of every shard, gathered with
+    its rows (pushed beside them under the same flags), and one per column of the weight."""
     torch.manual_seed(rows + k + n + world + rank)
     cfg = tiles.TileConfig(bm=fused_all_gather.CHUNK_ROWS, bn=16, bk=32 if fp8 else 16, stages=2, warps=4,
                            group_m=1, reducers=0, per_sm=1)
@@ -162,24 +163,33 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
     imprecise = tiles.fp8_accumulation(True, cfg.bk) if fp8 else None
     for traced in (False, True):
         fused_all_gather._resident[(cfg, dt, DT, world, True, bias, None, push_k, gathered, traced, fp8,
-                                    imprecise)] = 1
+                                    imprecise, rowwise)] = 1
     for call in range(calls):
         shards = [(torch.randn(rows, k) * (8 if fp8 else 1)).to(dt) for _ in range(world)]
         w = ((torch.randn(n, k) * 8).to(dt) if fp8 else torch.randn(n, k, dtype=DT) / k ** 0.5)
         c = torch.randn(n, dtype=DT) if bias else None
         scales = (torch.rand(()) / 4 + 0.25, torch.rand(()) / 4 + 0.25) if fp8 else None
+        if rowwise:  # every rank's row scales (in [0.25, 0.5], so a scale lost is off by 2x or more)
+            row_scales = [torch.rand(rows) / 4 + 0.25 for _ in range(world)]
+            scales = (row_scales[rank], torch.rand(n) / 4 + 0.25)
         full = torch.cat([x.view(torch.uint8) for x in shards]).view(dt)
         epoch = me.epoch + 1
         area = [x.data(epoch % 2, (world * rows, k), dt) for x in ws]
+        if rowwise:
+            at = fused_all_gather.rowwise_scales_offset(rows, k, world, 1)
+            scale_area = [x.data(epoch % 2, (world * rows,), torch.float32, offset_bytes=at) for x in ws]
         for p in range(world):
             if p != rank:  # rank p's chunks, pushed into this rank's gathered rows, and their flags
                 area[rank][p * rows:(p + 1) * rows].copy_(shards[p])
+                if rowwise:
+                    scale_area[rank][p * rows:(p + 1) * rows].copy_(row_scales[p])
                 for ch in range(chunks):
                     me.tile_flags[ch * world + p] = flag_value(epoch)
         out = torch.full((world * rows, n), float("nan"), dtype=DT)
         got_rows = torch.full((world * rows, k), float("nan")).to(dt) if gathered else None
         trace = torch.zeros(64 * sync.TRACE_SLOTS, dtype=torch.int64) if call else None
-        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg, trace, scales=scales)
+        launch = fused_all_gather.prepare(me, shards[rank], w.t(), c, got_rows, out, cfg, trace, scales=scales,
+                                          rowwise=rowwise)
         launch(*me.next_epoch())
         if trace is not None:  # the second call is traced: positions once each, with their times
             # (the interpreter runs programs one by one: the first claims every position, and the
@@ -192,7 +202,10 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
             assert positions[-1] < count, positions
             assert bool(((tiles_[:, :, 0] >= 0) == (tiles_[:, :, 2] >= 0)).all()), "a tile without its end"
             assert int((slots[:, 0] >= 0).sum()) >= 2 and int((slots[:, 1] >= 0).sum()) >= 1
-        if fp8:
+        if rowwise:
+            want = torch._scaled_mm(full, w.t(), torch.cat(row_scales).reshape(-1, 1), scales[1].reshape(1, -1), c,
+                                    out_dtype=DT, use_fast_accum=True).float()
+        elif fp8:
             want = torch._scaled_mm(full, w.t(), *scales, c, out_dtype=DT, use_fast_accum=True).float()
         else:
             want = full.float() @ w.float().t() + (c.float() if bias else 0)
@@ -204,6 +217,8 @@ def gather_case(rows: int, k: int, n: int, world: int, rank: int, bias: bool, ga
         for p in range(world):  # this rank's shard and chunk flags in every peer
             if p != rank:
                 assert torch.equal(bits(area[p][rank * rows:(rank + 1) * rows]), bits(shards[rank])), p
+                if rowwise:  # its rows' scales beside them
+                    assert torch.equal(scale_area[p][rank * rows:(rank + 1) * rows], row_scales[rank]), p
                 assert all(int(ws[p].tile_flags[ch * world + rank]) == flag_value(epoch) for ch in range(chunks)), p
         assert int(me.ticket.item()) == me.ticket_base, "each position claimed once"
         assert int(me.err[0]) == 0
@@ -248,7 +263,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
         for x in ws:
             x._keepalive = _PeerViews([y.buffer for y in ws])
         push_k = min(256, triton.next_power_of_2(k))
-        fused_all_gather._resident[(cfg, DT, DT, world, True, False, None, push_k, False, False, False, None)] = 1
+        fused_all_gather._resident[(cfg, DT, DT, world, True, False, None, push_k, False, False, False, None, False)] = 1
         for call in range(calls):
             shards = [torch.randn(rows, k, dtype=DT) for _ in range(world)]
             w = torch.randn(n, k, dtype=DT) / k ** 0.5
@@ -427,6 +442,7 @@ def main() -> None:
         ("every", lambda w, r: gather_case(7, 32, 16, w, r, bias=False, gathered=False)),
         # FP8 shards: the bytes gathered, the scales on every tile
         ("every", lambda w, r: gather_case(40, 64, 24, w, r, bias=True, gathered=True, fp8=True)),
+        ("every", lambda w, r: gather_case(40, 64, 24, w, r, bias=False, gathered=False, fp8=True, rowwise=True)),
     ]
     for world, rank in EVERY:
         for where, run in runs:

@@ -309,6 +309,46 @@ def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monk
     assert seen == [codes.OP_ROWWISE_AG]
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["fp8-rows", "bf16-read-after"])
+def test_the_rowwise_gather_tile_kernel_takes_quantised_rows_and_their_scales(sim, monkeypatch, gathered):
+    """``all_gather_rowwise_scaled_mm``'s ``fused`` path quantises this rank's rows as the graph
+    does and hands the kernel the FP8 rows with their multipliers' reciprocals (the row scales it
+    gathers with the rows) and the weight's column scales, pushed by programs; where the graph
+    reads the bf16 gathered tensor it runs the pull path's form (gathered, then quantised)."""
+    from commfuse.kernels import fused_all_gather
+
+    world, r, rows = sim.world, sim.mine.rank, 3
+    spec = ALL_GATHER_ROWWISE_SCALED_MM
+    g = torch.Generator().manual_seed(220)
+    shards = [(torch.randn(rows, K, generator=g) * (p + 1)).to(BF16) for p in range(world)]
+    b, sb = _weight(221), _scale(222, 1, N)
+    want, want_gathered = _unfused_rowwise(shards, b, sb, None, True, gathered)
+    seen = []
+
+    def prepare(ws, shard, b_, bias, got, out, cfg, side=None, pushers=0, ce_chunk_count=1, scales=None,
+                use_fast_accum=True, rowwise=False):
+        q, mult = reference.quantise_rows(shards[r], E4M3, 1e-12, True)
+        assert torch.equal(shard.view(torch.uint8), q.view(torch.uint8)) and got is None and pushers > 0
+        assert torch.equal(scales[0], mult.reshape(-1).reciprocal()) and scales[1] is sb
+        seen.append((rowwise, cfg.bk))
+
+        def launch(epoch, parity):
+            out.copy_(want)
+        launch.variants = ()
+        return launch
+
+    monkeypatch.setattr(fused_all_gather, "prepare", prepare)
+    for p in sim.peers():  # the bf16 form's pull reads each peer's shard from its workspace
+        sim.peer_data(p, (rows, K), BF16).copy_(shards[p])
+    args = spec.Args(shards[r], b, sb, None, BF16, True, E4M3, 1e-12, True, 0, world, "0", gathered)
+    with env.override(algo="fused"):
+        out, got_gathered = entry.run(spec, args)
+    assert seen == ([] if gathered else [(True, 128)])
+    assert torch.equal(out, want)
+    if gathered:
+        assert torch.equal(got_gathered, want_gathered)
+
+
 def _unfused_rowwise(shards, b, sb, bias, pow2, gathered):
     """The unfused op's product: the gathered rows quantised after the gather (the same bits as
     each shard's rows quantised before it, which the unfused op's FP8 form gathers)."""
@@ -332,7 +372,7 @@ def test_every_fp8_op_has_its_paths():
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
         want = ["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]
-        if op in ("scaled_mm_reduce_scatter", "all_gather_scaled_mm"):  # the tile kernel too
+        if op in ("scaled_mm_reduce_scatter", "all_gather_scaled_mm", "all_gather_rowwise_scaled_mm"):  # tiles too
             want = sorted([*want, "fused"])
         if op == "scaled_mm_all_reduce":  # and the graph lane
             want = sorted([*want, "fused", "graph"])

@@ -226,11 +226,13 @@ def test_scaled_matmul_compiles_for_sm90_on_fp8_tensor_cores(fast, rowwise):
         assert ptx.count("add.f32") > fast_ptx.count("add.f32") == 0
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_fused_all_gather_compiles_for_sm90(fp8):
+@pytest.mark.parametrize("fp8, rowwise", [(False, False), (True, False), (True, True)],
+                         ids=["bf16", "fp8", "fp8_rowwise"])
+def test_fused_all_gather_compiles_for_sm90(fp8, rowwise):
     """The fused all-gather kernel (``tests/interpreted_fused.py`` checks its values) with its
-    pushers and the gathered copy: bf16, and FP8 shards with tensor-wise scales (FP8 warpgroup
-    MMAs over the gathered bytes), within the shared memory."""
+    pushers: bf16 and FP8 shards with tensor-wise scales (FP8 warpgroup MMAs over the gathered
+    bytes) with the gathered copy, and the row-wise form, whose pushers push each chunk's row
+    scales beside its rows (no gathered copy), within the shared memory."""
     pytest.importorskip("iris")
     from commfuse.kernels import fused_all_gather, tiles
 
@@ -241,8 +243,8 @@ def test_fused_all_gather_compiles_for_sm90(fp8):
            "epoch": "i32", "rank": "i32", "err": "*i32", "timeout": "i64", "ticket": "*i32", "ticket_base": "i32",
            "trace": "*i64", "pushers": "i32", "flag_rows": "i32", "scale_a": "*fp32", "scale_b": "*fp32"}
     consts = dict(OP=7, WORLD=2, BM=bm, BN=bn, BK=bk, GROUP_M=8, CH=32, PUSH_K=256, B_TRANSPOSED=True,
-                  HAS_BIAS=False, GATHER=True, TRACE=False, SCALED=fp8,
-                  IMPRECISE=tiles.fp8_accumulation(True, bk) if fp8 else None)
+                  HAS_BIAS=False, GATHER=not rowwise, TRACE=False, SCALED=fp8,
+                  IMPRECISE=tiles.fp8_accumulation(True, bk) if fp8 else None, ROWWISE=rowwise)
     fn = fused_all_gather.all_gather_gemm_kernel
     assert list(sig) == [n for n in fn.arg_names if n not in consts]
     compiled = _compile_for_sm90(fn, sig, consts, num_warps=8, num_stages=3)

@@ -37,7 +37,8 @@ from . import tiles
 from .launch import run as run_kernel
 from .sync import TRACE_SLOTS, FUSED_AG_OP, iris, now, require_iris, trace_tile, trace_time, wait_or_record
 from .tiles import claim, mma_tile, scale_tile, tile_coords, tile_epilogue
-from .sizes.fused_all_gather import CHUNK_ROWS, PUSHERS, ce_chunks, ce_flag_base, chunk_flag_slots, data_elems  # noqa: F401
+from .sizes.fused_all_gather import (CHUNK_ROWS, PUSHERS, ce_chunks, ce_flag_base, chunk_flag_slots,  # noqa: F401
+                                     data_elems, rowwise_scales_offset)
 
 @triton.jit
 def _proxy_fence():
@@ -61,12 +62,13 @@ def _chunk_ptrs(base, first_row, c, K, k0, row_end, CH: tl.constexpr, PUSH_K: tl
 
 @triton.jit
 def _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout, pid,
-                   pushers, chunks, OP: tl.constexpr, WORLD: tl.constexpr, CH: tl.constexpr,
-                   PUSH_K: tl.constexpr, GATHER: tl.constexpr):
+                   pushers, chunks, row_scales, OP: tl.constexpr, WORLD: tl.constexpr, CH: tl.constexpr,
+                   PUSH_K: tl.constexpr, GATHER: tl.constexpr, ROWWISE: tl.constexpr = False):
     """A pusher: store this rank's chunks (pid, pid + pushers, ...) into every peer's workspace
     (and, with ``GATHER``, into its own rows of ``gathered``), releasing each chunk's flag on the
     peers; then, with ``GATHER``, copy the peers' chunks into ``gathered`` as their flags arrive
-    (NaN after a late one). Returns 1 if a wait came late."""
+    (NaN after a late one). ``ROWWISE``: each chunk's rows' scales (``row_scales``, the float32
+    beside the gathered rows) go with it, under the same flag. Returns 1 if a wait came late."""
     mine = rank * rows
     for c in range(pid, chunks, pushers):
         for k0 in range(0, K, PUSH_K):
@@ -78,6 +80,12 @@ def _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err,
             if GATHER:
                 own, _ = _chunk_ptrs(gathered, mine, c, K, k0, mine + rows, CH, PUSH_K)
                 tl.store(own, val, mask=mask)
+        if ROWWISE:
+            at = mine + c * CH + tl.arange(0, CH)
+            inside = at < mine + rows
+            scales = tl.load(row_scales + at, mask=inside)
+            for i in tl.static_range(1, WORLD):
+                iris.store(row_scales + at, scales, rank, (rank - i + WORLD) % WORLD, heap_bases, mask=inside)
         tl.debug_barrier()  # every thread's stores before the releases below
         for i in tl.static_range(1, WORLD):  # rank - 1 reads this rank's rows first
             iris.atomic_xchg(flags + c * WORLD + rank, epoch, rank, (rank - i + WORLD) % WORLD,
@@ -122,7 +130,7 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
                            PUSH_K: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
                            TRACE: tl.constexpr = False, SCALED: tl.constexpr = False,
-                           IMPRECISE: tl.constexpr = None):
+                           IMPRECISE: tl.constexpr = None, ROWWISE: tl.constexpr = False):
     """``out = all_gather(shard) @ b (+ bias)`` and, with ``GATHER``, ``gathered =
     all_gather(shard)`` (module docstring); ``rows``: of each rank's shard; ``g_desc`` is over
     this parity's gathered rows in the workspace (``data``), whose own rows hold the shard
@@ -132,14 +140,17 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
     (``sync.TRACE_SLOTS`` per program: the second time is the pushes' end, each tile's middle
     time its wait's end), for the benchmarks. ``SCALED``: FP8 shards and weight with one float32
     scale each (``tiles.scale_tile``; ``IMPRECISE`` as ``tiles.matmul_kernel``'s): the FP8 bytes
-    are what crosses the links."""
+    are what crosses the links. ``ROWWISE`` too: a scale per gathered row (``scale_a``: this
+    parity's float32 area beside the gathered rows, this rank's own rows' filled before the launch,
+    the peers' pushed with their chunks) and per column of ``b`` (``scale_b``); pushers only (no
+    copy-engine push) and no gathered copy."""
     pid = tl.program_id(0)
     chunks = tl.cdiv(rows, CH)
     late = pid * 0  # once a wait timed out, this program waits no more: its later tiles are NaN
     trace_time(trace, 0, TRACE)
     if pid < pushers:
         late = _push_and_copy(gathered, data, rows, K, flags, heap_bases, epoch, rank, err, timeout,
-                              pid, pushers, chunks, OP, WORLD, CH, PUSH_K, GATHER)
+                              pid, pushers, chunks, scale_a, OP, WORLD, CH, PUSH_K, GATHER, ROWWISE)
         trace_time(trace, 1, TRACE)  # the pushes' end
     share_m = tl.cdiv(rows, BM)
     num_n = tl.cdiv(N, BN)
@@ -157,7 +168,8 @@ def all_gather_gemm_kernel(g_desc, b_desc, gathered, bias, out, data, rows, N, K
         first = src * rows + local_m * BM
         acc = mma_tile(g_desc, b_desc, first, pid_n * BN, K, BM, BN, BK, B_TRANSPOSED, IMPRECISE)
         if SCALED:
-            acc = scale_tile(acc, scale_a, scale_b, first, pid_n * BN, 0, 0, False)
+            acc = scale_tile(acc, scale_a, scale_b, first + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN),
+                             (src + 1) * rows, N, ROWWISE)
         r, cols, mask, acc = tile_epilogue(acc, bias, first, pid_n * BN, (src + 1) * rows, N,
                                            stride_bm, stride_bn, BM, BN, HAS_BIAS)
         if late != 0:
@@ -186,7 +198,7 @@ def copy_engine_flags():
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
             out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None,
             side: torch.cuda.Stream | None = None, pushers: int = PUSHERS, ce_chunk_count: int = 1,
-            scales: tuple | None = None, use_fast_accum: bool = True):
+            scales: tuple | None = None, use_fast_accum: bool = True, rowwise: bool = False):
     """What of a call can fail on one rank alone (operand copies, descriptors, peer views, the
     first compile of a configuration), done before the call's epoch begins; returns
     ``launch(epoch, parity)``, which writes ``out = all_gather(shard) @ b (+ bias)`` and, unless
@@ -198,11 +210,17 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     ``TRACE_SLOTS`` per program, which the kernel fills with GPU times (benchmarks only; -1
     where a program left slots unused). ``scales``: ``(scale_a, scale_b)`` of an FP8 shard and
     weight (one float32 each, ``_scaled_mm``'s), with ``use_fast_accum``; ``out`` is of the
-    output dtype, ``gathered`` of the shard's."""
+    output dtype, ``gathered`` of the shard's. ``rowwise``: ``scale_a`` holds one float32 per row
+    of the shard and ``scale_b`` one per column of ``b``; the row scales are gathered with the rows
+    (``rowwise_scales_offset``), by pushers (``side`` is ignored), and no ``gathered`` is made."""
     require_iris()
     rows, k = shard.shape
     n = b.shape[1]
     world, rank = ws.world, ws.rank
+    if rowwise:
+        if gathered is not None or scales is None:
+            raise ValueError("commfuse: the row-wise gather takes scales and makes no gathered tensor")
+        side = None
     if cfg.bm % CHUNK_ROWS:
         raise RuntimeError(f"commfuse: tile height {cfg.bm} is not a multiple of {CHUNK_ROWS}")
     if chunk_flag_slots(rows, world) > ws.tile_flags.numel():
@@ -222,11 +240,18 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
     push_k = min(256, triton.next_power_of_2(k))
     gather_in_kernel = gathered is not None and not ce  # else copied from the workspace after
-    imprecise = None
+    imprecise, own_scales, scale_areas = None, None, None
     scale_a = scale_b = ws.err  # (pointers the plain kernel never reads)
     if scales is not None:
-        scale_a, scale_b = (s.float().contiguous() for s in scales)
+        scale_a, scale_b = (s.float().contiguous().reshape(-1) for s in scales)
         imprecise = tiles.fp8_accumulation(use_fast_accum, cfg.bk)
+    if rowwise:
+        if scale_a.numel() != rows or scale_b.numel() != n:
+            raise ValueError(f"commfuse: row-wise scales must be [{rows}] and [{n}]")
+        own_scales = scale_a
+        at = rowwise_scales_offset(rows, k, world, shard.element_size())
+        scale_areas = [ws.data(p, (world * rows,), torch.float32, offset_bytes=at) for p in (0, 1)]
+        scale_a = scale_areas[0]
 
     def args(epoch, parity, ticket_base):
         return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
@@ -237,9 +262,10 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                   GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
                   HAS_BIAS=bias is not None, GATHER=gather_in_kernel, TRACE=trace is not None,
-                  SCALED=scales is not None, IMPRECISE=imprecise, num_warps=cfg.warps, num_stages=cfg.stages)
+                  SCALED=scales is not None, IMPRECISE=imprecise, ROWWISE=rowwise, num_warps=cfg.warps,
+                  num_stages=cfg.stages)
     key = (cfg, shard.dtype, out.dtype, world, b_t, bias is not None, shard.device.index, push_k,
-           gather_in_kernel, trace is not None, scales is not None, imprecise)
+           gather_in_kernel, trace is not None, scales is not None, imprecise, rowwise)
     if key not in _resident:  # compiled, not launched: how many programs fit on an SM
         compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, flag_rows, scale_a, scale_b, grid=(1,),
                                                  **consts)
@@ -278,8 +304,12 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         if ce:
             push(epoch, parity)
         gathered_rows[parity][mine].copy_(shard)
+        row_scales = scale_a
+        if rowwise:  # this rank's rows' scales beside its rows; the pushers take them from there
+            row_scales = scale_areas[parity]
+            row_scales[mine].copy_(own_scales)
         run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers,
-                   flag_rows, scale_a, scale_b, **consts)
+                   flag_rows, row_scales, scale_b, **consts)
         if ce:
             if gathered is not None:  # every peer's rows are in the workspace once the kernel ends
                 gathered.copy_(gathered_rows[parity])

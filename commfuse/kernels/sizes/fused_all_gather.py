@@ -18,6 +18,17 @@ def data_elems(rows: int, k: int, world: int) -> int:
     return world * rows * k
 
 
+def rowwise_scales_offset(rows: int, k: int, world: int, itemsize: int) -> int:
+    """Where the row-wise form's float32 row scales start in a parity half: after the gathered
+    rows, 16-byte aligned."""
+    return cdiv(data_elems(rows, k, world) * itemsize, 16) * 16
+
+
+def rowwise_bytes(rows: int, k: int, world: int, itemsize: int) -> int:
+    """Bytes per parity of the row-wise form: the gathered rows, then a float32 scale per row."""
+    return rowwise_scales_offset(rows, k, world, itemsize) + 4 * world * rows
+
+
 def chunk_flag_slots(rows: int, world: int) -> int:
     """Tile-flag slots a call may use: one per ``CHUNK_ROWS`` chunk of every rank's ``rows``
     (the programs' pushes), then as many again from ``ce_flag_base`` (the copy engines' pushes,

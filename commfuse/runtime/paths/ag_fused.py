@@ -12,6 +12,11 @@ latency costs more than they do there).
 
 ``all_gather_scaled_mm`` (FP8 shards, tensor-wise scales) runs the same kernel on FP8 tensor
 cores: the FP8 bytes are pushed, and the scales applied to each output tile.
+``all_gather_rowwise_scaled_mm`` quantises this rank's rows first (the graph's steps, as the pull
+path does) and the kernel pushes the FP8 rows with their scales under the same flags, so the
+gather moves FP8 rows and one float32 a row while the GEMM runs; where the graph reads the
+high-precision gathered tensor, the call runs the pull path's form instead (that tensor gathered,
+then quantised), which this path's workspace also holds.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 from ...kernels.sizes import fused_all_gather
 from ...kernels.sizes.tiles import TileConfig
 from ..workspace import TILE_FLAG_SLOTS
+from .ag_pull import ROWWISE_PULL
 from .ar_fused import FP8_BK
 from .base import SYMM_MAX_BYTES, Call, Path, symmetric_support, tile_support
 
@@ -87,3 +93,26 @@ class FusedAllGather(Path):
 
 FUSED = FusedAllGather()
 SCALED_FUSED = FusedAllGather("all_gather_scaled_mm", fp8=True)
+
+
+class RowwiseFusedAllGather(FusedAllGather):
+    def __init__(self):
+        super().__init__("all_gather_rowwise_scaled_mm", fp8=True)
+
+    def workspace_bytes(self, call: Call) -> int:
+        rows = call.m // max(call.world, 1)
+        return max(fused_all_gather.rowwise_bytes(rows, call.k, call.world, call.itemsize),
+                   ROWWISE_PULL.workspace_bytes(call))
+
+    def supports(self, call: Call, facts) -> str | None:
+        why = super().supports(call, facts)
+        if why is None and self.workspace_bytes(call) > 2 * SYMM_MAX_BYTES:
+            why = "the workspace would be too large"
+        return why
+
+    def config(self, call: Call, facts, variant=None) -> AgFusedConfig:
+        # the row scales go with the rows: the kernel's pushers push both
+        return dataclasses.replace(super().config(call, facts, variant), push="sm")
+
+
+ROWWISE_FUSED = RowwiseFusedAllGather()
