@@ -82,26 +82,37 @@ def test_scaled_mm_all_reduce_paths(sim, monkeypatch, algo, out_dtype, with_bias
     assert seen == [codes.OP_SCALED_AR]
 
 
-@pytest.mark.parametrize("spec_name, scatter", [("scaled_mm_all_reduce", False), ("scaled_mm_reduce_scatter", True)])
+@pytest.mark.parametrize("spec_name, scatter", [("scaled_mm_all_reduce", False), ("scaled_mm_reduce_scatter", True),
+                                                ("rowwise_scaled_mm_all_reduce", False),
+                                                ("rowwise_scaled_mm_reduce_scatter", True)])
 @pytest.mark.parametrize("fast", [True, False])
 def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, spec_name, scatter, fast):
-    """The ``fused`` paths of the tensor-wise FP8 ops hand the tile kernel the FP8 operands, this
-    rank's scales and its accumulation, with K blocks of 128 bytes, and an output (the partials'
+    """The ``fused`` paths of the FP8 ops hand the tile kernel the FP8 operands, this rank's scales
+    (row-wise: ``[M, 1]`` and ``[1, N]``; the backward's form, with unit scales and post-scales:
+    their products) and its accumulation, with K blocks of 128 bytes, and an output (the partials'
     dtype) of ``out_dtype``; the kernel's stand-in sums every rank's ``_scaled_mm`` (what the
     interpreter checks the kernel against, ``tests/interpreted_fused.py``)."""
     from commfuse.kernels import fused_all_reduce
 
     world, r, m = sim.world, sim.mine.rank, 4 * sim.world
+    rowwise, post = spec_name.startswith("rowwise"), not fast  # (the backward's form: precise accumulation)
     a = [_fp8(m, K, seed=120 + p) for p in range(world)]
     b = [_weight(130 + p) for p in range(world)]
-    sa, sb = [_scale(140 + p) for p in range(world)], [_scale(150 + p) for p in range(world)]
-    parts = [reference.scaled_matmul(a[p], b[p], sa[p], sb[p], None, BF16, fast) for p in range(world)]
+    shape_a, shape_b = ((m, 1), (1, N)) if rowwise else ((), ())
+    sa, sb = [_scale(140 + p, *shape_a) for p in range(world)], [_scale(150 + p, *shape_b) for p in range(world)]
+    pa = [_scale(160 + p, m, 1) if rowwise and post else None for p in range(world)]
+    pb = [_scale(170 + p, 1, N) if rowwise and post else None for p in range(world)]
+    parts = [reference.rowwise_scaled_matmul(a[p], b[p], sa[p], sb[p], None, BF16, fast, pa[p], pb[p])
+             for p in range(world)]
     total = sum(part.float() for part in parts)
     seen = []
 
     def prepare(ws, a_, b_, bias, out, cfg, scatter_, opts, trace=None, scales=None, use_fast_accum=True):
         seen.append((a_.dtype, out.dtype, cfg.bk, scatter_, use_fast_accum))
-        assert scales[0] is sa[r] and scales[1] is sb[r]
+        if pa[r] is None:
+            assert scales[0] is sa[r] and scales[1] is sb[r]
+        else:
+            assert torch.equal(scales[0], sa[r] * pa[r]) and torch.equal(scales[1], sb[r] * pb[r])
 
         def launch(epoch, parity):
             out.copy_(total.chunk(world)[r] if scatter_ else total)
@@ -111,7 +122,7 @@ def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, 
     monkeypatch.setattr(fused_all_reduce, "prepare", prepare)
     spec = SPECS[spec_name]
     rest = ([m, N], 0, world, "0") if scatter else ("0",)
-    args = spec.Args(a[r], b[r], sa[r], sb[r], None, BF16, fast, *rest)
+    args = spec.Args(a[r], b[r], sa[r], sb[r], None, BF16, fast, *((pa[r], pb[r]) if rowwise else ()), *rest)
     before = _ran(spec.name)
     with env.override(algo="fused"):
         out = entry.run(spec, args)
@@ -372,7 +383,7 @@ def test_every_fp8_op_has_its_paths():
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
         want = ["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]
-        if op in ("scaled_mm_reduce_scatter", "all_gather_scaled_mm", "all_gather_rowwise_scaled_mm"):  # tiles too
+        if op != "scaled_mm_all_reduce":  # the tile kernel too
             want = sorted([*want, "fused"])
         if op == "scaled_mm_all_reduce":  # and the graph lane
             want = sorted([*want, "fused", "graph"])

@@ -115,7 +115,7 @@ def test_scaled_mm_all_reduce_paths(world, name, m, k, n, out_dtype, bias):
 
 
 @pytest.mark.parametrize("world", [2, 8])
-@pytest.mark.parametrize("name", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("name", ["one_shot", "two_shot", "fused"])
 @pytest.mark.parametrize("post", [False, True], ids=["forward", "backward-form"])
 def test_rowwise_scaled_mm_all_reduce_paths(world, name, post):
     _skip_past_queues(world)
@@ -140,7 +140,7 @@ def test_rowwise_scaled_mm_all_reduce_paths(world, name, post):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("op, name", [("scaled_mm_reduce_scatter", "pull"), ("rowwise_scaled_mm_reduce_scatter", "pull"),
-                                      ("scaled_mm_reduce_scatter", "fused")])
+                                      ("scaled_mm_reduce_scatter", "fused"), ("rowwise_scaled_mm_reduce_scatter", "fused")])
 @pytest.mark.parametrize("rows, scatter_dim", [(1024, 0), (8, 0), (256, 1)])
 def test_scaled_mm_reduce_scatter_paths(world, op, name, rows, scatter_dim):
     _skip_past_queues(world)

@@ -12,7 +12,10 @@ leave at once (a one-wave call spreads less: the spread delays its end as much a
 
 ``scaled_mm_all_reduce`` (FP8 operands, tensor-wise scales) runs the same kernel on FP8 tensor
 cores: each tile's accumulator is multiplied by this rank's scales before it is pushed or summed,
-so the partials exchanged are the output dtype's, as the unfused graph's are.
+so the partials exchanged are the output dtype's, as the unfused graph's are. So does
+``rowwise_scaled_mm_all_reduce``, a scale per row and per column; in the backward's form (unit
+scales in ``_scaled_mm``, the row and column scales multiplied in after it, the product rounded
+in between) the kernel multiplies by the scales' products in fp32 and rounds once.
 """
 
 from __future__ import annotations
@@ -98,3 +101,4 @@ class FusedAllReduce(Path):
 
 FUSED = FusedAllReduce()
 SCALED_FUSED = FusedAllReduce("scaled_mm_all_reduce", fp8=True)
+ROWWISE_FUSED = FusedAllReduce("rowwise_scaled_mm_all_reduce", fp8=True)

@@ -6,8 +6,8 @@
                  tiles, adding the pushed partials in their epilogue ]
 
 Nothing is pushed back (each rank keeps only its share), so every program multiplies.
-``scaled_mm_reduce_scatter`` (FP8, tensor-wise scales) runs it on FP8 operands, as ``ar_fused.py``
-says.
+``scaled_mm_reduce_scatter`` and ``rowwise_scaled_mm_reduce_scatter`` run it on FP8 operands, as
+``ar_fused.py`` says.
 """
 
 from __future__ import annotations
@@ -36,3 +36,4 @@ class FusedReduceScatter(Path):
 
 FUSED = FusedReduceScatter()
 SCALED_FUSED = FusedReduceScatter("scaled_mm_reduce_scatter", fp8=True)
+ROWWISE_FUSED = FusedReduceScatter("rowwise_scaled_mm_reduce_scatter", fp8=True)

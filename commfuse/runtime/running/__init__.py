@@ -33,7 +33,8 @@ RUNS: dict[paths.Path, Callable] = {
     paths.rs_pull.SCALED_PULL: rs_pull.run, paths.rs_pull.ROWWISE_PULL: rs_pull.run,
     paths.ar_fused.SCALED_FUSED: ar_fused.run, paths.rs_fused.SCALED_FUSED: rs_fused.run,
     paths.ag_fused.SCALED_FUSED: ag_fused.run, paths.ar_graph.SCALED_GRAPH: ar_graph.run,
-    paths.ag_fused.ROWWISE_FUSED: ag_fused.run_rowwise,
+    paths.ag_fused.ROWWISE_FUSED: ag_fused.run_rowwise, paths.ar_fused.ROWWISE_FUSED: ar_fused.run,
+    paths.rs_fused.ROWWISE_FUSED: rs_fused.run,
 }
 
 

@@ -23,6 +23,8 @@ def run_fused(ctx: Context, args, out, op: str, scatter: bool, cfg: FusedConfig)
     FP8 op's scales and accumulation go to the kernel (``fused_all_reduce.prepare``)."""
     a, b = args.a, args.b
     scales = (args.scale_a, args.scale_b) if hasattr(args, "scale_a") else None
+    if getattr(args, "post_scale_a", None) is not None:  # the row-wise backward's form: one rounding
+        scales = (args.scale_a * args.post_scale_a, args.scale_b * args.post_scale_b)
     ws = workspace(ctx, fused_bytes(ctx.call, scatter), a.device)
     launch = fused_all_reduce.prepare(ws, a, b, args.bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
                                       cfg.options, scales=scales,
