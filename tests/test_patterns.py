@@ -398,7 +398,9 @@ def test_all_gather_mm_gathered_kept_for_other_users(world2):
     assert rec.shape == (32, 32, 48)  # wq: the widest
     assert "True, " in code.split(f"torch.ops.{AG}.default(")[1].split("\n")[0]  # return_gathered, then the site
     for got, want in zip(out, f(shard, wq, wk, wv)):  # the fused product and the gathered tensor's users
-        torch.testing.assert_close(got, want)
+        # (the sum: 1024 float32 values, which Inductor's reduction adds in another order than eager's)
+        tol = dict(rtol=1e-5, atol=1e-4) if got.dim() == 0 else {}
+        torch.testing.assert_close(got, want, **tol)
 
 
 def test_all_gather_mm_training(world2):
