@@ -150,8 +150,8 @@ def test_scaled_mm_reduce_scatter_paths(world, op, name, rows, scatter_dim):
     rowwise = op.startswith("rowwise")
     a = [_fp8(m, k) for _ in range(world)]
     b = [_fp8(n, k, scale=k ** -0.5).t() for _ in range(world)]
-    sa = [torch.rand(*((m, 1) if rowwise else ()), device="cuda") + 0.5 for _ in range(world)]
-    sb = [torch.rand(*((1, n) if rowwise else ()), device="cuda") + 0.5 for _ in range(world)]
+    sa = [torch.rand((m, 1) if rowwise else (), device="cuda") + 0.5 for _ in range(world)]
+    sb = [torch.rand((1, n) if rowwise else (), device="cuda") + 0.5 for _ in range(world)]
     c = [torch.randn(n, device="cuda", dtype=BF16) for _ in range(world)]
     shape = [m, n] if scatter_dim == 0 else [2, m // 2, n]
     product = reference.rowwise_scaled_matmul if rowwise else reference.scaled_matmul
