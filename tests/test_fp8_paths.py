@@ -289,13 +289,24 @@ def test_all_gather_scaled_mm_pull_moves_fp8(sim, monkeypatch, gather_dim, shape
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["fp8-rows", "read-after"])
 @pytest.mark.parametrize("pow2, hp", [(False, BF16), (True, BF16), (False, torch.float32)], ids=["bf16", "bf16-pow2", "fp32"])
-def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monkeypatch, gathered, pow2, hp):
+@pytest.mark.parametrize("rows", [3, 1])
+def test_all_gather_rowwise_scaled_mm_pull_quantises_before_the_gather(sim, monkeypatch, gathered, pow2, hp, rows):
     """Each rank's rows quantised before the gather, its FP8 rows and float32 multipliers gathered
-    as one block of bytes and unpacked: the same bits and the same product as the unfused op's
-    (quantise after an NCCL gather). Where the graph reads the bf16 gathered tensor, that is
-    gathered and quantised after, as the unfused op does."""
+    as one block of bytes and unpacked into dense rows (cuBLAS's FP8 GEMM takes no other stride:
+    with one row per rank the unpacking is not a copy by itself): the same bits and the same
+    product as the unfused op's (quantise after an NCCL gather). Where the graph reads the bf16
+    gathered tensor, that is gathered and quantised after, as the unfused op does."""
+    from commfuse.runtime.running import ag_pull as ag_pull_run
+
+    real = ag_pull_run.reference.rows_times
+
+    def dense_rows(q, *rest):
+        assert q.is_contiguous(), q.stride()
+        return real(q, *rest)
+
+    monkeypatch.setattr(ag_pull_run.reference, "rows_times", dense_rows)
     seen = _codes(monkeypatch, sim)
-    world, r, rows = sim.world, sim.mine.rank, 3
+    world, r = sim.world, sim.mine.rank
     spec = ALL_GATHER_ROWWISE_SCALED_MM
     g = torch.Generator().manual_seed(200)
     shards = [(torch.randn(rows, K, generator=g) * (p + 1)).to(hp) for p in range(world)]

@@ -54,7 +54,9 @@ def _buffers(world: int, nbytes: int, device: torch.device):
 def group(world: int, data_bytes: int, device: torch.device | str = "cuda",
           timeout_s: float = 600.0) -> list[symm.Workspace]:
     """``world`` workspaces of ``data_bytes`` per parity on one device, zeroed, one per rank (one
-    error word for all of them: the group's)."""
+    error word for all of them: the group's). ``data_bytes`` is rounded up as the run-time's
+    allocation rounds it (``workspace.ALIGN``), so the second parity starts aligned as there."""
+    data_bytes = symm.round_up(data_bytes, symm.ALIGN)
     bufs, bases, views, programs = _buffers(world, symm.HEADER_BYTES + 2 * data_bytes, torch.device(device))
     err = symm.error_word()
     return [symm.Workspace(f"one-device-{world}", r, world, bufs[r], bases, data_bytes, max_programs=programs,

@@ -25,8 +25,9 @@ def rowwise_scales_offset(rows: int, k: int, world: int, itemsize: int) -> int:
 
 
 def rowwise_bytes(rows: int, k: int, world: int, itemsize: int) -> int:
-    """Bytes per parity of the row-wise form: the gathered rows, then a float32 scale per row."""
-    return rowwise_scales_offset(rows, k, world, itemsize) + 4 * world * rows
+    """Bytes per parity of the row-wise form: the gathered rows, then a float32 scale per row; a
+    multiple of 16, so the second parity's rows start 16-byte aligned too (TMA descriptors)."""
+    return cdiv(rowwise_scales_offset(rows, k, world, itemsize) + 4 * world * rows, 16) * 16
 
 
 def chunk_flag_slots(rows: int, world: int) -> int:

@@ -57,7 +57,9 @@ def run_rowwise(path, ctx: Context, args):
         mine[:body].copy_(q.view(torch.uint8).reshape(-1))
         mine[body:].copy_(multiplier.reshape(-1).view(torch.uint8))
         exchange.gather(ws, mine, packed, 1, body + 4 * rows, epoch, EXCHANGE_CODE[path.op])
-        q_all = packed[:, :body].reshape(world * rows, k).view(args.float8_dtype)  # a copy: rows of every rank
+        # every rank's rows, dense: cuBLAS's FP8 GEMM needs 16-byte row strides (with one row per
+        # rank the reshape alone would be a view with the packed block's stride)
+        q_all = packed[:, :body].reshape(world * rows, k).contiguous().view(args.float8_dtype)
         multipliers = packed[:, body:].contiguous().view(torch.float32)
         reference.rows_times(q_all, multipliers, args.b, args.scale_b, args.bias, args.out_dtype, args.use_fast_accum,
                              out)
