@@ -528,6 +528,34 @@ def test_fp8_ops_are_timed_through_their_specs(op, monkeypatch, world2):
     assert f"| {op} | 64 | 32 | 48 | nccl |" in bench._table([rec])
 
 
+@pytest.mark.parametrize("op", ["mm_all_reduce_add_rms_norm", "mm_reduce_scatter_add_rms_norm"])
+def test_norm_ops_are_timed_against_their_collective_and_inductors_norm(op, monkeypatch, world2):
+    """``bench ops --ops <norm op>``'s record on the CPU (a fake group of 2, every timing a call
+    counted instead of timed): unfused is the collective's own op then the compiled add + norm (its
+    outputs the op's), the eager chain beside it; the op's shapes hold hidden sizes up to 8192."""
+    import torch.distributed as dist
+
+    from commfuse.runtime import groups
+    from commfuse.runtime.facts import GroupFacts
+    from commfuse.tools import bench
+
+    timed = {}
+    monkeypatch.setattr(bench, "time_us", lambda fn: timed.setdefault(len(timed), fn()) is None or float(len(timed)))
+    monkeypatch.setattr(groups, "group_facts", lambda state, device, capturing: GroupFacts(2, "cpu", "cpu", 0))
+    m = 64
+    rec = bench.bench_norm_shape(op, m, 32, 48, torch.float32, dist.group.WORLD, device=torch.device("cpu"))
+    assert rec["op"] == op and rec["path"] == "nccl"
+    assert set(rec["parts"]) >= {"collective", "unfused", "nccl_chain", "commfuse_default"}
+    unfused, chain, fused = timed[1], timed[2], timed[3]  # (collective, unfused, eager chain, the op)
+    rows = m // 2 if "scatter" in op else m
+    for h, n in (unfused, chain, fused):
+        assert h.shape[-1] == n.shape[-1] == 48 and h.numel() == rows * 48
+    torch.testing.assert_close(unfused[0], fused[0])
+    torch.testing.assert_close(unfused[1], fused[1], rtol=1e-5, atol=1e-5)
+    assert all(n <= 8192 for _, _, n in bench.shapes_of(op)) and bench.shapes_of(op)
+    assert f"| {op} | 64 | 32 | 48 | nccl |" in bench._table([rec])
+
+
 @pytest.mark.parametrize("form", ["tensorwise", "rowwise", "weights"])
 def test_model_benchmark_builds_the_fp8_forms_explain_shows(form, world2):
     """``bench model --fp8``: the bundled stack in the FP8 form ``explain --fp8`` compiles (torchao's
@@ -558,3 +586,22 @@ def test_model_benchmark_refuses_fp8_forms_a_split_cannot_take(argv, message):
     with pytest.raises(SystemExit) as info:
         bench_model.fill_defaults(args, cuda=False)
     assert str(info.value).startswith(f"commfuse bench model: {message}"), info.value
+
+
+def test_model_benchmark_has_a_backend_with_the_norm_chains_opted_in(world2):
+    """``bench model --backends commfuse_norm``: commfuse with the opt-in ``add_rms_norm`` pattern,
+    which takes the bundled stack's add + norm chains (two ranks, a forward graph)."""
+    import commfuse
+    from commfuse.demo import transformer as demo
+    from commfuse.tools import bench_model
+
+    assert "commfuse_norm" in bench_model.BACKENDS
+    cfg = demo.sized_config(True, 1, world2)
+    torch.manual_seed(0)
+    model = demo.parallelize_hooks(demo.Transformer(cfg).eval())
+    x = torch.randn(2, 16, cfg.dim)
+    commfuse.clear_report()
+    with torch.no_grad():
+        out = bench_model._compile("commfuse_norm", model)(x)
+        torch.testing.assert_close(out, model(x))
+    assert [r.module for r in commfuse.report().fused if r.pattern == "add_rms_norm"] == ["layers.0.attention.wo"]

@@ -53,6 +53,9 @@ OPS = ("mm_all_reduce", "all_gather_mm", "mm_reduce_scatter")
 #: The FP8 ops timed through their specs (``bench_spec_shape``), each on its base op's shapes.
 FP8_OPS = ("scaled_mm_all_reduce", "all_gather_scaled_mm", "scaled_mm_reduce_scatter",
            "rowwise_scaled_mm_all_reduce", "all_gather_rowwise_scaled_mm", "rowwise_scaled_mm_reduce_scatter")
+#: The opt-in add + RMSNorm ops (``bench_norm_shape``): against their collective's op plus
+#: Inductor's compiled add + norm, on their collective's shapes (hidden sizes the kernel holds).
+NORM_OPS = ("mm_all_reduce_add_rms_norm", "mm_reduce_scatter_add_rms_norm")
 
 
 def shapes_of(op: str, which: str = "default", limit: int = 0) -> list[tuple[int, int, int]]:
@@ -61,7 +64,9 @@ def shapes_of(op: str, which: str = "default", limit: int = 0) -> list[tuple[int
     if which == "square":
         shapes = [(s, s, s) for s in range(256, 4097, 128)]
     else:
-        shapes = MM_AR_SHAPES if op.endswith("mm_all_reduce") else AG_MM_SHAPES
+        shapes = MM_AR_SHAPES if op.endswith("mm_all_reduce") or op.startswith("mm_all_reduce") else AG_MM_SHAPES
+        if op in NORM_OPS:
+            shapes = [s for s in shapes if s[2] <= 8192]  # (the norm epilogue's largest row)
     return shapes[:limit] if limit else shapes
 
 
@@ -345,18 +350,76 @@ def bench_spec_shape(op: str, m: int, k: int, n: int, dtype, group, device: torc
     t["unfused"] = time_us(lambda: spec.run_nccl(args))
     _exchange_alone(t, spec.pattern, m, k, n, call.dtype if gathers else product.dtype, world,
                     lambda nbytes: groups.workspace(state, nbytes, device))
-    paths = [p.name for p in policy.candidates(call, facts) if p.name != "nccl"]
-    with _forced(None):
-        t["commfuse_default"] = time_us(lambda: fn(*args))
-    for algo in paths:
-        with _forced(algo):
-            t[f"commfuse_{algo}"] = time_us(lambda: fn(*args))
-    _settle(t, {"unfused": (lambda: spec.run_nccl(args), None), "commfuse_default": (lambda: fn(*args), None)})
+    _time_paths(t, call, facts, fn, args, lambda: spec.run_nccl(args))
     exchanges = [t[key] for key in EXCHANGES_ALONE if t.get(key)]
     rec = dict(op=op, M=m, K=k, N=n, dtype=str(call.dtype).replace("torch.", ""), world=world,
                path=policy.rules_choice(call, facts).name, unfused_us=t["unfused"], commfuse_us=t["commfuse_default"],
                floor_us=max(t["mm"], min(exchanges)), parts=t, peers={})
     rec["best_unfused_us"] = t["unfused"]  # no unfused alternative to NCCL is timed for the FP8 ops
+    return rec
+
+
+def _time_paths(t: dict, call, facts, fn, args, unfused) -> None:
+    """Into ``t``: the op ``fn(*args)`` by default and with each of its symmetric paths that
+    can take ``call`` forced; then ``unfused`` and the default re-timed in alternating rounds."""
+    from commfuse.runtime import policy
+
+    with _forced(None):
+        t["commfuse_default"] = time_us(lambda: fn(*args))
+    for algo in [p.name for p in policy.candidates(call, facts) if p.name != "nccl"]:
+        with _forced(algo):
+            t[f"commfuse_{algo}"] = time_us(lambda: fn(*args))
+    _settle(t, {"unfused": (unfused, None), "commfuse_default": (lambda: fn(*args), None)})
+
+
+def _add_rms_norm(x, y, w, eps: float):
+    """The unfused chain's second kernel, as the bundled model writes it (``LlamaRMSNorm``)."""
+    h = x + y
+    hf = h.float()
+    return h, w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+_ADD_RMS_NORM = None
+
+
+def bench_norm_shape(op: str, m: int, k: int, n: int, dtype, group, device: torch.device | None = None) -> dict:
+    """One shape of an add + RMSNorm op: unfused is what the graph runs without the opt-in pattern,
+    the collective's own commfuse op (its default path) then Inductor's compiled add + norm; the
+    eager chain on NCCL beside it; commfuse's op by default and each symmetric path forced. The
+    floor is the collective's op alone: the chain without its add + norm."""
+    global _ADD_RMS_NORM
+    from commfuse.runtime import groups, policy
+    from commfuse.runtime.spec import SPECS, Call
+
+    if _ADD_RMS_NORM is None:
+        _ADD_RMS_NORM = torch.compile(_add_rms_norm, dynamic=False)
+    spec = SPECS[op]
+    world, gname = group.size(), group.group_name
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(m + k + n)
+    call = Call(op, m, k, n, dtype, world)  # (a reduce-scatter's share: one block of rows)
+    args = spec.inputs(call, gname, lambda *shape: (torch.randn(*shape, generator=gen, device=device) / 4).to(dtype))
+    state = groups.get(gname)
+    facts = groups.group_facts(state, device, False)
+    fn = getattr(torch.ops.commfuse, op)
+    if spec.cuts_rows:
+        def collective():
+            return torch.ops.commfuse.mm_reduce_scatter(args.a, args.b, args.bias, args.shape, args.scatter_dim, world,
+                                                        gname)
+    else:
+        def collective():
+            return torch.ops.commfuse.mm_all_reduce(args.a, args.b, args.bias, gname)
+
+    def unfused():
+        return _ADD_RMS_NORM(args.residual, collective().view(args.residual.shape), args.weight, args.eps)
+
+    t = {"collective": time_us(collective), "unfused": time_us(unfused), "nccl_chain": time_us(lambda: spec.run_nccl(args))}
+    _time_paths(t, call, facts, fn, args, unfused)
+    rec = dict(op=op, M=m, K=k, N=n, dtype=str(dtype).replace("torch.", ""), world=world,
+               path=policy.choose(call, facts, quiet=True).name, unfused_us=t["unfused"],
+               commfuse_us=t["commfuse_default"], floor_us=t["collective"], parts=t, peers={})
+    rec["best_unfused_us"] = min(t["unfused"], t["nccl_chain"])
     return rec
 
 
@@ -527,7 +590,8 @@ def parser(prog: str = "python -m commfuse bench") -> argparse.ArgumentParser:
                          "one run per shape (CUDA GPUs, under torchrun --nproc_per_node=N). Prints a markdown table "
                          "and writes the records as JSON.")
     ops.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops to time (default: {','.join(OPS)}; "
-                     f"also the FP8 ops {','.join(FP8_OPS)}, with FP8 operands and --dtype their product's)")
+                     f"also the FP8 ops {','.join(FP8_OPS)}, with FP8 operands and --dtype their product's, and "
+                     f"the opt-in add + RMSNorm ops {','.join(NORM_OPS)})")
     ops.add_argument("--shapes", choices=["default", "square"], default="default",
                      help="default: each op's standard shapes (the README's table); square: M=K=N from 256 to "
                      "4096 in steps of 128")
@@ -557,6 +621,7 @@ def parser(prog: str = "python -m commfuse bench") -> argparse.ArgumentParser:
                        help=f"KV-cache length decoding starts at; {_default('context')}")
     model.add_argument("--backends", default=None,
                        help="comma-separated: eager, inductor, inductor_mptp (Inductor's async TP), commfuse, "
+                       "commfuse_norm (with the opt-in add_rms_norm pattern), "
                        "floor (collectives replaced by local stand-ins), also commfuse@PATH (a forced path) and "
                        f"commfuse@KEY=VALUE+... (settings, e.g. commfuse@MERGE_SUMS=0); {_default('backends')}")
     model.add_argument("--layers", type=int, default=None, help=f"decoder layers; {_default('layers')}")
@@ -640,6 +705,7 @@ def _run_shapes(todo, dtype, group, tuner, iris: bool) -> list[dict]:
                     f"unfused {rec['unfused_us']:.0f} µs")
         else:
             rec = (bench_spec_shape(op, m, k, n, dtype, group) if op in FP8_OPS
+                   else bench_norm_shape(op, m, k, n, dtype, group) if op in NORM_OPS
                    else bench_shape(op, m, k, n, dtype, group, iris=iris))
             line = (f"unfused {rec['unfused_us']:.0f} µs, commfuse {rec['commfuse_us']:.0f} µs "
                     f"({rec['unfused_us'] / rec['commfuse_us']:.2f}x, {rec['path']}), floor {rec['floor_us']:.0f} µs")
@@ -659,11 +725,11 @@ def run_ops(args) -> int:
     group, rank = setup_ranks()
     dtype = getattr(torch, args.dtype)
     todo = [(op, s) for op in args.ops.split(",") for s in shapes_of(op, args.shapes, args.limit)]
-    unknown = sorted({op for op, _ in todo} - set(OPS) - set(FP8_OPS))
+    unknown = sorted({op for op, _ in todo} - set(OPS) - set(FP8_OPS) - set(NORM_OPS))
     if unknown:
-        raise SystemExit(f"{' '.join(unknown)}: not an op; choose from {', '.join(OPS + FP8_OPS)}")
-    if args.tuned and any(op in FP8_OPS for op, _ in todo):
-        raise SystemExit("--tuned times the bf16 ops only; leave the FP8 ops out of --ops")
+        raise SystemExit(f"{' '.join(unknown)}: not an op; choose from {', '.join(OPS + FP8_OPS + NORM_OPS)}")
+    if args.tuned and any(op in FP8_OPS or op in NORM_OPS for op, _ in todo):
+        raise SystemExit("--tuned times the three base ops only; leave the FP8 and norm ops out of --ops")
     with contextlib.ExitStack() as stack:
         tuner = None
         if args.tuned:

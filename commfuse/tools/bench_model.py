@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from commfuse.demo import hf_llama, init_distributed, shutdown
 
-BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "floor")
+BACKENDS = ("eager", "inductor", "inductor_mptp", "commfuse", "commfuse_norm", "floor")
 MODES = ("prefill", "train", "decode", "decode_cg", "loss")
 MODELS = ("dtensor", "sp", "hooks", "hf")
 
@@ -78,6 +78,9 @@ def _compile(backend: str, model, cudagraphs: bool = False):
         return torch.compile(model, options={"_micro_pipeline_tp": True, "triton.cudagraphs": cudagraphs})
     if backend == "commfuse":
         return torch.compile(model, backend=commfuse.backend(mode=mode))
+    if backend == "commfuse_norm":  # the opt-in add + RMSNorm chains too
+        return torch.compile(model, backend=commfuse.backend(mode=mode, patterns=[*commfuse.DEFAULT_PATTERNS,
+                                                                                   "add_rms_norm"]))
     if backend == "floor":
         return torch.compile(model, backend=make_floor_backend(**{"triton.cudagraphs": cudagraphs}))
     raise ValueError(backend)
@@ -262,6 +265,8 @@ def run_case(kind: str, mode: str, cfg, batch: int, seq: int, device, dtype, bac
         out = step()
         _sync(device)
         rec["compile_s"][backend] = time.perf_counter() - start
+        if backend == "commfuse_norm":
+            rec["fused_norm"] = sum(r.pattern == "add_rms_norm" for r in commfuse.report().fused)
         if backend == "commfuse":
             rec["fused"] = len(commfuse.report().fused)
             rec["merged"] = len(commfuse.report().merged)  # sums of matmuls made one (merge_sums)
