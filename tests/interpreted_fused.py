@@ -433,16 +433,16 @@ def main() -> None:
         ("0+8", lambda w, r: case(3 * w, 32, 40, w, r, scatter=True, bias=True, pull=True)),
         ("not 0", never_ready_case),  # the pull after the K loop
         # FP8 operands, each rank's scales on its own partial before it is pushed
-        ("every", lambda w, r: case(40, 64, 40, w, r, scatter=False, bias=True, inline=True, fp8="tensorwise")),
+        ("2+8", lambda w, r: case(40, 64, 40, w, r, scatter=False, bias=True, inline=True, fp8="tensorwise")),
         ("2+4", lambda w, r: case(40, 64, 40, w, r, scatter=False, bias=False, fp8="rowwise")),
-        ("every", lambda w, r: case(3 * w, 64, 40, w, r, scatter=True, bias=True, fp8="rowwise")),
+        ("0+4", lambda w, r: case(3 * w, 64, 40, w, r, scatter=True, bias=True, fp8="rowwise")),
         ("0+8", lambda w, r: case(16 * w, 32, 24, w, r, scatter=True, bias=False, pull=True, fp8="tensorwise")),
         # the all-gather: 2 chunks, the last short; a shard of one short chunk
         ("every", lambda w, r: gather_case(40, 48, 24, w, r, bias=True, gathered=True)),
         ("every", lambda w, r: gather_case(7, 32, 16, w, r, bias=False, gathered=False)),
         # FP8 shards: the bytes gathered, the scales on every tile
-        ("every", lambda w, r: gather_case(40, 64, 24, w, r, bias=True, gathered=True, fp8=True)),
-        ("every", lambda w, r: gather_case(40, 64, 24, w, r, bias=False, gathered=False, fp8=True, rowwise=True)),
+        ("2+4", lambda w, r: gather_case(40, 64, 24, w, r, bias=True, gathered=True, fp8=True)),
+        ("0+8", lambda w, r: gather_case(40, 64, 24, w, r, bias=False, gathered=False, fp8=True, rowwise=True)),
     ]
     for world, rank in EVERY:
         for where, run in runs:
