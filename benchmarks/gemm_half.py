@@ -18,6 +18,10 @@ against the tile GEMM with the same scales in its epilogue (``kernels.tiles.scal
 with the path's tiling in K blocks of 128 bytes (``ar_fused.FP8_BK``, what the FP8 ops' fused
 paths take) and, with ``--alternatives``, ``FP8_ALTERNATIVES``.
 
+``--queued`` also times each call with its flush queued behind a GPU sleep: the device's time
+alone, where the default timing (the host launches each call after the flush) also shows a
+launch that takes longer than the kernel.
+
 What it does not time: the split-K kernel (its K loop is split across programs, not a tile GEMM
 of this shape), nor the fused kernels' own K loop with the exchange switched off (only the fused
 all-reduce kernel has such a switch, ``fused_all_reduce.ABLATE``).
@@ -83,6 +87,26 @@ def _fp8_operands(a: torch.Tensor, weight: torch.Tensor, scales: str):
     return qa, qb, sa, sb
 
 
+def time_flushed_queued(fn, flush: torch.Tensor, iters: int) -> float:
+    """``time_flushed``'s median with every call and its flush queued behind a GPU sleep first, so
+    the events time the device alone: a call whose host launch takes longer than its kernel shows
+    there as the launch, here as the kernel."""
+    from commfuse.tools.timing import SLEEP_CYCLES
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1000.0 for s, e in events)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="the group size whose per-rank shares are timed")
@@ -92,6 +116,8 @@ def main() -> int:
     p.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
                    help="time the FP8 form against torch._scaled_mm with these scales")
     p.add_argument("--slow-accum", action="store_true", help="FP8: use_fast_accum=False")
+    p.add_argument("--queued", action="store_true",
+                   help="also time each call queued behind a GPU sleep (device time without the host's launch)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -158,7 +184,12 @@ def main() -> int:
             tile = time_flushed(lambda: ours(cfg), flush, args.iters)
             rec = dict(op=op, M=m, K=k, N=n, world=w, tiling=str(cfg), cublas_us=cublas, tile_us=tile,
                        ratio=tile / cublas, tile_err=err, cublas_err=lib_err)
+            if args.queued:
+                rec["cublas_queued_us"] = time_flushed_queued(library, flush, args.iters)
+                rec["tile_queued_us"] = time_flushed_queued(lambda: ours(cfg), flush, args.iters)
             line = f"{op:18s} {m:6d} {k:6d} {n:6d} {str(cfg):>20s} {cublas:10.1f} {tile:9.1f} {tile / cublas:11.3f}"
+            if args.queued:
+                line += f"  queued {rec['cublas_queued_us']:.1f}/{rec['tile_queued_us']:.1f}"
             if args.alternatives:
                 best = (tile, str(cfg))
                 for text in FP8_ALTERNATIVES if args.fp8 else ALTERNATIVES:
