@@ -56,12 +56,15 @@ def ll_values(words: torch.Tensor, epoch: int) -> torch.Tensor:
 
 
 def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int = 1, world: int = 2,
-         rank: int = 0, ll: bool | None = False, group_m: int = 1) -> None:
+         rank: int = 0, ll: bool | None = False, group_m: int = 1, fp8: str | None = None) -> None:
     """``rank`` of ``world`` runs the kernel; every other rank's pushes are simulated. ``ll``:
     the sums travel as LL words (not in a lane: there the kernel keeps its flags); None: where
-    ``uses_ll`` says. ``group_m``: the tiles' grouped order (``tiles.tile_coords``)."""
+    ``uses_ll`` says. ``group_m``: the tiles' grouped order (``tiles.tile_coords``). ``fp8``:
+    e4m3 operands with ``_scaled_mm``'s scales, ``"tensorwise"`` or ``"rowwise"``, each rank its
+    own (drawn from [0.25, 0.5]: a scale lost is off by 2x or more), the partials
+    ``torch._scaled_mm``'s."""
     torch.manual_seed(m * 1000 + k + n + split + world)
-    tile = tiles.TileConfig(bm=16, bn=16, bk=16, stages=2, warps=4, group_m=group_m, reducers=0)
+    tile = tiles.TileConfig(bm=16, bn=16, bk=32 if fp8 else 16, stages=2, warps=4, group_m=group_m, reducers=0)
     cfg = fused_split_k.config(m, k, n, 3, split, tile, ll=ll)
     ll = fused_split_k.uses_ll(cfg, m, n, world, DT, lane)
     count = fused_split_k.num_tiles(m, n, cfg)
@@ -69,11 +72,20 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
     ws = group(world, data_bytes, 3, lane)
     me = ws[rank]
     for call in range(calls):
-        a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
-        w = [(torch.randn(n, k, dtype=DT) / k ** 0.5) for _ in range(world)]
         c = [torch.randn(n, dtype=DT) if bias else None for _ in range(world)]
-        partial = [(a[r].float() @ w[r].float().t() + (c[r].float() if bias else 0)).to(DT)
-                   for r in range(world)]
+        scales = [None] * world
+        if fp8:
+            a = [(torch.randn(m, k) * 8).to(torch.float8_e4m3fn) for _ in range(world)]
+            w = [(torch.randn(n, k) * 8).to(torch.float8_e4m3fn) for _ in range(world)]
+            shapes = ((m, 1), (1, n)) if fp8 == "rowwise" else ((), ())
+            scales = [tuple(torch.rand(shape) / 4 + 0.25 for shape in shapes) for _ in range(world)]
+            partial = [torch._scaled_mm(a[r], w[r].t(), *scales[r], c[r], out_dtype=DT, use_fast_accum=True)
+                       for r in range(world)]
+        else:
+            a = [torch.randn(m, k, dtype=DT) for _ in range(world)]
+            w = [(torch.randn(n, k, dtype=DT) / k ** 0.5) for _ in range(world)]
+            partial = [(a[r].float() @ w[r].float().t() + (c[r].float() if bias else 0)).to(DT)
+                       for r in range(world)]
         if lane:
             epoch = int(me.counter[0]) + 1
             sums = [x.data(DT) for x in ws]
@@ -96,25 +108,26 @@ def case(m: int, k: int, n: int, split: int, bias: bool, lane: bool, calls: int 
                 for t in range(count):
                     flags[rank][t * world + p] = flag_value(epoch)
         out = torch.full((m, n), float("nan"), dtype=DT)
-        launch = fused_split_k.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, lane=lane)
+        launch = fused_split_k.prepare(me, a[rank], w[rank].t(), c[rank], out, cfg, lane=lane, scales=scales[rank])
         if lane:
             launch()
         else:
             launch(*me.next_epoch())
         want = sum(x.float() for x in partial)  # the rank-order sum of rounded partials
         err = ((out.float() - want).norm() / want.norm()).item()
-        assert err < 2e-3, (m, k, n, split, bias, lane, call, world, rank, err)
+        # (FP8: the interpreter's casts to bf16 may truncate where _scaled_mm rounds)
+        assert err < (8e-3 if fp8 else 2e-3), (m, k, n, split, bias, lane, call, world, rank, fp8, err)
         # what this rank pushed into every peer: its rounded sum in slot [rank, tile], its flags
         mine = blocks(partial[rank], 16, 16, group_m)
         for p in range(world):
             if p != rank and ll:
                 words = sums[p][at:].view(torch.int64)[rank * count * 128:(rank + 1) * count * 128]
                 got = ll_values(words.view(count, 16, 8), epoch)
-                assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
+                assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < (8e-3 if fp8 else 2e-3), p
                 assert all(int(flags[p][t * world + rank]) != flag_value(epoch) for t in range(count)), "no flag store"
             elif p != rank:
                 got = sums[p][at + rank * count * 256:at + (rank + 1) * count * 256].view(count, 16, 16)
-                assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < 2e-3, p
+                assert ((got.float() - mine.float()).norm() / mine.float().norm()).item() < (8e-3 if fp8 else 2e-3), p
                 assert all(int(flags[p][t * world + rank]) == flag_value(epoch) for t in range(count)), p
         assert me.tile_counters.eq(0).all(), "arrival counters back at zero"
         if lane:
@@ -212,6 +225,10 @@ def main() -> None:
         case(16, 64, 16, 2, True, lane=lane, calls=2)
     for ll in (False, True):  # tiles in groups of 2 row blocks (3 row blocks: the last group short)
         case(40, 64, 48, 2, True, lane=False, ll=ll, group_m=2)
+    # FP8 operands: this rank's scales on each tile's sum of slices, before it is pushed
+    case(20, 128, 48, 2, True, lane=False, fp8="tensorwise")
+    case(20, 128, 48, 2, False, lane=False, ll=True, fp8="rowwise", world=4, rank=2)
+    case(16, 128, 32, 2, True, lane=True, calls=2, fp8="tensorwise", world=8, rank=7)
     for world, rank in ((4, 2), (8, 7)):  # the world-dependent slots and pushes, at 4 and 8 ranks
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank)
         case(20, 80, 48, 3, True, lane=False, world=world, rank=rank, ll=True)

@@ -126,7 +126,7 @@ def test_contexts_carry_the_tag_and_the_configuration_the_check_needs(sim):
 def test_the_pairing_check_takes_split_k_off_ll_words(sim, monkeypatch):
     """LL words have no room for a tag: with the check on, the split-K path exchanges with flags."""
     asked = []
-    monkeypatch.setattr(fused_split_k, "prepare", lambda ws, a, b, bias, out, cfg, lane=False: (
+    monkeypatch.setattr(fused_split_k, "prepare", lambda ws, a, b, bias, out, cfg, lane=False, **_: (
         asked.append(cfg.ll), lambda epoch, parity: None)[1])
     a, b = torch.randn(16, 4096, dtype=torch.bfloat16), torch.randn(4096, 1024, dtype=torch.bfloat16)
     call = Call(AR, 16, 4096, 1024, torch.bfloat16, sim.world)

@@ -171,6 +171,40 @@ def test_scaled_mm_all_reduce_through_the_graph_lane(sim, monkeypatch, out_dtype
     assert len(staged) == 1
 
 
+@pytest.mark.parametrize("spec_name", ["scaled_mm_all_reduce", "rowwise_scaled_mm_all_reduce"])
+def test_the_split_k_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, spec_name):
+    """The FP8 all-reduces' ``split_k`` (decode: few rows) hands the split-K kernel the FP8
+    operands, this rank's scales and its accumulation, and an output of ``out_dtype``."""
+    from commfuse.kernels import fused_split_k
+
+    world, r, m = sim.world, sim.mine.rank, 8
+    rowwise = spec_name.startswith("rowwise")
+    a = [_fp8(m, K, seed=230 + p) for p in range(world)]
+    b = [_weight(240 + p) for p in range(world)]
+    sa = [_scale(250 + p, *((m, 1) if rowwise else ())) for p in range(world)]
+    sb = [_scale(260 + p, *((1, N) if rowwise else ())) for p in range(world)]
+    total = sum(reference.rowwise_scaled_matmul(a[p], b[p], sa[p], sb[p], None, BF16, True).float()
+                for p in range(world))
+    seen = []
+
+    def prepare(ws, a_, b_, bias, out, cfg, lane=False, scales=None, use_fast_accum=True):
+        seen.append((a_.dtype, out.dtype, scales[0] is sa[r] and scales[1] is sb[r], use_fast_accum))
+
+        def launch(epoch=0, parity=0):
+            out.copy_(total)
+        return launch
+
+    monkeypatch.setattr(fused_split_k, "prepare", prepare)
+    spec = SPECS[spec_name]
+    args = spec.Args(a[r], b[r], sa[r], sb[r], None, BF16, True, *((None, None) if rowwise else ()), "0")
+    before = _ran(spec.name)
+    with env.override(algo="split_k"):
+        out = entry.run(spec, args)
+    assert _changed(spec.name, before) == ["split_k"]
+    assert seen == [(E4M3, BF16, True, True)]
+    _close(out, total)
+
+
 def test_the_gather_tile_kernel_takes_fp8_shards_with_their_scales(sim, monkeypatch):
     """``all_gather_scaled_mm``'s ``fused`` path hands the gather kernel the FP8 shard, the
     scales, K blocks of 128 bytes, an output of ``out_dtype`` and a gathered tensor of FP8."""
@@ -394,10 +428,10 @@ def test_every_fp8_op_has_its_paths():
     for op in FP8_OPS:
         names = sorted(p.name for p in by_op(op))
         want = ["nccl", "one_shot", "two_shot"] if op.endswith("all_reduce") else ["nccl", "pull"]
-        if op != "scaled_mm_all_reduce":  # the tile kernel too
+        if not op.endswith("all_reduce"):  # the tile kernel too
             want = sorted([*want, "fused"])
-        if op == "scaled_mm_all_reduce":  # and the graph lane
-            want = sorted([*want, "fused", "graph"])
+        if op.endswith("all_reduce"):  # and split-K; the tensor-wise one the graph lane too
+            want = sorted([*want, "fused", "split_k", *(["graph"] if op == "scaled_mm_all_reduce" else [])])
         assert names == want, op
 
 
@@ -414,9 +448,12 @@ def test_fp8_ops_stay_unfused_by_rule_until_measured(op, arch, world):
     assert "FP8 paths not yet measured on real links" in decision.reason
     names = [p.name for p in policy.candidates(call, facts)]
     # the tile kernel needs TMA (sm_90 and later): not a candidate on sm_89; the graph lane is a
-    # capture's, not an eager call's
+    # capture's, not an eager call's; split-K takes at most 256 rows (this call has 4096)
     tiles = ["fused"] if arch == "sm_89" else []
-    assert names[0] == "nccl" and names == [p.name for p in by_op(op) if p.name not in (*tiles, "graph")], names
+    assert names[0] == "nccl" and names == [p.name for p in by_op(op) if p.name not in (*tiles, "graph", "split_k")], names
+    if op.endswith("all_reduce"):
+        few = _fp8_call(op, m=16, world=world)
+        assert ("split_k" in [p.name for p in policy.candidates(few, facts)]) == (arch != "sm_89")
     forced = "pull" if "gather" in op or "scatter" in op else "two_shot"
     assert policy.choose(call, facts, forced=forced, quiet=True).name == forced
     assert policy.choose(call, facts, tuned=lambda: forced, quiet=True).source == "tuned"

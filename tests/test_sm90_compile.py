@@ -89,17 +89,20 @@ def test_staggered_start_compiles_for_sm90():
     assert staggered.asm["ptx"].count("%globaltimer") > plain.asm["ptx"].count("%globaltimer")
 
 
-def _compile_split_k(ll: bool, world: int = 2, group: int = 2, lane: bool = False):
-    from commfuse.kernels import fused_split_k
+def _compile_split_k(ll: bool, world: int = 2, group: int = 2, lane: bool = False, fp8: bool = False):
+    from commfuse.kernels import fused_split_k, tiles
 
     bm, bn, bk = 16, 64, 256
-    sig = {"a_desc": f"tensordesc<bf16[{bm}, {bk}]>", "b_desc": f"tensordesc<bf16[{bn}, {bk}]>",
+    el = "fp8e4nv" if fp8 else "bf16"
+    sig = {"a_desc": f"tensordesc<{el}[{bm}, {bk}]>", "b_desc": f"tensordesc<{el}[{bn}, {bk}]>",
            "bias": "*bf16", "parts0": "*fp32", "sums0": "*bf16", "half_parts": "i32", "half_sums": "i32",
            "out": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_bm": "i32", "stride_bn": "i32",
            "flags": "*i64" if lane else "*i32", "counters": "*i32", "heap_bases": "*i64", "epoch": "i32", "rank": "i32",
-           "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64"}
+           "err": "*i32", "timeout": "i64", "ticket": "*i64", "ticket_base": "i64", "epochs": "*i64",
+           "scale_a": "*fp32", "scale_b": "*fp32"}
     consts = dict(OP=4 if lane else 8, WORLD=world, SPLIT=1, BM=bm, BN=bn, BK=bk, B_TRANSPOSED=True, HAS_BIAS=False,
-                  DEVICE_EPOCH=lane, EPOCH_SLOTS=128 if lane else 1, LL=ll, LL_GROUP=group, GROUP_M=1)
+                  DEVICE_EPOCH=lane, EPOCH_SLOTS=128 if lane else 1, LL=ll, LL_GROUP=group, GROUP_M=1, SCALED=fp8,
+                  ROWWISE=False, IMPRECISE=tiles.fp8_accumulation(True, bk) if fp8 else None)
     return _compile_for_sm90(fused_split_k.split_k_all_reduce_kernel, sig, consts, num_warps=4, num_stages=4)
 
 
@@ -111,6 +114,21 @@ def test_split_k_ll_form_compiles_for_sm90_without_the_flag_release():
     plain, ll = _compile_split_k(False).asm["ptx"], _compile_split_k(True).asm["ptx"]
     assert "atom.global.sys.release" in plain and ".release" not in ll and ".acquire" not in ll
     assert "st.global.v2.b64" in ll and "ld.volatile.global.b64" in ll
+
+
+@pytest.mark.parametrize("ll", [False, True], ids=["flags", "ll"])
+def test_split_k_on_fp8_operands_compiles_for_sm90(ll):
+    """The split-K kernel on FP8 operands (``tests/interpreted_split_k.py`` checks its values), in
+    both its forms (LL words and flags), within the shared memory. Its 16-row blocks are below a
+    warpgroup MMA's 64 rows, so Triton multiplies them with the older MMA on fp16 (every e4m3
+    value is exact in fp16, the accumulator fp32): the operands still stream from memory at one
+    byte an element, which is what few rows are bound by."""
+    pytest.importorskip("iris")
+    compiled = _compile_split_k(ll, fp8=True)
+    ptx = compiled.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "cvt.rn.f16x2.e4m3x2" in ptx  # the FP8 bytes converted in registers
+    assert compiled.metadata.shared <= 227 * 1024
 
 
 def test_split_k_in_the_graph_lane_compiles_for_sm90():

@@ -59,7 +59,7 @@ from . import tiles
 from .launch import Bound
 from .sync import (FUSED_SPLIT_K_OP, GRAPH_LANE_OP, KIND_TIMEOUT, STICKY_CHECK_NS, TAG_SHIFT, failed, iris, now,
                    record_late, require_iris, wait_other_ranks)
-from .tiles import claim, mma_range, tile_coords, tile_epilogue
+from .tiles import claim, mma_range, scale_tile, tile_coords, tile_epilogue
 from .sizes.fused_split_k import (LL_MAX_PUSHED, MAX_ROWS, NARROW_MIN_K, NARROW_MIN_N, SplitConfig,  # noqa: F401
                                   config, data_bytes, flag_slots, misfit_sizes, num_tiles, one_row_block,
                                   sums_elems, unsupported, uses_ll, wide_tile)
@@ -169,12 +169,13 @@ def _finish(tile, late, sums, out, M, N, num_m, num_n, num_tiles, flags, epoch, 
 @triton.jit(do_not_specialize=["rank", "epoch", "ticket_base"])
 def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, half_sums, out, M,
                               N, K, stride_bm, stride_bn, flags, counters, heap_bases, epoch, rank,
-                              err, timeout, ticket, ticket_base, epochs, OP: tl.constexpr,
+                              err, timeout, ticket, ticket_base, epochs, scale_a, scale_b, OP: tl.constexpr,
                               WORLD: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, B_TRANSPOSED: tl.constexpr,
                               HAS_BIAS: tl.constexpr, DEVICE_EPOCH: tl.constexpr,
                               EPOCH_SLOTS: tl.constexpr, LL: tl.constexpr = False,
-                              LL_GROUP: tl.constexpr = 0, GROUP_M: tl.constexpr = 1):
+                              LL_GROUP: tl.constexpr = 0, GROUP_M: tl.constexpr = 1, SCALED: tl.constexpr = False,
+                              ROWWISE: tl.constexpr = False, IMPRECISE: tl.constexpr = None):
     """The module docstring. ``parts0``: fp32 [tiles, SPLIT] blocks (local only); ``sums0``: the
     output dtype's [WORLD, tiles] blocks (``LL``: of [BM, BN / 2] int64 words, twice the bytes),
     written by every rank; both of parity 0, parity 1
@@ -185,7 +186,9 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
     alone (their flag has no room for a tag): with the pairing check on, the run-time asks for
     flags instead (``runtime.paths.split_k``).
     ``GROUP_M``: the tiles' order (``tiles.tile_coords``; the tiling's ``group_m``, 1 in every
-    default, whose calls have one or two row blocks)."""
+    default, whose calls have one or two row blocks). ``SCALED``: FP8 operands, this rank's
+    ``_scaled_mm`` scales applied to each tile's sum of slices before its bias (``tiles.scale_tile``;
+    ``ROWWISE``, ``IMPRECISE`` as ``tiles.matmul_kernel``'s): what is pushed is the output dtype's."""
     tl.static_assert(not (LL and DEVICE_EPOCH), "LL words need host epochs, which restart")
     tl.static_assert(not LL or LL_GROUP > 0, "LL reads LL_GROUP ranks' words at once")
     if DEVICE_EPOCH:
@@ -215,7 +218,7 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
         off_m = pid_m * BM
         off_n = pid_n * BN
         acc = mma_range(a_desc, b_desc, off_m, off_n, s * per, tl.minimum(s * per + per, k_blocks),
-                        BM, BN, BK, B_TRANSPOSED)
+                        BM, BN, BK, B_TRANSPOSED, IMPRECISE)
         last = True
         if SPLIT > 1:
             tl.store(_block(parts, tile * SPLIT + s, BM, BN), acc)
@@ -228,6 +231,9 @@ def split_k_all_reduce_kernel(a_desc, b_desc, bias, parts0, sums0, half_parts, h
                     acc += tl.load(_block(parts, tile * SPLIT + j, BM, BN), cache_modifier=".cg")
                 tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")  # zero for the next call
         if last:
+            if SCALED:
+                acc = scale_tile(acc, scale_a, scale_b, off_m + tl.arange(0, BM), off_n + tl.arange(0, BN), M, N,
+                                 ROWWISE)
             rows, cols, mask, acc = tile_epilogue(acc, bias, off_m, off_n, M, N, stride_bm,
                                                   stride_bn, BM, BN, HAS_BIAS)
             val = acc.to(out.dtype.element_ty)  # rounded as the unfused partial is
@@ -284,7 +290,7 @@ def misfit(ws, m: int, n: int, cfg: SplitConfig, dtype: torch.dtype, lane: bool)
 
 #: The split-K kernel's arguments that change from call to call (``launch.Bound``): the operands'
 #: descriptors and addresses, the epoch, the ticket's base.
-_PER_CALL = ("a_desc", "b_desc", "bias", "out", "stride_bm", "stride_bn", "epoch", "ticket_base")
+_PER_CALL = ("a_desc", "b_desc", "bias", "out", "stride_bm", "stride_bn", "epoch", "ticket_base", "scale_a", "scale_b")
 
 
 #: The kernel's specialisations compiled in this process (``_plan`` warms each up once).
@@ -292,11 +298,12 @@ _compiled: set = set()
 
 
 def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: bool, full_bias, sbm: int, sbn: int,
-          out: torch.Tensor, cfg: SplitConfig, lane: bool):
+          out: torch.Tensor, cfg: SplitConfig, lane: bool, fp8: tuple | None = None):
     """What a call's launch depends on beyond its operands' addresses, worked out once per
     workspace, shape, layout and tiling (``Workspace.kept``): the fit, the views, the constants,
     the first compile (before the call's epoch: a compile that fails on one rank must not leave its
-    peers waiting), and a kept launch. Returns (the ``Bound`` launch, units, programs)."""
+    peers waiting), and a kept launch. Returns (the ``Bound`` launch, units, programs). ``dtype``:
+    the output's (the sums'); ``fp8``: ``(rowwise, imprecise)`` of FP8 operands."""
     why = misfit(ws, m, n, cfg, dtype, lane)
     if why:
         raise RuntimeError(f"commfuse: {why}")
@@ -320,6 +327,7 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
                   HAS_BIAS=full_bias is not None, DEVICE_EPOCH=lane,
                   EPOCH_SLOTS=epochs.numel() if lane else 1, LL=ll,
                   LL_GROUP=ll_group(ws.world, cfg.tile.bm, cfg.tile.bn), GROUP_M=cfg.tile.group_m,
+                  SCALED=fp8 is not None, ROWWISE=fp8 is not None and fp8[0], IMPRECISE=fp8[1] if fp8 else None,
                   num_warps=cfg.tile.warps, num_stages=cfg.tile.stages)
     fixed = dict(parts0=parts0, sums0=sums0, half_parts=half // 4, half_sums=half // dtype.itemsize, M=m, N=n, K=k,
                  flags=flags, counters=ws.tile_counters, heap_bases=ws.heap_bases, rank=ws.rank, err=ws.err,
@@ -330,8 +338,8 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
             full_bias is None or full_bias.data_ptr() % 16 == 0)
     if hasattr(split_k_all_reduce_kernel, "warmup") and spec not in _compiled:  # (not interpreted)
         split_k_all_reduce_kernel.warmup(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out,
-                                         out=out, stride_bm=sbm, stride_bn=sbn, epoch=0, ticket_base=0, grid=(1,),
-                                         **fixed, **consts)
+                                         out=out, stride_bm=sbm, stride_bn=sbn, epoch=0, ticket_base=0,
+                                         scale_a=ws.err, scale_b=ws.err, grid=(1,), **fixed, **consts)
         if len(_compiled) >= 1024:
             _compiled.clear()
         _compiled.add(spec)  # (only once compiled: a failed warm-up is tried again)
@@ -339,28 +347,35 @@ def _plan(ws, m: int, k: int, n: int, dtype: torch.dtype, a_desc, b_desc, b_t: b
 
 
 def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: SplitConfig,
-            lane: bool = False):
+            lane: bool = False, scales: tuple | None = None, use_fast_accum: bool = True):
     """What can fail on one rank alone (copies, descriptors, the first compile) before the call's
     epoch; returns ``launch(epoch, parity)``, which writes ``out = sum over the group of (a @ b +
     bias)`` through ``ws`` (``data_bytes`` per parity). ``lane``: ``ws`` is the group's graph lane
     (``runtime.workspace.GraphLane``) and the call count lives on the device, so the launch may
     be captured in a CUDA graph and replayed; ``launch``'s ``epoch`` then carries only the call's
-    tag (``codes.flag_value(0, tag)``) and its parity is not used."""
+    tag (``codes.flag_value(0, tag)``) and its parity is not used. ``scales``: ``(scale_a,
+    scale_b)`` of FP8 operands (``_scaled_mm``'s), with ``use_fast_accum``; ``out``'s dtype is
+    what the ranks push and sum."""
     require_iris()
     m, k = a.shape
     n = b.shape[1]
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
+    fp8, scale_a, scale_b = None, ws.err, ws.err  # (pointers the plain kernel never reads)
+    if scales is not None:
+        scale_a, scale_b = (x.float().contiguous() for x in scales)
+        fp8 = (scale_a.numel() != 1 or scale_b.numel() != 1, tiles.fp8_accumulation(use_fast_accum, cfg.tile.bk))
     # every input of the plan is in its key (and the operands' alignment, which Triton specialises on)
-    key = ("split_k", m, k, n, a.dtype, b_t, full_bias is not None, sbm, sbn, cfg, lane, ws.err.data_ptr(),
-           ws.timeout_ns, out.data_ptr() % 16 == 0, full_bias is None or full_bias.data_ptr() % 16 == 0)
-    bound, units, programs = ws.kept(key, lambda: _plan(ws, m, k, n, a.dtype, a_desc, b_desc, b_t, full_bias, sbm,
-                                                          sbn, out, cfg, lane))
+    key = ("split_k", m, k, n, a.dtype, out.dtype, b_t, full_bias is not None, sbm, sbn, cfg, lane, fp8,
+           ws.err.data_ptr(), ws.timeout_ns, out.data_ptr() % 16 == 0,
+           full_bias is None or full_bias.data_ptr() % 16 == 0)
+    bound, units, programs = ws.kept(key, lambda: _plan(ws, m, k, n, out.dtype, a_desc, b_desc, b_t, full_bias, sbm,
+                                                          sbn, out, cfg, lane, fp8))
 
     def launch(epoch: int = 0, parity: int = 0) -> None:
         base = 0 if lane else ws.ticket_base
         bound(a_desc=a_desc, b_desc=b_desc, bias=full_bias if full_bias is not None else out, out=out,
-              stride_bm=sbm, stride_bn=sbn, epoch=epoch, ticket_base=base)
+              stride_bm=sbm, stride_bn=sbn, epoch=epoch, ticket_base=base, scale_a=scale_a, scale_b=scale_b)
         if not lane:
             # one wave: no claims; else every unit claimed once, one failed claim each
             ws.ticket_base = base + (0 if units <= programs else units + programs)

@@ -93,7 +93,7 @@ def _skip_past_queues(world):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("name", ["one_shot", "two_shot", "fused"])
+@pytest.mark.parametrize("name", ["one_shot", "two_shot", "fused", "split_k"])
 @pytest.mark.parametrize("m, k, n, out_dtype, bias", [
     (1, 4096, 4096, BF16, False), (48, 2048, 1040, BF16, True), (1000, 1024, 4096, torch.float32, False),
     (4096, 2048, 4096, BF16, False)])

@@ -7,6 +7,10 @@ pushes the sum to every peer and raises one flag per peer.
 
 With few rows the exchange costs latency, not bandwidth: what is left after the GEMM is one push
 and one flag (or, for few values, the push alone: LL words that carry their flag).
+
+The FP8 all-reduces (``scaled_mm_all_reduce``, ``rowwise_scaled_mm_all_reduce``: FP8 decode) take
+the same kernel on FP8 operands: each rank's scales on its tiles' sums of slices before the push,
+so what is pushed is the output dtype's, as the unfused graph's partial.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from .ar_fused import fused_support
 PLAN_PROGRAMS = 1024
 
 
-def support(call: Call, facts) -> str | None:
-    """Why the split-K kernel cannot take ``call`` (what every tile kernel needs, then its own)."""
-    return fused_support(call, facts, scatter=False) or fused_split_k.unsupported(
+def support(call: Call, facts, fp8: bool = False) -> str | None:
+    """Why the split-K kernel (on ``fp8`` operands) cannot take ``call`` (what every tile kernel
+    needs, then its own)."""
+    return fused_support(call, facts, False, fp8) or fused_split_k.unsupported(
         call.m, call.k, call.n, call.dtype, call.world, COUNTER_BYTES // 4, TILE_FLAG_SLOTS)
 
 
@@ -44,11 +49,13 @@ def plan_bytes(call: Call) -> int:
 
 
 class SplitK(Path):
-    op = "mm_all_reduce"
     name = "split_k"
 
+    def __init__(self, op: str = "mm_all_reduce", fp8: bool = False):
+        self.op, self.fp8 = op, fp8
+
     def supports(self, call: Call, facts) -> str | None:
-        return support(call, facts)
+        return support(call, facts, self.fp8)
 
     def workspace_bytes(self, call: Call) -> int:
         return plan_bytes(call)
@@ -62,3 +69,5 @@ class SplitK(Path):
 
 
 SPLIT_K = SplitK()
+SCALED_SPLIT_K = SplitK("scaled_mm_all_reduce", fp8=True)
+ROWWISE_SPLIT_K = SplitK("rowwise_scaled_mm_all_reduce", fp8=True)

@@ -34,7 +34,8 @@ RUNS: dict[paths.Path, Callable] = {
     paths.ar_fused.SCALED_FUSED: ar_fused.run, paths.rs_fused.SCALED_FUSED: rs_fused.run,
     paths.ag_fused.SCALED_FUSED: ag_fused.run, paths.ar_graph.SCALED_GRAPH: ar_graph.run,
     paths.ag_fused.ROWWISE_FUSED: ag_fused.run_rowwise, paths.ar_fused.ROWWISE_FUSED: ar_fused.run,
-    paths.rs_fused.ROWWISE_FUSED: rs_fused.run,
+    paths.rs_fused.ROWWISE_FUSED: rs_fused.run, paths.split_k.SCALED_SPLIT_K: split_k.run,
+    paths.split_k.ROWWISE_SPLIT_K: split_k.run,
 }
 
 
