@@ -109,10 +109,11 @@ def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, 
 
     def prepare(ws, a_, b_, bias, out, cfg, scatter_, opts, trace=None, scales=None, use_fast_accum=True):
         seen.append((a_.dtype, out.dtype, cfg.bk, scatter_, use_fast_accum))
-        if pa[r] is None:
+        if not rowwise:
             assert scales[0] is sa[r] and scales[1] is sb[r]
-        else:
-            assert torch.equal(scales[0], sa[r] * pa[r]) and torch.equal(scales[1], sb[r] * pb[r])
+        else:  # a row's and a column's scales, with every factor folded in
+            assert scales[0].shape == (m,) and scales[1].shape == (N,)
+            torch.testing.assert_close(_as_kernel(a_, b_, scales, bias), parts[r].float(), rtol=1.6e-2, atol=1e-2)
 
         def launch(epoch, parity):
             out.copy_(total.chunk(world)[r] if scatter_ else total)
@@ -129,6 +130,75 @@ def test_the_tile_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatch, 
     assert _changed(spec.name, before) == ["fused"]
     assert seen == [(E4M3, BF16, 128, scatter, fast)]
     _close(out, total.chunk(world)[r] if scatter else total)
+
+
+def _as_kernel(a, b, scales, bias):
+    """What the tile kernels compute of this rank's product from the scales and bias they are
+    handed: the fp32 product times a row's and a column's scale (or one each), plus the bias."""
+    sa, sb = scales
+    product = (a.float() @ b.float()) * (sa.reshape(-1, 1) if sa.numel() > 1 else sa) * sb.reshape(1, -1)
+    return product + (0 if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("order", ["row-column", "column-row", "both-rows"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_tile_kernels_fold_the_backwards_post_scales_in_any_order(sim, monkeypatch, order, bias):
+    """The row-wise backward's post-scales (and its bias, which the graph scales with them) reach
+    the tile kernels as a row's and a column's factor whichever order the graph multiplied them
+    in: the fused all-reduce and split-K compute what the unfused product does."""
+    from commfuse.kernels import fused_all_reduce, fused_split_k
+
+    m = 8
+    a, b = _fp8(m, K, seed=300), _weight(301)
+    ones_a, ones_b = torch.ones(m, 1), torch.ones(1, N)
+    first, second = {"row-column": (_scale(302, m, 1), _scale(303, 1, N)),
+                     "column-row": (_scale(303, 1, N), _scale(302, m, 1)),
+                     "both-rows": (_scale(302, m, 1), _scale(304, m, 1))}[order]
+    c = _scale(305, N).to(BF16) if bias else None
+    want = reference.rowwise_scaled_matmul(a, b, ones_a, ones_b, c, BF16, False, first, second).float()
+    handed = []
+
+    def record(*args, scales=None, **kw):
+        handed.append(_as_kernel(a, b, scales, args[3]))
+
+        def launch(*_):
+            pass
+        launch.variants = ()
+        return launch
+
+    monkeypatch.setattr(fused_all_reduce, "prepare", lambda ws, a_, b_, bias_, out, cfg, scatter, opts, scales=None,
+                        use_fast_accum=True, **kw: record(ws, a_, b_, bias_, scales=scales))
+    monkeypatch.setattr(fused_split_k, "prepare", lambda ws, a_, b_, bias_, out, cfg, lane=False, scales=None,
+                        use_fast_accum=True: record(ws, a_, b_, bias_, scales=scales))
+    spec = ROWWISE_SCALED_MM_ALL_REDUCE
+    args = spec.Args(a, b, ones_a, ones_b, c, BF16, False, first, second, "0")
+    for algo in ("fused", "split_k"):
+        with env.override(algo=algo):
+            entry.run(spec, args)
+    assert len(handed) == 2
+    for got in handed:
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_scale_of_neither_a_rows_nor_a_columns_shape_runs_unfused(sim, monkeypatch):
+    """A post-scale of the product's full shape cannot be folded into a row's and a column's
+    factor: the call runs the unfused computation (alike on every rank: the shapes are the
+    graph's) with the reason logged, not a kernel that would read the scale wrongly."""
+    from commfuse.kernels import fused_all_reduce
+
+    monkeypatch.setattr(fused_all_reduce, "prepare", lambda *a, **k: pytest.fail("the kernel was launched"))
+    m = 8
+    a, b = _fp8(m, K, seed=310), _weight(311)
+    spec = ROWWISE_SCALED_MM_ALL_REDUCE
+    args = spec.Args(a, b, torch.ones(m, 1), torch.ones(1, N), None, BF16, False, _scale(312, m, N), torch.ones(1, N),
+                     "0")
+    before = _ran(spec.name)
+    with env.override(algo="fused"):
+        out = entry.run(spec, args)
+    assert _changed(spec.name, before) == ["nccl"]
+    want = reference.rowwise_scaled_matmul(a, b, torch.ones(m, 1), torch.ones(1, N), None, BF16, False,
+                                           args.post_scale_a, args.post_scale_b)
+    torch.testing.assert_close(out, want)  # (the fake group's all-reduce: this rank's own)
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, torch.float32])
@@ -187,8 +257,13 @@ def test_the_split_k_kernel_takes_fp8_operands_with_their_scales(sim, monkeypatc
                 for p in range(world))
     seen = []
 
+    mine = reference.rowwise_scaled_matmul(a[r], b[r], sa[r], sb[r], None, BF16, True).float()
+
     def prepare(ws, a_, b_, bias, out, cfg, lane=False, scales=None, use_fast_accum=True):
-        seen.append((a_.dtype, out.dtype, scales[0] is sa[r] and scales[1] is sb[r], use_fast_accum))
+        # tensor-wise: the scales as they are; row-wise: a row's and a column's, as the kernel reads them
+        handed = scales[0] is sa[r] and scales[1] is sb[r] if not rowwise else scales[0].shape == (m,)
+        torch.testing.assert_close(_as_kernel(a_, b_, scales, bias), mine, rtol=1.6e-2, atol=1e-2)
+        seen.append((a_.dtype, out.dtype, handed, use_fast_accum))
 
         def launch(epoch=0, parity=0):
             out.copy_(total)

@@ -11,7 +11,7 @@ from .ar_fused import run_fused
 
 def run(path, ctx: Context, args) -> torch.Tensor:
     out = torch.empty(_scattered(args), dtype=path.spec.product_dtype(args), device=args.a.device)  # before the epoch
-    return run_fused(ctx, args, out, path.op, True, ctx.config or path.config(ctx.call, ctx.facts))
+    return run_fused(path, ctx, args, out, True, ctx.config or path.config(ctx.call, ctx.facts))
 
 
 def _scattered(args) -> list:
