@@ -69,21 +69,32 @@ def _relerr(got, want) -> float:
 
 
 class Case:
-    """One (world, rows, hidden): every rank's operands, the fp32 reference (the residual ``x``
-    and the weight are the same on every rank, as in tensor parallelism), poisoned outputs."""
+    """One (world, rows, hidden): every rank's ``rows x hidden`` partial, its residual ``x``, the
+    weight (the same on every rank, as in tensor parallelism), its fp32 reference of the unfused
+    chain and poisoned outputs. The all-reduce form: every rank's outputs and residual are all
+    ``rows`` (the residual the same on every rank); ``scatter`` (the sequence-parallel form): each
+    rank's are its share, ``rows / world`` rows, with a residual of its own."""
 
-    def __init__(self, world: int, rows: int, hidden: int):
-        torch.manual_seed(world * 100_000 + rows + hidden)
-        self.world, self.rows, self.hidden = world, rows, hidden
+    def __init__(self, world: int, rows: int, hidden: int, scatter: bool = False):
+        torch.manual_seed(world * 100_000 + rows + hidden + scatter)
+        share = rows // world if scatter else rows
+        self.world, self.rows, self.hidden, self.full = world, share, hidden, rows
         self.parts = [torch.randn(rows, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        x = torch.randn(rows, hidden, device="cuda", dtype=DT)
+        if scatter:
+            self.xs = [torch.randn(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        else:
+            x = torch.randn(rows, hidden, device="cuda", dtype=DT)
+            self.xs = [x.clone() for _ in range(world)]
         w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DT)
-        self.xs, self.ws = [x.clone() for _ in range(world)], [w.clone() for _ in range(world)]
-        h = x.float() + sum(p.float() for p in self.parts)
-        self.ref = (h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w.float())
-        self.sums = [torch.empty(rows, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        self.hs = [torch.empty(rows, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        self.ns = [torch.empty(rows, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.ws = [w.clone() for _ in range(world)]
+        total = sum(p.float() for p in self.parts)
+        self.refs = []
+        for r in range(world):
+            h = self.xs[r].float() + (total[r * share:(r + 1) * share] if scatter else total)
+            self.refs.append((h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w.float()))
+        self.sums = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.hs = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
+        self.ns = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
         self.poison()
         # compiled (and tuned) before any rank's kernel spins: a module load can wait for
         # running kernels, here a peer's spinning one
@@ -96,46 +107,17 @@ class Case:
 
     def errors(self, outs) -> dict:
         """Largest relative error of ``h`` and ``n`` over the ranks' ``outs`` [(h, n)]."""
-        return {"h_err": max(_relerr(h, self.ref[0]) for h, _ in outs),
-                "n_err": max(_relerr(n, self.ref[1]) for _, n in outs)}
+        return {"h_err": max(_relerr(h, ref[0]) for (h, _), ref in zip(outs, self.refs)),
+                "n_err": max(_relerr(n, ref[1]) for (_, n), ref in zip(outs, self.refs))}
 
     def bytes_moved(self, staged: bool) -> tuple[int, int]:
-        """HBM bytes of one call over all ranks, (unfused, fused): every rank reads every
-        partial; the fused form reads x and writes h and n, the unfused one also writes the sum
-        and reads it back; staging copies the local tensor into the lane first."""
+        """HBM bytes of one call over all ranks, (unfused, fused): every rank reads every rank's
+        rows of its output; the fused form reads x and writes h and n, the unfused one also writes
+        the sum and reads it back; staging copies the local tensor into the lane first."""
         elems = self.rows * self.hidden * DT.itemsize
         stage = 2 * elems if staged else 0
         return (self.world * (self.world * elems + 5 * elems + stage),
                 self.world * (self.world * elems + 3 * elems + stage))
-
-
-class ScatterCase(Case):
-    """The sequence-parallel form's (world, rows, hidden): every rank's ``rows x hidden`` partial,
-    and per rank its share's residual, reference and outputs (``rows / world`` rows)."""
-
-    def __init__(self, world: int, rows: int, hidden: int):
-        torch.manual_seed(world * 100_000 + rows + hidden + 1)
-        share = rows // world
-        self.world, self.rows, self.hidden, self.full = world, share, hidden, rows
-        self.parts = [torch.randn(rows, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        self.xs = [torch.randn(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DT)
-        self.ws = [w.clone() for _ in range(world)]
-        total = sum(p.float() for p in self.parts)
-        self.refs = []
-        for r in range(world):
-            h = self.xs[r].float() + total[r * share:(r + 1) * share]
-            self.refs.append((h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w.float()))
-        self.sums = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        self.hs = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        self.ns = [torch.empty(share, hidden, device="cuda", dtype=DT) for _ in range(world)]
-        self.poison()
-        ADD_NORM(self.xs[0], self.sums[0], self.ws[0])
-        torch.cuda.synchronize()
-
-    def errors(self, outs) -> dict:
-        return {"h_err": max(_relerr(h, ref[0]) for (h, _), ref in zip(outs, self.refs)),
-                "n_err": max(_relerr(n, ref[1]) for (_, n), ref in zip(outs, self.refs))}
 
 
 def _checked(case: Case, outs, what: str) -> dict:
@@ -236,7 +218,7 @@ def decode(world: int, rows: int, hidden: int, args) -> dict:
 def prefill(world: int, rows: int, hidden: int, args, scatter: bool = False) -> dict:
     """One-shot over the workspace, eager: the partial already in both data halves. ``scatter``:
     the sequence-parallel form (the pull reduce-scatter of this rank's rows)."""
-    case = ScatterCase(world, rows, hidden) if scatter else Case(world, rows, hidden)
+    case = Case(world, rows, hidden, scatter)
     ws = emulated.group(world, rows * hidden * DT.itemsize, timeout_s=args.wait_s)
     for r in range(world):
         for parity in (0, 1):
@@ -295,7 +277,7 @@ def prefill(world: int, rows: int, hidden: int, args, scatter: bool = False) -> 
 def _row(row: dict, case: Case, args, staged: bool, form: str) -> dict:
     unfused_bytes, fused_bytes = case.bytes_moved(staged)
     tbs = args.hbm_tbs * 1e12
-    return dict(world=case.world, rows=getattr(case, "full", case.rows), hidden=case.hidden, form=form,
+    return dict(world=case.world, rows=case.full, hidden=case.hidden, form=form,
                 unfused_us=row.pop("unfused"),
                 fused_us=row.pop("fused"), **row, floor_unfused_us=unfused_bytes / tbs * 1e6,
                 floor_fused_us=fused_bytes / tbs * 1e6)

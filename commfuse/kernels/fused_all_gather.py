@@ -240,11 +240,9 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
     push_k = min(256, triton.next_power_of_2(k))
     gather_in_kernel = gathered is not None and not ce  # else copied from the workspace after
-    imprecise, own_scales, scale_areas = None, None, None
-    scale_a = scale_b = ws.err  # (pointers the plain kernel never reads)
-    if scales is not None:
-        scale_a, scale_b = (s.float().contiguous().reshape(-1) for s in scales)
-        imprecise = tiles.fp8_accumulation(use_fast_accum, cfg.bk)
+    own_scales, scale_areas = None, None
+    scale_a, scale_b, fp8 = tiles.fp8_scales(scales, rows, n, use_fast_accum, cfg.bk, ws.err)
+    imprecise = fp8[1] if fp8 else None
     if rowwise:
         if scale_a.numel() != rows or scale_b.numel() != n:
             raise ValueError(f"commfuse: row-wise scales must be [{rows}] and [{n}]")

@@ -567,10 +567,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
     traced = trace is not None
     dtype = out.dtype
-    fp8, scale_a, scale_b = None, ws.err, ws.err  # (pointers the plain kernel never reads)
-    if scales is not None:
-        scale_a, scale_b = (s.float().contiguous() for s in scales)
-        fp8 = (scale_a.numel() != 1 or scale_b.numel() != 1, tiles.fp8_accumulation(use_fast_accum, cfg.bk))
+    scale_a, scale_b, fp8 = tiles.fp8_scales(scales, m, n, use_fast_accum, cfg.bk, ws.err)
     # every option the plan reads is in its key, so a changed one makes a new plan
     key = ("fused_all_reduce", m, k, n, a.dtype, dtype, b_t, bias is not None, cfg, scatter, opts, traced, fp8,
            ws.err.data_ptr(), ws.timeout_ns)

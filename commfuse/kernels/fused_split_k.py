@@ -361,10 +361,7 @@ def prepare(ws, a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, cfg: 
     n = b.shape[1]
     a_desc, b_desc, b_t = tiles.descriptor_operands(a, b, cfg.tile)
     full_bias, sbm, sbn = tiles.bias_strides(bias, m, n)
-    fp8, scale_a, scale_b = None, ws.err, ws.err  # (pointers the plain kernel never reads)
-    if scales is not None:
-        scale_a, scale_b = (x.float().contiguous() for x in scales)
-        fp8 = (scale_a.numel() != 1 or scale_b.numel() != 1, tiles.fp8_accumulation(use_fast_accum, cfg.tile.bk))
+    scale_a, scale_b, fp8 = tiles.fp8_scales(scales, m, n, use_fast_accum, cfg.tile.bk, ws.err)
     # every input of the plan is in its key (and the operands' alignment, which Triton specialises on)
     key = ("split_k", m, k, n, a.dtype, out.dtype, b_t, full_bias is not None, sbm, sbn, cfg, lane, fp8,
            ws.err.data_ptr(), ws.timeout_ns, out.data_ptr() % 16 == 0,

@@ -218,6 +218,21 @@ def fp8_accumulation(use_fast_accum: bool, bk: int):
 FP8_PROMOTE = 128
 
 
+def fp8_scales(scales, m: int, n: int, use_fast_accum: bool, bk: int, unread: torch.Tensor):
+    """A tile kernel's scale arguments for an ``m x n`` product: ``(scale_a, scale_b, fp8)``, the
+    scales as flat float32 (one each, or a row's ``[m]`` and a column's ``[n]``: ``scale_tile``
+    reads both or neither) and ``fp8 = (row-wise, fp8_accumulation)``; for operands that are not
+    FP8 (``scales`` None), ``unread`` (a pointer the kernel never reads) twice and None."""
+    if scales is None:
+        return unread, unread, None
+    scale_a, scale_b = (s.float().contiguous().reshape(-1) for s in scales)
+    rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
+    if rowwise and (scale_a.numel() != m or scale_b.numel() != n):
+        raise ValueError(f"commfuse: row-wise scales must be [{m}, 1] and [1, {n}], not {tuple(scales[0].shape)} "
+                         f"and {tuple(scales[1].shape)}")
+    return scale_a, scale_b, (rowwise, fp8_accumulation(use_fast_accum, bk))
+
+
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   bias: torch.Tensor | None, out_dtype: torch.dtype, use_fast_accum: bool, cfg: TileConfig,
                   out: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
@@ -227,11 +242,7 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
     m, n = a.shape[0], b.shape[1]
     if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES:
         raise ValueError(f"commfuse: scaled_matmul multiplies FP8 operands, not {a.dtype} x {b.dtype}")
-    rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
-    if rowwise and (scale_a.numel() != m or scale_b.numel() != n):
-        raise ValueError(f"commfuse: row-wise scales must be [{m}, 1] and [1, {n}], not {tuple(scale_a.shape)} "
-                         f"and {tuple(scale_b.shape)}")
     out = torch.empty((m, n), dtype=out_dtype, device=a.device) if out is None else out
-    _launch(a, b, bias, cfg, out, programs, (scale_a.float().contiguous(), scale_b.float().contiguous(), rowwise),
-            fp8_accumulation(use_fast_accum, cfg.bk))
+    sa, sb, (rowwise, imprecise) = fp8_scales((scale_a, scale_b), m, n, use_fast_accum, cfg.bk, out)
+    _launch(a, b, bias, cfg, out, programs, (sa, sb, rowwise), imprecise)
     return out

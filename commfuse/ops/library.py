@@ -496,11 +496,17 @@ def _check_norm_args(op: str, a, b, bias, residual, weight, shares: int = 1) -> 
 
 
 def _validate_norm(spec, args) -> None:
+    """A norm op's checks (once per signature; the sequence-parallel form's on the share and the
+    scatter), its gradient guard and count."""
     op = spec.name
 
     def check():
-        _check_norm_args(op, args.a, args.b, args.bias, args.residual, args.weight)
-        _group_size(op, args.group_name)
+        if spec.cuts_rows:
+            _check_scatter_norm_args(args)
+            _check_world(op, args.group_name, args.world_size)
+        else:
+            _check_norm_args(op, args.a, args.b, args.bias, args.residual, args.weight)
+            _group_size(op, args.group_name)
 
     _once(_signature(op, *args), check)
     _no_gradient(op, args.a, args.b, args.bias, args.residual, args.weight)
@@ -530,18 +536,6 @@ def _check_scatter_norm_args(args) -> None:
                  f"{share}")
 
 
-def _validate_scatter_norm(spec, args) -> None:
-    op = spec.name
-
-    def check():
-        _check_scatter_norm_args(args)
-        _check_world(op, args.group_name, args.world_size)
-
-    _once(_signature(op, *args), check)
-    _no_gradient(op, args.a, args.b, args.bias, args.residual, args.weight)
-    CALLS[op] += 1
-
-
 @torch.library.register_fake("commfuse::mm_reduce_scatter_add_rms_norm")
 def _(*values):
     args = MM_REDUCE_SCATTER_ADD_RMS_NORM.Args(*values[:len(MM_REDUCE_SCATTER_ADD_RMS_NORM.args)])
@@ -549,7 +543,7 @@ def _(*values):
     return args.residual.new_empty(args.residual.shape), args.residual.new_empty(args.residual.shape)
 
 
-_generic, _cuda = _spec_kernels(MM_REDUCE_SCATTER_ADD_RMS_NORM, _validate_scatter_norm)
+_generic, _cuda = _spec_kernels(MM_REDUCE_SCATTER_ADD_RMS_NORM, _validate_norm)
 _LIB.impl(MM_REDUCE_SCATTER_ADD_RMS_NORM.name, _generic, "CompositeExplicitAutograd")
 _LIB.impl(MM_REDUCE_SCATTER_ADD_RMS_NORM.name, _cuda, "CUDA")
 

@@ -55,9 +55,15 @@ def mm_all_reduce_add_rms_norm(a, b, bias, residual: torch.Tensor, weight: torch
                                weight_last: bool, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + all_reduce(a @ b + bias)`` (the reduced product viewed as the residual) and
     ``n = rms_norm(h, weight)``: the unfused chain, step for step."""
+    return _add_rms_norm(residual, mm_all_reduce(a, b, bias, group_name), weight, eps, weight_last)
+
+
+def _add_rms_norm(residual: torch.Tensor, reduced: torch.Tensor, weight: torch.Tensor, eps: float,
+                  weight_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h))`` with ``h = residual + reduced`` (viewed as the residual)."""
     # contiguous like the op's declared outputs (its fake): a strided residual would give ``h``
     # its strides, which the compiled graph does not expect
-    h = (residual + mm_all_reduce(a, b, bias, group_name).view(residual.shape)).contiguous()
+    h = (residual + reduced.view(residual.shape)).contiguous()
     return h, rms_norm(h, weight, eps, weight_last).contiguous()
 
 
@@ -66,9 +72,8 @@ def mm_reduce_scatter_add_rms_norm(a, b, bias, residual: torch.Tensor, weight: t
                                    group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequence-parallel form: ``h = residual + mm_reduce_scatter(a, b, bias, shape, ...)``
     (this rank's share, viewed as the residual) and ``n = rms_norm(h, weight)``."""
-    share = mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name)
-    h = (residual + share.view(residual.shape)).contiguous()
-    return h, rms_norm(h, weight, eps, weight_last).contiguous()
+    return _add_rms_norm(residual, mm_reduce_scatter(a, b, bias, shape, scatter_dim, world_size, group_name), weight,
+                         eps, weight_last)
 
 
 def scaled_mm_all_reduce(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, group_name: str) -> torch.Tensor:

@@ -503,31 +503,40 @@ ALL_GATHER_ROWWISE_SCALED_MM = OpSpec(
 # each shaped as the residual (the reduced product viewed so).
 
 
+#: The arguments the norm ops add after the product's bias, before the collective's own.
+_NORM_ARGS = (Arg("residual", "Tensor"), Arg("weight", "Tensor"), Arg("eps", "float"), Arg("weight_last", "bool"))
+
+
+def _norm_spec(base: OpSpec, name: str, reference: Callable, call: Callable, inputs: Callable, unfused: str,
+               default_path: str) -> OpSpec:
+    """``base`` with the residual add and RMSNorm after its collective: its layout with the norm's
+    arguments after the bias, two outputs ``h`` and ``n`` shaped as the residual, its sizes, lane
+    and rows read alike, its signature and shared arguments with the norm's."""
+    return OpSpec(
+        name=name,
+        args=(*base.args[:3], *_NORM_ARGS, *base.args[3:]),
+        outputs=("h", "n"),
+        reference=reference,
+        pattern="add_rms_norm",
+        call=lambda x, world: call(x, world, name),
+        key=lambda x: (*base.key(x), tuple(x.residual.shape), x.weight_last),
+        own_size=base.own_size,
+        shared=lambda x: dict(base.shared(x), residual=x.residual, weight=x.weight, eps=x.eps,
+                              weight_last=x.weight_last),
+        exchanged=base.exchanged,
+        inputs=inputs,
+        rows_unit=base.rows_unit,
+        cuts_rows=base.cuts_rows,
+        graph_lane=base.graph_lane,
+        lane_bytes=base.lane_bytes,
+        unfused=unfused,
+        default_path=default_path,
+    )
+
+
 def _norm_inputs(c: Call, g: str, rand):
     return MM_ALL_REDUCE_ADD_RMS_NORM.Args(rand(c.m, c.k), rand(c.k, c.n), rand(c.n) if c.bias else None,
                                            rand(c.m, c.n), rand(c.n), 1e-6, True, g)
-
-
-MM_ALL_REDUCE_ADD_RMS_NORM = OpSpec(
-    name="mm_all_reduce_add_rms_norm",
-    args=(*MM_ALL_REDUCE.args[:3], Arg("residual", "Tensor"), Arg("weight", "Tensor"), Arg("eps", "float"),
-          Arg("weight_last", "bool"), Arg("group_name", "str")),
-    outputs=("h", "n"),
-    reference=lambda x: reference.mm_all_reduce_add_rms_norm(*x),
-    pattern="add_rms_norm",
-    call=lambda x, world: _ar_call(x, world, MM_ALL_REDUCE_ADD_RMS_NORM.name),
-    key=lambda x: (*MM_ALL_REDUCE.key(x), tuple(x.residual.shape), x.weight_last),
-    own_size=MM_ALL_REDUCE.own_size,
-    shared=lambda x: dict(MM_ALL_REDUCE.shared(x), residual=x.residual, weight=x.weight, eps=x.eps,
-                          weight_last=x.weight_last),
-    exchanged=MM_ALL_REDUCE.exchanged,
-    inputs=_norm_inputs,
-    rows_unit=MM_ALL_REDUCE.rows_unit,
-    graph_lane=True,
-    lane_bytes=MM_ALL_REDUCE.lane_bytes,
-    unfused='(h, rms_norm(h, weight, eps, weight_last)) with h = residual + all_reduce(a @ b + bias, "sum", g)',
-    default_path="one_shot",
-)
 
 
 def _rs_norm_inputs(c: Call, g: str, rand):
@@ -538,27 +547,16 @@ def _rs_norm_inputs(c: Call, g: str, rand):
                                                rs.scatter_dim, rs.world_size, g)
 
 
+MM_ALL_REDUCE_ADD_RMS_NORM = _norm_spec(
+    MM_ALL_REDUCE, "mm_all_reduce_add_rms_norm", lambda x: reference.mm_all_reduce_add_rms_norm(*x), _ar_call,
+    _norm_inputs, '(h, rms_norm(h, weight, eps, weight_last)) with h = residual + all_reduce(a @ b + bias, "sum", g)',
+    "one_shot")
 # The sequence-parallel form: a reduce-scatter in the all-reduce's place, the add and the norm on
 # this rank's share of the rows; ``h`` and ``n`` shaped as the residual (the share's shape).
-MM_REDUCE_SCATTER_ADD_RMS_NORM = OpSpec(
-    name="mm_reduce_scatter_add_rms_norm",
-    args=(*MM_REDUCE_SCATTER.args[:3], *MM_ALL_REDUCE_ADD_RMS_NORM.args[3:7], *MM_REDUCE_SCATTER.args[3:]),
-    outputs=("h", "n"),
-    reference=lambda x: reference.mm_reduce_scatter_add_rms_norm(*x),
-    pattern="add_rms_norm",
-    call=lambda x, world: _rs_call(x, world, MM_REDUCE_SCATTER_ADD_RMS_NORM.name),
-    key=lambda x: (*MM_REDUCE_SCATTER.key(x), tuple(x.residual.shape), x.weight_last),
-    own_size=MM_REDUCE_SCATTER.own_size,
-    shared=lambda x: dict(MM_REDUCE_SCATTER.shared(x), residual=x.residual, weight=x.weight, eps=x.eps,
-                          weight_last=x.weight_last),
-    exchanged=MM_REDUCE_SCATTER.exchanged,
-    inputs=_rs_norm_inputs,
-    rows_unit=MM_REDUCE_SCATTER.rows_unit,
-    cuts_rows=True,
-    unfused='(h, rms_norm(h, weight, eps, weight_last)) with '
-            'h = residual + reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)',
-    default_path="pull",
-)
+MM_REDUCE_SCATTER_ADD_RMS_NORM = _norm_spec(
+    MM_REDUCE_SCATTER, "mm_reduce_scatter_add_rms_norm", lambda x: reference.mm_reduce_scatter_add_rms_norm(*x),
+    _rs_call, _rs_norm_inputs, '(h, rms_norm(h, weight, eps, weight_last)) with '
+    'h = residual + reduce_scatter((a @ b + bias).view(shape), "sum", dim=d, g)', "pull")
 
 #: Every op, by name, in the order the registry and the report list them.
 SPECS: dict[str, OpSpec] = {s.name: s for s in (MM_ALL_REDUCE, ALL_GATHER_MM, MM_REDUCE_SCATTER, SCALED_MM_ALL_REDUCE,
