@@ -17,7 +17,10 @@ can time both in alternating processes (``--label``).
 calls in a process that never imports commfuse, ``imported`` imports it (and registers its ops)
 without calling it, ``used`` (the default) times them among the fused cases, ``warmed`` runs every
 fused case first (kernels compiled, workspaces allocated) and then times the unfused calls alone,
-``released`` does the same after ``commfuse.release_all()``. ``--back-to-back`` times each case in
+``released`` does the same after ``commfuse.release_all()``, ``allocated`` only allocates the
+group's symmetric workspace (no commfuse kernel runs). ``--parts`` adds the unfused calls' parts
+as cases of their own (the output's allocation, the GEMM, the collective and its wait), so a
+difference between modes can be placed. ``--back-to-back`` times each case in
 a run of its own calls instead of in turn with the others (warm caches). In turn, the cases' order
 rotates from batch to batch, so no case is always the first after the GPU sleep (the first call
 after it costs the host most).
@@ -90,10 +93,14 @@ def main() -> int:
     p.add_argument("--sleep-ms", type=float, default=60.0)
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
-    p.add_argument("--commfuse", choices=("absent", "imported", "used", "warmed", "released"), default="used",
+    p.add_argument("--commfuse", choices=("absent", "imported", "allocated", "used", "warmed", "released"),
+                   default="used",
                    help="absent: never import commfuse (unfused cases only); imported: import it, time the "
                    "unfused cases only; used: every case, fused among unfused; warmed: run the fused cases, "
-                   "then time the unfused ones alone; released: the same after commfuse.release_all()")
+                   "then time the unfused ones alone; released: the same after commfuse.release_all(); allocated: "
+                   "import it and allocate the group's workspace, time the unfused cases only")
+    p.add_argument("--parts", action="store_true", help="also time the unfused calls' parts alone: the "
+                   "output's allocation, the GEMM, the collective with its wait")
     p.add_argument("--back-to-back", action="store_true",
                    help="time each case in a run of its own calls, not in turn with the other cases")
     p.add_argument("--profile", default="", help="comma-separated case names (substrings): a cProfile of 50 "
@@ -148,17 +155,35 @@ def main() -> int:
     for op, m, k, n in UNFUSED:
         a, b = operands(op, m, k, n, "T")
         cases.append((f"{op} unfused (aten + c10d) {m}x{k}x{n}", lambda op=op, a=a, b=b: unfused(op, a, b), a, b))
+    if args.parts:  # checked by the unfused case they make up; run here only for their time
+        a, b = operands("all_gather_mm", 2048, 2048, 2048, "T")
+        out = torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16)
+        parts = [("part: torch.empty 2048x2048 bf16", lambda: torch.empty(2048, 2048, device="cuda",
+                                                                          dtype=torch.bfloat16)),
+                 ("part: aten.mm 2048x2048x2048", lambda: torch.ops.aten.mm(a, b)),
+                 ("part: all_reduce_ + wait 2048x2048", lambda: c10d.wait_tensor(c10d.all_reduce_(out, "sum", group))),
+                 ("part: all_gather_into_tensor + wait 2048x2048",
+                  lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(a, 1, group)))]
+        for name, fn in parts:
+            fn()
+        cases += [(name, fn, a, b) for name, fn in parts]
+    if args.commfuse == "allocated":  # a workspace as a fused call of the all-reduce would take
+        from commfuse.runtime import groups
+
+        groups.workspace(groups.get(group), 64 << 20, torch.device("cuda", 0))
     for name, fn, a, b in cases:  # compile, allocate, first launches; then a check against fp32
         for _ in range(3):
             fn()
         out = fn().float()
+        if name.startswith("part:"):
+            continue
         ref = a.float() @ b.float()
         err = ((out - ref).norm() / ref.norm()).item()
         if not err < 2e-2:
             raise RuntimeError(f"host_time: {name} is wrong (relative error {err})")
     torch.cuda.synchronize()
     if args.commfuse in ("warmed", "released"):  # the fused cases have run: time the unfused ones alone
-        cases = [case for case in cases if "unfused" in case[0]]
+        cases = [case for case in cases if "unfused" in case[0] or case[0].startswith("part:")]
         if args.commfuse == "released":
             commfuse.release_all()
     cycles = int(args.sleep_ms * (getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000))
