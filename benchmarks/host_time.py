@@ -17,8 +17,7 @@ can time both in alternating processes (``--label``).
 calls in a process that never imports commfuse, ``imported`` imports it (and registers its ops)
 without calling it, ``used`` (the default) times them among the fused cases, ``warmed`` runs every
 fused case first (kernels compiled, workspaces allocated) and then times the unfused calls alone,
-``released`` does the same after ``commfuse.release_all()``, ``allocated`` only allocates the
-group's symmetric workspace (no commfuse kernel runs). ``--parts`` adds the unfused calls' parts
+``released`` does the same after ``commfuse.release_all()``. ``--parts`` adds the unfused calls' parts
 as cases of their own (the output's allocation, the GEMM, the collective and its wait), so a
 difference between modes can be placed. ``--back-to-back`` times each case in
 a run of its own calls instead of in turn with the others (warm caches). In turn, the cases' order
@@ -93,12 +92,10 @@ def main() -> int:
     p.add_argument("--sleep-ms", type=float, default=60.0)
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
-    p.add_argument("--commfuse", choices=("absent", "imported", "allocated", "used", "warmed", "released"),
-                   default="used",
+    p.add_argument("--commfuse", choices=("absent", "imported", "used", "warmed", "released"), default="used",
                    help="absent: never import commfuse (unfused cases only); imported: import it, time the "
                    "unfused cases only; used: every case, fused among unfused; warmed: run the fused cases, "
-                   "then time the unfused ones alone; released: the same after commfuse.release_all(); allocated: "
-                   "import it and allocate the group's workspace, time the unfused cases only")
+                   "then time the unfused ones alone; released: the same after commfuse.release_all()")
     p.add_argument("--parts", action="store_true", help="also time the unfused calls' parts alone: the "
                    "output's allocation, the GEMM, the collective with its wait")
     p.add_argument("--back-to-back", action="store_true",
@@ -167,10 +164,6 @@ def main() -> int:
         for name, fn in parts:
             fn()
         cases += [(name, fn, a, b) for name, fn in parts]
-    if args.commfuse == "allocated":  # a workspace as a fused call of the all-reduce would take
-        from commfuse.runtime import groups
-
-        groups.workspace(groups.get(group), 64 << 20, torch.device("cuda", 0))
     for name, fn, a, b in cases:  # compile, allocate, first launches; then a check against fp32
         for _ in range(3):
             fn()

@@ -1,0 +1,161 @@
+"""Do ordinary torch calls cost the host more in a process that uses commfuse, and from which step on?
+
+    python benchmarks/ordinary_calls.py [--out F] [--samples 2000]
+
+One process, one GPU, a group of one rank. A few ordinary calls (a CUDA ``torch.empty`` from the
+caching allocator, a CPU ``torch.empty``, a small ``aten.mm``, a pure Python call) are timed on the
+host in tight loops (the GPU idle, so nothing waits for it) at the start and again after each step
+a process using commfuse goes through: importing it, importing Triton and Iris, importing the
+kernels, the group's facts and workspace, then one call of each path (forced past the policy).
+After each step it also prints what could make every later call slower: the torch function and
+dispatch mode stacks, a trace or profile function, ``sys.monitoring`` tools, live threads, the
+current stream. The step after which the calls' minima rise is where to look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+#: (op, path, M, K, N): one call each, forced, in this order (as ``host_time.py``'s cases).
+PATH_STEPS = [
+    ("mm_all_reduce", "nccl", 2048, 2048, 2048), ("mm_all_reduce", "one_shot", 2048, 2048, 2048),
+    ("mm_all_reduce", "two_shot", 2048, 2048, 2048), ("mm_all_reduce", "split_k", 32, 2048, 4096),
+    ("mm_all_reduce", "fused", 2048, 2048, 4096), ("mm_all_reduce", "ce_overlap", 4096, 7168, 4096),
+    ("all_gather_mm", "pull", 2048, 2048, 2048), ("all_gather_mm", "fused", 2048, 2048, 2048),
+    ("all_gather_mm", "ce_overlap", 4096, 4096, 4096), ("mm_reduce_scatter", "pull", 2048, 2048, 2048),
+    ("mm_reduce_scatter", "fused", 2048, 2048, 2048),
+]
+
+
+def _nothing():
+    return None
+
+
+def probes():
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    return {
+        "torch.empty cuda 2048x2048": lambda: torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16),
+        "torch.empty cpu 64": lambda: torch.empty(64),
+        "aten.mm cuda 64x64": lambda: torch.ops.aten.mm(a, a),
+        "python call": _nothing,
+    }
+
+
+def time_probes(calls: dict, samples: int) -> dict:
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t = []
+        for i in range(samples):
+            start = time.perf_counter_ns()
+            fn()
+            t.append((time.perf_counter_ns() - start) / 1e3)
+            if i % 256 == 255:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        out[name] = {"min": min(t), "median": statistics.median(t)}
+    return out
+
+
+def state() -> dict:
+    monitoring = getattr(sys, "monitoring", None)
+    tools = [monitoring.get_tool(i) for i in range(6)] if monitoring else []
+    return {
+        "function_modes": torch._C._len_torch_function_stack(),
+        "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+        "trace": repr(sys.gettrace()), "profile": repr(sys.getprofile()),
+        "monitoring_tools": [t for t in tools if t],
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "stream": torch.cuda.current_stream().cuda_stream,
+        "grad": torch.is_grad_enabled(),
+        "autograd_profiler": torch.autograd.profiler._is_profiler_enabled,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("ordinary_calls: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    group = dist.group.WORLD.group_name
+    calls = probes()
+    records = []
+
+    def step(name: str, fn=None):
+        if fn is not None:
+            fn()
+            torch.cuda.synchronize()
+        rec = {"step": name, "times_us": time_probes(calls, args.samples), "state": state()}
+        records.append(rec)
+        mins = "  ".join(f"{k} {v['min']:.1f}/{v['median']:.1f}" for k, v in rec["times_us"].items())
+        print(f"{name:40s} min/median µs: {mins}", flush=True)
+        print(f"{'':40s} state: {rec['state']}", flush=True)
+
+    step("start (torch, a one-rank NCCL group)")
+    step("import commfuse", lambda: __import__("commfuse"))
+    step("import triton", lambda: __import__("triton"))
+    step("import iris", lambda: __import__("iris"))
+    step("import the run-time's kernels", lambda: __import__("commfuse.runtime.running"))
+
+    from commfuse.runtime import entry, groups, policy
+    from commfuse.runtime.paths import REGISTRY
+
+    def workspace():
+        g = groups.get(group)
+        groups.group_facts(g, torch.device("cuda", 0), False)
+        groups.workspace(g, 64 << 20, torch.device("cuda", 0))
+
+    step("the group's facts and workspace", workspace)
+    forced = {}
+    real = policy.choose
+
+    def choose(call, facts, **kw):
+        path = REGISTRY.get((call.op, forced.get(call.op, "")))
+        return policy.Decision(path, None, "forced") if path else real(call, facts, **kw)
+
+    policy.choose = choose
+    entry.forget()
+    ops = torch.ops.commfuse
+    for op, path, m, k, n in PATH_STEPS:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+
+        def one(op=op, path=path, a=a, b=b):
+            forced.clear()
+            forced[op] = path
+            if op == "mm_all_reduce":
+                ops.mm_all_reduce.default(a, b, None, group)
+            elif op == "all_gather_mm":
+                ops.all_gather_mm.default(a, b, None, 0, 1, group, False)
+            else:
+                ops.mm_reduce_scatter.default(a, b, None, [m, n], 0, 1, group)
+
+        step(f"{op} {path}", one)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "samples": args.samples, "steps": records}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
