@@ -8,6 +8,7 @@ is timed: through Triton's JIT (``kernel[grid](...)``), through the compiled ker
 run-time's direct launches do, and through the compiled kernel's launcher with the descriptors
 already encoded (what a launch prepared per call signature could do). The parts are timed alone
 too: making the two ``TensorDescriptor`` objects, encoding them (Triton's ``make_tensordesc_arg``).
+And the run-time's own ``launch.run`` (``kernels/launch.py``), with its kept encodings and without.
 
 The already-encoded launch reaches into Triton's launcher (``CudaLauncher.launch``'s wrapped C
 launcher); it knows the layouts of Triton 3.6 and 3.9 and says so when it meets another.
@@ -104,12 +105,21 @@ def main() -> int:
         "compiled kernel: compiled[grid](*values)": lambda: runner(*values, stream=stream),
         "part: two TensorDescriptors (descriptor_operands)": lambda: tiles.descriptor_operands(a, b, cfg),
     }
+    from commfuse.kernels import launch
+
+    def through_run():
+        launch.run(kernel, grid, *positional, **consts, num_warps=cfg.warps, num_stages=cfg.stages)
+
+    cases["run-time: launch.run, descriptors encoded at each launch"] = through_run
     if encode is not None:
+        cases["run-time: launch.run, encodings kept"] = through_run
         cases["part: encoding two descriptors (make_tensordesc_arg)"] = lambda: (encode(a_desc, 0), encode(b_desc, 1))
         cases["already encoded: the C launcher alone"] = encoded
     cycles = 40_000_000
     res = {}
     for name, fn in cases.items():
+        launch.configure_encoded("encodings kept" in name)
+        fn()
         t = []
         for i in range(args.samples):
             if i % 50 == 0:

@@ -9,7 +9,9 @@ a process using commfuse goes through: importing it, importing Triton and Iris, 
 kernels, the group's facts and workspace, then one call of each path (forced past the policy).
 After each step it also prints what could make every later call slower: the torch function and
 dispatch mode stacks, a trace or profile function, ``sys.monitoring`` tools, live threads, the
-current stream. The step after which the calls' minima rise is where to look.
+current stream, and which native threads used the CPU while the calls were timed (a thread spinning
+on the main thread's sibling hyper-thread slows it). The second step makes NCCL's communicator
+with torch's own collective, before commfuse is imported: the control for what NCCL's threads do. The step after which the calls' minima rise is where to look.
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ def time_probes(calls: dict, samples: int) -> dict:
     return out
 
 
+def thread_cpu() -> dict:
+    """CPU seconds per native thread of this process (Linux ``/proc``), keyed ``tid:name``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            out[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) / tick
+    except OSError:
+        pass
+    return out
+
+
 def state() -> dict:
     monitoring = getattr(sys, "monitoring", None)
     tools = [monitoring.get_tool(i) for i in range(6)] if monitoring else []
@@ -103,13 +121,23 @@ def main() -> int:
         if fn is not None:
             fn()
             torch.cuda.synchronize()
-        rec = {"step": name, "times_us": time_probes(calls, args.samples), "state": state()}
+        cpu0, wall0 = thread_cpu(), time.perf_counter()
+        times = time_probes(calls, args.samples)
+        cpu1, wall = thread_cpu(), time.perf_counter() - wall0
+        # the threads that used the CPU while the probes ran (a thread spinning beside the main one
+        # can slow it: hyper-threads share a core)
+        busy = {k: round(100 * (v - cpu0.get(k, 0.0)) / wall) for k, v in cpu1.items()
+                if v - cpu0.get(k, 0.0) > 0.02 * wall}
+        rec = {"step": name, "times_us": times, "state": {**state(), "busy_threads_pct": busy,
+                                                         "native_threads": len(cpu1)}}
         records.append(rec)
         mins = "  ".join(f"{k} {v['min']:.1f}/{v['median']:.1f}" for k, v in rec["times_us"].items())
         print(f"{name:40s} min/median µs: {mins}", flush=True)
         print(f"{'':40s} state: {rec['state']}", flush=True)
 
     step("start (torch, a one-rank NCCL group)")
+    x = torch.ones(1024, device="cuda")
+    step("torch's own all_reduce (NCCL's communicator made)", lambda: dist.all_reduce(x))
     step("import commfuse", lambda: __import__("commfuse"))
     step("import triton", lambda: __import__("triton"))
     step("import iris", lambda: __import__("iris"))

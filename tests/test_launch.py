@@ -297,3 +297,125 @@ def test_a_bound_launch_with_a_launch_hook_goes_through_triton(monkeypatch):
         monkeypatch.setattr(launch._KNOBS.runtime, "launch_exit_hook", lambda *a: None)
     bound(n=32)
     assert [e[0] for e in k.log] == ["triton", "direct", "triton"]
+
+
+# --- Launches with their descriptors already encoded (Triton 3.6's launcher layout) ----------------
+
+class _Compiled36(_Compiled):
+    """A compiled kernel laid out as Triton 3.6's: ``run.launch`` wraps the C launcher and encodes
+    the descriptor arguments at every call (``encode``), as ``wrap_handle_tensordesc`` does."""
+
+    function = 777
+
+    def __init__(self, log, encode, indices=(0,), scratch=0, metas=True):
+        super().__init__(log)
+        launcher = lambda *args: log.append(("raw", args))  # noqa: E731 - the C launcher
+        tensordesc_indices = set(indices)
+        tensordesc_meta = [{"swizzle": 3, "block_size": [16, 16]} for _ in indices] if metas else None
+
+        def inner(*args):  # Triton's own wrapper: what the encoded launch must reproduce
+            final = list(args[:launch.BASE_ARGS_36])
+            n = 0
+            for i, arg in enumerate(args[launch.BASE_ARGS_36:]):
+                if i in tensordesc_indices:
+                    final.extend(encode(arg, tensordesc_meta[n] if tensordesc_meta else None))
+                    n += 1
+                else:
+                    final.append(arg)
+            return launcher(*final)
+
+        self.run = type("CudaLauncher", (), {})()
+        self.run.launch = inner
+        self.metadata = type("Meta", (), dict(global_scratch_size=scratch, profile_scratch_size=0,
+                                               launch_cooperative_grid=False, launch_pdl=True))()
+
+    def triton_args(self, grid, values, stream):
+        """What Triton 3.6's ``CudaLauncher.__call__`` hands its C launcher for this launch."""
+        before = len(self.log)
+        self.run.launch(*grid, stream, self.function, False, True, None, None, self.packed_metadata, None, None,
+                        None, *values)
+        return list(self.log.pop(before)[1])
+
+
+class _Encoder:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, desc, meta):
+        self.calls += 1
+        return [("tensormap", desc.base.data_ptr(), tuple(desc.shape), meta["swizzle"]), *desc.shape, *desc.strides]
+
+
+def _kernel36(monkeypatch, version="3.6.0", **kw):
+    k, enc = _Kernel(), _Encoder()
+    k.compiled = _Compiled36(k.log, enc, **kw)
+    monkeypatch.setattr(launch, "_triton_version", lambda: version)
+    monkeypatch.setattr(launch, "_make_layout", lambda c, e, real=launch._make_layout: real(c, enc))
+    return k, enc
+
+
+def _desc(x, shape=(64, 64)):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(shape), [64, 1], [16, 16])
+
+
+def test_an_encoded_launch_hands_the_c_launcher_what_tritons_wrapper_would(monkeypatch):
+    k, enc = _kernel36(monkeypatch)
+    x = torch.zeros(64, 64)
+    launch.run(k, (3,), _desc(x), 32)
+    before = launch.ENCODED_LAUNCHES
+    launch.run(k, (3,), _desc(x), 48)
+    assert launch.ENCODED_LAUNCHES == before + 1
+    kind, args = k.log[-1]
+    assert kind == "raw"
+    assert list(args) == k.compiled.triton_args((3, 1, 1), (_desc(x), 48, 7), 1234)
+
+
+def test_an_encoding_is_kept_per_address_shape_and_made_again_when_they_change(monkeypatch):
+    k, enc = _kernel36(monkeypatch)
+    x, y = torch.zeros(64, 64), torch.ones(64, 64)
+    launch.run(k, (1,), _desc(x), 32)  # through Triton
+    for _ in range(3):
+        launch.run(k, (1,), _desc(x), 32)
+    assert enc.calls == 1
+    launch.run(k, (1,), _desc(y), 32)  # another address: encoded anew, and the launch says so
+    assert enc.calls == 2 and k.log[-1][1][13][1] == y.data_ptr()
+    launch.run(k, (1,), _desc(x, (32, 64)), 32)  # a new shape specialises anew (Triton), then encodes
+    launch.run(k, (1,), _desc(x, (32, 64)), 32)
+    assert enc.calls == 3 and k.log[-1][1][13][2] == (32, 64)
+
+
+def test_a_bound_launch_goes_through_the_encoded_launch(monkeypatch):
+    k, enc = _kernel36(monkeypatch)
+    x = torch.zeros(64, 64)
+    bound = launch.Bound(k, (2,), ("x", "n"), FLAG=9)
+    bound(x=_desc(x), n=32)
+    bound(x=_desc(x), n=64)
+    bound(x=_desc(x), n=80)
+    assert [e[0] for e in k.log] == ["triton", "raw", "raw"] and enc.calls == 1
+    assert list(k.log[-1][1]) == k.compiled.triton_args((2, 1, 1), (_desc(x), 80, 9), 1234)
+
+
+@pytest.mark.parametrize("why", ["another Triton", "scratch memory", "no encoding metadata", "switched off"])
+def test_a_launch_the_encoded_form_does_not_know_goes_through_the_compiled_kernel(monkeypatch, why):
+    kw = {"scratch memory": {"scratch": 128}, "no encoding metadata": {"metas": False}}.get(why, {})
+    k, enc = _kernel36(monkeypatch, version="3.9.0" if why == "another Triton" else "3.6.0", **kw)
+    if why == "switched off":
+        launch.configure_encoded(False)
+    try:
+        x = torch.zeros(64, 64)
+        launch.run(k, (1,), _desc(x), 32)
+        launch.run(k, (1,), _desc(x), 32)
+        assert [e[0] for e in k.log] == ["triton", "direct"] and enc.calls == 0
+    finally:
+        launch.configure_encoded(True)
+
+
+def test_launch_hooks_take_the_launch_back_from_the_encoded_form(monkeypatch):
+    k, enc = _kernel36(monkeypatch)
+    x = torch.zeros(64, 64)
+    launch.run(k, (1,), _desc(x), 32)
+    monkeypatch.setattr(launch, "_hooked", lambda: True)
+    launch.run(k, (1,), _desc(x), 32)
+    assert [e[0] for e in k.log] == ["triton", "triton"]

@@ -145,7 +145,7 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict):
         kernel[grid](*args, **kwargs)
         return None
     try:  # argument parsing fails before anything launches
-        compiled[_grid3(grid)](*values, stream=_raw_stream(device))
+        launcher_of(compiled, _grid3(grid))(*values, stream=_raw_stream(device))
     except TypeError as exc:  # a Triton whose compiled kernels cannot launch this way
         _give_up(exc)
         kernel[grid](*args, **kwargs)
@@ -228,7 +228,7 @@ class Bound:
                 slots = [(name, i, _width(values[i]) if loose[i] else _spec(values[i]), loose[i])
                          for i, name in enumerate(names) if name in self.changing]
                 template = [None if name in self.changing else v for name, v in zip(names, values)]
-                self._direct = (compiled[_grid3(self.grid)], template, slots, device, key[3])
+                self._direct = (launcher_of(compiled, _grid3(self.grid)), template, slots, device, key[3])
             except Exception as exc:  # noqa: BLE001 - the next call binds again through ``run``
                 log.debug("commfuse: could not keep a launch of %s (%s)", self.kernel, exc)
 
@@ -252,3 +252,136 @@ def clear() -> None:
     """Forget the compiled kernels (tests); a ``Bound`` keeps its own until it next binds."""
     _compiled.clear()
     _disabled.clear()
+    _encoded.clear()
+    _layouts.clear()
+
+
+# --- Launches with their TMA descriptors already encoded -------------------------------------------
+#
+# Triton's launcher encodes every TMA descriptor argument again at each launch (``make_tensordesc_arg``:
+# a ``cuTensorMapEncodeTiled`` through Python) before calling its C launcher. A descriptor depends only
+# on its tensor's address, shape, strides, block and dtype, and the symmetric buffers' and weights'
+# addresses do not move, so ``launcher_of`` keeps each encoding under those and calls the C launcher with
+# the expanded arguments itself. This reaches into Triton's launcher, whose layout differs between
+# versions: only a layout checked on a GPU is used (``ENCODED_LAYOUTS``); any other kernel, or one that
+# needs scratch memory, launch hooks or the descriptors' other form, launches through the compiled
+# kernel as before.
+
+#: Triton versions whose launcher layout the encoded launch was checked against on a GPU.
+ENCODED_LAYOUTS = ("3.6.",)
+#: Encodings kept (activations come at many addresses); all dropped when full.
+MAX_ENCODED = 4096
+#: The arguments that come before a kernel's own in Triton 3.6's C launcher (``_BASE_ARGS_FORMAT``).
+BASE_ARGS_36 = 13
+
+_encoded: dict[tuple, list] = {}
+_layouts: dict[object, object] = {}  # compiled kernel -> its _Layout, or False
+_switched_encoded = True  # ``configure``'s second setting
+#: Launches that went through the C launcher with kept encodings since import (tests check it did).
+ENCODED_LAUNCHES = 0
+
+
+def configure_encoded(on: bool) -> None:
+    """Whether direct launches may use kept descriptor encodings (on by default; benchmarks time
+    both in one process; ``configure(False)`` turns direct launches off altogether)."""
+    global _switched_encoded
+    _switched_encoded = bool(on)
+    _encoded.clear()
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+class _Layout:
+    """What a compiled kernel's encoded launch needs: its C launcher, which parameters are
+    descriptors (and their encoding metadata), and the launch's fixed base arguments."""
+
+    __slots__ = ("raw", "descs", "meta_keys", "base_tail", "function", "encode")
+
+    def __init__(self, raw, descs: dict, compiled, encode):
+        md = compiled.metadata
+        self.raw, self.descs, self.encode = raw, descs, encode
+        # an encoding depends on the metadata's values (swizzle, element type, block), not on which
+        # kernel asked: kernels alike there share it
+        self.meta_keys = {i: repr(sorted(m.items())) for i, m in descs.items()}
+        self.function = compiled.function
+        # cooperative grid, programmatic dependent launch, global and profile scratch (none), the
+        # packed metadata, launch metadata and enter / exit hooks (none)
+        self.base_tail = (md.launch_cooperative_grid, md.launch_pdl, None, None, compiled.packed_metadata,
+                          None, None, None)
+
+
+def _layout_of(compiled, encode=None):
+    """The compiled kernel's ``_Layout``, or None where its launch must go through Triton."""
+    layout = _layouts.get(compiled)
+    if layout is None:
+        if len(_layouts) >= MAX_ENTRIES:
+            _layouts.clear()
+        layout = _layouts[compiled] = _make_layout(compiled, encode) or False
+    return layout or None
+
+
+def _make_layout(compiled, encode):
+    if not _triton_version().startswith(ENCODED_LAYOUTS):
+        return None
+    run = getattr(compiled, "run", None)
+    inner = getattr(run, "launch", None)
+    md = getattr(compiled, "metadata", None)
+    if inner is None or md is None or getattr(inner, "__closure__", None) is None:
+        return None  # no descriptor argument (the C launcher itself) or an unknown layout
+    if getattr(md, "global_scratch_size", 1) or getattr(md, "profile_scratch_size", 1):
+        return None
+    try:
+        cells = {name: cell.cell_contents for name, cell in zip(inner.__code__.co_freevars, inner.__closure__)}
+    except ValueError:  # a variable not yet bound: not the wrapper this knows
+        return None
+    raw = cells.get("launcher")
+    indices = cells.get("tensordesc_indices")
+    meta = cells.get("tensordesc_meta")
+    if raw is None or indices is None or meta is None or any(m is None for m in meta):
+        return None  # descriptors without encoding metadata pass their tensor: nothing to keep
+    if encode is None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg as encode
+    descs = {i: meta[n] for n, i in enumerate(sorted(indices))}
+    return _Layout(raw, descs, compiled, encode)
+
+
+def _encode(layout: _Layout, index: int, desc) -> list:
+    base = desc.base
+    key = (base.data_ptr(), base.dtype, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
+           desc.padding, layout.meta_keys[index])
+    got = _encoded.get(key)
+    if got is None:
+        if len(_encoded) >= MAX_ENCODED:
+            _encoded.clear()
+        got = _encoded[key] = layout.encode(desc, layout.descs[index])
+    return got
+
+
+def launcher_of(compiled, grid3: tuple):
+    """``compiled[grid3]``: a launch of the compiled kernel, ``fn(*values, stream=raw)``; through
+    the C launcher with kept descriptor encodings where the layout allows (``_Layout``)."""
+    layout = _layout_of(compiled) if _switched_encoded else None
+    if layout is None or _hooked():
+        return compiled[grid3]
+    head = (grid3[0], grid3[1], grid3[2])
+    raw, descs, tail, function = layout.raw, layout.descs, layout.base_tail, layout.function
+
+    def launch(*values, stream):
+        global ENCODED_LAUNCHES
+        args = list(head)
+        args.append(stream)
+        args.append(function)
+        args.extend(tail)
+        for i, v in enumerate(values):
+            if i in descs:
+                args.extend(_encode(layout, i, v))
+            else:
+                args.append(v)
+        raw(*args)
+        ENCODED_LAUNCHES += 1
+
+    return launch

@@ -184,7 +184,7 @@ def _fused_calls(world, scatter, reducers, opts=fused_all_reduce.Options()):
     cfg = tiles.TileConfig.parse(f"128x256x64s3w8g8r{reducers}o1")
     ws = _group(world, fused_all_reduce.data_elems(m, n, world, cfg, scatter) * DT.itemsize)
     streams = _streams(world)
-    direct = launch.BOUND_DIRECT
+    direct, encoded = launch.BOUND_DIRECT, launch.ENCODED_LAUNCHES
     for call in range(3):
         a, b, c, ref = _operands(world, m, k, n, bias=call == 1, call=call)
         share = m // world
@@ -200,7 +200,35 @@ def _fused_calls(world, scatter, reducers, opts=fused_all_reduce.Options()):
             want = ref[r * share:(r + 1) * share] if scatter else ref
             assert _relerr(outs[r], want) < 1e-2, (call, r)
     assert launch.BOUND_DIRECT >= direct + world  # call 2 reused call 0's plan on every rank, directly
+    if _encoded_layout():  # ... with its descriptors encoded once per address
+        assert launch.ENCODED_LAUNCHES >= encoded + world
     return ws
+
+
+def _encoded_layout() -> bool:
+    import triton
+
+    return triton.__version__.startswith(launch.ENCODED_LAYOUTS)
+
+
+@pytest.mark.one_gpu
+def test_encoded_launches_follow_their_operands_addresses():
+    """The tile GEMM launched again and again through kept descriptor encodings (Triton 3.6's
+    launcher): operands at new addresses (fresh tensors each call), at an address seen before (a
+    tensor freed and its block handed out again), and of another shape, each output poisoned and
+    checked against fp32. A launch that reused a stale encoding would multiply the wrong rows."""
+    cfg = tiles.TileConfig.parse("128x256x64s3w8g8r0o1")
+    before = launch.ENCODED_LAUNCHES
+    w = torch.randn(768, 512, device="cuda", dtype=DT) / 512 ** 0.5
+    for call, m in enumerate([1000, 1000, 1000, 640, 1000, 640]):
+        a = torch.randn(m, 512, device="cuda", dtype=DT) * (call + 1)
+        out = torch.full((m, 768), float("nan"), device="cuda", dtype=DT)
+        tiles.matmul(a, w.t(), None, cfg, out=out)
+        ref = a.float() @ w.t().float()
+        assert _relerr(out, ref) < 1e-2, call
+        del a  # its block goes back to the allocator: a later call's operand may take its address
+    if _encoded_layout():
+        assert launch.ENCODED_LAUNCHES >= before + 3
 
 
 @pytest.mark.parametrize("world", WORLDS)

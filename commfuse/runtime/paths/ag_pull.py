@@ -66,8 +66,10 @@ class RowwiseGatherPull(AllGatherPull):
         return super().supports(call, facts)
 
     def workspace_bytes(self, call: Call) -> int:
-        """The larger of the two forms: FP8 rows and a float32 multiplier each, or the bf16 shard."""
-        return call.m // max(call.world, 1) * max(call.k + 4, 2 * call.k)
+        """The larger of the two forms: FP8 rows and a float32 multiplier each (to a multiple of 16
+        bytes), or the bf16 shard."""
+        rows = call.m // max(call.world, 1)
+        return max(-(-rows * (call.k + 4) // 16) * 16, rows * 2 * call.k)
 
 
 ROWWISE_PULL = RowwiseGatherPull()

@@ -13,6 +13,7 @@ from .. import reference
 from ..paths.ag_pull import gather_shape
 from ..paths.base import Context
 from ..paths.common import exchange as epoch_of, workspace
+from ..workspace import round_up
 
 
 def run(path, ctx: Context, args):
@@ -51,16 +52,20 @@ def run_rowwise(path, ctx: Context, args):
     out = torch.empty((ctx.call.m, args.b.shape[1]), dtype=path.spec.product_dtype(args), device=shard.device)
     q, multiplier = reference.quantise_rows(shard.reshape(rows, k), args.float8_dtype, args.eps, args.pow2_scales)
     body = rows * k  # the FP8 rows' bytes; the multipliers' 4 bytes a row follow
-    packed = torch.empty((world, body + 4 * rows), dtype=torch.uint8, device=shard.device)
+    item = round_up(body + 4 * rows, 16)  # every rank's block 16-byte aligned in the gathered bytes
+    packed = torch.empty((world, item), dtype=torch.uint8, device=shard.device)
+    # every rank's rows and multipliers, dense (cuBLAS's FP8 GEMM needs 16-byte row strides; with
+    # one row per rank a view of the packed blocks would keep their stride); allocated before the
+    # epoch, so nothing between the gather and the product waits for the allocator
+    q_all = torch.empty((world * rows, k), dtype=torch.uint8, device=shard.device)
+    multipliers = torch.empty((world, rows), dtype=torch.float32, device=shard.device)
     with epoch_of(ctx, ws, path.op) as (epoch, parity):
-        mine = ws.data(parity, (body + 4 * rows,), torch.uint8)
+        mine = ws.data(parity, (item,), torch.uint8)
         mine[:body].copy_(q.view(torch.uint8).reshape(-1))
-        mine[body:].copy_(multiplier.reshape(-1).view(torch.uint8))
-        exchange.gather(ws, mine, packed, 1, body + 4 * rows, epoch, EXCHANGE_CODE[path.op])
-        # every rank's rows, dense: cuBLAS's FP8 GEMM needs 16-byte row strides (with one row per
-        # rank the reshape alone would be a view with the packed block's stride)
-        q_all = packed[:, :body].reshape(world * rows, k).contiguous().view(args.float8_dtype)
-        multipliers = packed[:, body:].contiguous().view(torch.float32)
-        reference.rows_times(q_all, multipliers, args.b, args.scale_b, args.bias, args.out_dtype, args.use_fast_accum,
-                             out)
+        mine[body:body + 4 * rows].copy_(multiplier.reshape(-1).view(torch.uint8))
+        exchange.gather(ws, mine, packed, 1, item, epoch, EXCHANGE_CODE[path.op])
+        q_all.view(world, body).copy_(packed[:, :body])
+        multipliers.view(torch.uint8).copy_(packed[:, body:body + 4 * rows])
+        reference.rows_times(q_all.view(args.float8_dtype), multipliers, args.b, args.scale_b, args.bias,
+                             args.out_dtype, args.use_fast_accum, out)
     return out, shard.new_empty((0,))
