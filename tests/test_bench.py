@@ -268,8 +268,10 @@ def test_every_maintained_benchmark_answers_help_on_the_cpu():
 
     root = Path(__file__).resolve().parents[1]
     scripts = {"path_sweep.py": ("--rules", "--rounds", "--tilings", "--only"), "kernel_compile.py": ("--configs",),
-               "trace.py": ("--ops", "--pushers"), "host_time.py": ("--batches", "--profile", "--commfuse"),
-               "gemm_half.py": ("--alternatives", "--world"), "norm_epilogue.py": ("--decode", "--budget-s"),
+               "trace.py": ("--ops", "--pushers"),
+               "host_time.py": ("--batches", "--profile", "--commfuse", "--parts"),
+               "gemm_half.py": ("--alternatives", "--world", "--queued"), "ordinary_calls.py": ("--samples",),
+               "launch_cost.py": ("--samples",), "norm_epilogue.py": ("--decode", "--budget-s"),
                "tune_one_gpu.py": ("--out",), "pairing_check.py": ("--world", "--rounds", "--iters"),
                "replay_check_cost.py": ("--groups", "--steps", "--out")}
     assert sorted(p.name for p in (root / "benchmarks").glob("*.py")) == sorted(scripts)
