@@ -158,7 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMFUSE_MERGE_SUMS", "switch", True, "merge sums of reduced matmul partials into one matmul "
             "(the `merge_sums` rewrite)", compile=True, scope=ALIKE, unlike=_COMPILED),
     Setting("COMMFUSE_FAST_LAUNCH", "switch", True, "launch a kernel's repeated specialisations directly, "
-            "without Triton's per-launch binding", scope=LOCAL,
+            "without Triton's per-launch binding (with Triton 3.6, its TMA descriptors encoded once per address)",
+            scope=LOCAL,
             unlike="nothing: the same kernels run with the same arguments"),
     Setting("COMMFUSE_CE_GRAPHS", "switch", True, "replay a copy-engine all-reduce whose operands sit where "
             "an earlier call's did as a CUDA graph (two host operations instead of ~40 launches)", scope=LOCAL,
