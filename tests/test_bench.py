@@ -218,6 +218,28 @@ def test_loss_mode_tracks_eager_over_many_steps(tmp_path):
         assert r["fused"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_loss_mode_fuses_and_tracks_inductor(tmp_path, recipe):
+    """The FP8 loss mode on CPU ranks: torchao's float8 training of the DTensor split, every matched
+    call fused however small (its numerics are what the mode checks; a run that fused nothing
+    would check nothing), and the curve through commfuse's rewritten graphs is Inductor's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    out = tmp_path / "loss.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "commfuse", "bench",
+           "model", "--models", "dtensor", "--modes", "loss", "--fp8", recipe, "--loss-steps", "16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())
+    assert r["fused"] > 0 and r["dtype"] == "bfloat16"
+    curve, inductor = r["losses"]["commfuse"], r["losses"]["inductor"]
+    assert len(curve) == 16 and curve[-4] < curve[0]  # (four batches in turn: step 12 sees step 0's again)
+    assert max(abs(c - i) / abs(i) for c, i in zip(curve, inductor)) < 1e-3
+
+
 def test_hidden_share_and_its_range_over_rounds():
     from commfuse.tools import bench_model
 
