@@ -311,14 +311,15 @@ class _Compiled36(_Compiled):
         super().__init__(log)
         launcher = lambda *args: log.append(("raw", args))  # noqa: E731 - the C launcher
         tensordesc_indices = set(indices)
-        tensordesc_meta = [{"swizzle": 3, "block_size": [16, 16]} for _ in indices] if metas else None
+        # (Triton's wrapper holds a None per descriptor that has no encoding metadata)
+        tensordesc_meta = [{"swizzle": 3, "block_size": [16, 16]} if metas else None for _ in indices]
 
         def inner(*args):  # Triton's own wrapper: what the encoded launch must reproduce
             final = list(args[:launch.BASE_ARGS_36])
             n = 0
             for i, arg in enumerate(args[launch.BASE_ARGS_36:]):
                 if i in tensordesc_indices:
-                    final.extend(encode(arg, tensordesc_meta[n] if tensordesc_meta else None))
+                    final.extend(encode(arg, tensordesc_meta[n]))
                     n += 1
                 else:
                     final.append(arg)
@@ -346,10 +347,11 @@ class _Encoder:
         return [("tensormap", desc.base.data_ptr(), tuple(desc.shape), meta["swizzle"]), *desc.shape, *desc.strides]
 
 
-def _kernel36(monkeypatch, version="3.6.0", **kw):
+def _kernel36(monkeypatch, version="3.6.0", base_args=launch.BASE_ARGS_36, **kw):
     k, enc = _Kernel(), _Encoder()
     k.compiled = _Compiled36(k.log, enc, **kw)
     monkeypatch.setattr(launch, "_triton_version", lambda: version)
+    monkeypatch.setattr(launch, "_base_args_len", lambda: base_args)
     monkeypatch.setattr(launch, "_make_layout", lambda c, e, real=launch._make_layout: real(c, enc))
     return k, enc
 
@@ -397,10 +399,14 @@ def test_a_bound_launch_goes_through_the_encoded_launch(monkeypatch):
     assert list(k.log[-1][1]) == k.compiled.triton_args((2, 1, 1), (_desc(x), 80, 9), 1234)
 
 
-@pytest.mark.parametrize("why", ["another Triton", "scratch memory", "no encoding metadata", "switched off"])
+@pytest.mark.parametrize("why", ["another Triton", "another launcher format", "scratch memory",
+                                 "no encoding metadata", "switched off", "unreadable metadata"])
 def test_a_launch_the_encoded_form_does_not_know_goes_through_the_compiled_kernel(monkeypatch, why):
-    kw = {"scratch memory": {"scratch": 128}, "no encoding metadata": {"metas": False}}.get(why, {})
+    kw = {"scratch memory": {"scratch": 128}, "no encoding metadata": {"metas": False},
+          "another launcher format": {"base_args": 14}}.get(why, {})
     k, enc = _kernel36(monkeypatch, version="3.9.0" if why == "another Triton" else "3.6.0", **kw)
+    if why == "unreadable metadata":  # an error reading Triton's objects is no error of the launch
+        del type(k.compiled.metadata).launch_pdl
     if why == "switched off":
         launch.configure_encoded(False)
     try:
@@ -410,6 +416,22 @@ def test_a_launch_the_encoded_form_does_not_know_goes_through_the_compiled_kerne
         assert [e[0] for e in k.log] == ["triton", "direct"] and enc.calls == 0
     finally:
         launch.configure_encoded(True)
+
+
+def test_a_bound_launch_kept_before_encoding_was_switched_off_launches_plainly(monkeypatch):
+    k, enc = _kernel36(monkeypatch)
+    x = torch.zeros(64, 64)
+    bound = launch.Bound(k, (2,), ("x", "n"), FLAG=9)
+    bound(x=_desc(x), n=32)
+    bound(x=_desc(x), n=48)
+    launch.configure_encoded(False)
+    try:
+        bound(x=_desc(x), n=64)
+    finally:
+        launch.configure_encoded(True)
+    assert [e[0] for e in k.log] == ["triton", "raw", "direct"]
+    bound(x=_desc(x), n=80)
+    assert k.log[-1][0] == "raw"
 
 
 def test_launch_hooks_take_the_launch_back_from_the_encoded_form(monkeypatch):

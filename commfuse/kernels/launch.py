@@ -254,6 +254,7 @@ def clear() -> None:
     _disabled.clear()
     _encoded.clear()
     _layouts.clear()
+    _launchers.clear()
 
 
 # --- Launches with their TMA descriptors already encoded -------------------------------------------
@@ -276,6 +277,7 @@ BASE_ARGS_36 = 13
 
 _encoded: dict[tuple, list] = {}
 _layouts: dict[object, object] = {}  # compiled kernel -> its _Layout, or False
+_launchers: dict[tuple, object] = {}  # (compiled kernel, grid) -> its encoded launch
 _switched_encoded = True  # ``configure``'s second setting
 #: Launches that went through the C launcher with kept encodings since import (tests check it did).
 ENCODED_LAUNCHES = 0
@@ -324,14 +326,35 @@ def _layout_of(compiled, encode=None):
     return layout or None
 
 
+def _base_args_len() -> int | None:
+    """How many arguments Triton's C launcher takes before the kernel's own (3.6's
+    ``_BASE_ARGS_FORMAT``), or None where the driver does not say."""
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None
+    return getattr(driver, "_BASE_ARGS_FORMAT_LEN", None)
+
+
 def _make_layout(compiled, encode):
-    if not _triton_version().startswith(ENCODED_LAYOUTS):
+    """The kernel's ``_Layout``, or None; anything unexpected in Triton's objects means None (a
+    launch through the compiled kernel), never an error on the launch's way."""
+    try:
+        return _read_layout(compiled, encode)
+    except Exception as exc:  # noqa: BLE001 - an unknown layout launches as before
+        log.debug("commfuse: no encoded launch for %s (%s)", compiled, exc)
+        return None
+
+
+def _read_layout(compiled, encode):
+    if not _triton_version().startswith(ENCODED_LAYOUTS) or _base_args_len() != BASE_ARGS_36:
         return None
     run = getattr(compiled, "run", None)
     inner = getattr(run, "launch", None)
     md = getattr(compiled, "metadata", None)
-    if inner is None or md is None or getattr(inner, "__closure__", None) is None:
-        return None  # no descriptor argument (the C launcher itself) or an unknown layout
+    if (type(run).__name__ != "CudaLauncher" or inner is None or md is None
+            or getattr(inner, "__closure__", None) is None):
+        return None  # another backend, no descriptor argument (the C launcher itself) or an unknown layout
     if getattr(md, "global_scratch_size", 1) or getattr(md, "profile_scratch_size", 1):
         return None
     try:
@@ -364,14 +387,22 @@ def _encode(layout: _Layout, index: int, desc) -> list:
 def launcher_of(compiled, grid3: tuple):
     """``compiled[grid3]``: a launch of the compiled kernel, ``fn(*values, stream=raw)``; through
     the C launcher with kept descriptor encodings where the layout allows (``_Layout``)."""
+    key = (compiled, grid3)
+    kept = _launchers.get(key)
+    if kept is not None:
+        return kept
     layout = _layout_of(compiled) if _switched_encoded else None
-    if layout is None or _hooked():
+    if layout is None:
         return compiled[grid3]
     head = (grid3[0], grid3[1], grid3[2])
     raw, descs, tail, function = layout.raw, layout.descs, layout.base_tail, layout.function
+    plain = compiled[grid3]
 
     def launch(*values, stream):
         global ENCODED_LAUNCHES
+        if not _switched_encoded:  # switched off since this was made (a ``Bound`` keeps it)
+            plain(*values, stream=stream)
+            return
         args = list(head)
         args.append(stream)
         args.append(function)
@@ -384,4 +415,7 @@ def launcher_of(compiled, grid3: tuple):
         raw(*args)
         ENCODED_LAUNCHES += 1
 
+    if len(_launchers) >= MAX_ENTRIES:
+        _launchers.clear()
+    _launchers[key] = launch
     return launch

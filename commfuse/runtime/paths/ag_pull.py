@@ -13,7 +13,7 @@ gather's), then the graph's own ``_scaled_mm`` (``OpSpec.product``) multiplies t
 ``all_gather_rowwise_scaled_mm`` (``RowwiseGatherPull``) quantises its own rows first, as the graph
 would have quantised them after the gather (``reference.quantise_rows``: each row is its own, so
 the same bits), and gathers each rank's FP8 rows with their float32 multipliers packed behind them,
-one gather of ``rows * (K + 4)`` bytes per rank instead of ``rows * K * 2``:
+one gather of ``rows * (K + 4)`` bytes per rank (to a multiple of 16) instead of ``rows * K * 2``:
 
     unfused:   all_gather(bf16 x) -> quantise rows -> _scaled_mm
     this path: quantise own rows -> [FP8 rows | multipliers] into the workspace -> pull kernel
