@@ -10,8 +10,9 @@ already encoded (what a launch prepared per call signature could do). The parts 
 too: making the two ``TensorDescriptor`` objects, encoding them (Triton's ``make_tensordesc_arg``).
 And the run-time's own ``launch.run`` (``kernels/launch.py``), with its kept encodings and without.
 
-The already-encoded launch reaches into Triton's launcher (``CudaLauncher.launch``'s wrapped C
-launcher); it knows the layouts of Triton 3.6 and 3.9 and says so when it meets another.
+The already-encoded launch takes Triton's C launcher and the base arguments as the run-time reads
+them (``kernels/launch.py``: Triton 3.6's layout); with another Triton those cases are left out,
+and the output says so.
 """
 
 from __future__ import annotations
@@ -25,21 +26,6 @@ import time
 import torch
 
 
-def raw_launcher(compiled):
-    """(the C launcher, the layout) of a compiled kernel whose launcher wraps it with descriptor
-    handling, or (None, why)."""
-    run = compiled.run
-    if hasattr(run, "arg_annotations"):  # Triton 3.9: one launcher for every kernel
-        import triton
-
-        return triton.runtime.driver.active.utils.launch, "3.9"
-    inner = run.launch
-    cells = dict(zip(inner.__code__.co_freevars, inner.__closure__ or ()))
-    if "launcher" in cells:
-        return cells["launcher"].cell_contents, "3.6"
-    return None, "an unknown launcher layout"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=500)
@@ -49,7 +35,6 @@ def main() -> int:
         print("launch_cost: needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
-    from triton.backends.nvidia import driver as nv
 
     from commfuse.kernels import tiles
     from commfuse.kernels.sizes.tiles import TileConfig
@@ -71,30 +56,20 @@ def main() -> int:
     ref = a.float() @ b.float()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     stream = torch.cuda.current_stream().cuda_stream
-    raw, layout = raw_launcher(compiled)
-    meta = getattr(compiled.metadata, "tensordesc_meta", None) or [None, None]
-    md = compiled.metadata
-    if layout == "3.6":
-        encode = lambda d, i: nv.make_tensordesc_arg(d, meta[i])  # noqa: E731
-    elif layout == "3.9":
-        encode = lambda d, i: nv.make_tensordesc_arg(d, meta[i], None)  # noqa: E731
-    else:
-        encode = None
-    if encode is not None:
-        expanded = encode(a_desc, 0) + encode(b_desc, 1) + values[2:]
-        if layout == "3.6":
-            base = (grid[0], 1, 1, stream, compiled.function, md.launch_cooperative_grid, md.launch_pdl, None, None,
-                    compiled.packed_metadata, None, None, None)
+    from commfuse.kernels import launch
 
-            def encoded():
-                raw(*base, *expanded)
-        else:
-            run = compiled.run
+    # the run-time's reading of Triton's launcher (``launch._Layout``): its C launcher, the base
+    # arguments and the descriptors' encoding; None where it does not know the layout
+    layout = launch._layout_of(compiled)
+    if layout is not None:
+        def encode(desc, i):
+            return layout.encode(desc, layout.descs[i])
 
-            def encoded():
-                raw(grid[0], 1, 1, stream, compiled.function, md.launch_cooperative_grid, md.launch_pdl,
-                    compiled.packed_metadata, None, None, None, None, None, run.arg_annotations,
-                    run.kernel_signature, expanded)
+        expanded = [*encode(a_desc, 0), *encode(b_desc, 1), *values[2:]]
+
+        def encoded():
+            layout.raw(*grid, stream, layout.function, *layout.base_tail, *expanded)
+
         out.fill_(float("nan"))
         encoded()
         assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2, "the already-encoded launch is wrong"
@@ -105,13 +80,12 @@ def main() -> int:
         "compiled kernel: compiled[grid](*values)": lambda: runner(*values, stream=stream),
         "part: two TensorDescriptors (descriptor_operands)": lambda: tiles.descriptor_operands(a, b, cfg),
     }
-    from commfuse.kernels import launch
 
     def through_run():
         launch.run(kernel, grid, *positional, **consts, num_warps=cfg.warps, num_stages=cfg.stages)
 
     cases["run-time: launch.run, descriptors encoded at each launch"] = through_run
-    if encode is not None:
+    if layout is not None:
         cases["run-time: launch.run, encodings kept"] = through_run
         cases["part: encoding two descriptors (make_tensordesc_arg)"] = lambda: (encode(a_desc, 0), encode(b_desc, 1))
         cases["already encoded: the C launcher alone"] = encoded
@@ -131,10 +105,10 @@ def main() -> int:
         torch.cuda.synchronize()
         res[name] = {"min": min(t), "median": statistics.median(t)}
         print(f"{name:55s} median {res[name]['median']:7.1f} µs  (min {res[name]['min']:.1f})", flush=True)
-    print(f"launcher layout: {layout}; Triton {triton.__version__}; {torch.cuda.get_device_name(0)}")
+    print(f"encoded launch: {'yes' if layout is not None else 'no (a launcher layout it does not know)'}; Triton {triton.__version__}; {torch.cuda.get_device_name(0)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"layout": layout, "triton": triton.__version__, "device": torch.cuda.get_device_name(0),
+            json.dump({"encoded": layout is not None, "triton": triton.__version__, "device": torch.cuda.get_device_name(0),
                        "us": res}, f, indent=1)
     return 0
 

@@ -352,7 +352,7 @@ def _kernel36(monkeypatch, version="3.6.0", base_args=launch.BASE_ARGS_36, **kw)
     k.compiled = _Compiled36(k.log, enc, **kw)
     monkeypatch.setattr(launch, "_triton_version", lambda: version)
     monkeypatch.setattr(launch, "_base_args_len", lambda: base_args)
-    monkeypatch.setattr(launch, "_make_layout", lambda c, e, real=launch._make_layout: real(c, enc))
+    monkeypatch.setattr(launch, "_encoder", lambda: enc)
     return k, enc
 
 

@@ -316,13 +316,13 @@ class _Layout:
                           None, None, None)
 
 
-def _layout_of(compiled, encode=None):
+def _layout_of(compiled):
     """The compiled kernel's ``_Layout``, or None where its launch must go through Triton."""
     layout = _layouts.get(compiled)
     if layout is None:
         if len(_layouts) >= MAX_ENTRIES:
             _layouts.clear()
-        layout = _layouts[compiled] = _make_layout(compiled, encode) or False
+        layout = _layouts[compiled] = _make_layout(compiled) or False
     return layout or None
 
 
@@ -336,17 +336,24 @@ def _base_args_len() -> int | None:
     return getattr(driver, "_BASE_ARGS_FORMAT_LEN", None)
 
 
-def _make_layout(compiled, encode):
+def _encoder():
+    """Triton's encoding of a descriptor argument: ``(descriptor, metadata) -> its arguments``."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg
+
+
+def _make_layout(compiled):
     """The kernel's ``_Layout``, or None; anything unexpected in Triton's objects means None (a
     launch through the compiled kernel), never an error on the launch's way."""
     try:
-        return _read_layout(compiled, encode)
+        return _read_layout(compiled)
     except Exception as exc:  # noqa: BLE001 - an unknown layout launches as before
         log.debug("commfuse: no encoded launch for %s (%s)", compiled, exc)
         return None
 
 
-def _read_layout(compiled, encode):
+def _read_layout(compiled):
     if not _triton_version().startswith(ENCODED_LAYOUTS) or _base_args_len() != BASE_ARGS_36:
         return None
     run = getattr(compiled, "run", None)
@@ -366,10 +373,8 @@ def _read_layout(compiled, encode):
     meta = cells.get("tensordesc_meta")
     if raw is None or indices is None or meta is None or any(m is None for m in meta):
         return None  # descriptors without encoding metadata pass their tensor: nothing to keep
-    if encode is None:
-        from triton.backends.nvidia.driver import make_tensordesc_arg as encode
     descs = {i: meta[n] for n, i in enumerate(sorted(indices))}
-    return _Layout(raw, descs, compiled, encode)
+    return _Layout(raw, descs, compiled, _encoder())
 
 
 def _encode(layout: _Layout, index: int, desc) -> list:
@@ -394,7 +399,6 @@ def launcher_of(compiled, grid3: tuple):
     layout = _layout_of(compiled) if _switched_encoded else None
     if layout is None:
         return compiled[grid3]
-    head = (grid3[0], grid3[1], grid3[2])
     raw, descs, tail, function = layout.raw, layout.descs, layout.base_tail, layout.function
     plain = compiled[grid3]
 
@@ -403,10 +407,7 @@ def launcher_of(compiled, grid3: tuple):
         if not _switched_encoded:  # switched off since this was made (a ``Bound`` keeps it)
             plain(*values, stream=stream)
             return
-        args = list(head)
-        args.append(stream)
-        args.append(function)
-        args.extend(tail)
+        args = [*grid3, stream, function, *tail]
         for i, v in enumerate(values):
             if i in descs:
                 args.extend(_encode(layout, i, v))
