@@ -20,7 +20,10 @@ fused case first (kernels compiled, workspaces allocated) and then times the unf
 ``released`` does the same after ``commfuse.release_all()``. ``--parts`` adds the unfused calls' parts
 as cases of their own (the output's allocation, the GEMM, the collective and its wait), so a
 difference between modes can be placed. ``--back-to-back`` times each case in
-a run of its own calls instead of in turn with the others (warm caches). In turn, the cases' order
+a run of its own calls instead of in turn with the others (warm caches), and prints how often the
+caching allocator went to the device (``cudaMalloc``, ``cudaFree``, retries) per call;
+``--sleep-ms 0`` leaves the GPU idle when each call starts, which separates a call slowed by a
+busy GPU from one slowed by what ran before it. In turn, the cases' order
 rotates from batch to batch, so no case is always the first after the GPU sleep (the first call
 after it costs the host most).
 """
@@ -84,6 +87,13 @@ def _force_new(forced: dict) -> str:
     policy.choose = choose
     entry.forget()
     return "new"
+
+
+def _allocator_counts() -> dict:
+    """The caching allocator's counts of device allocations, frees and retries (a retry frees
+    cached blocks and synchronises the device) so far."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 def main() -> int:
@@ -181,14 +191,19 @@ def main() -> int:
             commfuse.release_all()
     cycles = int(args.sleep_ms * (getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000))
     host = {name: [] for name, *_ in cases}
+    mallocs = {}  # back to back: the caching allocator's device allocations and frees per call
     if args.back_to_back:
         for name, fn, _, _ in cases:
+            before = _allocator_counts()
             for _ in range(args.batches):
-                torch.cuda._sleep(cycles // 8)
+                if cycles:
+                    torch.cuda._sleep(cycles // 8)
                 start = time.perf_counter()
                 fn()
                 host[name].append((time.perf_counter() - start) * 1e6)
                 torch.cuda.synchronize()
+            after = _allocator_counts()
+            mallocs[name] = {k: (after[k] - before[k]) / args.batches for k in after}
     else:
         for batch in range(args.batches):
             torch.cuda._sleep(cycles)
@@ -220,12 +235,16 @@ def main() -> int:
     print(f"host us per call, {tree} tree, commfuse {args.commfuse}"
           f"{', back to back' if args.back_to_back else ''} {args.label} (median of {args.batches} batches, one rank, GPU kept busy):")
     for name, us in medians.items():
-        print(f"  {name:52s} {us:8.1f}  (min {min(host[name]):.1f})", flush=True)
+        counts = mallocs.get(name)
+        extra = ("  cudaMalloc/call {num_device_alloc:.2f}, cudaFree/call {num_device_free:.2f}, "
+                 "retries/call {num_alloc_retries:.2f}").format(**counts) if counts else ""
+        print(f"  {name:52s} {us:8.1f}  (min {min(host[name]):.1f}){extra}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"tree": tree, "commfuse": args.commfuse, "back_to_back": args.back_to_back,
                        "label": args.label, "batches": args.batches, "median_us": medians,
-                       "min_us": {k: min(v) for k, v in host.items()}, "device": torch.cuda.get_device_name(0),
+                       "min_us": {k: min(v) for k, v in host.items()}, "allocator_per_call": mallocs,
+                       "sleep_ms": args.sleep_ms, "device": torch.cuda.get_device_name(0),
                        "torch": torch.__version__}, f, indent=1)
     dist.destroy_process_group()
     return 0

@@ -9,9 +9,13 @@ a process using commfuse goes through: importing it, importing Triton and Iris, 
 kernels, the group's facts and workspace, then one call of each path (forced past the policy).
 After each step it also prints what could make every later call slower: the torch function and
 dispatch mode stacks, a trace or profile function, ``sys.monitoring`` tools, live threads, the
-current stream, and which native threads used the CPU while the calls were timed (a thread spinning
-on the main thread's sibling hyper-thread slows it). The second step makes NCCL's communicator
-with torch's own collective, before commfuse is imported: the control for what NCCL's threads do. The step after which the calls' minima rise is where to look.
+current stream, which native threads used the CPU while the calls were timed (a thread spinning
+on the main thread's sibling hyper-thread slows it) and the CPU the main thread last ran on. The
+second step makes NCCL's communicator with torch's own collective, before commfuse is imported:
+the control for what NCCL's threads do. The step after which the calls' minima rise is where to
+look. Steps that do nothing (``--controls``, after the others) show how much the same calls vary
+with no step between them: a rise no larger than theirs is the host's, not a step's. ``--pin``
+keeps the process on one CPU (the one it started on), so a move between CPUs cannot vary them.
 """
 
 from __future__ import annotations
@@ -98,14 +102,28 @@ def state() -> dict:
         "stream": torch.cuda.current_stream().cuda_stream,
         "grad": torch.is_grad_enabled(),
         "autograd_profiler": torch.autograd.profiler._is_profiler_enabled,
+        "cpu": last_cpu(),
     }
+
+
+def last_cpu() -> int | None:
+    """The CPU this process's main thread last ran on (Linux ``/proc``), or None."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--out", default="")
+    p.add_argument("--controls", type=int, default=3, help="steps that do nothing, after the others")
+    p.add_argument("--pin", action="store_true", help="keep the process on the CPU it started on")
     args = p.parse_args()
+    if args.pin and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {last_cpu() or 0})
     if not torch.cuda.is_available():
         print("ordinary_calls: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -177,10 +195,12 @@ def main() -> int:
                 ops.mm_reduce_scatter.default(a, b, None, [m, n], 0, 1, group)
 
         step(f"{op} {path}", one)
+    for i in range(args.controls):
+        step(f"nothing (control {i + 1})")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "samples": args.samples, "steps": records}, f, indent=1)
+                       "samples": args.samples, "pinned": args.pin, "steps": records}, f, indent=1)
     dist.destroy_process_group()
     return 0
 

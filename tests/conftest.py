@@ -18,6 +18,11 @@ os.environ.setdefault("COMMFUSE_LAUNCH_BOUND_BYTES", "0")
 # emulated rank, each may spin waiting for another rank). CUDA reads this when the process makes
 # its context, which importing commfuse (Iris, Triton) may already do, so it is set here, first.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# Every kernel loaded when the context is made (``commfuse.tools.emulated``: in a group emulated on
+# one GPU, one host thread launches every rank, and a kernel loaded lazily at its first launch may
+# make that thread wait for the device's running kernels, one of which spins for a rank it has not
+# launched yet). Read with the context, like the setting above.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest
 import torch

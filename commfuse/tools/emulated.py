@@ -5,11 +5,24 @@ table, so Iris's pointer translation reaches any rank's buffer, and each rank ge
 SMs as its grid. Launch every rank's kernel on a stream of its own so all their programs run at
 once and really wait on each other's flags. What this cannot show is the link: a remote store is
 a local one here, so every byte a kernel exchanges costs HBM bandwidth on the one device.
+
+One host thread launches every rank, so the process must load its kernels when it makes its CUDA
+context (``CUDA_MODULE_LOADING=EAGER``, set here unless set already; it is read with the context,
+so import this module first). Loaded lazily, the first launch of a kernel (a cuBLAS GEMM after a
+gather, say) may wait for the device's running kernels, among them a rank's kernel that spins
+until a rank this thread has not launched yet signals: it then waits out the bound and reports
+the peer as late. Separate processes (real ranks) do not wait on each other that way.
 """
 
 from __future__ import annotations
 
-import torch
+import logging
+import os
+
+# (before anything makes the context: the module docstring)
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import torch  # noqa: E402
 
 from ..runtime import capture
 from ..runtime import workspace as symm
@@ -42,9 +55,25 @@ class GroupState:
         return group_rank
 
 
+log = logging.getLogger("commfuse")
+_warned: list[str] = []
+
+
+def _check_loading() -> None:
+    """Say once where kernels load lazily (the module docstring): a wait in a test or benchmark
+    may then time out though nothing is wrong with the kernels."""
+    mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY")
+    if mode.upper() != "EAGER" and not _warned:
+        _warned.append(mode)
+        log.warning("commfuse: an emulated group with CUDA_MODULE_LOADING=%s: a kernel loaded at its first "
+                    "launch may hold up the other ranks' launches until the wait bound (set "
+                    "CUDA_MODULE_LOADING=EAGER before the process makes its CUDA context)", mode)
+
+
 def _buffers(world: int, nbytes: int, device: torch.device):
     """``world`` zeroed buffers on one device, their heap-bases table, the torch provider's views
     over them, and each rank's share of the SMs."""
+    _check_loading()
     programs = torch.cuda.get_device_properties(device).multi_processor_count // world
     bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
