@@ -110,6 +110,8 @@ def main() -> int:
                    "output's allocation, the GEMM, the collective with its wait")
     p.add_argument("--back-to-back", action="store_true",
                    help="time each case in a run of its own calls, not in turn with the other cases")
+    p.add_argument("--fused", default="", help="comma-separated substrings: only the fused cases whose name has "
+                   "one (with --commfuse warmed: which fused calls ran before the unfused ones are timed)")
     p.add_argument("--profile", default="", help="comma-separated case names (substrings): a cProfile of 50 "
                    "calls of each, behind a GPU sleep")
     args = p.parse_args()
@@ -156,7 +158,10 @@ def main() -> int:
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(torch.ops.aten.mm(a, b), "sum", 1, group))
 
     cases = []
+    wanted = [w for w in args.fused.split(",") if w]
     for op, path, m, k, n, layout in CASES if uses else ():
+        if wanted and not any(w in f"{op} {path} {m}x{k}x{n}" for w in wanted):
+            continue
         a, b = operands(op, m, k, n, layout)
         cases.append((f"{op} {path} {m}x{k}x{n}", lambda op=op, path=path, a=a, b=b: fused(op, path, a, b), a, b))
     for op, m, k, n in UNFUSED:
