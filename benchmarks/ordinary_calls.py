@@ -3,10 +3,11 @@
     python benchmarks/ordinary_calls.py [--out F] [--samples 2000]
 
 One process, one GPU, a group of one rank. A few ordinary calls (a CUDA ``torch.empty`` from the
-caching allocator, a CPU ``torch.empty``, a small ``aten.mm``, a pure Python call) are timed on the
+caching allocator, a CPU ``torch.empty``, a small ``aten.mm``, a pure Python call, an all-reduce and an all-gather as
+Inductor's code calls them) are timed on the
 host in tight loops (the GPU idle, so nothing waits for it) at the start and again after each step
 a process using commfuse goes through: importing it, importing Triton and Iris, importing the
-kernels, the group's facts and workspace, then one call of each path (forced past the policy).
+kernels, the group's facts, its workspace, then one call of each path (forced past the policy).
 After each step it also prints what could make every later call slower: the torch function and
 dispatch mode stacks, a trace or profile function, ``sys.monitoring`` tools, live threads, the
 current stream, which native threads used the CPU while the calls were timed (a thread spinning
@@ -46,13 +47,18 @@ def _nothing():
     return None
 
 
-def probes():
+def probes(group: str):
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    c10d = torch.ops._c10d_functional
     return {
         "torch.empty cuda 2048x2048": lambda: torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16),
         "torch.empty cpu 64": lambda: torch.empty(64),
         "aten.mm cuda 64x64": lambda: torch.ops.aten.mm(a, a),
         "python call": _nothing,
+        # the collectives as Inductor's code calls them (one rank: the host's work, little GPU work)
+        "all_reduce_ + wait": lambda: c10d.wait_tensor(c10d.all_reduce_(x, "sum", group)),
+        "all_gather_into_tensor + wait": lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, 1, group)),
     }
 
 
@@ -132,7 +138,7 @@ def main() -> int:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     group = dist.group.WORLD.group_name
-    calls = probes()
+    calls = probes(group)
     records = []
 
     def step(name: str, fn=None):
@@ -165,11 +171,10 @@ def main() -> int:
     from commfuse.runtime.paths import REGISTRY
 
     def workspace():
-        g = groups.get(group)
-        groups.group_facts(g, torch.device("cuda", 0), False)
-        groups.workspace(g, 64 << 20, torch.device("cuda", 0))
+        groups.workspace(groups.get(group), 64 << 20, torch.device("cuda", 0))
 
-    step("the group's facts and workspace", workspace)
+    step("the group's facts", lambda: groups.group_facts(groups.get(group), torch.device("cuda", 0), False))
+    step("the group's workspace", workspace)
     forced = {}
     real = policy.choose
 
