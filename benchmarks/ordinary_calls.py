@@ -17,8 +17,9 @@ the control for what NCCL's threads do. The step after which the calls' minima r
 look. Steps that do nothing (``--controls``, after the others) show how much the same calls vary
 with no step between them: a rise no larger than theirs is the host's, not a step's. ``--pin``
 keeps the process on one CPU (the one it started on), so a move between CPUs cannot vary them.
-``--symmetric-first`` allocates a buffer from torch's symmetric memory and rendezvouses on it
-before commfuse is imported (torch alone), for a step that slows calls in commfuse's workspace.
+``--provider-first torch|iris`` allocates a symmetric buffer from torch's symmetric memory (and
+rendezvouses on it) or from an Iris heap before commfuse is imported, the provider alone: whether
+a slowdown at commfuse's workspace step is the provider's.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--out", default="")
     p.add_argument("--controls", type=int, default=3, help="steps that do nothing, after the others")
-    p.add_argument("--symmetric-first", action="store_true", help="before importing commfuse, allocate a buffer "
-                   "from torch's symmetric memory and rendezvous on it, torch alone (two steps)")
+    p.add_argument("--provider-first", choices=("torch", "iris"), default=None, help="before importing commfuse, "
+                   "allocate a symmetric buffer from torch's symmetric memory (and rendezvous on it) or from an "
+                   "Iris heap, the provider alone")
     p.add_argument("--pin", action="store_true", help="keep the process on the CPU it started on")
     args = p.parse_args()
     if args.pin and hasattr(os, "sched_setaffinity"):
@@ -166,13 +168,16 @@ def main() -> int:
     step("start (torch, a one-rank NCCL group)")
     x = torch.ones(1024, device="cuda")
     step("torch's own all_reduce (NCCL's communicator made)", lambda: dist.all_reduce(x))
-    if args.symmetric_first:  # torch alone: does a symmetric buffer of its own slow the calls?
+    kept = []
+    if args.provider_first == "torch":  # torch alone: does a symmetric buffer of its own slow the calls?
         import torch.distributed._symmetric_memory as symm_mem
 
-        kept = []
         step("torch: symm_mem.empty 64 MiB", lambda: kept.append(symm_mem.empty(64 << 20, dtype=torch.uint8,
                                                                                  device="cuda")))
         step("torch: symm_mem.rendezvous", lambda: kept.append(symm_mem.rendezvous(kept[0], group)))
+    elif args.provider_first == "iris":  # Iris alone (its heap on the CUDA driver's virtual memory)
+        step("iris: a 256 MiB heap, 64 MiB of it", lambda: kept.append(
+            __import__("iris").iris(256 << 20, allocator_type="vmem_chunked").zeros(64 << 20, dtype=torch.uint8)))
     step("import commfuse", lambda: __import__("commfuse"))
     step("import triton", lambda: __import__("triton"))
     step("import iris", lambda: __import__("iris"))
