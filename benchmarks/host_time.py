@@ -85,8 +85,25 @@ def _force_new(forced: dict) -> str:
         return policy.Decision(path, variant, "forced")
 
     policy.choose = choose
+    decide = entry._decide
+
+    def decide_forced(group, op, key, *rest):
+        # the run-time keeps one plan per call signature: cases alike in op and shapes (the
+        # all-gather's pull, fused and nccl cases) would otherwise all run the path decided first
+        return decide(group, op, key + (forced.get(op),), *rest)
+
+    entry._decide = decide_forced
     entry.forget()
     return "new"
+
+
+def _ran_paths() -> dict:
+    """``op:path`` -> calls so far (the run-time's count of the path each call took), or {}."""
+    try:
+        from commfuse.runtime import counters
+    except ImportError:  # commfuse absent, or a tree without the count
+        return {}
+    return dict(counters.PATHS)
 
 
 def _allocator_counts() -> dict:
@@ -179,10 +196,19 @@ def main() -> int:
         for name, fn in parts:
             fn()
         cases += [(name, fn, a, b) for name, fn in parts]
+    ran = {}  # the fused cases: the path each one's checked call took
     for name, fn, a, b in cases:  # compile, allocate, first launches; then a check against fp32
         for _ in range(3):
             fn()
+        before = _ran_paths()
         out = fn().float()
+        after = _ran_paths()
+        took = sorted(k for k in after if after[k] > before.get(k, 0))
+        if uses and " unfused " not in name and not name.startswith("part:"):
+            ran[name] = took
+            op, path = name.split()[:2]
+            if took and f"{op}:{path}" not in took:
+                print(f"host_time: NOTE {name} ran {took}, not the path it names", flush=True)
         if name.startswith("part:"):
             continue
         ref = a.float() @ b.float()
@@ -249,6 +275,7 @@ def main() -> int:
             json.dump({"tree": tree, "commfuse": args.commfuse, "back_to_back": args.back_to_back,
                        "label": args.label, "batches": args.batches, "median_us": medians,
                        "min_us": {k: min(v) for k, v in host.items()}, "allocator_per_call": mallocs,
+                       "ran": ran,
                        "sleep_ms": args.sleep_ms, "device": torch.cuda.get_device_name(0),
                        "torch": torch.__version__}, f, indent=1)
     dist.destroy_process_group()

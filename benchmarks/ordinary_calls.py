@@ -199,7 +199,12 @@ def main() -> int:
         return policy.Decision(path, None, "forced") if path else real(call, facts, **kw)
 
     policy.choose = choose
+    decide = entry._decide
+    # one plan per call signature: steps alike in op and shapes would otherwise all run the path
+    # decided first
+    entry._decide = lambda group, op, key, *rest: decide(group, op, key + (forced.get(op),), *rest)
     entry.forget()
+    from commfuse.runtime import counters
     ops = torch.ops.commfuse
     for op, path, m, k, n in PATH_STEPS:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -215,7 +220,11 @@ def main() -> int:
             else:
                 ops.mm_reduce_scatter.default(a, b, None, [m, n], 0, 1, group)
 
+        before = dict(counters.PATHS)
         step(f"{op} {path}", one)
+        took = [k for k, v in counters.PATHS.items() if v > before.get(k, 0)]
+        if f"{op}:{path}" not in took:
+            print(f"{'':40s} NOTE: the call ran {took}, not {op}:{path}", flush=True)
     for i in range(args.controls):
         step(f"nothing (control {i + 1})")
     if args.out:

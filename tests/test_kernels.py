@@ -1,9 +1,13 @@
-"""``kernels/``: what every kernel keeps off its specialisation key (epochs, slots, ranks).
+"""``kernels/``: what every kernel keeps off its specialisation key (epochs, slots, ranks), and
+that ranks emulated on one GPU load every kernel with the context.
 """
 
 from __future__ import annotations
 
-
+import logging
+import os
+import subprocess
+import sys
 
 from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k, norm_epilogue
 
@@ -41,3 +45,31 @@ def test_no_kernel_specialises_on_the_rank():
         assert "rank" in kernel.arg_names
         assert "rank" in [kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize], \
             kernel.fn.__name__
+
+
+def test_an_emulated_group_loads_its_kernels_with_the_context(monkeypatch, caplog):
+    """One host thread launches every emulated rank, so a kernel loaded lazily at its first launch
+    (which may wait for the device's running kernels, among them a rank spinning for one not yet
+    launched) would stall the group until the bound: importing the emulation asks for eager
+    loading unless the process set a mode, and making a group under another mode says so once."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MODULE_LOADING"}
+    probe = "import os, commfuse.tools.emulated; print(os.environ.get('CUDA_MODULE_LOADING'))"
+    for preset, want in ((None, "EAGER"), ("LAZY", "LAZY")):
+        run_env = dict(env, **({"CUDA_MODULE_LOADING": preset} if preset else {}))
+        out = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[-1] == want, out.stderr
+    from commfuse.tools import emulated
+
+    monkeypatch.setattr(emulated, "_warned", [])
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    with caplog.at_level(logging.WARNING, logger="commfuse"):
+        emulated._check_loading()
+        emulated._check_loading()
+    said = [r for r in caplog.records if "CUDA_MODULE_LOADING=LAZY" in r.getMessage()]
+    assert len(said) == 1
+    monkeypatch.setattr(emulated, "_warned", [])
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="commfuse"):
+        emulated._check_loading()
+    assert not caplog.records
