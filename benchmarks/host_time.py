@@ -207,7 +207,7 @@ def main() -> int:
         if uses and " unfused " not in name and not name.startswith("part:"):
             ran[name] = took
             op, path = name.split()[:2]
-            if took and f"{op}:{path}" not in took:
+            if took and not {f"{op}:{path}", f"{op}:{FORMER.get(path, path)}"} & set(took):
                 print(f"host_time: NOTE {name} ran {took}, not the path it names", flush=True)
         if name.startswith("part:"):
             continue
@@ -264,7 +264,8 @@ def main() -> int:
                 pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(28)
                 print(f"--- cProfile of 50 calls: {name}\n{text.getvalue()}", flush=True)
     print(f"host us per call, {tree} tree, commfuse {args.commfuse}"
-          f"{', back to back' if args.back_to_back else ''} {args.label} (median of {args.batches} batches, one rank, GPU kept busy):")
+          f"{', back to back' if args.back_to_back else ''} {args.label} (median of {args.batches} batches, one rank, "
+          f"{'GPU kept busy' if cycles else 'GPU idle at each call'}):")
     for name, us in medians.items():
         counts = mallocs.get(name)
         extra = ("  cudaMalloc/call {num_device_alloc:.2f}, cudaFree/call {num_device_free:.2f}, "

@@ -13,7 +13,11 @@ fused all-gather (plain, also writing the gathered rows, traced).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# every kernel loaded when CUDA starts, as ``commfuse.tools.emulated`` asks of its groups
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 CONFIGS = "128x256x64s3w8g8r0o1,128x128x64s4w8g8r0o1,64x128x64s4w4g8r0o1"
 

@@ -33,6 +33,9 @@ import time
 # no multicast objects or NVLS: what the kernels are meant to run without
 for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
+# every kernel loaded when CUDA starts: one thread launches every emulated rank
+# (``commfuse.tools.emulated``)
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -19,7 +19,9 @@ with no step between them: a rise no larger than theirs is the host's, not a ste
 keeps the process on one CPU (the one it started on), so a move between CPUs cannot vary them.
 ``--provider-first torch|iris`` allocates a symmetric buffer from torch's symmetric memory (and
 rendezvouses on it) or from an Iris heap before commfuse is imported, the provider alone: whether
-a slowdown at commfuse's workspace step is the provider's.
+a slowdown at commfuse's workspace step is the provider's. ``--funcol-first`` imports torch's
+functional collectives first (which torch's symmetric memory imports): the rise that import causes
+(``funcol_dispatch.py``) then comes before every other step.
 """
 
 from __future__ import annotations
@@ -129,13 +131,18 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--out", default="")
     p.add_argument("--controls", type=int, default=3, help="steps that do nothing, after the others")
+    p.add_argument("--funcol-first", action="store_true", help="before anything else, import "
+                   "torch.distributed._functional_collectives (torch alone; benchmarks/funcol_dispatch.py)")
     p.add_argument("--provider-first", choices=("torch", "iris"), default=None, help="before importing commfuse, "
                    "allocate a symmetric buffer from torch's symmetric memory (and rendezvous on it) or from an "
                    "Iris heap, the provider alone")
-    p.add_argument("--pin", action="store_true", help="keep the process on the CPU it started on")
+    p.add_argument("--pin", action="store_true", help="keep the main thread on the CPU it started on (threads "
+                   "started later, NCCL's and the compilers', inherit it and share that CPU)")
     args = p.parse_args()
     if args.pin and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {last_cpu() or 0})
+        allowed = os.sched_getaffinity(0)
+        here = last_cpu()
+        os.sched_setaffinity(0, {here if here in allowed else min(allowed)})
     if not torch.cuda.is_available():
         print("ordinary_calls: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -169,6 +176,8 @@ def main() -> int:
     x = torch.ones(1024, device="cuda")
     step("torch's own all_reduce (NCCL's communicator made)", lambda: dist.all_reduce(x))
     kept = []
+    if args.funcol_first:  # torch alone: what importing its functional collectives costs them
+        step("torch: import its functional collectives", lambda: __import__("torch.distributed._functional_collectives"))
     if args.provider_first == "torch":  # torch alone: does a symmetric buffer of its own slow the calls?
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -223,6 +232,7 @@ def main() -> int:
         before = dict(counters.PATHS)
         step(f"{op} {path}", one)
         took = [k for k, v in counters.PATHS.items() if v > before.get(k, 0)]
+        records[-1]["ran"] = took
         if f"{op}:{path}" not in took:
             print(f"{'':40s} NOTE: the call ran {took}, not {op}:{path}", flush=True)
     for i in range(args.controls):

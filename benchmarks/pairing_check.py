@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
-import torch
+# every kernel loaded when CUDA starts: one thread launches every emulated rank
+# (``commfuse.tools.emulated``)
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import torch  # noqa: E402
 
 from commfuse.kernels import exchange, fused_all_reduce, fused_split_k, tiles
 from commfuse.kernels.codes import OP_MM_ALL_REDUCE

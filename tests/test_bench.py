@@ -292,7 +292,8 @@ def test_every_maintained_benchmark_answers_help_on_the_cpu():
     scripts = {"path_sweep.py": ("--rules", "--rounds", "--tilings", "--only"), "kernel_compile.py": ("--configs",),
                "trace.py": ("--ops", "--pushers"),
                "host_time.py": ("--batches", "--profile", "--commfuse", "--parts"),
-               "gemm_half.py": ("--alternatives", "--world", "--queued"), "ordinary_calls.py": ("--samples",),
+               "gemm_half.py": ("--alternatives", "--world", "--queued"), "ordinary_calls.py": ("--samples", "--provider-first", "--funcol-first"),
+               "funcol_dispatch.py": ("--device", "--samples"),
                "launch_cost.py": ("--samples",), "norm_epilogue.py": ("--decode", "--budget-s"),
                "tune_one_gpu.py": ("--out",), "pairing_check.py": ("--world", "--rounds", "--iters"),
                "replay_check_cost.py": ("--groups", "--steps", "--out")}

@@ -5,9 +5,8 @@ that ranks emulated on one GPU load every kernel with the context.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
+import pathlib
+import re
 
 from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k, norm_epilogue
 
@@ -47,29 +46,38 @@ def test_no_kernel_specialises_on_the_rank():
             kernel.fn.__name__
 
 
-def test_an_emulated_group_loads_its_kernels_with_the_context(monkeypatch, caplog):
+def test_an_emulated_group_asks_for_its_kernels_loaded_when_cuda_starts(monkeypatch, caplog):
     """One host thread launches every emulated rank, so a kernel loaded lazily at its first launch
     (which may wait for the device's running kernels, among them a rank spinning for one not yet
-    launched) would stall the group until the bound: importing the emulation asks for eager
-    loading unless the process set a mode, and making a group under another mode says so once."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_MODULE_LOADING"}
-    probe = "import os, commfuse.tools.emulated; print(os.environ.get('CUDA_MODULE_LOADING'))"
-    for preset, want in ((None, "EAGER"), ("LAZY", "LAZY")):
-        run_env = dict(env, **({"CUDA_MODULE_LOADING": preset} if preset else {}))
-        out = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True, check=True)
-        assert out.stdout.split()[-1] == want, out.stderr
+    launched) would stall the group until the bound. Every one-GPU benchmark that makes emulated
+    groups asks for eager loading before its first import of torch (later, CUDA has read the
+    setting), and making a group where the driver loads lazily says so once."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    scripts = [f for f in sorted((root / "benchmarks").glob("*.py"))
+               if re.search(r"emulated\.(group|lanes)\(", f.read_text())]
+    assert len(scripts) >= 3
+    for script in scripts:
+        text = script.read_text()
+        asked = text.find('os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")')
+        assert 0 <= asked < text.find("import torch"), script.name
     from commfuse.tools import emulated
 
-    monkeypatch.setattr(emulated, "_warned", [])
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
-    with caplog.at_level(logging.WARNING, logger="commfuse"):
-        emulated._check_loading()
-        emulated._check_loading()
-    said = [r for r in caplog.records if "CUDA_MODULE_LOADING=LAZY" in r.getMessage()]
-    assert len(said) == 1
-    monkeypatch.setattr(emulated, "_warned", [])
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="commfuse"):
-        emulated._check_loading()
-    assert not caplog.records
+    def warnings(mode, env):
+        monkeypatch.setattr(emulated, "_warned", [])
+        monkeypatch.setattr(emulated, "loading_mode", lambda: mode)
+        if env is None:
+            monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_MODULE_LOADING", env)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="commfuse"):
+            emulated._check_loading()
+            emulated._check_loading()
+        return [r.getMessage() for r in caplog.records if "emulated group" in r.getMessage()]
+
+    # the driver's word wins over the environment's (set too late, it says EAGER to no effect)
+    assert len(warnings("LAZY", "EAGER")) == 1 and "lazy" in warnings("LAZY", "EAGER")[0]
+    assert warnings("EAGER", None) == []
+    # no driver to ask (this machine): the environment's word
+    assert warnings(None, "EAGER") == []
+    assert len(warnings(None, None)) == 1

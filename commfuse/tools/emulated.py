@@ -6,23 +6,24 @@ SMs as its grid. Launch every rank's kernel on a stream of its own so all their 
 once and really wait on each other's flags. What this cannot show is the link: a remote store is
 a local one here, so every byte a kernel exchanges costs HBM bandwidth on the one device.
 
-One host thread launches every rank, so the process must load its kernels when it makes its CUDA
-context (``CUDA_MODULE_LOADING=EAGER``, set here unless set already; it is read with the context,
-so import this module first). Loaded lazily, the first launch of a kernel (a cuBLAS GEMM after a
-gather, say) may wait for the device's running kernels, among them a rank's kernel that spins
-until a rank this thread has not launched yet signals: it then waits out the bound and reports
-the peer as late. Separate processes (real ranks) do not wait on each other that way.
+One host thread launches every rank, so the process must load its kernels when CUDA starts
+(``CUDA_MODULE_LOADING=EAGER`` in the environment before anything initialises CUDA: importing
+commfuse asks whether CUDA is available, which is already too late, so a script sets it before
+its first ``import torch``, as the one-GPU benchmarks and the tests do). Loaded lazily, the first
+launch of a kernel (a cuBLAS GEMM after a gather, say) may wait for the device's running kernels,
+among them a rank's kernel that spins until a rank this thread has not launched yet signals: it
+then waits out the bound and reports the peer as late. ``group`` and ``lanes`` ask the driver
+which mode it runs in and warn once where it loads lazily. Separate processes (real ranks) do not
+wait on each other that way.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
-# (before anything makes the context: the module docstring)
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
-import torch  # noqa: E402
+import torch
 
 from ..runtime import capture
 from ..runtime import workspace as symm
@@ -57,17 +58,36 @@ class GroupState:
 
 log = logging.getLogger("commfuse")
 _warned: list[str] = []
+#: ``CUmoduleLoadingMode``'s values
+_EAGER, _LAZY = 1, 2
+
+
+def loading_mode() -> str | None:
+    """How the CUDA driver loads this process's kernels, ``"EAGER"`` or ``"LAZY"``, as the
+    driver says (``cuModuleGetLoadingMode``: what it read when CUDA started, whatever the
+    environment says now); None where it cannot say (no driver, an old one)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        get = driver.cuModuleGetLoadingMode
+    except (OSError, AttributeError):
+        return None
+    if driver.cuInit(0) != 0:
+        return None
+    mode = ctypes.c_int(0)
+    if get(ctypes.byref(mode)) != 0:
+        return None
+    return {_EAGER: "EAGER", _LAZY: "LAZY"}.get(mode.value)
 
 
 def _check_loading() -> None:
-    """Say once where kernels load lazily (the module docstring): a wait in a test or benchmark
-    may then time out though nothing is wrong with the kernels."""
-    mode = os.environ.get("CUDA_MODULE_LOADING", "LAZY")
-    if mode.upper() != "EAGER" and not _warned:
+    """Say once where the driver loads kernels lazily (the module docstring): a wait in a test or
+    benchmark may then time out though nothing is wrong with the kernels."""
+    mode = loading_mode() or os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
+    if mode != "EAGER" and not _warned:
         _warned.append(mode)
-        log.warning("commfuse: an emulated group with CUDA_MODULE_LOADING=%s: a kernel loaded at its first "
+        log.warning("commfuse: an emulated group while CUDA loads kernels %s: a kernel loaded at its first "
                     "launch may hold up the other ranks' launches until the wait bound (set "
-                    "CUDA_MODULE_LOADING=EAGER before the process makes its CUDA context)", mode)
+                    "CUDA_MODULE_LOADING=EAGER before the script's first import of torch)", mode.lower())
 
 
 def _buffers(world: int, nbytes: int, device: torch.device):
