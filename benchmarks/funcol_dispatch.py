@@ -8,9 +8,7 @@ of a graph with collectives) registers Python autograd kernels for several funct
 and every later call crosses them, gradients needed or not. This times, as Inductor's generated
 code calls them, ``wait_tensor`` alone, ``all_reduce_`` + ``wait_tensor`` and
 ``all_gather_into_tensor`` + ``wait_tensor``: first in a process that has not imported it, then
-after the import, then under ``torch.no_grad()`` and under ``torch.inference_mode()``. A rise at the
-import is torch's, whatever else the process does: a step of ``ordinary_calls.py`` that imports
-the module (commfuse's workspace, through torch's symmetric memory) shows it too.
+after the import, then under ``torch.no_grad()`` and under ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
@@ -52,15 +50,16 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=20000)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if FUNCOL in sys.modules:
-        print(f"funcol_dispatch: {FUNCOL} is imported already; nothing to compare", file=sys.stderr)
-        return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29537")
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if FUNCOL in sys.modules:  # (checked after the group is made: nothing before the first step may import it)
+        print(f"funcol_dispatch: {FUNCOL} is imported already; nothing to compare", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
     # the calls' host work is what is timed: on the CPU the collectives copy the tensor on the host,

@@ -16,7 +16,8 @@ second step makes NCCL's communicator with torch's own collective, before commfu
 the control for what NCCL's threads do. The step after which the calls' minima rise is where to
 look. Steps that do nothing (``--controls``, after the others) show how much the same calls vary
 with no step between them: a rise no larger than theirs is the host's, not a step's. ``--pin``
-keeps the process on one CPU (the one it started on), so a move between CPUs cannot vary them.
+keeps the main thread on one CPU (the one it started on), so a move between CPUs cannot vary
+them; threads started later inherit that CPU.
 ``--provider-first torch|iris`` allocates a symmetric buffer from torch's symmetric memory (and
 rendezvouses on it) or from an Iris heap before commfuse is imported, the provider alone: whether
 a slowdown at commfuse's workspace step is the provider's. ``--funcol-first`` imports torch's
@@ -114,6 +115,8 @@ def state() -> dict:
         "grad": torch.is_grad_enabled(),
         "autograd_profiler": torch.autograd.profiler._is_profiler_enabled,
         "cpu": last_cpu(),
+        # (its import puts Python autograd kernels on the functional collectives: funcol_dispatch.py)
+        "functional_collectives_imported": "torch.distributed._functional_collectives" in sys.modules,
     }
 
 

@@ -8,6 +8,8 @@ import logging
 import pathlib
 import re
 
+import pytest
+
 from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k, norm_epilogue
 
 from choosing import (  # noqa: F401  (_quiet_policy, fresh_groups: fixtures, found by name)
@@ -50,17 +52,36 @@ def test_an_emulated_group_asks_for_its_kernels_loaded_when_cuda_starts(monkeypa
     """One host thread launches every emulated rank, so a kernel loaded lazily at its first launch
     (which may wait for the device's running kernels, among them a rank spinning for one not yet
     launched) would stall the group until the bound. Every one-GPU benchmark that makes emulated
-    groups asks for eager loading before its first import of torch (later, CUDA has read the
-    setting), and making a group where the driver loads lazily says so once."""
+    groups asks for eager loading before it imports torch or anything that does (later, CUDA has
+    read the setting), and making a group where the driver loads lazily says so once."""
     root = pathlib.Path(__file__).resolve().parents[1]
     scripts = [f for f in sorted((root / "benchmarks").glob("*.py"))
                if re.search(r"emulated\.(group|lanes)\(", f.read_text())]
     assert len(scripts) >= 3
+    first_import = re.compile(r"^\s*(import|from)\s+(torch|triton|iris|commfuse)\b")
     for script in scripts:
-        text = script.read_text()
-        asked = text.find('os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")')
-        assert 0 <= asked < text.find("import torch"), script.name
+        lines = script.read_text().splitlines()
+        asked = [i for i, line in enumerate(lines) if 'os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")' in line]
+        imports = [i for i, line in enumerate(lines) if first_import.match(line)]
+        assert asked and imports and asked[0] < imports[0], script.name
     from commfuse.tools import emulated
+
+    # the driver's own word (``cuModuleGetLoadingMode``), through a stand-in of the driver library
+    class Driver:
+        def __init__(self, mode, init=0):
+            self.mode, self.init = mode, init
+
+        def cuInit(self, flags):
+            return self.init
+
+        def cuModuleGetLoadingMode(self, ref):
+            ref._obj.value = self.mode
+            return 0
+
+    for driver, want in ((Driver(2), "LAZY"), (Driver(1), "EAGER"), (Driver(1, init=100), None)):
+        monkeypatch.setattr(emulated.ctypes, "CDLL", lambda name, driver=driver: driver)
+        assert emulated.loading_mode() == want
+    monkeypatch.undo()
 
     def warnings(mode, env):
         monkeypatch.setattr(emulated, "_warned", [])
@@ -78,6 +99,18 @@ def test_an_emulated_group_asks_for_its_kernels_loaded_when_cuda_starts(monkeypa
     # the driver's word wins over the environment's (set too late, it says EAGER to no effect)
     assert len(warnings("LAZY", "EAGER")) == 1 and "lazy" in warnings("LAZY", "EAGER")[0]
     assert warnings("EAGER", None) == []
-    # no driver to ask (this machine): the environment's word
+    # no driver to ask: the environment's word
     assert warnings(None, "EAGER") == []
     assert len(warnings(None, None)) == 1
+
+    # making a group (or a lane) asks, before anything touches the device
+    class Asked(Exception):
+        pass
+
+    def ask():
+        raise Asked
+
+    monkeypatch.setattr(emulated, "_check_loading", ask)
+    for make in (emulated.group, emulated.lanes):
+        with pytest.raises(Asked):
+            make(2, 1024, device="cpu")

@@ -82,6 +82,8 @@ def loading_mode() -> str | None:
 def _check_loading() -> None:
     """Say once where the driver loads kernels lazily (the module docstring): a wait in a test or
     benchmark may then time out though nothing is wrong with the kernels."""
+    if torch.version.hip:  # HIP has no such mode to ask for
+        return
     mode = loading_mode() or os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper()
     if mode != "EAGER" and not _warned:
         _warned.append(mode)
