@@ -17,31 +17,12 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 FUNCOL = "torch.distributed._functional_collectives"
-
-
-def time_calls(calls: dict, samples: int, sync) -> dict:
-    out = {}
-    for name, fn in calls.items():
-        for _ in range(min(1000, samples)):
-            fn()
-        sync()
-        t = []
-        for i in range(samples):
-            start = time.perf_counter_ns()
-            fn()
-            t.append((time.perf_counter_ns() - start) / 1e3)
-            if i % 256 == 255:
-                sync()
-        out[name] = {"min": round(min(t), 3), "median": round(statistics.median(t), 3)}
-    return out
 
 
 def main() -> int:
@@ -50,6 +31,8 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=20000)
     p.add_argument("--out", default="")
     args = p.parse_args()
+    from ordinary_calls import time_probes  # (the script beside this one; after --help, which runs elsewhere)
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29537")
     cuda = args.device == "cuda"
@@ -79,7 +62,7 @@ def main() -> int:
         if name.startswith("after import"):
             __import__(FUNCOL)
         with enter():
-            times = time_calls(calls, args.samples, sync)
+            times = time_probes(calls, args.samples, min(1000, args.samples), sync)
         steps.append({"step": name, "times_us": times})
         cells = "  ".join(f"{k} {v['min']:.2f}/{v['median']:.2f}" for k, v in times.items())
         print(f"{name:56s} min/median µs: {cells}", flush=True)

@@ -68,20 +68,22 @@ def probes(group: str):
     }
 
 
-def time_probes(calls: dict, samples: int) -> dict:
+def time_probes(calls: dict, samples: int, warmup: int = 50, sync=torch.cuda.synchronize) -> dict:
+    """Host µs (min, median) of each call, ``samples`` times in a tight loop after ``warmup``;
+    ``sync`` every 256 calls keeps the device's queue short (``funcol_dispatch.py`` uses this too)."""
     out = {}
     for name, fn in calls.items():
-        for _ in range(50):
+        for _ in range(warmup):
             fn()
-        torch.cuda.synchronize()
+        sync()
         t = []
         for i in range(samples):
             start = time.perf_counter_ns()
             fn()
             t.append((time.perf_counter_ns() - start) / 1e3)
             if i % 256 == 255:
-                torch.cuda.synchronize()
-        torch.cuda.synchronize()
+                sync()
+        sync()
         out[name] = {"min": min(t), "median": statistics.median(t)}
     return out
 
