@@ -293,7 +293,7 @@ def test_every_maintained_benchmark_answers_help_on_the_cpu():
                "trace.py": ("--ops", "--pushers"),
                "host_time.py": ("--batches", "--profile", "--commfuse", "--parts"),
                "gemm_half.py": ("--alternatives", "--world", "--queued"), "ordinary_calls.py": ("--samples", "--provider-first", "--funcol-first"),
-               "funcol_dispatch.py": ("--device", "--samples"),
+               "funcol_dispatch.py": ("--device", "--samples"), "host_python.py": ("--calls", "--profile", "--cases"),
                "launch_cost.py": ("--samples",), "norm_epilogue.py": ("--decode", "--budget-s"),
                "tune_one_gpu.py": ("--out",), "pairing_check.py": ("--world", "--rounds", "--iters"),
                "replay_check_cost.py": ("--groups", "--steps", "--out")}
