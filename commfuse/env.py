@@ -208,10 +208,12 @@ class Values:
 
     values: tuple  # (field, value) in SETTINGS order
 
-    def __getattr__(self, field: str) -> Any:
-        for name, value in object.__getattribute__(self, "values"):
-            if name == field:
-                return value
+    def __post_init__(self) -> None:
+        # each setting an attribute of its own: the run-time reads several on every call
+        for name, value in self.values:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, field: str) -> Any:  # (only for a name that is not a setting)
         raise AttributeError(f"commfuse settings have no {field!r}")
 
     def as_dict(self) -> dict[str, Any]:

@@ -68,6 +68,18 @@ def _global_options() -> tuple:
             getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
+#: The attribute a descriptor made from a kept layout carries (``tiles.descriptor_operands``): its
+#: (shape, strides, block, padding) as tuples, what a descriptor's key holds besides its base.
+LAYOUT_ATTR = "_commfuse_layout"
+
+
+def _layout(desc) -> tuple:
+    kept = getattr(desc, LAYOUT_ATTR, None)
+    if kept is not None:
+        return kept
+    return tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape), getattr(desc, "padding", None)
+
+
 def _spec(v):
     """What of a runtime argument ``v`` Triton may specialise on, or more."""
     t = type(v)
@@ -78,8 +90,7 @@ def _spec(v):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if t.__name__ == "TensorDescriptor":
         base = v.base
-        return (base.dtype, base.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides),
-                tuple(v.block_shape), getattr(v, "padding", None))
+        return (base.dtype, base.data_ptr() % 16 == 0, *_layout(v))
     if t is float:
         return t
     return (t, v)  # bool, None, str: by value
@@ -379,8 +390,7 @@ def _read_layout(compiled):
 
 def _encode(layout: _Layout, index: int, desc) -> list:
     base = desc.base
-    key = (base.data_ptr(), base.dtype, tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
-           desc.padding, layout.meta_keys[index])
+    key = (base.data_ptr(), base.dtype, _layout(desc), layout.meta_keys[index])
     got = _encoded.get(key)
     if got is None:
         if len(_encoded) >= MAX_ENCODED:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .launch import run as run_kernel
+from .launch import LAYOUT_ATTR, run as run_kernel
 from .sizes.tiles import FP8_DTYPES, TileConfig, cdiv  # noqa: F401  (the kernels' tiling, kept apart: deciding imports no Triton)
 
 try:
@@ -153,20 +153,61 @@ def rows_descriptor(a: torch.Tensor, block: list[int]):
     return TensorDescriptor(a, list(a.shape), [_row_stride(a), 1], block)
 
 
+#: Operand layouts seen (``descriptor_operands``): (shapes, strides, dtypes, block) -> the fields of
+#: ``a``'s and ``b``'s descriptors without their base, and whether ``b``'s is over its transpose.
+#: Only layouts whose operands needed no copy are kept; cleared when full.
+_LAYOUTS: dict[tuple, tuple] = {}
+LAYOUT_LIMIT = 1024
+#: Descriptors are made from a kept layout's fields where Triton's is a plain dataclass (its checks
+#: ran once, for the layout); any other descriptor class is constructed every time.
+_COPYABLE = TensorDescriptor is not None and "__dict__" in dir(TensorDescriptor) and not hasattr(
+    TensorDescriptor, "__slots__")
+
+
+def _fields(desc) -> dict:
+    fields = {k: v for k, v in vars(desc).items() if k != "base"}
+    fields[LAYOUT_ATTR] = (tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
+                           getattr(desc, "padding", None))
+    return fields
+
+
+def _from_fields(base: torch.Tensor, fields: dict):
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(fields)
+    desc.base = base
+    return desc
+
+
 def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     """TMA descriptors of ``a`` [M, K] and ``b`` [K, N] for ``cfg``'s tiles, and whether the
     descriptor of ``b`` is over its transpose. TMA needs unit inner strides, 16-byte aligned rows
     and base; an operand without them (a transposed activation, a view at an odd offset) is
-    copied once into a fresh dense tensor."""
-    if not _tma_ready(a):
+    copied once into a fresh dense tensor.
+
+    Whether an operand is TMA-ready depends on its shape, strides and dtype, and on its address
+    only through the base's alignment: a layout seen before (its operands ready) makes its
+    descriptors from the kept fields once both bases are aligned, without checking them again."""
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, cfg.bm, cfg.bn, cfg.bk)
+    kept = _LAYOUTS.get(key)
+    if kept is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
+        a_fields, b_fields, b_t = kept
+        return _from_fields(a, a_fields), _from_fields(b.t() if b_t else b, b_fields), b_t
+    ready = _tma_ready(a)
+    if not ready:
         a = a.clone(memory_format=torch.contiguous_format)
     a_desc = rows_descriptor(a, [cfg.bm, cfg.bk])
     bt = b.t()
     if _tma_ready(bt):  # a linear layer's weight, used transposed: no copy
-        return a_desc, rows_descriptor(bt, [cfg.bn, cfg.bk]), True
-    if not _tma_ready(b):
-        b = b.clone(memory_format=torch.contiguous_format)
-    return a_desc, rows_descriptor(b, [cfg.bk, cfg.bn]), False
+        b_desc, b_t = rows_descriptor(bt, [cfg.bn, cfg.bk]), True
+    elif _tma_ready(b):
+        b_desc, b_t = rows_descriptor(b, [cfg.bk, cfg.bn]), False
+    else:
+        return a_desc, rows_descriptor(b.clone(memory_format=torch.contiguous_format), [cfg.bk, cfg.bn]), False
+    if ready and _COPYABLE:
+        if len(_LAYOUTS) >= LAYOUT_LIMIT:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = (_fields(a_desc), _fields(b_desc), b_t)
+    return a_desc, b_desc, b_t
 
 
 def bias_strides(bias: torch.Tensor | None, m: int, n: int):

@@ -51,6 +51,10 @@ class Context:
     config: Any = None
     #: The call's pairing tag (``pairing_tag``), 0 with ``COMMFUSE_PAIRING_CHECK`` off.
     tag: int = 0
+    #: The path's workspace bytes per parity for the call (``Path.workspace_bytes``), worked out
+    #: once per plan (a tile path's sizing walks its tiling); 0 where a tool made the context
+    #: without them: the run works them out.
+    nbytes: int = 0
 
 
 def make_context(call: Call, facts: GroupFacts, group, path: "Path", variant: dict | None = None) -> Context:
@@ -61,9 +65,10 @@ def make_context(call: Call, facts: GroupFacts, group, path: "Path", variant: di
     if not path.symmetric:
         return Context(call, facts, group)
     config = path.config(call, facts, variant)
+    nbytes = path.workspace_bytes(call)
     if not env.current().pairing_check:
-        return Context(call, facts, group, config)
-    return Context(call, facts, group, path.tagged_config(config), pairing_tag(call, path.name))
+        return Context(call, facts, group, config, nbytes=nbytes)
+    return Context(call, facts, group, path.tagged_config(config), pairing_tag(call, path.name), nbytes)
 
 
 def pairing_tag(call: Call, path: str, site: int = 0) -> int:

@@ -46,26 +46,40 @@ def workspace(ctx, nbytes: int, device: torch.device):
 # with its peers' same call. (Each door orders inline: a nested context manager would add host
 # time to every call of a decode step.)
 
-@contextlib.contextmanager
-def exchange(ctx, ws, op: str):
+def exchange(ctx, ws, op: str) -> "_Exchange":
     """Start a call's epoch (its count and ``ctx.tag``), after the workspace's previous call on the
     device (``Workspace.order``: two streams calling one group are serialised, as NCCL's
     collectives are); if anything fails once the epoch has begun, the ranks' call counters may
-    differ, so the workspace refuses further calls instead of pairing up mismatched epochs."""
-    stream = torch.cuda.current_stream(ws.buffer.device) if ws.buffer.is_cuda else None
-    record = ws.order(stream) if stream is not None else False
-    epoch, parity = ws.next_epoch(lambda: ws.restart_epochs(ctx.group.pg()), ctx.tag)
-    try:
-        yield epoch, parity
-    except BaseException as exc:
-        ws.broken = (
-            f"commfuse.{op}: an earlier call on group {ws.group_name!r} failed after its exchange "
-            f"began ({type(exc).__name__}: {exc}); the ranks' call counters may differ. Call "
-            "commfuse.release_all() on every rank to start over."
-        )
-        raise
-    if record:  # after the call's work: side streams rejoined the caller's stream before this
-        ws.last_event.record(stream)
+    differ, so the workspace refuses further calls instead of pairing up mismatched epochs.
+    ``with exchange(ctx, ws, op) as (epoch, parity): ...``"""
+    return _Exchange(ctx, ws, op)
+
+
+class _Exchange:
+    """``exchange``'s context manager: a class, not a generator, as every fused call enters one."""
+
+    __slots__ = ("ctx", "ws", "op", "stream", "record")
+
+    def __init__(self, ctx, ws, op: str):
+        self.ctx, self.ws, self.op = ctx, ws, op
+
+    def __enter__(self) -> tuple[int, int]:
+        ws = self.ws
+        self.stream = stream = torch.cuda.current_stream(ws.buffer.device) if ws.buffer.is_cuda else None
+        self.record = ws.order(stream) if stream is not None else False
+        return ws.next_epoch(lambda: ws.restart_epochs(self.ctx.group.pg()), self.ctx.tag)
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not None:
+            self.ws.broken = (
+                f"commfuse.{self.op}: an earlier call on group {self.ws.group_name!r} failed after its exchange "
+                f"began ({kind.__name__}: {exc}); the ranks' call counters may differ. Call "
+                "commfuse.release_all() on every rank to start over."
+            )
+            return False
+        if self.record:  # after the call's work: side streams rejoined the caller's stream before this
+            self.ws.last_event.record(self.stream)
+        return False
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ def run(path, ctx: Context, args):
     out = torch.empty((ctx.call.m, b.shape[1]), dtype=path.spec.product_dtype(args), device=shard.device)
     gathered = (torch.empty(gather_shape(shard, args.gather_dim, world), dtype=shard.dtype, device=shard.device)
                 if args.return_gathered else None)
-    ws = workspace(ctx, fused_bytes(ctx.call), shard.device)
+    ws = workspace(ctx, ctx.nbytes or fused_bytes(ctx.call), shard.device)
     side = ctx.group.side_streams(shard.device)[0] if cfg.push == "ce" else None
     launch = fused_all_gather.prepare(ws, shard.reshape(-1, k), b, bias,
                                       None if gathered is None else gathered.view(-1, k), out, cfg.tile,

@@ -27,7 +27,7 @@ def run_fused(path, ctx: Context, args, out, scatter: bool, cfg: FusedConfig) ->
     scales, bias, why = tile_scales(path, args)
     if why:
         return path.spec.run_nccl(args)
-    ws = workspace(ctx, fused_bytes(ctx.call, scatter), a.device)
+    ws = workspace(ctx, ctx.nbytes or fused_bytes(ctx.call, scatter), a.device)
     launch = fused_all_reduce.prepare(ws, a, b, bias, out.view(-1, b.shape[1]), cfg.tile, scatter,
                                       cfg.options, scales=scales,
                                       use_fast_accum=getattr(args, "use_fast_accum", True))  # before the epoch

@@ -18,7 +18,7 @@ def run(path, ctx: Context, args) -> torch.Tensor:
     scales, bias, why = tile_scales(path, args)  # (an FP8 op's; ``running/common.py``)
     if why:
         return path.spec.run_nccl(args)
-    ws = workspace(ctx, plan_bytes(ctx.call), a.device)
+    ws = workspace(ctx, ctx.nbytes or plan_bytes(ctx.call), a.device)
     cfg = ctx.config or config(ctx.call, ws.max_programs)  # (with a tag: ``make_context``'s)
     out = torch.empty((m, n), dtype=path.spec.product_dtype(args), device=a.device)
     launch = fused_split_k.prepare(ws, a, b, bias, out, cfg, scales=scales,
