@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from commfuse.kernels import fused_all_gather, fused_all_reduce, sync, tiles
+from commfuse.kernels import fused_all_gather, fused_all_reduce, launch, sync, tiles
 from commfuse.kernels.codes import flag_value
 from interpreter_peers import DT, group
 BM = BN = 16
@@ -247,8 +247,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
     rank's kernel, which waits on the copy engines' flags only. Rows not pushed are NaN."""
     import contextlib
 
-    saved = (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags,
-             fused_all_gather.all_gather_gemm_kernel)
+    saved = (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags)
     torch.cuda.current_stream = lambda *a, **kw: _NoStream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
@@ -275,19 +274,18 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
                    for _ in range(world)]
             launches = [fused_all_gather.prepare(ws[r], shards[r], w.t(), None, got[r], outs[r], cfg,
                                                  side=_NoStream(), ce_chunk_count=chunks) for r in range(world)]
-            kernels = []  # the kernels wait until every rank has pushed (one process)
-
-            class Deferred:
-                def __getitem__(self, grid):
-                    return lambda *a, **kw: kernels.append((grid, a, kw))
-
-            fused_all_gather.all_gather_gemm_kernel = Deferred()
+            kernels = []  # the kernels wait until every rank has pushed (one process): deferred
+            launch_kept = launch.Bound.__call__
+            launch.Bound.__call__ = lambda bound, **kw: kernels.append((bound, kw))
             epochs = [x.next_epoch() for x in ws]
-            for r in range(world):
-                launches[r](*epochs[r])
-            fused_all_gather.all_gather_gemm_kernel = saved[3]
-            for r, (grid, a, kw) in enumerate(kernels):
-                saved[3][grid](*a, **kw)
+            try:
+                for r in range(world):
+                    launches[r](*epochs[r])
+            finally:
+                launch.Bound.__call__ = launch_kept
+            assert len(kernels) == world
+            for bound, kw in kernels:
+                bound(**kw)
             full = torch.cat(shards)
             want = full.float() @ w.float().t()
             for r in range(world):
@@ -304,8 +302,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
                 assert all(int(flags[base + c * world + p]) == epochs[r][0] for c, p in written), (r, call)
             assert int(ws[0].err[0]) == 0
     finally:
-        (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags,
-         fused_all_gather.all_gather_gemm_kernel) = saved
+        torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags = saved
 
 
 _peers_ready = fused_all_reduce._peers_ready

@@ -630,3 +630,27 @@ def test_model_benchmark_has_a_backend_with_the_norm_chains_opted_in(world2):
         out = bench_model._compile("commfuse_norm", model)(x)
         torch.testing.assert_close(out, model(x))
     assert [r.module for r in commfuse.report().fused if r.pattern == "add_rms_norm"] == ["layers.0.attention.wo"]
+
+
+def test_host_python_runs_every_case_on_its_own_path(tmp_path):
+    """``benchmarks/host_python.py`` on the CPU: each case's calls take the path the case names
+    (forced, each case's plans decided afresh) and launch one kernel per call through the kept
+    launch, the GPU's parts stood in; what it records is what it prints."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "host_python.py"), "--calls", "3", "--rounds", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = json.loads(out.read_text())["records"]
+    assert [r["case"] for r in records] == [c[0] for c in __import__("runpy").run_path(
+        str(root / "benchmarks" / "host_python.py"))["CASES"]]
+    for r in records:
+        assert r["ran"] == [r["path"]], r
+        assert r["launches_per_call"] == 1 and r["python_calls_per_call"] > 0, r
+        assert f"{r['case']:12} {r['us_per_call']:7.1f} us/call" in proc.stdout
+    assert "NOTE" not in proc.stdout

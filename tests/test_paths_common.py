@@ -28,8 +28,10 @@ class _Event:
 
 
 class _NamedStream:
-    def __init__(self, name, log):
+    def __init__(self, name, log, handle=None):
         self.name, self.log = name, log
+        if handle is not None:  # a CUDA stream's handle (``cuda_stream``)
+            self.cuda_stream = handle
 
     def wait_stream(self, other):
         self.log.append((self.name, "wait_stream", other.name))
@@ -38,17 +40,26 @@ class _NamedStream:
         self.log.append((self.name, "wait_event"))
 
 
-def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch):
+@pytest.mark.parametrize("handles", [False, True], ids=["objects", "handles"])
+def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch, handles):
     """Calls pair across ranks by their epochs, taken in host order, so on the device each call of
     a group must start after the one before (``Workspace.order``, in ``paths.common.exchange``). A
     call on the stream of the group's last call is ordered already: it waits on nothing and records
     nothing. A call on another stream waits for the last one (for that stream's queue the first
     time, then for the event recorded after the previous call), and from then on every call records
-    that event after its work."""
+    that event after its work. With ``handles`` (CUDA's streams), a call tells the last call's
+    stream by its handle, and makes a stream object only when the stream changed."""
     log = []
-    s1, s2 = _NamedStream("s1", log), _NamedStream("s2", log)
+    s1, s2 = _NamedStream("s1", log, 11 if handles else None), _NamedStream("s2", log, 22 if handles else None)
     current = [s1]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    made = []
+
+    def current_stream(device=None):
+        made.append(current[0].name)
+        return current[0]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(wsmod, "_raw_stream", lambda device: current[0].cuda_stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(log))
     on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # the buffer, as CUDA sees it
     ws = wsmod.Workspace("0", 0, 2, on_gpu, None, 1024, err=torch.zeros(8, dtype=torch.int32))
@@ -75,6 +86,8 @@ def test_calls_of_a_group_from_two_streams_are_ordered_on_the_device(monkeypatch
             log.append(("failed",))
             raise ValueError("a launch failed")
     assert log[-2:] == [("s1", "wait_event"), ("failed",)] and ws.broken
+    # the stream objects made: at every call, or only where the stream changed
+    assert made == (["s1", "s2", "s1", "s2", "s1"] if handles else ["s1", "s1", "s2", "s2", "s1", "s2", "s1"])
 
 
 def test_graph_lane_calls_from_two_streams_are_ordered_through_its_door(monkeypatch):

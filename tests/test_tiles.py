@@ -83,3 +83,122 @@ def test_descriptors_accept_every_activation_layout(form):
         assert a_desc.strides == [k, 1] and a_desc.base.data_ptr() % 16 == 0
         assert torch.equal(a_desc.base, a)  # the same values, wherever they now live
         assert b_desc.strides == ([k, 1] if transposed else [n, 1])
+
+
+def _described(desc) -> tuple:
+    """What a descriptor says to the kernel and to the launch's keys: its base (address, dtype,
+    shape, strides), its own shape, strides, block and padding."""
+    base = desc.base
+    return (base.data_ptr(), base.dtype, tuple(base.shape), base.stride(), list(desc.shape), list(desc.strides),
+            list(desc.block_shape), desc.padding)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_descriptors_from_kept_layouts_are_those_made_afresh(dtype):
+    """``descriptor_operands`` keeps each operand layout it checked once: later operands of that
+    layout, at other addresses, get descriptors made from the kept fields. They must say what a
+    descriptor made afresh says (to the kernel, and to the launch's keys: ``launch._spec``,
+    ``launch._layout``), and an operand of a kept layout whose base is not 16-byte aligned must
+    still be copied, as a layout that needs a copy is never kept."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    import torch
+
+    from commfuse.kernels import launch, tiles
+
+    dt = getattr(torch, dtype)
+    cfg = tiles.TileConfig(bm=16, bn=32, bk=16)
+    k, n = 64, 96
+    tiles._LAYOUTS.clear()
+
+    def fresh(a, b):
+        tiles._LAYOUTS.clear()
+        made = tiles.descriptor_operands(a, b, cfg)
+        tiles._LAYOUTS.clear()
+        return made
+
+    layouts = [lambda m: (torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt).t()),  # nn.Linear's weight
+               lambda m: (torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)),  # a dense weight
+               lambda m: (torch.randn(m, 2 * k, dtype=dt)[:, :k], torch.randn(n, k, dtype=dt).t())]  # strided rows
+    for make in layouts:
+        for m in (1, 5):
+            first = make(m)
+            tiles.descriptor_operands(*first, cfg)  # the layout is kept from here
+            assert tiles._LAYOUTS
+            for _ in range(3):
+                a, b = make(m)  # the same layout at other addresses
+                got = tiles.descriptor_operands(a, b, cfg)
+                want = fresh(a, b)
+                tiles.descriptor_operands(*first, cfg)
+                assert got[2] is want[2]
+                for g, w in zip(got[:2], want[:2]):
+                    assert _described(g) == _described(w)
+                    assert launch._spec(g) == launch._spec(w) and launch._layout(g) == launch._layout(w)
+                assert got[0].base is a  # no copy: the operand itself
+            # the same layout, but at an address no TMA descriptor takes: copied, never described as is
+            storage = torch.randn(m * k + 1, dtype=dt)
+            odd = storage[1:].view(m, k)
+            if make is layouts[2]:
+                continue
+            got = tiles.descriptor_operands(odd, first[1], cfg)
+            assert got[0].base.data_ptr() % 16 == 0 and got[0].base.data_ptr() != odd.data_ptr()
+            assert torch.equal(got[0].base, odd)
+    # a layout that needs a copy (an expanded row) is copied at every call, and not kept
+    tiles._LAYOUTS.clear()
+    row = torch.randn(1, k, dtype=dt).expand(4, k)
+    w = torch.randn(n, k, dtype=dt).t()
+    bases = {tiles.descriptor_operands(row, w, cfg)[0].base.data_ptr() for _ in range(2)}
+    assert row.data_ptr() not in bases
+    assert all(key[0] != "a" for key in tiles._LAYOUTS)
+
+
+def test_the_fused_all_gather_keeps_its_plan_and_its_workspace_descriptors(monkeypatch):
+    """``fused_all_gather.prepare``: what depends only on the shapes, layout and options is made
+    once per workspace (``_Plan``): one kept launch for every call, the descriptors of each
+    parity's gathered rows made once (the workspace does not move); a call passes its own
+    operands and outputs, this parity's rows and their descriptor, and copies its shard into its
+    own rows of them."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    pytest.importorskip("iris")
+    import torch
+
+    from commfuse.kernels import fused_all_gather, launch, tiles
+    from commfuse.runtime import workspace as wsmod
+
+    class Fits(dict):  # every configuration fits once per SM (no GPU to ask)
+        def __contains__(self, key):
+            return True
+
+        def __getitem__(self, key):
+            return 1
+
+    monkeypatch.setattr(fused_all_gather, "_resident", Fits())
+    launched = []
+    monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
+    world, rank, rows, k, n = 2, 1, 32, 64, 32
+    data = 1 << 16
+    ws = wsmod.Workspace("0", rank, world, torch.zeros(wsmod.HEADER_BYTES + 2 * data, dtype=torch.uint8),
+                         torch.zeros(world, dtype=torch.int64), data)
+    cfg = tiles.TileConfig(bm=32, bn=32, bk=16)
+    w = torch.randn(n, k, dtype=torch.float16)
+    for call in range(4):
+        ticket = ws.ticket_base
+        shard = torch.randn(rows, k, dtype=torch.float16)
+        gathered = torch.empty(world * rows, k, dtype=torch.float16)
+        out = torch.empty(world * rows, n, dtype=torch.float16)
+        go = fused_all_gather.prepare(ws, shard, w.t(), None, gathered, out, cfg)
+        parity = (call + 1) % 2
+        go(call + 1, parity)
+        bound, args = launched[-1]
+        rows_of_parity = ws.data(parity, (world * rows, k), torch.float16)
+        assert args["data"].data_ptr() == rows_of_parity.data_ptr()
+        assert args["g_desc"].base is args["data"] and args["g_desc"].block_shape == [32, 16]
+        assert torch.equal(rows_of_parity[rank * rows:(rank + 1) * rows], shard)  # its own rows
+        assert args["out"] is out and args["gathered"] is gathered and args["bias"] is out
+        assert args["b_desc"].base.data_ptr() == w.data_ptr() and bound.fixed["B_TRANSPOSED"]
+        assert args["trace"].data_ptr() == ws.ticket.data_ptr() and args["scale_a"] is ws.err and args["scale_b"] is ws.err
+        assert (args["epoch"], args["ticket_base"]) == (call + 1, ticket)
+        assert ws.ticket_base == ticket + world * 1 * 1 + bound.grid[0]  # every tile, one failed claim each
+    assert len({id(b) for b, _ in launched}) == 1 and len(ws.launches) == 1
+    for parity in (0, 1):  # each parity's descriptor made once
+        assert len({id(kw["g_desc"]) for _, kw in launched if kw["data"].data_ptr() == ws.data(
+            parity, (1,), torch.float16).data_ptr()}) == 1

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .launch import run as run_kernel
+from .launch import Bound
 from .sync import TRACE_SLOTS, FUSED_AG_OP, iris, now, require_iris, trace_tile, trace_time, wait_or_record
 from .tiles import claim, mma_tile, scale_tile, tile_coords, tile_epilogue
 from .sizes.fused_all_gather import (CHUNK_ROWS, PUSHERS, ce_chunks, ce_flag_base, chunk_flag_slots,  # noqa: F401
@@ -195,6 +195,76 @@ def copy_engine_flags():
         return None
 
 
+#: The kernel's arguments that change from call to call (``launch.Bound``): the operands and
+#: outputs, this parity's rows and their descriptor, the bias's strides, the epoch, the ticket.
+_PER_CALL = ("g_desc", "b_desc", "gathered", "bias", "out", "data", "stride_bm", "stride_bn", "epoch", "ticket_base",
+             "trace", "scale_a", "scale_b")
+
+
+class _Plan:
+    """What a call's launch depends on beyond its operands (``prepare``), worked out once per
+    workspace, shapes, layout and options (``Workspace.kept``): the gathered rows of each parity
+    and their descriptors (the workspace's addresses do not move), the peers' views, the flags,
+    the grid and the kept launch."""
+
+    def __init__(self, ws, rows: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype, b_t: bool,
+                 has_bias: bool, gathered: bool, cfg: tiles.TileConfig, traced: bool, ce_wanted: bool, pushers: int,
+                 ce_chunk_count: int, fp8: tuple | None, rowwise: bool, device: torch.device, call: dict):
+        """``call``: the first call's arguments of ``_PER_CALL`` but the parity's rows and the
+        counts (the first compile takes them)."""
+        world, rank = ws.world, ws.rank
+        if cfg.bm % CHUNK_ROWS:
+            raise RuntimeError(f"commfuse: tile height {cfg.bm} is not a multiple of {CHUNK_ROWS}")
+        if chunk_flag_slots(rows, world) > ws.tile_flags.numel():
+            raise RuntimeError("commfuse: too many row chunks for the workspace's tile flags")
+        self.gathered_rows = [ws.data(p, (world * rows, k), dtype) for p in (0, 1)]
+        self.write_flag = write_flag = copy_engine_flags() if ce_wanted else None
+        self.peers = peers = [(rank - i) % world for i in range(1, world)]  # rank - 1 reads this rank's rows first
+        self.peer_rows = {(q, parity): ws.peer_data(q, parity, (world * rows, k), dtype)
+                          for q in peers for parity in (0, 1)} if write_flag is not None else {}
+        self.peer_flags = {q: ws.peer_tile_flags(q) for q in peers} if write_flag is not None else {}
+        self.ce = ce = write_flag is not None and all(
+            v is not None for v in (*self.peer_rows.values(), *self.peer_flags.values()))
+        self.flag_rows = flag_rows = tiles.cdiv(rows, ce_chunks(rows, ce_chunk_count)) if ce else CHUNK_ROWS
+        self.flag_base = ce_flag_base(rows, world) if ce else 0
+        # each parity's rows, dense in the workspace: descriptors made once
+        self.g_descs = [tiles.rows_descriptor(g, [cfg.bm, cfg.bk]) for g in self.gathered_rows]
+        push_k = min(256, triton.next_power_of_2(k))
+        self.gather_in_kernel = gathered and not ce  # else copied from the workspace after
+        if not self.gather_in_kernel:  # (the kernel takes the output in its place, as every call will)
+            call = {**call, "gathered": call["out"]}
+        self.scale_areas = None
+        if rowwise:
+            at = rowwise_scales_offset(rows, k, world, dtype.itemsize)
+            self.scale_areas = [ws.data(p, (world * rows,), torch.float32, offset_bytes=at) for p in (0, 1)]
+        imprecise = fp8[1] if fp8 else None
+        consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+                      GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
+                      HAS_BIAS=has_bias, GATHER=self.gather_in_kernel, TRACE=traced,
+                      SCALED=fp8 is not None, IMPRECISE=imprecise, ROWWISE=rowwise, num_warps=cfg.warps,
+                      num_stages=cfg.stages)
+        fixed = dict(rows=rows, N=n, K=k, flags=ws.tile_flags[self.flag_base:], heap_bases=ws.heap_bases, rank=rank,
+                     err=ws.err, timeout=ws.timeout_ns, ticket=ws.ticket, flag_rows=flag_rows)
+        key = (cfg, dtype, out_dtype, world, b_t, has_bias, device.index, push_k,
+               self.gather_in_kernel, traced, fp8 is not None, imprecise, rowwise)
+        if key not in _resident:  # compiled, not launched: how many programs fit on an SM
+            compiled = all_gather_gemm_kernel.warmup(
+                g_desc=self.g_descs[0], data=self.gathered_rows[0], epoch=0, ticket_base=0, pushers=PUSHERS,
+                grid=(1,), **call, **fixed, **consts)
+            compiled._init_handles()
+            _resident[key] = tiles.resident_programs(compiled, device)
+        per_sm = min(cfg.per_sm, _resident[key])
+        if per_sm < 1:
+            raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
+        self.count = count = world * tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
+        programs = per_sm * ws.max_programs
+        self.pushers = 0 if ce else max(1, min(pushers, tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
+        self.compute = max(1, min(count, programs - self.pushers))
+        self.mine = slice(rank * rows, (rank + 1) * rows)
+        self.bound = Bound(all_gather_gemm_kernel, (self.pushers + self.compute,), _PER_CALL, pushers=self.pushers,
+                           **fixed, **consts)
+
+
 def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tensor | None,
             out: torch.Tensor, cfg: tiles.TileConfig, trace: torch.Tensor | None = None,
             side: torch.cuda.Stream | None = None, pushers: int = PUSHERS, ce_chunk_count: int = 1,
@@ -212,73 +282,37 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
     weight (one float32 each, ``_scaled_mm``'s), with ``use_fast_accum``; ``out`` is of the
     output dtype, ``gathered`` of the shard's. ``rowwise``: ``scale_a`` holds one float32 per row
     of the shard and ``scale_b`` one per column of ``b``; the row scales are gathered with the rows
-    (``rowwise_scales_offset``), by pushers (``side`` is ignored), and no ``gathered`` is made."""
+    (``rowwise_scales_offset``), by pushers (``side`` is ignored), and no ``gathered`` is made.
+    What depends only on the shapes, layouts and options is worked out once per workspace
+    (``_Plan``): a model step waits for this host work."""
     require_iris()
     rows, k = shard.shape
     n = b.shape[1]
-    world, rank = ws.world, ws.rank
     if rowwise:
         if gathered is not None or scales is None:
             raise ValueError("commfuse: the row-wise gather takes scales and makes no gathered tensor")
         side = None
-    if cfg.bm % CHUNK_ROWS:
-        raise RuntimeError(f"commfuse: tile height {cfg.bm} is not a multiple of {CHUNK_ROWS}")
-    if chunk_flag_slots(rows, world) > ws.tile_flags.numel():
-        raise RuntimeError("commfuse: too many row chunks for the workspace's tile flags")
-    gathered_rows = [ws.data(p, (world * rows, k), shard.dtype) for p in (0, 1)]
-    write_flag = copy_engine_flags() if side is not None else None
-    peers = [(rank - i) % world for i in range(1, world)]  # rank - 1 reads this rank's rows first
-    peer_rows = {(q, parity): ws.peer_data(q, parity, (world * rows, k), shard.dtype)
-                 for q in peers for parity in (0, 1)} if write_flag is not None else {}
-    peer_flags = {q: ws.peer_tile_flags(q) for q in peers} if write_flag is not None else {}
-    ce = write_flag is not None and all(v is not None for v in (*peer_rows.values(), *peer_flags.values()))
-    flag_rows = tiles.cdiv(rows, ce_chunks(rows, ce_chunk_count)) if ce else CHUNK_ROWS
-    flag_base = ce_flag_base(rows, world) if ce else 0
-    flags = ws.tile_flags[flag_base:]  # the kernel waits on flags from here
-    g0_desc, b_desc, b_t = tiles.descriptor_operands(gathered_rows[0], b, cfg)  # dense: no copy
-    g_descs = [g0_desc, tiles.rows_descriptor(gathered_rows[1], [cfg.bm, cfg.bk])]
-    full_bias, sbm, sbn = tiles.bias_strides(bias, world * rows, n)
-    push_k = min(256, triton.next_power_of_2(k))
-    gather_in_kernel = gathered is not None and not ce  # else copied from the workspace after
-    own_scales, scale_areas = None, None
+    b_desc, b_t = tiles.weight_descriptor(b, cfg)
+    full_bias, sbm, sbn = tiles.bias_strides(bias, ws.world * rows, n)
     scale_a, scale_b, fp8 = tiles.fp8_scales(scales, rows, n, use_fast_accum, cfg.bk, ws.err)
-    imprecise = fp8[1] if fp8 else None
-    if rowwise:
-        if scale_a.numel() != rows or scale_b.numel() != n:
-            raise ValueError(f"commfuse: row-wise scales must be [{rows}] and [{n}]")
-        own_scales = scale_a
-        at = rowwise_scales_offset(rows, k, world, shard.element_size())
-        scale_areas = [ws.data(p, (world * rows,), torch.float32, offset_bytes=at) for p in (0, 1)]
-        scale_a = scale_areas[0]
-
-    def args(epoch, parity, ticket_base):
-        return (g_descs[parity], b_desc, gathered if gather_in_kernel else out,
-                full_bias if full_bias is not None else out, out, gathered_rows[parity], rows, n, k,
-                sbm, sbn, flags, ws.heap_bases, epoch, rank, ws.err,
-                ws.timeout_ns, ws.ticket, ticket_base, trace if trace is not None else ws.ticket)
-
-    consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-                  GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,
-                  HAS_BIAS=bias is not None, GATHER=gather_in_kernel, TRACE=trace is not None,
-                  SCALED=scales is not None, IMPRECISE=imprecise, ROWWISE=rowwise, num_warps=cfg.warps,
-                  num_stages=cfg.stages)
-    key = (cfg, shard.dtype, out.dtype, world, b_t, bias is not None, shard.device.index, push_k,
-           gather_in_kernel, trace is not None, scales is not None, imprecise, rowwise)
-    if key not in _resident:  # compiled, not launched: how many programs fit on an SM
-        compiled = all_gather_gemm_kernel.warmup(*args(0, 0, 0), PUSHERS, flag_rows, scale_a, scale_b, grid=(1,),
-                                                 **consts)
-        compiled._init_handles()
-        _resident[key] = tiles.resident_programs(compiled, shard.device)
-    per_sm = min(cfg.per_sm, _resident[key])
-    if per_sm < 1:
-        raise RuntimeError(f"commfuse: the fused all-gather kernel with {cfg} does not fit on an SM")
-    count = world * tiles.cdiv(rows, cfg.bm) * tiles.cdiv(n, cfg.bn)
-    programs = per_sm * ws.max_programs
-    pushers = 0 if ce else max(1, min(pushers, tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
-    compute = max(1, min(count, programs - pushers))
-    if trace is not None and trace.numel() < (pushers + compute) * TRACE_SLOTS:
-        raise ValueError(f"commfuse: the trace needs {(pushers + compute) * TRACE_SLOTS} slots")
-    mine = slice(rank * rows, (rank + 1) * rows)
+    if rowwise and (scale_a.numel() != rows or scale_b.numel() != n):
+        raise ValueError(f"commfuse: row-wise scales must be [{rows}] and [{n}]")
+    traced = trace is not None
+    # (the gathered tensor: the kernel writes it only where it gathers; ``_Plan`` says)
+    call = dict(b_desc=b_desc, gathered=gathered if gathered is not None else out,
+                bias=full_bias if full_bias is not None else out, out=out, stride_bm=sbm, stride_bn=sbn,
+                trace=trace if traced else ws.ticket, scale_a=scale_a, scale_b=scale_b)
+    # every input of the plan is in its key
+    key = ("fused_all_gather", rows, k, n, shard.dtype, out.dtype, b_t, full_bias is not None, gathered is not None,
+           cfg, traced, side is not None, pushers, ce_chunk_count, fp8, rowwise, ws.err.data_ptr(), ws.timeout_ns)
+    plan = ws.kept(key, lambda: _Plan(ws, rows, k, n, shard.dtype, out.dtype, b_t, full_bias is not None,
+                                      gathered is not None, cfg, traced, side is not None, pushers, ce_chunk_count,
+                                      fp8, rowwise, shard.device, call))
+    if traced and trace.numel() < (plan.pushers + plan.compute) * TRACE_SLOTS:
+        raise ValueError(f"commfuse: the trace needs {(plan.pushers + plan.compute) * TRACE_SLOTS} slots")
+    if not plan.gather_in_kernel:
+        call["gathered"] = out
+    ce, gathered_rows, mine = plan.ce, plan.gathered_rows, plan.mine
 
     def push(epoch: int, parity: int) -> None:
         """The copy engines store the shard into every peer's rows, chunk by chunk, each chunk's
@@ -287,33 +321,32 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         half from two calls ago (the kernel's own argument, module docstring)."""
         main = torch.cuda.current_stream(shard.device)
         side.wait_stream(main)
+        rank, world, flag_rows, flag_base = ws.rank, ws.world, plan.flag_rows, plan.flag_base
         with torch.cuda.stream(side):
             for c, lo in enumerate(range(0, rows, flag_rows)):
                 hi = min(lo + flag_rows, rows)
-                for q in peers:
-                    peer_rows[(q, parity)][rank * rows + lo:rank * rows + hi].copy_(shard[lo:hi],
-                                                                                    non_blocking=True)
-                    write_flag(peer_flags[q], flag_base + c * world + rank, epoch)
+                for q in plan.peers:
+                    plan.peer_rows[(q, parity)][rank * rows + lo:rank * rows + hi].copy_(shard[lo:hi],
+                                                                                         non_blocking=True)
+                    plan.write_flag(plan.peer_flags[q], flag_base + c * world + rank, epoch)
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
-        if trace is not None:
+        if traced:
             trace.fill_(-1)
         if ce:
             push(epoch, parity)
         gathered_rows[parity][mine].copy_(shard)
-        row_scales = scale_a
         if rowwise:  # this rank's rows' scales beside its rows; the pushers take them from there
-            row_scales = scale_areas[parity]
-            row_scales[mine].copy_(own_scales)
-        run_kernel(all_gather_gemm_kernel, (pushers + compute,), *args(epoch, parity, base), pushers,
-                   flag_rows, row_scales, scale_b, **consts)
+            row_scales = call["scale_a"] = plan.scale_areas[parity]
+            row_scales[mine].copy_(scale_a)
+        plan.bound(g_desc=plan.g_descs[parity], data=gathered_rows[parity], epoch=epoch, ticket_base=base, **call)
         if ce:
             if gathered is not None:  # every peer's rows are in the workspace once the kernel ends
                 gathered.copy_(gathered_rows[parity])
             torch.cuda.current_stream(shard.device).wait_stream(side)
         # every position claimed once, and one failed claim per program
-        ws.ticket_base = base + count + pushers + compute
+        ws.ticket_base = base + plan.count + plan.pushers + plan.compute
 
     launch.variants = ("ce_push",) if ce else ()  # (what ran: the caller may count it)
     return launch

@@ -153,9 +153,10 @@ def rows_descriptor(a: torch.Tensor, block: list[int]):
     return TensorDescriptor(a, list(a.shape), [_row_stride(a), 1], block)
 
 
-#: Operand layouts seen (``descriptor_operands``): (shapes, strides, dtypes, block) -> the fields of
-#: ``a``'s and ``b``'s descriptors without their base, and whether ``b``'s is over its transpose.
-#: Only layouts whose operands needed no copy are kept; cleared when full.
+#: Operand layouts seen (``descriptor_operands``, ``weight_descriptor``): (which operand, shape,
+#: strides, dtype, block) -> the fields of its descriptor without the base (and for a weight,
+#: whether the descriptor is over its transpose). Only layouts that needed no copy are kept;
+#: cleared when full.
 _LAYOUTS: dict[tuple, tuple] = {}
 LAYOUT_LIMIT = 1024
 #: Descriptors are made from a kept layout's fields where Triton's is a plain dataclass (its checks
@@ -178,36 +179,56 @@ def _from_fields(base: torch.Tensor, fields: dict):
     return desc
 
 
+def _keep(key: tuple, value: tuple) -> None:
+    if _COPYABLE:
+        if len(_LAYOUTS) >= LAYOUT_LIMIT:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = value
+
+
+# Whether an operand is TMA-ready depends on its shape, strides and dtype, and on its address only
+# through the base's alignment: a layout seen before makes its descriptor from the kept fields once
+# the base is aligned, without checking it again.
+
+def activation_descriptor(a: torch.Tensor, cfg: TileConfig):
+    """The TMA descriptor of ``a`` [M, K] for ``cfg``'s tiles (``descriptor_operands``)."""
+    key = ("a", a.shape, a.stride(), a.dtype, cfg.bm, cfg.bk)
+    kept = _LAYOUTS.get(key)
+    if kept is not None and a.data_ptr() % 16 == 0:
+        return _from_fields(a, kept[0])
+    if not _tma_ready(a):
+        return rows_descriptor(a.clone(memory_format=torch.contiguous_format), [cfg.bm, cfg.bk])
+    desc = rows_descriptor(a, [cfg.bm, cfg.bk])
+    _keep(key, (_fields(desc),))
+    return desc
+
+
+def weight_descriptor(b: torch.Tensor, cfg: TileConfig):
+    """``(descriptor, over its transpose)`` of ``b`` [K, N] for ``cfg``'s tiles
+    (``descriptor_operands``)."""
+    key = ("b", b.shape, b.stride(), b.dtype, cfg.bn, cfg.bk)
+    kept = _LAYOUTS.get(key)
+    if kept is not None and b.data_ptr() % 16 == 0:
+        fields, b_t = kept
+        return _from_fields(b.t() if b_t else b, fields), b_t
+    bt = b.t()
+    if _tma_ready(bt):  # a linear layer's weight, used transposed: no copy
+        desc, b_t = rows_descriptor(bt, [cfg.bn, cfg.bk]), True
+    elif _tma_ready(b):
+        desc, b_t = rows_descriptor(b, [cfg.bk, cfg.bn]), False
+    else:
+        return rows_descriptor(b.clone(memory_format=torch.contiguous_format), [cfg.bk, cfg.bn]), False
+    _keep(key, (_fields(desc), b_t))
+    return desc, b_t
+
+
 def descriptor_operands(a: torch.Tensor, b: torch.Tensor, cfg: TileConfig):
     """TMA descriptors of ``a`` [M, K] and ``b`` [K, N] for ``cfg``'s tiles, and whether the
     descriptor of ``b`` is over its transpose. TMA needs unit inner strides, 16-byte aligned rows
     and base; an operand without them (a transposed activation, a view at an odd offset) is
-    copied once into a fresh dense tensor.
-
-    Whether an operand is TMA-ready depends on its shape, strides and dtype, and on its address
-    only through the base's alignment: a layout seen before (its operands ready) makes its
-    descriptors from the kept fields once both bases are aligned, without checking them again."""
-    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, cfg.bm, cfg.bn, cfg.bk)
-    kept = _LAYOUTS.get(key)
-    if kept is not None and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0:
-        a_fields, b_fields, b_t = kept
-        return _from_fields(a, a_fields), _from_fields(b.t() if b_t else b, b_fields), b_t
-    ready = _tma_ready(a)
-    if not ready:
-        a = a.clone(memory_format=torch.contiguous_format)
-    a_desc = rows_descriptor(a, [cfg.bm, cfg.bk])
-    bt = b.t()
-    if _tma_ready(bt):  # a linear layer's weight, used transposed: no copy
-        b_desc, b_t = rows_descriptor(bt, [cfg.bn, cfg.bk]), True
-    elif _tma_ready(b):
-        b_desc, b_t = rows_descriptor(b, [cfg.bk, cfg.bn]), False
-    else:
-        return a_desc, rows_descriptor(b.clone(memory_format=torch.contiguous_format), [cfg.bk, cfg.bn]), False
-    if ready and _COPYABLE:
-        if len(_LAYOUTS) >= LAYOUT_LIMIT:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = (_fields(a_desc), _fields(b_desc), b_t)
-    return a_desc, b_desc, b_t
+    copied once into a fresh dense tensor."""
+    b_desc, b_t = weight_descriptor(b, cfg)
+    return activation_descriptor(a, cfg), b_desc, b_t
 
 
 def bias_strides(bias: torch.Tensor | None, m: int, n: int):

@@ -70,6 +70,13 @@ ALIGN = 256
 KEPT_LIMIT = 256
 
 
+def _raw_stream(device: int) -> int:
+    """The handle of ``device``'s current stream (``torch.cuda.current_stream(device).cuda_stream``
+    without making the stream's object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
@@ -104,6 +111,8 @@ class SymmetricBuffer:
     #: stream, an event recorded after each call's work
     last_stream: object = dataclasses.field(default=None, repr=False)
     last_event: object = dataclasses.field(default=None, repr=False)
+    #: ``last_stream``'s handle (``cuda_stream``), None where it has none
+    last_raw: int | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.err is None:
@@ -124,7 +133,21 @@ class SymmetricBuffer:
             else:
                 stream.wait_event(self.last_event)
         self.last_stream = stream
+        self.last_raw = getattr(stream, "cuda_stream", None)
         return self.last_event is not None
+
+    def order_current(self):
+        """``order`` for the current stream of the buffer's device (a CUDA buffer's): ``(the
+        stream, whether to record)``. A call on the last call's stream, told by its handle, is
+        ordered already: no stream object is made (each costs the host a device switch)."""
+        if self.last_raw is not None and _raw_stream(self.device_index) == self.last_raw:
+            return self.last_stream, self.last_event is not None
+        stream = torch.cuda.current_stream(self.buffer.device)
+        return stream, self.order(stream)
+
+    @functools.cached_property
+    def device_index(self) -> int:
+        return self.buffer.device.index
 
     def kept(self, key, make):
         """``launches[key]``, made by ``make()`` if missing; at most ``KEPT_LIMIT`` are kept, the

@@ -65,8 +65,7 @@ class _Exchange:
 
     def __enter__(self) -> tuple[int, int]:
         ws = self.ws
-        self.stream = stream = torch.cuda.current_stream(ws.buffer.device) if ws.buffer.is_cuda else None
-        self.record = ws.order(stream) if stream is not None else False
+        self.stream, self.record = ws.order_current() if ws.buffer.is_cuda else (None, False)
         return ws.next_epoch(lambda: ws.restart_epochs(self.ctx.group.pg()), self.ctx.tag)
 
     def __exit__(self, kind, exc, tb) -> bool:
