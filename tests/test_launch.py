@@ -43,8 +43,9 @@ class _Refuses(_Compiled):
 class _Kernel:
     """Parameters ``(x, n, FLAG: constexpr = 7)``; ``kernel[grid](...)`` records a Triton launch."""
 
-    def __init__(self, returns=True, loose_n=False):
-        self.params = [_Param("x"), _Param("n", do_not_specialize=loose_n), _Param("FLAG", 7, True, True)]
+    def __init__(self, returns=True, loose_n=False, names=("x", "n")):
+        self.params = [_Param(names[0]), _Param(names[1], do_not_specialize=loose_n),
+                       *[_Param(name) for name in names[2:]], _Param("FLAG", 7, True, True)]
         self.arg_names = [p.name for p in self.params]
         self.log = []
         self.compiled = _Compiled(self.log) if returns else None
@@ -347,8 +348,8 @@ class _Encoder:
         return [("tensormap", desc.base.data_ptr(), tuple(desc.shape), meta["swizzle"]), *desc.shape, *desc.strides]
 
 
-def _kernel36(monkeypatch, version="3.6.0", base_args=launch.BASE_ARGS_36, **kw):
-    k, enc = _Kernel(), _Encoder()
+def _kernel36(monkeypatch, version="3.6.0", base_args=launch.BASE_ARGS_36, names=("x", "n"), **kw):
+    k, enc = _Kernel(names=names), _Encoder()
     k.compiled = _Compiled36(k.log, enc, **kw)
     monkeypatch.setattr(launch, "_triton_version", lambda: version)
     monkeypatch.setattr(launch, "_base_args_len", lambda: base_args)
@@ -441,3 +442,15 @@ def test_launch_hooks_take_the_launch_back_from_the_encoded_form(monkeypatch):
     monkeypatch.setattr(launch, "_hooked", lambda: True)
     launch.run(k, (1,), _desc(x), 32)
     assert [e[0] for e in k.log] == ["triton", "triton"]
+
+
+def test_an_encoded_launch_of_several_descriptors_keeps_every_argument_in_place(monkeypatch):
+    """Descriptors first, between and last among the kernel's arguments (the fused kernels take
+    two or three): each is expanded into its encoding where it stands, the others pass in order,
+    as Triton's own wrapper hands them to its C launcher."""
+    k, enc = _kernel36(monkeypatch, indices=(0, 2, 4), names=("a", "m", "b", "n", "c"))
+    x, y, z = torch.zeros(64, 64), torch.ones(64, 64), torch.full((64, 64), 2.0)
+    launch.run(k, (3,), _desc(x), 5, _desc(y), 6, _desc(z))  # through Triton
+    launch.run(k, (3,), _desc(x), 5, _desc(y), 6, _desc(z))
+    assert k.log[-1][0] == "raw" and enc.calls == 3  # each descriptor encoded once
+    assert list(k.log[-1][1]) == k.compiled.triton_args((3, 1, 1), (_desc(x), 5, _desc(y), 6, _desc(z), 7), 1234)

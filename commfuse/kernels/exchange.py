@@ -232,20 +232,26 @@ def barrier_kernel(slot, flags, heap_bases, epoch, rank, err, timeout, epoch_at,
     wait_peers(flags, slot, epoch, rank, err, timeout, OP, WORLD)
 
 
-def _launch_rowwise(kernel, ws, src: torch.Tensor, out: torch.Tensor, outer: int, inner: int,
+def _launch_rowwise(kernel, source: str, ws, src: torch.Tensor, out: torch.Tensor, outer: int, inner: int,
                     epoch: int, op_code: int, block: int, max_programs: int, num_warps: int) -> None:
-    """Launch a kernel that walks ``outer`` rows of ``inner`` elements (gather, reduce-scatter)."""
+    """Launch a kernel that walks ``outer`` rows of ``inner`` elements (gather, reduce-scatter),
+    kept per workspace and launch shape as the one-shot's: a call puts its tensors, sizes and
+    epoch into the kept launch. ``source``: the kernel's name for ``src``."""
+    require_iris()
     grid = (_programs(ws, outer * inner, block, max_programs),)
-    aligned = (inner * src.element_size()) % 16 == 0 and src.data_ptr() % 16 == 0
-    run_kernel(kernel, grid, src, out, outer, inner, **_common(ws, epoch), OP=op_code, WORLD=ws.world,
-               BLOCK=block, VEC=1 if aligned else 0, num_warps=num_warps)
+    vec = int((inner * src.element_size()) % 16 == 0 and src.data_ptr() % 16 == 0)
+    bound = ws.kept((kernel, grid, op_code, block, vec, num_warps, ws.err.data_ptr(), ws.timeout_ns),
+                    lambda: Bound(kernel, grid, (source, "out", "outer", "inner", "epoch"), flags=ws.flags,
+                                  heap_bases=ws.heap_bases, rank=ws.rank, err=ws.err, timeout=ws.timeout_ns,
+                                  OP=op_code, WORLD=ws.world, BLOCK=block, VEC=vec, num_warps=num_warps))
+    bound(**{source: src}, out=out, outer=outer, inner=inner, epoch=epoch)
 
 
 def reduce_scatter(ws, partial: torch.Tensor, out: torch.Tensor, outer: int, inner: int, epoch: int,
                    op_code: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
                    num_warps: int = NUM_WARPS) -> None:
     """This rank's share of the sum of ``partial`` (viewed ``[outer, world, inner]``) into ``out``."""
-    _launch_rowwise(reduce_scatter_kernel, ws, partial, out, outer, inner, epoch, op_code, block,
+    _launch_rowwise(reduce_scatter_kernel, "partial", ws, partial, out, outer, inner, epoch, op_code, block,
                     max_programs, num_warps)
 
 
@@ -333,5 +339,5 @@ def gather(ws, shard: torch.Tensor, out: torch.Tensor, outer: int, inner: int, e
            op_code: int, block: int = BLOCK, max_programs: int = MAX_PROGRAMS,
            num_warps: int = NUM_WARPS) -> None:
     """Every rank's ``shard`` (``outer`` rows of ``inner``) into ``out`` viewed ``[outer, world, inner]``."""
-    _launch_rowwise(pull_gather_kernel, ws, shard, out, outer, inner, epoch, op_code, block,
+    _launch_rowwise(pull_gather_kernel, "shard", ws, shard, out, outer, inner, epoch, op_code, block,
                     max_programs, num_warps)

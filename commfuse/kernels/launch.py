@@ -409,7 +409,8 @@ def launcher_of(compiled, grid3: tuple):
     layout = _layout_of(compiled) if _switched_encoded else None
     if layout is None:
         return compiled[grid3]
-    raw, descs, tail, function = layout.raw, layout.descs, layout.base_tail, layout.function
+    raw, tail, function = layout.raw, layout.base_tail, layout.function
+    at = sorted(layout.descs)  # the descriptors' positions: the arguments between them pass as they are
     plain = compiled[grid3]
 
     def launch(*values, stream):
@@ -418,11 +419,12 @@ def launcher_of(compiled, grid3: tuple):
             plain(*values, stream=stream)
             return
         args = [*grid3, stream, function, *tail]
-        for i, v in enumerate(values):
-            if i in descs:
-                args.extend(_encode(layout, i, v))
-            else:
-                args.append(v)
+        start = 0
+        for i in at:
+            args += values[start:i]
+            args += _encode(layout, i, values[i])
+            start = i + 1
+        args += values[start:]
         raw(*args)
         ENCODED_LAUNCHES += 1
 

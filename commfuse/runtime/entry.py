@@ -35,7 +35,7 @@ import torch
 from .. import env
 from ..kernels import launch
 from . import alike, capture, counters, errors, groups, policy, running, shards, tuning, verify
-from .counters import ran
+from .counters import PATHS, ran
 from .facts import GroupFacts
 from .paths import REGISTRY
 from .paths.base import Context, make_context, pairing_tag
@@ -62,6 +62,8 @@ class Plan:
     #: site -> the context with that site's pairing tag (the plan is kept per signature, and many
     #: sites share one: every layer's o_proj)
     sites: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: the op and path's key in ``counters.PATHS`` (what ``counters.ran`` counts)
+    counted: str = ""
 
     def at(self, site: int) -> Context:
         """The context a call from ``site`` runs with: the plan's own, but with the pairing check
@@ -131,7 +133,7 @@ def _plan(group, op: str, call: Call, own_size: int, device: torch.device, captu
         decision = policy.choose(call, facts, capturing=capturing, lane_bytes=lane_bytes, forced=settings.algo,
                                  tuned=lambda: tuning.answer(group, call, facts, device, capturing))
     return Plan(call, decision, make_context(call, facts, group, decision.path, decision.variant), counters.generation,
-                running.runner(decision.path))
+                running.runner(decision.path), counted=f"{op}:{decision.name}")
 
 
 def _decide(group, op: str, key: tuple, shapes: tuple, call_of, own_size: int, device: torch.device,
@@ -202,10 +204,11 @@ def run(spec: OpSpec, args, site: int = 0):
     if twin:
         ran(op, "nccl")
         return spec.run_nccl(args)
-    key = (op, *shapes, args.bias is not None, args[0].device.index, capturing)
-    plan = _decide(group, op, key, shapes, lambda: spec.call(args, group.world), spec.own_size(args),
-                   args[0].device, capturing, replayed)
-    ran(op, plan.decision.name)
+    device = args[0].device
+    key = (op, *shapes, args.bias is not None, device.index, capturing)
+    plan = _decide(group, op, key, shapes, lambda: spec.call(args, group.world), spec.own_size(args), device,
+                   capturing, replayed)
+    PATHS[plan.counted] += 1  # (``counters.ran``: the path the call took)
     return plan.run(plan.decision.path, plan.at(site), args)
 
 

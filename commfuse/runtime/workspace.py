@@ -184,6 +184,8 @@ class Workspace(SymmetricBuffer):
     #: calls seen once; the graphs hold this workspace's addresses and go with it
     graphs: dict = dataclasses.field(default_factory=dict, repr=False)
     graphs_seen: dict = dataclasses.field(default_factory=dict, repr=False)
+    #: (parity, shape, dtype, offset) -> the view ``data`` made (bounded by ``KEPT_LIMIT``)
+    _views: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Views kept for the workspace's life are made outside inference mode: one made inside it would
     # refuse the in-place writes (``restart_epochs``) of a later call outside it.
@@ -197,18 +199,20 @@ class Workspace(SymmetricBuffer):
         with torch.inference_mode(False):
             return self.buffer[FLAG_BYTES:FLAG_BYTES + 4 * TILE_FLAG_SLOTS].view(torch.int32)
 
-    @property
+    @functools.cached_property
     def tile_counters(self) -> torch.Tensor:
         """int32, this rank's only: the split-K kernel's arrivals per tile; zero between calls (the
         last arrival of a tile resets its counter), and zero from the allocation's header."""
         end = HEADER_BYTES - TICKET_BYTES
-        return self.buffer[end - COUNTER_BYTES:end].view(torch.int32)
+        with torch.inference_mode(False):
+            return self.buffer[end - COUNTER_BYTES:end].view(torch.int32)
 
-    @property
+    @functools.cached_property
     def ticket(self) -> torch.Tensor:
         """int64 [1], this rank's only: the fused kernel's programs claim tile positions from it;
         it only grows, and ``ticket_base`` is its value when the next call starts."""
-        return self.buffer[HEADER_BYTES - 8:HEADER_BYTES].view(torch.int64)
+        with torch.inference_mode(False):
+            return self.buffer[HEADER_BYTES - 8:HEADER_BYTES].view(torch.int64)
 
     @functools.cached_property
     def epoch_cell(self) -> torch.Tensor:
@@ -283,11 +287,21 @@ class Workspace(SymmetricBuffer):
         return flags
 
     def data(self, parity: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
-        start = HEADER_BYTES + parity * self.data_bytes + offset_bytes
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if offset_bytes + nbytes > self.data_bytes:
-            raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
-        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+        """``shape`` of ``dtype`` at ``offset_bytes`` into data half ``parity``: a view made once
+        per workspace (every call of a shape asks for the same one or two), outside inference
+        mode as the workspace's other kept views."""
+        key = (parity, tuple(shape), dtype, offset_bytes)
+        view = self._views.get(key)
+        if view is None:
+            start = HEADER_BYTES + parity * self.data_bytes + offset_bytes
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if offset_bytes + nbytes > self.data_bytes:
+                raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
+            if len(self._views) >= KEPT_LIMIT:
+                self._views.clear()
+            with torch.inference_mode(False):
+                view = self._views[key] = self.buffer[start:start + nbytes].view(dtype).view(shape)
+        return view
 
 
 #: Graph-lane header: int64 flags (epochs never wrap; one slot per program per rank for the staged
