@@ -1,7 +1,7 @@
 """commfuse's own host work per call, on the CPU: every step of a fused call from the op's CUDA
 kernel function to the kernel launch, with what needs a GPU stood in.
 
-    python benchmarks/host_python.py [--calls 2000] [--profile CASE,...] [--out F.json]
+    python benchmarks/host_python.py [--calls 2000] [--profile CASE,...] [--parts] [--out F.json]
 
 A call here runs what it runs on a GPU: the op's checks, the entry (group, capture, agreement,
 kept plan), the path's run, the kernels' ``prepare``, the exchange's epoch and the kept launch
@@ -16,6 +16,10 @@ count, builtins included) and the time per call, median of ``--rounds`` runs of 
 back-to-back calls. It does not show the launch itself (Triton's launcher and the driver), the
 CUDA runtime's stream queries, or the host's caches between calls inside a model: a GPU's figures
 come from ``host_time.py``, which times the same calls beside the unfused ones.
+
+``--parts`` also times the split-K case's parts alone, each in a loop of its own (minimum of the
+rounds): the op's checks, the entry with the path's run stood in by a function that returns, the
+path's run, and within it the kernel's ``prepare`` and the launch it returns.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def stand_ins():
             held[:] = [wsmod.Workspace(name, 0, WORLD, torch.zeros(wsmod.HEADER_BYTES + 2 * nbytes, dtype=torch.uint8),
                                        torch.zeros(WORLD, dtype=torch.int64), nbytes)]
             counters.bump()
+        group.workspace = held[0]
         return held[0]
 
     groups.workspace = workspace
@@ -192,12 +197,58 @@ def measure(case, group_name, calls: int, rounds: int, profile: bool) -> dict:
     return record
 
 
+def parts(group_name: str, calls: int, rounds: int) -> dict:
+    """The split-K case's parts, µs per call each (module docstring)."""
+    import timeit
+
+    import torch
+
+    from commfuse import env
+    from commfuse.kernels import fused_split_k
+    from commfuse.ops import library
+    from commfuse.runtime import entry, groups
+    from commfuse.runtime.spec import MM_ALL_REDUCE
+
+    _, _, path, m, k, n = next(c for c in CASES if c[0] == "ar_split_k")
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    b = torch.randn(n, k, dtype=torch.bfloat16).t()
+    args = MM_ALL_REDUCE.Args(a, b, None, group_name)
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=calls, repeat=rounds)) / calls * 1e6
+
+    with env.override(algo=path, verify=False, ce_graphs=False):
+        entry.forget()
+        for _ in range(5):
+            entry.run(MM_ALL_REDUCE, args)
+        group = groups.get(group_name)
+        (plan,) = group.plans.values()
+        ws, ctx, runner = group.workspace, plan.context, plan.run
+        out = torch.empty((m, n), dtype=a.dtype)
+        launch = fused_split_k.prepare(ws, a, b, None, out, ctx.config)
+        timed = {"call": best(lambda: library._mm_all_reduce_cuda(a, b, None, group_name)),
+                 "checks": best(lambda: library._validate_mm_all_reduce(a, b, None, group_name))}
+        plan.run = lambda path_, ctx_, args_: None
+        try:
+            timed["entry"] = best(lambda: entry.run(MM_ALL_REDUCE, args))
+        finally:
+            plan.run = runner
+        timed["path_run"] = best(lambda: runner(plan.decision.path, ctx, args))
+        timed["prepare"] = best(lambda: fused_split_k.prepare(ws, a, b, None, out, ctx.config))
+        epochs = iter(range(1, 1 << 30))
+        timed["launch"] = best(lambda: launch(next(epochs), 1))
+        timed["output"] = best(lambda: torch.empty((m, n), dtype=a.dtype, device=a.device))
+    return timed
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="back-to-back calls per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--profile", default="", help="comma-separated case names: print a cProfile of 100 calls")
+    p.add_argument("--parts", action="store_true", help="also time the split-K case's parts alone: the op's "
+                   "checks, the entry, the path's run, the kernel's prepare and its launch")
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -220,6 +271,9 @@ def main() -> int:
               f"Python calls/call  {rec['launches_per_call']} launches{wrong}", flush=True)
         if "profile" in rec:
             print(rec["profile"])
+    timed = parts(group_name, args.calls, args.rounds) if args.parts else None
+    if timed:
+        print("split-K parts, us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in timed.items()), flush=True)
     if args.out:
         meta = {"commit": os.environ.get("COMMFUSE_COMMIT", ""), "torch": torch.__version__,
                 "python": sys.version.split()[0], "label": args.label}
@@ -230,7 +284,7 @@ def main() -> int:
         except ImportError:
             pass
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+            json.dump({"meta": meta, "records": records, "split_k_parts": timed}, f, indent=1)
     return 0
 
 

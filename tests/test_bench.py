@@ -293,7 +293,7 @@ def test_every_maintained_benchmark_answers_help_on_the_cpu():
                "trace.py": ("--ops", "--pushers"),
                "host_time.py": ("--batches", "--profile", "--commfuse", "--parts"),
                "gemm_half.py": ("--alternatives", "--world", "--queued"), "ordinary_calls.py": ("--samples", "--provider-first", "--funcol-first"),
-               "funcol_dispatch.py": ("--device", "--samples"), "host_python.py": ("--calls", "--profile", "--cases"),
+               "funcol_dispatch.py": ("--device", "--samples"), "host_python.py": ("--calls", "--profile", "--cases", "--parts"),
                "launch_cost.py": ("--samples",), "norm_epilogue.py": ("--decode", "--budget-s"),
                "tune_one_gpu.py": ("--out",), "pairing_check.py": ("--world", "--rounds", "--iters"),
                "replay_check_cost.py": ("--groups", "--steps", "--out")}
@@ -635,7 +635,8 @@ def test_model_benchmark_has_a_backend_with_the_norm_chains_opted_in(world2):
 def test_host_python_runs_every_case_on_its_own_path(tmp_path):
     """``benchmarks/host_python.py`` on the CPU: each case's calls take the path the case names
     (forced, each case's plans decided afresh) and launch one kernel per call through the kept
-    launch, the GPU's parts stood in; what it records is what it prints."""
+    launch, the GPU's parts stood in; what it records is what it prints; ``--parts`` times the
+    split-K call's parts."""
     import json
     import subprocess
     import sys
@@ -644,9 +645,12 @@ def test_host_python_runs_every_case_on_its_own_path(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "host.json"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "host_python.py"), "--calls", "3", "--rounds", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+                           "--parts", "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    records = json.loads(out.read_text())["records"]
+    saved = json.loads(out.read_text())
+    records = saved["records"]
+    assert set(saved["split_k_parts"]) == {"call", "checks", "entry", "path_run", "prepare", "launch", "output"}
+    assert all(v > 0 for v in saved["split_k_parts"].values())
     assert [r["case"] for r in records] == [c[0] for c in __import__("runpy").run_path(
         str(root / "benchmarks" / "host_python.py"))["CASES"]]
     for r in records:
