@@ -202,3 +202,142 @@ def test_the_fused_all_gather_keeps_its_plan_and_its_workspace_descriptors(monke
     for parity in (0, 1):  # each parity's descriptor made once
         assert len({id(kw["g_desc"]) for _, kw in launched if kw["data"].data_ptr() == ws.data(
             parity, (1,), torch.float16).data_ptr()}) == 1
+
+
+class _Peers:
+    """The torch provider's per-peer views over one process's simulated ranks."""
+
+    def __init__(self, bufs):
+        self.bufs = bufs
+
+    def get_buffer(self, peer, sizes, dtype, offset):
+        return self.bufs[peer][offset:offset + sizes[0]]
+
+
+class _Side:
+    def wait_stream(self, other):
+        pass
+
+
+def _ag_setup(monkeypatch):
+    """A workspace of rank 1 of 2 with peer views, the kept launch recorded, every configuration
+    fitting: what ``fused_all_gather.prepare`` needs on the CPU."""
+    import contextlib
+
+    import torch
+
+    from commfuse.kernels import fused_all_gather, launch
+    from commfuse.runtime import workspace as wsmod
+
+    class Fits(dict):
+        def __contains__(self, key):
+            return True
+
+        def __getitem__(self, key):
+            return 1
+
+    monkeypatch.setattr(fused_all_gather, "_resident", Fits())
+    launched = []
+    monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
+    monkeypatch.setattr(fused_all_gather, "copy_engine_flags", lambda: lambda flags, at, value: flags.__setitem__(at, value))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Side())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    data = 1 << 16
+    bufs = [torch.zeros(wsmod.HEADER_BYTES + 2 * data, dtype=torch.uint8) for _ in range(2)]
+    ws = wsmod.Workspace("0", 1, 2, bufs[1], torch.zeros(2, dtype=torch.int64), data, _keepalive=_Peers(bufs))
+    return ws, launched
+
+
+def test_a_copy_engine_all_gather_planned_in_inference_mode_runs_outside_it(monkeypatch):
+    """A plan keeps the peers' views it pushes into: one made under ``torch.inference_mode`` (a
+    prefill) must take a later call's pushes outside it (training), which write them in place; and
+    with the copy engines pushing, the kernel gathers nothing: it takes the output in the gathered
+    tensor's place, while the call's gathered tensor is copied from the workspace."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    pytest.importorskip("iris")
+    import torch
+
+    from commfuse.kernels import fused_all_gather, tiles
+
+    ws, launched = _ag_setup(monkeypatch)
+    cfg = tiles.TileConfig(bm=32, bn=32, bk=16)
+    w = torch.randn(32, 64, dtype=torch.float16)
+    for call, mode in enumerate((torch.inference_mode, torch.no_grad)):
+        shard = torch.randn(32, 64, dtype=torch.float16)
+        gathered = torch.empty(64, 64, dtype=torch.float16)
+        out = torch.empty(64, 32, dtype=torch.float16)
+        with mode():  # the first call's plan made in inference mode
+            go = fused_all_gather.prepare(ws, shard, w.t(), None, gathered, out, cfg, side=_Side())
+        assert go.variants == ("ce_push",)
+        with torch.no_grad():
+            go(call + 1, (call + 1) % 2)  # the second call's pushes outside inference mode
+        args = launched[-1][1]
+        assert args["gathered"] is out and not launched[-1][0].fixed["GATHER"]
+        peer = ws.peer_data(0, (call + 1) % 2, (64, 64), torch.float16)
+        assert torch.equal(peer[32:], shard)  # this rank's rows, pushed into rank 0's
+    assert len(ws.launches) == 1
+
+
+def test_each_input_of_the_all_gathers_plan_makes_a_plan_of_its_own(monkeypatch):
+    """Calls that differ in one of what the kernel's plan depends on (the weight's layout, a
+    gathered tensor, a bias, FP8 operands) on one workspace get plans and kept launches of their
+    own; alike calls share one."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    pytest.importorskip("iris")
+    import torch
+
+    from commfuse.kernels import fused_all_gather, tiles
+
+    ws, launched = _ag_setup(monkeypatch)
+    cfg = tiles.TileConfig(bm=32, bn=32, bk=16)
+    f16 = torch.float16
+    w = torch.randn(32, 64, dtype=f16)
+
+    def call(weight=None, gathered=True, bias=None, fp8=False):
+        shard = torch.randn(32, 64, dtype=f16)
+        b = w.t() if weight is None else weight
+        scales = None
+        if fp8:
+            shard, b = shard.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            scales = (torch.ones(()), torch.ones(()))
+        g = torch.empty(64, 64, dtype=shard.dtype) if gathered else None
+        out = torch.empty(64, 32, dtype=f16)
+        fused_all_gather.prepare(ws, shard, b, bias, g, out, cfg, scales=scales)(1, 1)
+        return launched[-1]
+
+    first = call()
+    assert call()[0] is first[0]  # alike: one kept launch
+    variants = [call(weight=w.t().contiguous()), call(gathered=False), call(bias=torch.randn(32, dtype=f16)),
+                call(fp8=True)]
+    assert len({id(b) for b, _ in [first, *variants]}) == 5 and len(ws.launches) == 5
+    assert not variants[0][0].fixed["B_TRANSPOSED"] and first[0].fixed["B_TRANSPOSED"]
+    assert not variants[1][0].fixed["GATHER"] and variants[2][0].fixed["HAS_BIAS"] and variants[3][0].fixed["SCALED"]
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["linear_weight", "dense_weight"])
+def test_a_misaligned_weight_of_a_kept_layout_is_copied(transposed):
+    """The weight's layout is kept as the activation's is: a weight of that layout at an address
+    no TMA descriptor takes is copied, never described as is."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    import torch
+
+    from commfuse.kernels import tiles
+
+    cfg = tiles.TileConfig(bm=16, bn=32, bk=16)
+    k, n = 64, 96
+    tiles._LAYOUTS.clear()
+
+    def weight(offset):
+        if transposed:
+            flat = torch.randn(n * k + offset, dtype=torch.float16)
+            return flat[offset:].view(n, k).t()
+        flat = torch.randn(k * n + offset, dtype=torch.float16)
+        return flat[offset:].view(k, n)
+
+    aligned = weight(0)
+    desc, b_t = tiles.weight_descriptor(aligned, cfg)
+    assert b_t is transposed and desc.base.data_ptr() == aligned.data_ptr()
+    odd = weight(1)  # the same shape and strides, 2 bytes off
+    desc, _ = tiles.weight_descriptor(odd, cfg)
+    assert desc.base.data_ptr() % 16 == 0 and desc.base.data_ptr() != odd.data_ptr()
+    assert torch.equal(desc.base, odd)  # (a dense copy of its values: described untransposed)

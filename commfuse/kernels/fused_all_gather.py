@@ -237,6 +237,7 @@ class _Plan:
         if rowwise:
             at = rowwise_scales_offset(rows, k, world, dtype.itemsize)
             self.scale_areas = [ws.data(p, (world * rows,), torch.float32, offset_bytes=at) for p in (0, 1)]
+            call = {**call, "scale_a": self.scale_areas[0]}  # (the kernel reads them there, as every call will)
         imprecise = fp8[1] if fp8 else None
         consts = dict(OP=FUSED_AG_OP, WORLD=world, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
                       GROUP_M=cfg.group_m, CH=CHUNK_ROWS, PUSH_K=push_k, B_TRANSPOSED=b_t,

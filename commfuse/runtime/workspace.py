@@ -271,7 +271,8 @@ class Workspace(SymmetricBuffer):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes > self.data_bytes:
             raise RuntimeError(f"commfuse: workspace of {self.data_bytes} bytes is too small for {nbytes}")
-        return half[:nbytes].view(dtype).view(shape)
+        with torch.inference_mode(False):  # (plans keep it: ``data``)
+            return half[:nbytes].view(dtype).view(shape)
 
     def peer_tile_flags(self, peer: int) -> torch.Tensor | None:
         """``peer``'s tile flags as a flat uint32 tensor (stream writes from this rank: torch's
