@@ -151,6 +151,16 @@ def test_descriptors_from_kept_layouts_are_those_made_afresh(dtype):
     assert all(key[0] != "a" for key in tiles._LAYOUTS)
 
 
+class _Fits(dict):
+    """Every configuration fits once per SM (no GPU to ask): ``fused_all_gather._resident``."""
+
+    def __contains__(self, key):
+        return True
+
+    def __getitem__(self, key):
+        return 1
+
+
 def test_the_fused_all_gather_keeps_its_plan_and_its_workspace_descriptors(monkeypatch):
     """``fused_all_gather.prepare``: what depends only on the shapes, layout and options is made
     once per workspace (``_Plan``): one kept launch for every call, the descriptors of each
@@ -164,14 +174,7 @@ def test_the_fused_all_gather_keeps_its_plan_and_its_workspace_descriptors(monke
     from commfuse.kernels import fused_all_gather, launch, tiles
     from commfuse.runtime import workspace as wsmod
 
-    class Fits(dict):  # every configuration fits once per SM (no GPU to ask)
-        def __contains__(self, key):
-            return True
-
-        def __getitem__(self, key):
-            return 1
-
-    monkeypatch.setattr(fused_all_gather, "_resident", Fits())
+    monkeypatch.setattr(fused_all_gather, "_resident", _Fits())
     launched = []
     monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
     world, rank, rows, k, n = 2, 1, 32, 64, 32
@@ -229,14 +232,7 @@ def _ag_setup(monkeypatch):
     from commfuse.kernels import fused_all_gather, launch
     from commfuse.runtime import workspace as wsmod
 
-    class Fits(dict):
-        def __contains__(self, key):
-            return True
-
-        def __getitem__(self, key):
-            return 1
-
-    monkeypatch.setattr(fused_all_gather, "_resident", Fits())
+    monkeypatch.setattr(fused_all_gather, "_resident", _Fits())
     launched = []
     monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
     monkeypatch.setattr(fused_all_gather, "copy_engine_flags", lambda: lambda flags, at, value: flags.__setitem__(at, value))
