@@ -337,3 +337,33 @@ def test_a_misaligned_weight_of_a_kept_layout_is_copied(transposed):
     desc, _ = tiles.weight_descriptor(odd, cfg)
     assert desc.base.data_ptr() % 16 == 0 and desc.base.data_ptr() != odd.data_ptr()
     assert torch.equal(desc.base, odd)  # (a dense copy of its values: described untransposed)
+
+
+def test_the_pull_kernels_keep_a_launch_per_kernel_and_alignment(monkeypatch):
+    """``exchange.gather`` and ``exchange.reduce_scatter`` keep their launches on the workspace:
+    alike calls share one, while the other kernel, or a source whose rows the kernel may not read
+    as 16-byte vectors, gets its own; each call passes its own tensors, sizes and epoch."""
+    pytest.importorskip("iris")
+    import torch
+
+    from commfuse.kernels import exchange, launch
+    from commfuse.runtime import workspace as wsmod
+
+    launched = []
+    monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
+    data = 1 << 16
+    ws = wsmod.Workspace("0", 0, 2, torch.zeros(wsmod.HEADER_BYTES + 2 * data, dtype=torch.uint8),
+                         torch.zeros(2, dtype=torch.int64), data)
+    src = ws.data(0, (4, 64), torch.float16)
+    out = torch.empty(4, 128, dtype=torch.float16)
+    exchange.gather(ws, src, out, 4, 64, 1, 3)
+    exchange.gather(ws, src, out, 4, 64, 2, 3)
+    exchange.reduce_scatter(ws, src, out[:, :32], 4, 32, 3, 3)
+    odd = ws.data(0, (4, 60), torch.float16, 8)  # rows of 120 bytes: no 16-byte vectors
+    exchange.gather(ws, odd, out, 4, 60, 4, 3)
+    bounds = [b for b, _ in launched]
+    assert bounds[0] is bounds[1] and len({id(b) for b in bounds}) == 3
+    assert bounds[0].kernel is exchange.pull_gather_kernel and bounds[2].kernel is exchange.reduce_scatter_kernel
+    assert bounds[0].fixed["VEC"] == 1 and bounds[3].fixed["VEC"] == 0
+    assert launched[1][1] == {"shard": src, "out": out, "outer": 4, "inner": 64, "epoch": 2}
+    assert launched[2][1]["partial"] is src

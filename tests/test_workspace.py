@@ -185,3 +185,24 @@ def test_split_k_counters_sit_between_the_tile_flags_and_the_ticket():
     assert counters.data_ptr() >= flags.data_ptr() + 4 * flags.numel()
     assert counters.data_ptr() + 4 * counters.numel() <= ticket.data_ptr()
     assert ticket.data_ptr() + 8 == base_ptr + wsmod.HEADER_BYTES
+
+
+def test_the_workspaces_views_are_kept_per_parity_shape_dtype_and_offset():
+    """``Workspace.data`` keeps the views it makes: the same request gives the same view, any other
+    parity, shape, dtype or offset its own, at its own place in the buffer; a view first asked for
+    under ``torch.inference_mode`` takes in-place writes outside it."""
+    data = 1 << 12
+    ws = wsmod.Workspace("0", 0, 2, torch.zeros(wsmod.HEADER_BYTES + 2 * data, dtype=torch.uint8),
+                         torch.zeros(2, dtype=torch.int64), data)
+    base = ws.buffer.data_ptr() + wsmod.HEADER_BYTES
+    with torch.inference_mode():
+        first = ws.data(1, (4, 8), torch.float32, 64)
+    first.fill_(1.0)  # outside inference mode
+    assert ws.data(1, (4, 8), torch.float32, 64) is first and first.data_ptr() == base + data + 64
+    others = {"parity": ws.data(0, (4, 8), torch.float32, 64), "shape": ws.data(1, (8, 4), torch.float32, 64),
+              "dtype": ws.data(1, (4, 8), torch.float16, 64), "offset": ws.data(1, (4, 8), torch.float32, 128)}
+    assert all(v is not first for v in others.values())
+    assert others["parity"].data_ptr() == base + 64 and others["offset"].data_ptr() == base + data + 128
+    assert others["shape"].shape == (8, 4) and others["dtype"].dtype == torch.float16
+    with pytest.raises(RuntimeError, match="too small"):
+        ws.data(0, (data,), torch.float32)
