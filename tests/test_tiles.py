@@ -98,7 +98,7 @@ def test_descriptors_from_kept_layouts_are_those_made_afresh(dtype):
     """``descriptor_operands`` keeps each operand layout it checked once: later operands of that
     layout, at other addresses, get descriptors made from the kept fields. They must say what a
     descriptor made afresh says (to the kernel, and to the launch's keys: ``launch._spec``,
-    ``launch._layout``), and an operand of a kept layout whose base is not 16-byte aligned must
+    ``launch.descriptor_layout``), and an operand of a kept layout whose base is not 16-byte aligned must
     still be copied, as a layout that needs a copy is never kept."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     import torch
@@ -132,7 +132,7 @@ def test_descriptors_from_kept_layouts_are_those_made_afresh(dtype):
                 assert got[2] is want[2]
                 for g, w in zip(got[:2], want[:2]):
                     assert _described(g) == _described(w)
-                    assert launch._spec(g) == launch._spec(w) and launch._layout(g) == launch._layout(w)
+                    assert launch._spec(g) == launch._spec(w) and launch.descriptor_layout(g) == launch.descriptor_layout(w)
                 assert got[0].base is a  # no copy: the operand itself
             # the same layout, but at an address no TMA descriptor takes: copied, never described as is
             storage = torch.randn(m * k + 1, dtype=dt)

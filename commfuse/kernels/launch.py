@@ -73,7 +73,8 @@ def _global_options() -> tuple:
 LAYOUT_ATTR = "_commfuse_layout"
 
 
-def _layout(desc) -> tuple:
+def descriptor_layout(desc) -> tuple:
+    """A descriptor's (shape, strides, block, padding) as tuples: its kept ones, or made now."""
     kept = getattr(desc, LAYOUT_ATTR, None)
     if kept is not None:
         return kept
@@ -90,7 +91,7 @@ def _spec(v):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if t.__name__ == "TensorDescriptor":
         base = v.base
-        return (base.dtype, base.data_ptr() % 16 == 0, *_layout(v))
+        return (base.dtype, base.data_ptr() % 16 == 0, *descriptor_layout(v))
     if t is float:
         return t
     return (t, v)  # bool, None, str: by value
@@ -390,7 +391,7 @@ def _read_layout(compiled):
 
 def _encode(layout: _Layout, index: int, desc) -> list:
     base = desc.base
-    key = (base.data_ptr(), base.dtype, _layout(desc), layout.meta_keys[index])
+    key = (base.data_ptr(), base.dtype, descriptor_layout(desc), layout.meta_keys[index])
     got = _encoded.get(key)
     if got is None:
         if len(_encoded) >= MAX_ENCODED:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .launch import LAYOUT_ATTR, run as run_kernel
+from .launch import LAYOUT_ATTR, descriptor_layout, run as run_kernel
 from .sizes.tiles import FP8_DTYPES, TileConfig, cdiv  # noqa: F401  (the kernels' tiling, kept apart: deciding imports no Triton)
 
 try:
@@ -167,8 +167,7 @@ _COPYABLE = TensorDescriptor is not None and "__dict__" in dir(TensorDescriptor)
 
 def _fields(desc) -> dict:
     fields = {k: v for k, v in vars(desc).items() if k != "base"}
-    fields[LAYOUT_ATTR] = (tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
-                           getattr(desc, "padding", None))
+    fields[LAYOUT_ATTR] = descriptor_layout(desc)
     return fields
 
 
