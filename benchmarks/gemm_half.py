@@ -1,6 +1,7 @@
 """The GEMM half of the fused tile kernels against cuBLAS, on one GPU, L2 flushed before each call.
 
     python benchmarks/gemm_half.py --out gemm_half.json [--world 2] [--iters 15] [--alternatives]
+    python benchmarks/gemm_half.py --kernels --ops mm_all_reduce,mm_reduce_scatter,all_gather_mm,split_k
 
 For each shape of the op benchmark's table (``commfuse.tools.bench``), at one rank's share of a
 group of ``--world`` ranks, this times ``torch.mm`` on nn.Linear's operands (the weight a
@@ -22,9 +23,15 @@ paths take) and, with ``--alternatives``, ``FP8_ALTERNATIVES``.
 alone, where the default timing (the host launches each call after the flush) also shows a
 launch that takes longer than the kernel.
 
-What it does not time: the split-K kernel (its K loop is split across programs, not a tile GEMM
-of this shape), nor the fused kernels' own K loop with the exchange switched off (only the fused
-all-reduce kernel has such a switch, ``fused_all_reduce.ABLATE``).
+``--kernels`` times the fused kernels themselves instead of ``tiles.matmul``: the all-reduce
+kernel, its reduce-scatter form, the all-gather kernel and the split-K kernel (``--ops`` may name
+``split_k``: the all-reduce's shapes it takes, at most ``SPLIT_K_ROWS`` rows), each with the
+tiling its path picks for a group of ``--world`` ranks but launched in a group of one rank. There
+the exchange is switched off by the group itself: no peer, so no pushes to another GPU, no waits,
+no reducers' copies; what is left is the kernel's GEMM, its epilogue, its tile order and the
+stores of its own tiles (the all-gather also copies its rows into the workspace first, which its
+programs do while the others multiply). Each is checked against fp32 first (output poisoned) and
+timed queued as well as after the flush.
 """
 
 from __future__ import annotations
@@ -107,6 +114,122 @@ def time_flushed_queued(fn, flush: torch.Tensor, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1000.0 for s, e in events)
 
 
+#: The most rows the split-K kernel is timed at (the rules send it few rows).
+SPLIT_K_ROWS = 256
+
+
+def _one_rank_group():
+    """A group of one rank on GPU 0, its facts agreed through one call of the op; returns
+    ``workspace(nbytes)``: commfuse's workspace for it with at least ``nbytes`` per parity."""
+    import os
+
+    import torch.distributed as dist
+
+    import commfuse  # noqa: F401  (registers the ops)
+    from commfuse.runtime import groups
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29537")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    name = dist.group.WORLD.group_name
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    torch.ops.commfuse.mm_all_reduce(x, x[:, :64].t().contiguous(), None, name)
+    group = groups.get(name)
+    return lambda nbytes: groups.workspace(group, nbytes, torch.device("cuda", 0))
+
+
+def fused_kernel(op: str, m: int, k: int, n: int, world: int, a, b, out, workspace):
+    """``op``'s fused kernel (``split_k``: the split-K kernel) with the tiling of its path for a
+    group of ``world``, prepared in a group of one (``workspace``, ``_one_rank_group``); returns
+    (a function that launches it once, with the workspace's next epoch, the tiling's text)."""
+    from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k
+    from commfuse.runtime.paths import ag_fused, ar_fused, rs_fused, split_k
+    from commfuse.runtime.paths.base import Call
+
+    dt = a.dtype
+    spec_op = "mm_all_reduce" if op == "split_k" else op
+    call, alone = Call(spec_op, m, k, n, dt, world), Call(spec_op, m, k, n, dt, 1)
+    if op == "split_k":
+        ws = workspace(split_k.plan_bytes(alone))
+        cfg = split_k.config(call, ws.max_programs)
+        launch, tiling = fused_split_k.prepare(ws, a, b, None, out, cfg), str(cfg)
+    elif op == "all_gather_mm":
+        cfg = ag_fused.FUSED.config(call, None)
+        ws = workspace(ag_fused.fused_bytes(alone))
+        launch = fused_all_gather.prepare(ws, a, b, None, None, out, cfg.tile, pushers=cfg.pushers)
+        tiling = str(cfg.tile)
+    else:
+        scatter = op == "mm_reduce_scatter"
+        cfg = (rs_fused.FUSED if scatter else ar_fused.FUSED).config(call, None)
+        ws = workspace(ar_fused.fused_bytes(alone, scatter))
+        launch = fused_all_reduce.prepare(ws, a, b, None, out, cfg.tile, scatter, cfg.options)
+        tiling = str(cfg.tile)
+    return (lambda: launch(*ws.next_epoch())), tiling
+
+
+def time_kernels(args, flush) -> tuple[list, dict]:
+    """``--kernels`` (module docstring): records and the per-op summary."""
+    from commfuse.tools.bench import shapes_of
+
+    workspace = _one_rank_group()
+    dt, records = torch.bfloat16, []
+    print(f"{'kernel':18s} {'M':>6s} {'K':>6s} {'N':>6s} {'tiling':>24s} {'cuBLAS us':>10s} {'kernel us':>10s} "
+          f"{'ratio':>6s} {'queued cuBLAS/kernel us':>24s} {'ratio':>6s}", flush=True)
+    for op in args.ops.split(","):
+        shapes = shapes_of("mm_all_reduce" if op == "split_k" else op)
+        if op == "split_k":
+            shapes = [s for s in shapes if s[0] <= SPLIT_K_ROWS]
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device="cuda", dtype=dt)
+            b = (torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5).t()
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+            rec = dict(op=op, M=m, K=k, N=n, world=args.world)
+            try:
+                run, rec["tiling"] = fused_kernel(op, m, k, n, args.world, a, b, out, workspace)
+                run()
+            except Exception as exc:  # a shape the kernel (or the workspace of one rank) cannot take
+                rec["skipped"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(f"{op:18s} {m:6d} {k:6d} {n:6d}  skipped: {rec['skipped']}", flush=True)
+                records.append(rec)
+                continue
+            ref = a.float() @ b.float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:  # recorded, not timed; the run goes on and exits non-zero
+                rec["wrong"] = err
+                print(f"{op:18s} {m:6d} {k:6d} {n:6d}  WRONG: relative error {err:.3g} ({rec['tiling']})", flush=True)
+                records.append(rec)
+                continue
+
+            def library(out=out):
+                torch.mm(a, b, out=out)
+
+            rec.update(kernel_err=err, cublas_us=time_flushed(library, flush, args.iters),
+                       kernel_us=time_flushed(run, flush, args.iters),
+                       cublas_queued_us=time_flushed_queued(library, flush, args.iters),
+                       kernel_queued_us=time_flushed_queued(run, flush, args.iters))
+            rec["ratio"] = rec["kernel_us"] / rec["cublas_us"]
+            rec["queued_ratio"] = rec["kernel_queued_us"] / rec["cublas_queued_us"]
+            print(f"{op:18s} {m:6d} {k:6d} {n:6d} {rec['tiling']:>24s} {rec['cublas_us']:10.1f} "
+                  f"{rec['kernel_us']:10.1f} {rec['ratio']:6.3f} "
+                  f"{rec['cublas_queued_us']:11.1f}/{rec['kernel_queued_us']:<11.1f} {rec['queued_ratio']:6.3f}",
+                  flush=True)
+            records.append(rec)
+    summary = {}
+    for op in args.ops.split(","):
+        timed = [r for r in records if r["op"] == op and "ratio" in r]
+        big = timed if op == "split_k" else [r for r in timed if r["M"] >= 1024]
+        if not big:
+            continue
+        summary[op] = {key: math.exp(sum(math.log(r[ratio]) for r in big) / len(big))
+                       for key, ratio in (("geomean_kernel_over_cublas", "ratio"),
+                                          ("geomean_queued_kernel_over_cublas", "queued_ratio"))}
+        summary[op].update(shapes=len(big), rows="all (at most SPLIT_K_ROWS)" if op == "split_k" else "M >= 1024")
+        print(f"{op}: geomean kernel/cuBLAS over {len(big)} shapes ({summary[op]['rows']}): "
+              f"{summary[op]['geomean_kernel_over_cublas']:.3f}; queued (device time alone): "
+              f"{summary[op]['geomean_queued_kernel_over_cublas']:.3f}", flush=True)
+    return records, summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="the group size whose per-rank shares are timed")
@@ -118,11 +241,28 @@ def main() -> int:
     p.add_argument("--slow-accum", action="store_true", help="FP8: use_fast_accum=False")
     p.add_argument("--queued", action="store_true",
                    help="also time each call queued behind a GPU sleep (device time without the host's launch)")
+    p.add_argument("--kernels", action="store_true", help="time the fused kernels themselves in a group of one "
+                   "rank (no exchange) instead of the tile GEMM; --ops may add split_k")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("gemm_half: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.kernels:
+        if args.fp8 or args.alternatives:
+            p.error("--kernels times the bf16 kernels with their paths' tilings (no --fp8, --alternatives)")
+        from commfuse.kernels import tiles
+        from commfuse.tools.timing import commit
+
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        tiles.ensure_allocator()
+        torch.manual_seed(0)
+        records, summary = time_kernels(args, _flush_buffer())
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": commit(),
+                           "kernels": True, "records": records, "summary": summary}, f, indent=1)
+        return 1 if any("wrong" in r for r in records) else 0
     from commfuse.kernels import tiles
     from commfuse.kernels.sizes.tiles import TileConfig
     from commfuse.runtime.paths import ag_fused, ar_fused

@@ -19,7 +19,9 @@ come from ``host_time.py``, which times the same calls beside the unfused ones.
 
 ``--parts`` also times the split-K case's parts alone, each in a loop of its own (minimum of the
 rounds): the op's checks, the entry with the path's run stood in by a function that returns, the
-path's run, and within it the kernel's ``prepare`` and the launch it returns.
+path's run, and within it the output's allocation, the kernel's ``prepare``, the exchange around
+the launch and the launch alone (``commfuse.tools.host_parts``; ``host_time.py --parts`` times
+the same parts on a GPU).
 """
 
 from __future__ import annotations
@@ -198,47 +200,25 @@ def measure(case, group_name, calls: int, rounds: int, profile: bool) -> dict:
 
 
 def parts(group_name: str, calls: int, rounds: int) -> dict:
-    """The split-K case's parts, µs per call each (module docstring)."""
+    """The split-K case's parts, µs per call each (``commfuse.tools.host_parts``)."""
     import timeit
 
     import torch
 
     from commfuse import env
-    from commfuse.kernels import fused_split_k
     from commfuse.ops import library
-    from commfuse.runtime import entry, groups
-    from commfuse.runtime.spec import MM_ALL_REDUCE
+    from commfuse.runtime import entry
+    from commfuse.tools.host_parts import split_k_parts
 
     _, _, path, m, k, n = next(c for c in CASES if c[0] == "ar_split_k")
     a = torch.randn(m, k, dtype=torch.bfloat16)
     b = torch.randn(n, k, dtype=torch.bfloat16).t()
-    args = MM_ALL_REDUCE.Args(a, b, None, group_name)
-
-    def best(fn) -> float:
-        return min(timeit.repeat(fn, number=calls, repeat=rounds)) / calls * 1e6
-
     with env.override(algo=path, verify=False, ce_graphs=False):
         entry.forget()
         for _ in range(5):
-            entry.run(MM_ALL_REDUCE, args)
-        group = groups.get(group_name)
-        (plan,) = group.plans.values()
-        ws, ctx, runner = group.workspace, plan.context, plan.run
-        out = torch.empty((m, n), dtype=a.dtype)
-        launch = fused_split_k.prepare(ws, a, b, None, out, ctx.config)
-        timed = {"call": best(lambda: library._mm_all_reduce_cuda(a, b, None, group_name)),
-                 "checks": best(lambda: library._validate_mm_all_reduce(a, b, None, group_name))}
-        plan.run = lambda path_, ctx_, args_: None
-        try:
-            timed["entry"] = best(lambda: entry.run(MM_ALL_REDUCE, args))
-        finally:
-            plan.run = runner
-        timed["path_run"] = best(lambda: runner(plan.decision.path, ctx, args))
-        timed["prepare"] = best(lambda: fused_split_k.prepare(ws, a, b, None, out, ctx.config))
-        epochs = iter(range(1, 1 << 30))
-        timed["launch"] = best(lambda: launch(next(epochs), 1))
-        timed["output"] = best(lambda: torch.empty((m, n), dtype=a.dtype, device=a.device))
-    return timed
+            library._mm_all_reduce_cuda(a, b, None, group_name)
+        return {name: min(timeit.repeat(fn, number=calls, repeat=rounds)) / calls * 1e6
+                for name, fn in split_k_parts(group_name, a, b).items()}
 
 
 def main() -> int:
@@ -247,8 +227,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--profile", default="", help="comma-separated case names: print a cProfile of 100 calls")
-    p.add_argument("--parts", action="store_true", help="also time the split-K case's parts alone: the op's "
-                   "checks, the entry, the path's run, the kernel's prepare and its launch")
+    p.add_argument("--parts", action="store_true", help="also time the split-K case's parts alone "
+                   "(commfuse.tools.host_parts)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
     args = p.parse_args()

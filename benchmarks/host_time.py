@@ -19,7 +19,10 @@ without calling it, ``used`` (the default) times them among the fused cases, ``w
 fused case first (kernels compiled, workspaces allocated) and then times the unfused calls alone,
 ``released`` does the same after ``commfuse.release_all()``. ``--parts`` adds the unfused calls' parts
 as cases of their own (the output's allocation, the GEMM, the collective and its wait), so a
-difference between modes can be placed. ``--back-to-back`` times each case in
+difference between modes can be placed; with commfuse used it also adds the split-K call's parts
+(``commfuse.tools.host_parts``: the op's checks, the entry, the path's run, and within it the
+output, ``prepare``, the exchange and the launch), so the fused call's excess over the unfused
+calls can be placed too. ``--back-to-back`` times each case in
 a run of its own calls instead of in turn with the others (warm caches), and prints how often the
 caching allocator went to the device (``cudaMalloc``, ``cudaFree``, retries) per call;
 ``--sleep-ms 0`` leaves the GPU idle when each call starts, which separates a call slowed by a
@@ -97,6 +100,33 @@ def _force_new(forced: dict) -> str:
     return "new"
 
 
+def _split_k_parts(cases: list, forced: dict, group: str) -> list:
+    """The split-K case's parts as cases (``commfuse.tools.host_parts``), each forcing the path as
+    the fused cases do; none where this commfuse has no such tool or no split-K case ran."""
+    try:
+        from commfuse.tools.host_parts import split_k_parts
+    except ImportError:
+        return []
+    found = [(a, b) for name, _, a, b in cases if name.startswith("mm_all_reduce split_k ")]
+    if not found:
+        return []
+    a, b = found[0]
+
+    def forcing(fn):
+        def part():
+            forced.clear()
+            forced["mm_all_reduce"] = "split_k"
+            return fn()
+        return part
+
+    forced.clear()
+    forced["mm_all_reduce"] = "split_k"
+    parts = [(f"part: split_k {name}", forcing(fn), a, b) for name, fn in split_k_parts(group, a, b).items()]
+    for _, fn, _, _ in parts:
+        fn()
+    return parts
+
+
 def _ran_paths() -> dict:
     """``op:path`` -> calls so far (the run-time's count of the path each call took), or {}."""
     try:
@@ -123,8 +153,9 @@ def main() -> int:
                    help="absent: never import commfuse (unfused cases only); imported: import it, time the "
                    "unfused cases only; used: every case, fused among unfused; warmed: run the fused cases, "
                    "then time the unfused ones alone; released: the same after commfuse.release_all()")
-    p.add_argument("--parts", action="store_true", help="also time the unfused calls' parts alone: the "
-                   "output's allocation, the GEMM, the collective with its wait")
+    p.add_argument("--parts", action="store_true", help="also time the unfused calls' parts alone (the "
+                   "output's allocation, the GEMM, the collective with its wait) and, with commfuse used, the "
+                   "split-K call's (commfuse.tools.host_parts)")
     p.add_argument("--back-to-back", action="store_true",
                    help="time each case in a run of its own calls, not in turn with the other cases")
     p.add_argument("--fused", default="", help="comma-separated substrings: only the fused cases whose name has "
@@ -215,6 +246,8 @@ def main() -> int:
         err = ((out - ref).norm() / ref.norm()).item()
         if not err < 2e-2:
             raise RuntimeError(f"host_time: {name} is wrong (relative error {err})")
+    if args.parts and args.commfuse == "used" and tree == "new":
+        cases += _split_k_parts(cases, forced, group)
     torch.cuda.synchronize()
     if args.commfuse in ("warmed", "released"):  # the fused cases have run: time the unfused ones alone
         cases = [case for case in cases if "unfused" in case[0] or case[0].startswith("part:")]

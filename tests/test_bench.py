@@ -292,7 +292,7 @@ def test_every_maintained_benchmark_answers_help_on_the_cpu():
     scripts = {"path_sweep.py": ("--rules", "--rounds", "--tilings", "--only"), "kernel_compile.py": ("--configs",),
                "trace.py": ("--ops", "--pushers"),
                "host_time.py": ("--batches", "--profile", "--commfuse", "--parts"),
-               "gemm_half.py": ("--alternatives", "--world", "--queued"), "ordinary_calls.py": ("--samples", "--provider-first", "--funcol-first"),
+               "gemm_half.py": ("--alternatives", "--world", "--queued", "--kernels"), "ordinary_calls.py": ("--samples", "--provider-first", "--funcol-first"),
                "funcol_dispatch.py": ("--device", "--samples"), "host_python.py": ("--calls", "--profile", "--cases", "--parts"),
                "launch_cost.py": ("--samples",), "norm_epilogue.py": ("--decode", "--budget-s"),
                "tune_one_gpu.py": ("--out",), "pairing_check.py": ("--world", "--rounds", "--iters"),
@@ -649,7 +649,8 @@ def test_host_python_runs_every_case_on_its_own_path(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     saved = json.loads(out.read_text())
     records = saved["records"]
-    assert set(saved["split_k_parts"]) == {"call", "checks", "entry", "path_run", "prepare", "launch", "output"}
+    assert set(saved["split_k_parts"]) == {"call", "checks", "entry", "path_run", "prepare", "exchange", "launch",
+                                           "output"}
     assert all(v > 0 for v in saved["split_k_parts"].values())
     assert [r["case"] for r in records] == [c[0] for c in __import__("runpy").run_path(
         str(root / "benchmarks" / "host_python.py"))["CASES"]]
@@ -658,3 +659,54 @@ def test_host_python_runs_every_case_on_its_own_path(tmp_path):
         assert r["launches_per_call"] == 1 and r["python_calls_per_call"] > 0, r
         assert f"{r['case']:12} {r['us_per_call']:7.1f} us/call" in proc.stdout
     assert "NOTE" not in proc.stdout
+
+
+def test_host_parts_each_part_does_its_step_and_no_more():
+    """``commfuse.tools.host_parts.split_k_parts`` (through ``host_python.py``'s stand-ins, in a
+    process of its own): the parts that include the kernel's launch launch it once and take one
+    epoch each, as a call does; the others launch nothing and take no epoch; the whole call and
+    the entry run the split-K path; where the calls take another path it says what to do."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = """
+import os, runpy
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+import torch
+from commfuse import env
+from commfuse.ops import library
+from commfuse.runtime import counters, entry, groups
+from commfuse.tools.host_parts import split_k_parts
+hp = runpy.run_path("benchmarks/host_python.py")
+name = hp["stand_ins"]()
+a = torch.randn(32, 256, dtype=torch.bfloat16)
+b = torch.randn(512, 256, dtype=torch.bfloat16).t()
+with env.override(algo="one_shot", verify=False, ce_graphs=False):
+    try:
+        split_k_parts(name, a, b)
+    except RuntimeError as exc:
+        print("NO PLAN:", "force the path" in str(exc))
+with env.override(algo="split_k", verify=False, ce_graphs=False):
+    entry.forget()
+    parts = split_k_parts(name, a, b)
+    ws = groups.get(name).workspace
+    for part, fn in parts.items():
+        counters.PATHS.clear()
+        launches, epoch = hp["LAUNCHES"][0], ws.epoch
+        fn()
+        ran = sorted(k for k, v in counters.PATHS.items() if v)
+        print(part, hp["LAUNCHES"][0] - launches, ws.epoch - epoch, ran)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "NO PLAN: True" in lines
+    seen = {line.split()[0]: line.split(None, 3)[1:] for line in lines if not line.startswith("NO PLAN")}
+    assert set(seen) == {"call", "checks", "entry", "path_run", "output", "prepare", "exchange", "launch"}
+    for part in ("call", "path_run", "exchange", "launch"):
+        assert seen[part][:2] == ["1", "1"], (part, seen[part])
+    for part in ("checks", "entry", "output", "prepare"):
+        assert seen[part][:2] == ["0", "0"], (part, seen[part])
+    assert seen["call"][2] == "['mm_all_reduce:split_k']" and seen["entry"][2] == "['mm_all_reduce:split_k']"
