@@ -31,7 +31,8 @@ the exchange is switched off by the group itself: no peer, so no pushes to anoth
 no reducers' copies; what is left is the kernel's GEMM, its epilogue, its tile order and the
 stores of its own tiles (the all-gather also copies its rows into the workspace first, which its
 programs do while the others multiply). Each is checked against fp32 first (output poisoned) and
-timed queued as well as after the flush.
+timed queued as well as after the flush; with ``--alternatives`` the fused kernels also run
+``KERNEL_ALTERNATIVES`` (queued), each checked first.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def _one_rank_group():
     return lambda nbytes: groups.workspace(group, nbytes, torch.device("cuda", 0))
 
 
-def fused_kernel(op: str, m: int, k: int, n: int, world: int, a, b, out, workspace):
+def fused_kernel(op: str, m: int, k: int, n: int, world: int, a, b, out, workspace, tile=None):
     """``op``'s fused kernel (``split_k``: the split-K kernel) with the tiling of its path for a
-    group of ``world``, prepared in a group of one (``workspace``, ``_one_rank_group``); returns
-    (a function that launches it once, with the workspace's next epoch, the tiling's text)."""
+    group of ``world`` (or ``tile``, not for split-K), prepared in a group of one (``workspace``,
+    ``_one_rank_group``); returns (a function that launches it once, with the workspace's next
+    epoch, the tiling's text)."""
     from commfuse.kernels import fused_all_gather, fused_all_reduce, fused_split_k
     from commfuse.runtime.paths import ag_fused, ar_fused, rs_fused, split_k
     from commfuse.runtime.paths.base import Call
@@ -155,16 +157,49 @@ def fused_kernel(op: str, m: int, k: int, n: int, world: int, a, b, out, workspa
         launch, tiling = fused_split_k.prepare(ws, a, b, None, out, cfg), str(cfg)
     elif op == "all_gather_mm":
         cfg = ag_fused.FUSED.config(call, None)
+        cfg = dataclasses.replace(cfg, tile=tile or cfg.tile)
         ws = workspace(ag_fused.fused_bytes(alone))
         launch = fused_all_gather.prepare(ws, a, b, None, None, out, cfg.tile, pushers=cfg.pushers)
         tiling = str(cfg.tile)
     else:
         scatter = op == "mm_reduce_scatter"
         cfg = (rs_fused.FUSED if scatter else ar_fused.FUSED).config(call, None)
+        cfg = dataclasses.replace(cfg, tile=tile or cfg.tile)
         ws = workspace(ar_fused.fused_bytes(alone, scatter))
         launch = fused_all_reduce.prepare(ws, a, b, None, out, cfg.tile, scatter, cfg.options)
         tiling = str(cfg.tile)
     return (lambda: launch(*ws.next_epoch())), tiling
+
+
+#: Tilings tried in the fused kernels with ``--kernels --alternatives``: the tile GEMM's, and two
+#: programs per SM where the tiles' stages fit twice in shared memory.
+KERNEL_ALTERNATIVES = tuple(t.replace("r0", "r0o1") for t in ALTERNATIVES) + ("128x128x64s3w8g8r0o2",
+                                                                            "64x256x64s3w4g8r0o2")
+
+
+def _kernel_alternatives(op, m, k, n, args, a, b, out, ref, workspace, flush, rec) -> tuple[float, str]:
+    """Time ``op``'s kernel with each of ``KERNEL_ALTERNATIVES`` (queued: the device's time),
+    each checked against fp32 first; fills ``rec`` and returns (best µs, its tiling)."""
+    from commfuse.kernels.sizes.tiles import TileConfig
+
+    best = (rec["kernel_queued_us"], rec["tiling"])
+    for text in KERNEL_ALTERNATIVES:
+        try:
+            out.fill_(float("nan"))
+            run, _ = fused_kernel(op, m, k, n, args.world, a, b, out, workspace, TileConfig.parse(text))
+            run()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                rec.setdefault("alt_wrong", {})[text] = err
+                continue
+            us = time_flushed_queued(run, flush, args.iters)
+        except Exception as exc:  # a tiling the kernel or the device cannot fit
+            rec.setdefault("alt_failed", {})[text] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        rec.setdefault("alt_queued_us", {})[text] = us
+        best = min(best, (us, text))
+    rec["best_queued_us"], rec["best_tiling"] = best
+    return best
 
 
 def time_kernels(args, flush) -> tuple[list, dict]:
@@ -209,10 +244,13 @@ def time_kernels(args, flush) -> tuple[list, dict]:
                        kernel_queued_us=time_flushed_queued(run, flush, args.iters))
             rec["ratio"] = rec["kernel_us"] / rec["cublas_us"]
             rec["queued_ratio"] = rec["kernel_queued_us"] / rec["cublas_queued_us"]
-            print(f"{op:18s} {m:6d} {k:6d} {n:6d} {rec['tiling']:>24s} {rec['cublas_us']:10.1f} "
-                  f"{rec['kernel_us']:10.1f} {rec['ratio']:6.3f} "
-                  f"{rec['cublas_queued_us']:11.1f}/{rec['kernel_queued_us']:<11.1f} {rec['queued_ratio']:6.3f}",
-                  flush=True)
+            line = (f"{op:18s} {m:6d} {k:6d} {n:6d} {rec['tiling']:>24s} {rec['cublas_us']:10.1f} "
+                    f"{rec['kernel_us']:10.1f} {rec['ratio']:6.3f} "
+                    f"{rec['cublas_queued_us']:11.1f}/{rec['kernel_queued_us']:<11.1f} {rec['queued_ratio']:6.3f}")
+            if args.alternatives and op != "split_k":
+                best = _kernel_alternatives(op, m, k, n, args, a, b, out, ref, workspace, flush, rec)
+                line += f"  best {best[1]} {best[0] / rec['cublas_queued_us']:.3f}"
+            print(line, flush=True)
             records.append(rec)
     summary = {}
     for op in args.ops.split(","):
@@ -223,10 +261,15 @@ def time_kernels(args, flush) -> tuple[list, dict]:
         summary[op] = {key: math.exp(sum(math.log(r[ratio]) for r in big) / len(big))
                        for key, ratio in (("geomean_kernel_over_cublas", "ratio"),
                                           ("geomean_queued_kernel_over_cublas", "queued_ratio"))}
+        if args.alternatives and op != "split_k":
+            summary[op]["geomean_queued_best_over_cublas"] = math.exp(
+                sum(math.log(r["best_queued_us"] / r["cublas_queued_us"]) for r in big) / len(big))
         summary[op].update(shapes=len(big), rows="all (at most SPLIT_K_ROWS)" if op == "split_k" else "M >= 1024")
         print(f"{op}: geomean kernel/cuBLAS over {len(big)} shapes ({summary[op]['rows']}): "
               f"{summary[op]['geomean_kernel_over_cublas']:.3f}; queued (device time alone): "
-              f"{summary[op]['geomean_queued_kernel_over_cublas']:.3f}", flush=True)
+              f"{summary[op]['geomean_queued_kernel_over_cublas']:.3f}"
+              + (f"; best tiling per shape (queued): {summary[op]['geomean_queued_best_over_cublas']:.3f}"
+                 if "geomean_queued_best_over_cublas" in summary[op] else ""), flush=True)
     return records, summary
 
 
@@ -249,8 +292,8 @@ def main() -> int:
         print("gemm_half: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.kernels:
-        if args.fp8 or args.alternatives:
-            p.error("--kernels times the bf16 kernels with their paths' tilings (no --fp8, --alternatives)")
+        if args.fp8:
+            p.error("--kernels times the bf16 kernels (no --fp8)")
         from commfuse.kernels import tiles
         from commfuse.tools.timing import commit
 

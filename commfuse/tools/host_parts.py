@@ -4,6 +4,7 @@
 ``benchmarks/host_time.py`` on a GPU, beside the unfused calls' parts. Each part is a step of the
 whole call (``call``), which nests as::
 
+    op              the op through torch's dispatcher (torch.ops.commfuse), as a graph calls it (GPU)
     call            the op's CUDA kernel function (ops/library.py)
     ├ checks        the op's argument checks
     ├ entry         the run-time's entry, the path's run replaced by a function that returns
@@ -11,6 +12,8 @@ whole call (``call``), which nests as::
       ├ output      the output's allocation
       ├ prepare     the kernel's prepare (descriptors, kept plan lookup)
       ├ exchange    the call's epoch and stream order around the launch (launch included)
+      │ ├ order     the stream order alone (``Workspace.order_current``)
+      │ └ epoch     the next epoch alone (``Workspace.next_epoch``)
       └ launch      the kept launch alone, with the next epoch
 
 and, on a GPU, two queries every launch makes (``device``, ``stream``). A part that includes
@@ -42,7 +45,8 @@ def split_k_parts(group_name: str, a, b) -> dict[str, Callable[[], object]]:
     this runs and while the parts run; this makes two calls first, so the group keeps a current
     plan of the call (a first call may grow the workspace, which makes plans anew). Every part
     that launches takes the workspace's next epoch, as a call does, so its launches pair like
-    calls; none of them checks a result."""
+    calls (``epoch`` takes one and launches nothing, which a group of one rank, the only kind
+    these run in, does not notice); none of them checks a result."""
     import torch
 
     from ..kernels import fused_split_k, launch as launches
@@ -81,9 +85,12 @@ def split_k_parts(group_name: str, a, b) -> dict[str, Callable[[], object]]:
         "output": lambda: torch.empty((m, n), dtype=a.dtype, device=a.device),
         "prepare": lambda: fused_split_k.prepare(ws, a, b, None, out, ctx.config),
         "exchange": exchanged,
+        "order": lambda: ws.order_current() if ws.buffer.is_cuda else None,
+        "epoch": ws.next_epoch,
         "launch": lambda: launch(*ws.next_epoch()),
     }
-    if a.is_cuda:
+    if a.is_cuda:  # (on the CPU the dispatcher would pick the op's CPU kernel)
+        parts = {"op": lambda: torch.ops.commfuse.mm_all_reduce.default(a, b, None, group_name), **parts}
         device = a.device.index
         parts["device"] = torch.cuda.current_device
         parts["stream"] = lambda: launches._raw_stream(device)
