@@ -218,15 +218,31 @@ class _Peers:
 
 
 class _Side:
-    def wait_stream(self, other):
+    """The copy engines' side stream: ``_LoggedOrder`` takes it."""
+
+
+class _LoggedOrder:
+    """``fused_all_gather._SideOrder`` on the CPU: what the push asks of the streams, in order."""
+
+    log: list = []
+
+    def __init__(self, device):
         pass
+
+    def enter(self, side):
+        self.log.append("enter")
+        return "main"
+
+    def leave(self, main):
+        self.log.append(("leave", main))
+
+    def rejoin(self, side):
+        self.log.append("rejoin")
 
 
 def _ag_setup(monkeypatch):
     """A workspace of rank 1 of 2 with peer views, the kept launch recorded, every configuration
     fitting: what ``fused_all_gather.prepare`` needs on the CPU."""
-    import contextlib
-
     import torch
 
     from commfuse.kernels import fused_all_gather, launch
@@ -236,8 +252,8 @@ def _ag_setup(monkeypatch):
     launched = []
     monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
     monkeypatch.setattr(fused_all_gather, "copy_engine_flags", lambda: lambda flags, at, value: flags.__setitem__(at, value))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Side())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(fused_all_gather, "_SideOrder", _LoggedOrder)
+    monkeypatch.setattr(_LoggedOrder, "log", [])
     data = 1 << 16
     bufs = [torch.zeros(wsmod.HEADER_BYTES + 2 * data, dtype=torch.uint8) for _ in range(2)]
     ws = wsmod.Workspace("0", 1, 2, bufs[1], torch.zeros(2, dtype=torch.int64), data, _keepalive=_Peers(bufs))
@@ -272,6 +288,62 @@ def test_a_copy_engine_all_gather_planned_in_inference_mode_runs_outside_it(monk
         peer = ws.peer_data(0, (call + 1) % 2, (64, 64), torch.float16)
         assert torch.equal(peer[32:], shard)  # this rank's rows, pushed into rank 0's
     assert len(ws.launches) == 1
+    # each call: the side stream after the caller's, the caller's current again after the
+    # pushes, and the caller's stream after the side stream's once the kernel is queued
+    assert _LoggedOrder.log == ["enter", ("leave", "main"), "rejoin"] * 2
+
+
+def test_the_side_order_keeps_the_callers_stream_and_its_events(monkeypatch):
+    """``fused_all_gather._SideOrder``: the side stream waits for an event recorded on the
+    caller's stream and becomes current; leaving makes the caller's current again; rejoining
+    has the caller's stream wait for an event recorded on the side stream. The caller's stream
+    object is made again only when the current stream's handle changed, and the two events
+    are the same ones every call."""
+    import torch
+
+    from commfuse.kernels import fused_all_gather, launch
+
+    log = []
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", self, stream))
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", self.name, event))
+
+        def __repr__(self):
+            return self.name
+
+    handle = [7]
+    made = []
+
+    def current_stream(device=None):
+        made.append(device)
+        return Stream(f"s{handle[0]}")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: log.append(("current", stream.name)))
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: handle[0])
+    order = fused_all_gather._SideOrder(torch.device("cuda", 3))
+    side = Stream("side")
+    for _ in range(2):
+        log.clear()
+        main = order.enter(side)
+        order.leave(main)
+        order.rejoin(side)
+        assert main.name == "s7"
+        assert log == [("record", order.fork, main), ("wait", "side", order.fork), ("current", "side"),
+                       ("current", "s7"), ("record", order.join, side), ("wait", "s7", order.join)]
+    assert made == [3]  # one stream object for the handle, on the plan's device
+    handle[0] = 9  # the caller moved to another stream
+    assert order.enter(side).name == "s9" and made == [3, 3]
+    assert isinstance(order.fork, Event) and isinstance(order.join, Event)
 
 
 def test_each_input_of_the_all_gathers_plan_makes_a_plan_of_its_own(monkeypatch):

@@ -30,7 +30,10 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
 
 
 def all_reduce(partial: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(partial, "sum", group_name))
+    """The sum of ``partial`` over the group, in place: every caller passes a product it just
+    made, as Inductor's code does (``all_reduce_``); the out-of-place collective would copy it
+    into a fresh tensor first."""
+    return _c10d.wait_tensor(_c10d.all_reduce_(partial, "sum", group_name))
 
 
 def mm_all_reduce(

@@ -493,15 +493,23 @@ def test_split_k_kernel(world, m, n, ll):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_fused_all_gather_kernel(world):
+@pytest.mark.parametrize("push", ["sm", "ce"])
+def test_fused_all_gather_kernel(world, push):
+    """Three calls, outputs and gathered rows poisoned. ``ce``: the copy engines push each rank's
+    rows from a side stream of its own (in two chunks), ordered after the rank's stream and
+    back; the gathered rows are then copied from the workspace after the kernel."""
     rows, k, n = 256, 512, 776  # each rank's rows
     cfg = ag_fused.tile_config(Call("all_gather_mm", world * rows, k, n, DT, world))
     ws = _group(world, fused_all_gather.data_elems(rows, k, world) * DT.itemsize)
+    if push == "ce" and fused_all_gather.copy_engine_flags() is None:
+        pytest.skip("no stream writes for the copy engines' flags")
+    sides = [s[0] for s in _side_streams(world, 1)] if push == "ce" else [None] * world
     streams = _streams(world)
     for call in range(3):
         shards, b, full, ref, outs, gathered = _gather_case(world, rows, k, n, call, streams)
-        launches = [fused_all_gather.prepare(ws[r], shards[r], b, None, gathered[r], outs[r], cfg)
-                    for r in range(world)]
+        launches = [fused_all_gather.prepare(ws[r], shards[r], b, None, gathered[r], outs[r], cfg, side=sides[r],
+                                             ce_chunk_count=2) for r in range(world)]
+        assert all(go.variants == (("ce_push",) if push == "ce" else ()) for go in launches)
         _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity))
         torch.cuda.synchronize()
         _check(ws)
