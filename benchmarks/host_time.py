@@ -26,9 +26,11 @@ calls can be placed too. ``--back-to-back`` times each case in
 a run of its own calls instead of in turn with the others (warm caches), and prints how often the
 caching allocator went to the device (``cudaMalloc``, ``cudaFree``, retries) per call;
 ``--sleep-ms 0`` leaves the GPU idle when each call starts, which separates a call slowed by a
-busy GPU from one slowed by what ran before it. In turn, the cases' order
-rotates from batch to batch, so no case is always the first after the GPU sleep (the first call
-after it costs the host most).
+busy GPU from one slowed by what ran before it. In turn, the cases' order is shuffled from batch
+to batch (one fixed seed), so no case is always the first after the GPU sleep (the first call
+after it costs the host most) nor always follows the same case (a call after another that left
+the host's caches cold costs more: with the order only rotated, a case's neighbours never
+changed).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -269,10 +272,11 @@ def main() -> int:
             after = _allocator_counts()
             mallocs[name] = {k: (after[k] - before[k]) / args.batches for k in after}
     else:
+        order, shuffle = list(range(len(cases))), random.Random(0).shuffle
         for batch in range(args.batches):
             torch.cuda._sleep(cycles)
-            turn = batch % len(cases)
-            for name, fn, _, _ in cases[turn:] + cases[:turn]:
+            shuffle(order)
+            for name, fn, _, _ in (cases[i] for i in order):
                 start = time.perf_counter()
                 fn()
                 host[name].append((time.perf_counter() - start) * 1e6)
