@@ -29,8 +29,10 @@ kernel, its reduce-scatter form, the all-gather kernel and the split-K kernel (`
 tiling its path picks for a group of ``--world`` ranks but launched in a group of one rank. There
 the exchange is switched off by the group itself: no peer, so no pushes to another GPU, no waits,
 no reducers' copies; what is left is the kernel's GEMM, its epilogue, its tile order and the
-stores of its own tiles (the all-gather also copies its rows into the workspace first, which its
-programs do while the others multiply). Each is checked against fp32 first (output poisoned) and
+stores of its own tiles. The all-gather pushes as its path would (the copy engines from 2 MiB
+shards, which with no peer push nothing, else pusher programs, idle here) and copies its own
+rows into the workspace before the kernel reads them there: all M rows in a group of one, where
+a rank of ``--world`` copies M / world. Each is checked against fp32 first (output poisoned) and
 timed queued as well as after the flush; with ``--alternatives`` the fused kernels also run
 ``KERNEL_ALTERNATIVES`` (queued), each checked first.
 """
@@ -139,6 +141,9 @@ def _one_rank_group():
     return lambda nbytes: groups.workspace(group, nbytes, torch.device("cuda", 0))
 
 
+_SIDE: dict = {}  # the copy engines' side stream of ``fused_kernel``'s all-gathers
+
+
 def fused_kernel(op: str, m: int, k: int, n: int, world: int, a, b, out, workspace, tile=None):
     """``op``'s fused kernel (``split_k``: the split-K kernel) with the tiling of its path for a
     group of ``world`` (or ``tile``, not for split-K), prepared in a group of one (``workspace``,
@@ -159,7 +164,9 @@ def fused_kernel(op: str, m: int, k: int, n: int, world: int, a, b, out, workspa
         cfg = ag_fused.FUSED.config(call, None)
         cfg = dataclasses.replace(cfg, tile=tile or cfg.tile)
         ws = workspace(ag_fused.fused_bytes(alone))
-        launch = fused_all_gather.prepare(ws, a, b, None, None, out, cfg.tile, pushers=cfg.pushers)
+        # the path's push: the copy engines (no pusher programs) from a side stream, else pushers
+        side = _SIDE.setdefault("stream", torch.cuda.Stream()) if cfg.push == "ce" else None
+        launch = fused_all_gather.prepare(ws, a, b, None, None, out, cfg.tile, side=side, pushers=cfg.pushers)
         tiling = str(cfg.tile)
     else:
         scatter = op == "mm_reduce_scatter"

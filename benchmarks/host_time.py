@@ -104,8 +104,9 @@ def _force_new(forced: dict) -> str:
 
 
 def _split_k_parts(cases: list, forced: dict, group: str) -> list:
-    """The split-K case's parts as cases (``commfuse.tools.host_parts``), each forcing the path as
-    the fused cases do; none where this commfuse has no such tool or no split-K case ran."""
+    """The split-K case's parts as cases (``commfuse.tools.host_parts``), those through the entry
+    forcing the path as the fused cases do; none where this commfuse has no such tool or no
+    split-K case ran."""
     try:
         from commfuse.tools.host_parts import split_k_parts
     except ImportError:
@@ -124,7 +125,9 @@ def _split_k_parts(cases: list, forced: dict, group: str) -> list:
 
     forced.clear()
     forced["mm_all_reduce"] = "split_k"
-    parts = [(f"part: split_k {name}", forcing(fn), a, b) for name, fn in split_k_parts(group, a, b).items()]
+    # (only the parts that pass through the entry decide a path; the others time no forcing)
+    parts = [(f"part: split_k {name}", forcing(fn) if name in ("op", "call", "entry") else fn, a, b)
+             for name, fn in split_k_parts(group, a, b).items()]
     for _, fn, _, _ in parts:
         fn()
     return parts

@@ -248,7 +248,7 @@ class _NoOrder:
     def enter(self, side):
         return None
 
-    def leave(self, main):
+    def leave(self, entered):
         pass
 
     def rejoin(self, side):

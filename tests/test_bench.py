@@ -650,7 +650,7 @@ def test_host_python_runs_every_case_on_its_own_path(tmp_path):
     saved = json.loads(out.read_text())
     records = saved["records"]
     assert set(saved["split_k_parts"]) == {"call", "checks", "entry", "path_run", "prepare", "exchange",
-                                           "order", "epoch", "launch", "output"}
+                                           "epoch", "launch", "output"}
     assert all(v > 0 for v in saved["split_k_parts"].values())
     assert [r["case"] for r in records] == [c[0] for c in __import__("runpy").run_path(
         str(root / "benchmarks" / "host_python.py"))["CASES"]]
@@ -704,11 +704,11 @@ with env.override(algo="split_k", verify=False, ce_graphs=False):
     lines = proc.stdout.splitlines()
     assert "NO PLAN: True" in lines
     seen = {line.split()[0]: line.split(None, 3)[1:] for line in lines if not line.startswith("NO PLAN")}
-    assert set(seen) == {"call", "checks", "entry", "path_run", "output", "prepare", "exchange", "order",
-                         "epoch", "launch"}
+    assert set(seen) == {"call", "checks", "entry", "path_run", "output", "prepare", "exchange", "epoch",
+                         "launch"}
     for part in ("call", "path_run", "exchange", "launch"):
         assert seen[part][:2] == ["1", "1"], (part, seen[part])
-    for part in ("checks", "entry", "output", "prepare", "order"):
+    for part in ("checks", "entry", "output", "prepare"):
         assert seen[part][:2] == ["0", "0"], (part, seen[part])
     assert seen["epoch"][:2] == ["0", "1"]
     for part in ("call", "entry"):

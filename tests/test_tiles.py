@@ -231,10 +231,10 @@ class _LoggedOrder:
 
     def enter(self, side):
         self.log.append("enter")
-        return "main"
+        return "entered"
 
-    def leave(self, main):
-        self.log.append(("leave", main))
+    def leave(self, entered):
+        self.log.append(("leave", entered))
 
     def rejoin(self, side):
         self.log.append("rejoin")
@@ -290,28 +290,31 @@ def test_a_copy_engine_all_gather_planned_in_inference_mode_runs_outside_it(monk
     assert len(ws.launches) == 1
     # each call: the side stream after the caller's, the caller's current again after the
     # pushes, and the caller's stream after the side stream's once the kernel is queued
-    assert _LoggedOrder.log == ["enter", ("leave", "main"), "rejoin"] * 2
+    assert _LoggedOrder.log == ["enter", ("leave", "entered"), "rejoin"] * 2
 
 
 def test_the_side_order_keeps_the_callers_stream_and_its_events(monkeypatch):
     """``fused_all_gather._SideOrder``: the side stream waits for an event recorded on the
-    caller's stream and becomes current; leaving makes the caller's current again; rejoining
-    has the caller's stream wait for an event recorded on the side stream. The caller's stream
-    object is made again only when the current stream's handle changed, and the two events
-    are the same ones every call."""
+    caller's stream and becomes current; leaving makes the caller's stream current again and,
+    where the plan's device is not the caller's current device (making a stream current makes
+    its device current, as torch does), the caller's device too; rejoining has the caller's
+    stream wait for an event recorded on the side stream. The caller's stream object is made
+    again only when the current stream's handle changed, and the two events are the same ones
+    every call."""
     import torch
 
     from commfuse.kernels import fused_all_gather, launch
 
     log = []
+    current = {"device": 3}
 
     class Event:
         def record(self, stream):
             log.append(("record", self, stream))
 
     class Stream:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, name, device=3):
+            self.name, self.device_index = name, device
 
         def wait_event(self, event):
             log.append(("wait", self.name, event))
@@ -324,26 +327,63 @@ def test_the_side_order_keeps_the_callers_stream_and_its_events(monkeypatch):
 
     def current_stream(device=None):
         made.append(device)
-        return Stream(f"s{handle[0]}")
+        return Stream(f"s{handle[0]}", device)
+
+    def set_stream(stream):
+        current["device"] = stream.device_index
+        log.append(("current", stream.name))
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: log.append(("current", stream.name)))
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.__setitem__("device", device))
     monkeypatch.setattr(launch, "_raw_stream", lambda device: handle[0])
     order = fused_all_gather._SideOrder(torch.device("cuda", 3))
     side = Stream("side")
     for _ in range(2):
         log.clear()
-        main = order.enter(side)
-        order.leave(main)
+        entered = order.enter(side)
+        main = entered[0]
+        order.leave(entered)
         order.rejoin(side)
-        assert main.name == "s7"
+        assert main.name == "s7" and current["device"] == 3
         assert log == [("record", order.fork, main), ("wait", "side", order.fork), ("current", "side"),
                        ("current", "s7"), ("record", order.join, side), ("wait", "s7", order.join)]
     assert made == [3]  # one stream object for the handle, on the plan's device
     handle[0] = 9  # the caller moved to another stream
-    assert order.enter(side).name == "s9" and made == [3, 3]
+    assert order.enter(side)[0].name == "s9" and made == [3, 3]
     assert isinstance(order.fork, Event) and isinstance(order.join, Event)
+    current["device"] = 0  # the caller's current device is not the plan's
+    entered = order.enter(side)
+    assert current["device"] == 3  # (the side stream's device made current)
+    order.leave(entered)
+    assert current["device"] == 0
+
+
+def test_the_all_gathers_pushes_rejoin_the_callers_stream_when_a_launch_fails(monkeypatch):
+    """A copy-engine call whose kernel launch raises still has the caller's stream wait for the
+    side stream (its copies read the shard, which the caller may free), and leaves the caller's
+    stream current."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    pytest.importorskip("iris")
+    import torch
+
+    from commfuse.kernels import fused_all_gather, launch, tiles
+
+    ws, launched = _ag_setup(monkeypatch)
+
+    def refuse(self, **kw):
+        raise RuntimeError("launch refused")
+
+    monkeypatch.setattr(launch.Bound, "__call__", refuse)
+    go = fused_all_gather.prepare(ws, torch.randn(32, 64, dtype=torch.float16),
+                                  torch.randn(32, 64, dtype=torch.float16).t(), None, None,
+                                  torch.empty(64, 32, dtype=torch.float16), tiles.TileConfig(bm=32, bn=32, bk=16),
+                                  side=_Side())
+    with pytest.raises(RuntimeError, match="launch refused"):
+        go(1, 1)
+    assert _LoggedOrder.log == ["enter", ("leave", "entered"), "rejoin"]
 
 
 def test_each_input_of_the_all_gathers_plan_makes_a_plan_of_its_own(monkeypatch):

@@ -207,7 +207,9 @@ class _SideOrder:
     push), with what a call would otherwise make anew kept here: the caller's stream object, told
     by its handle (making one costs the host a device lookup), and the two events
     (``Stream.wait_stream`` makes and frees one per wait). An event may be recorded again once
-    the waits queued on it are queued: a wait takes the record before it."""
+    the waits queued on it are queued: a wait takes the record before it. (One thread at a time
+    per plan, as the workspace's epochs are.) Making a stream of another device current also
+    makes that device current: ``leave`` makes the caller's device current again."""
 
     __slots__ = ("index", "raw", "main", "fork", "join")
 
@@ -222,17 +224,21 @@ class _SideOrder:
             self.main, self.raw = torch.cuda.current_stream(self.index), raw
         return self.main
 
-    def enter(self, side) -> object:
-        """``side`` after the caller's stream, and current; returns the caller's stream."""
+    def enter(self, side) -> tuple:
+        """``side`` after the caller's stream, and current; returns what ``leave`` restores."""
         main = self.current()
         self.fork.record(main)
         side.wait_event(self.fork)
+        device = torch.cuda.current_device()
         torch.cuda.set_stream(side)
-        return main
+        return main, device
 
-    def leave(self, main) -> None:
-        """The caller's stream current again (``enter``'s return)."""
+    def leave(self, entered: tuple) -> None:
+        """The caller's stream current again, and the caller's device (``enter``'s return)."""
+        main, device = entered
         torch.cuda.set_stream(main)
+        if device != self.index:
+            torch.cuda.set_device(device)
 
     def rejoin(self, side) -> None:
         """The caller's stream after everything ``side`` holds."""
@@ -361,7 +367,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         call has ended, so every peer has started that call and no longer reads this parity's
         half from two calls ago (the kernel's own argument, module docstring)."""
         rank, world, flag_rows, flag_base = ws.rank, ws.world, plan.flag_rows, plan.flag_base
-        main = plan.order.enter(side)
+        entered = plan.order.enter(side)
         try:
             for c, lo in enumerate(range(0, rows, flag_rows)):
                 hi = min(lo + flag_rows, rows)
@@ -370,23 +376,26 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                                                                                          non_blocking=True)
                     plan.write_flag(plan.peer_flags[q], flag_base + c * world + rank, epoch)
         finally:
-            plan.order.leave(main)
+            plan.order.leave(entered)
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
         if traced:
             trace.fill_(-1)
-        if ce:
-            push(epoch, parity)
-        gathered_rows[parity][mine].copy_(shard)
-        if rowwise:  # this rank's rows' scales beside its rows; the pushers take them from there
-            row_scales = call["scale_a"] = plan.scale_areas[parity]
-            row_scales[mine].copy_(scale_a)
-        plan.bound(g_desc=plan.g_descs[parity], data=gathered_rows[parity], epoch=epoch, ticket_base=base, **call)
-        if ce:
-            if gathered is not None:  # every peer's rows are in the workspace once the kernel ends
+        try:
+            if ce:
+                push(epoch, parity)
+            gathered_rows[parity][mine].copy_(shard)
+            if rowwise:  # this rank's rows' scales beside its rows; the pushers take them from there
+                row_scales = call["scale_a"] = plan.scale_areas[parity]
+                row_scales[mine].copy_(scale_a)
+            plan.bound(g_desc=plan.g_descs[parity], data=gathered_rows[parity], epoch=epoch, ticket_base=base,
+                       **call)
+            if ce and gathered is not None:  # every peer's rows are in the workspace once the kernel ends
                 gathered.copy_(gathered_rows[parity])
-            plan.order.rejoin(side)
+        finally:  # also when something failed: the caller's stream never runs ahead of the pushes
+            if ce:
+                plan.order.rejoin(side)
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + plan.count + plan.pushers + plan.compute
 

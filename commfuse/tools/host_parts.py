@@ -12,7 +12,7 @@ whole call (``call``), which nests as::
       ├ output      the output's allocation
       ├ prepare     the kernel's prepare (descriptors, kept plan lookup)
       ├ exchange    the call's epoch and stream order around the launch (launch included)
-      │ ├ order     the stream order alone (``Workspace.order_current``)
+      │ ├ order     the stream order alone (``Workspace.order_current``; GPU)
       │ └ epoch     the next epoch alone (``Workspace.next_epoch``)
       └ launch      the kept launch alone, with the next epoch
 
@@ -85,12 +85,12 @@ def split_k_parts(group_name: str, a, b) -> dict[str, Callable[[], object]]:
         "output": lambda: torch.empty((m, n), dtype=a.dtype, device=a.device),
         "prepare": lambda: fused_split_k.prepare(ws, a, b, None, out, ctx.config),
         "exchange": exchanged,
-        "order": lambda: ws.order_current() if ws.buffer.is_cuda else None,
         "epoch": ws.next_epoch,
         "launch": lambda: launch(*ws.next_epoch()),
     }
     if a.is_cuda:  # (on the CPU the dispatcher would pick the op's CPU kernel)
-        parts = {"op": lambda: torch.ops.commfuse.mm_all_reduce.default(a, b, None, group_name), **parts}
+        parts = {"op": lambda: torch.ops.commfuse.mm_all_reduce.default(a, b, None, group_name), **parts,
+                 "order": ws.order_current}
         device = a.device.index
         parts["device"] = torch.cuda.current_device
         parts["stream"] = lambda: launches._raw_stream(device)

@@ -510,7 +510,13 @@ def test_fused_all_gather_kernel(world, push):
         launches = [fused_all_gather.prepare(ws[r], shards[r], b, None, gathered[r], outs[r], cfg, side=sides[r],
                                              ce_chunk_count=2) for r in range(world)]
         assert all(go.variants == (("ce_push",) if push == "ce" else ()) for go in launches)
-        _each_rank(ws, streams, lambda r, epoch, parity: launches[r](epoch, parity))
+
+        def run(r, epoch, parity):
+            launches[r](epoch, parity)
+            # the pushes went out on the side stream: the rank's own is current again
+            assert torch.cuda.current_stream() == streams[r] and torch.cuda.current_device() == 0
+
+        _each_rank(ws, streams, run)
         torch.cuda.synchronize()
         _check(ws)
         for r in range(world):
