@@ -236,22 +236,7 @@ class _PeerViews:
 
 
 class _NoStream:
-    """The copy engines' side stream: nothing to run on (``_NoOrder``)."""
-
-
-class _NoOrder:
-    """``fused_all_gather._SideOrder`` in one process of CPU ranks: no streams to order."""
-
-    def __init__(self, device):
-        pass
-
-    def enter(self, side):
-        return None
-
-    def leave(self, entered):
-        pass
-
-    def rejoin(self, side):
+    def wait_stream(self, other):
         pass
 
 
@@ -260,8 +245,11 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
     """The copy-engine push, every rank in this process: each rank's host push (copies into the
     peers' rows and stream writes of their flags, here plain writes) runs first, then each
     rank's kernel, which waits on the copy engines' flags only. Rows not pushed are NaN."""
-    saved = (fused_all_gather._SideOrder, fused_all_gather.copy_engine_flags)
-    fused_all_gather._SideOrder = _NoOrder
+    import contextlib
+
+    saved = (torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags)
+    torch.cuda.current_stream = lambda *a, **kw: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
     def write_flag(flags, offset, value):
         flags[offset] = value
@@ -314,7 +302,7 @@ def ce_gather_case(rows: int, k: int, n: int, world: int, bm: int, gathered: boo
                 assert all(int(flags[base + c * world + p]) == epochs[r][0] for c, p in written), (r, call)
             assert int(ws[0].err[0]) == 0
     finally:
-        fused_all_gather._SideOrder, fused_all_gather.copy_engine_flags = saved
+        torch.cuda.current_stream, torch.cuda.stream, fused_all_gather.copy_engine_flags = saved
 
 
 _peers_ready = fused_all_reduce._peers_ready

@@ -218,31 +218,22 @@ class _Peers:
 
 
 class _Side:
-    """The copy engines' side stream: ``_LoggedOrder`` takes it."""
-
-
-class _LoggedOrder:
-    """``fused_all_gather._SideOrder`` on the CPU: what the push asks of the streams, in order."""
+    """A stream on the CPU: the waits asked of it, logged."""
 
     log: list = []
 
-    def __init__(self, device):
-        pass
+    def __init__(self, name: str = "side"):
+        self.name = name
 
-    def enter(self, side):
-        self.log.append("enter")
-        return "entered"
-
-    def leave(self, entered):
-        self.log.append(("leave", entered))
-
-    def rejoin(self, side):
-        self.log.append("rejoin")
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for", other.name))
 
 
 def _ag_setup(monkeypatch):
     """A workspace of rank 1 of 2 with peer views, the kept launch recorded, every configuration
     fitting: what ``fused_all_gather.prepare`` needs on the CPU."""
+    import contextlib
+
     import torch
 
     from commfuse.kernels import fused_all_gather, launch
@@ -252,8 +243,9 @@ def _ag_setup(monkeypatch):
     launched = []
     monkeypatch.setattr(launch.Bound, "__call__", lambda self, **kw: launched.append((self, kw)))
     monkeypatch.setattr(fused_all_gather, "copy_engine_flags", lambda: lambda flags, at, value: flags.__setitem__(at, value))
-    monkeypatch.setattr(fused_all_gather, "_SideOrder", _LoggedOrder)
-    monkeypatch.setattr(_LoggedOrder, "log", [])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Side("main"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(_Side, "log", [])
     data = 1 << 16
     bufs = [torch.zeros(wsmod.HEADER_BYTES + 2 * data, dtype=torch.uint8) for _ in range(2)]
     ws = wsmod.Workspace("0", 1, 2, bufs[1], torch.zeros(2, dtype=torch.int64), data, _keepalive=_Peers(bufs))
@@ -288,83 +280,14 @@ def test_a_copy_engine_all_gather_planned_in_inference_mode_runs_outside_it(monk
         peer = ws.peer_data(0, (call + 1) % 2, (64, 64), torch.float16)
         assert torch.equal(peer[32:], shard)  # this rank's rows, pushed into rank 0's
     assert len(ws.launches) == 1
-    # each call: the side stream after the caller's, the caller's current again after the
-    # pushes, and the caller's stream after the side stream's once the kernel is queued
-    assert _LoggedOrder.log == ["enter", ("leave", "entered"), "rejoin"] * 2
-
-
-def test_the_side_order_keeps_the_callers_stream_and_its_events(monkeypatch):
-    """``fused_all_gather._SideOrder``: the side stream waits for an event recorded on the
-    caller's stream and becomes current; leaving makes the caller's stream current again and,
-    where the plan's device is not the caller's current device (making a stream current makes
-    its device current, as torch does), the caller's device too; rejoining has the caller's
-    stream wait for an event recorded on the side stream. The caller's stream object is made
-    again only when the current stream's handle changed, and the two events are the same ones
-    every call."""
-    import torch
-
-    from commfuse.kernels import fused_all_gather, launch
-
-    log = []
-    current = {"device": 3}
-
-    class Event:
-        def record(self, stream):
-            log.append(("record", self, stream))
-
-    class Stream:
-        def __init__(self, name, device=3):
-            self.name, self.device_index = name, device
-
-        def wait_event(self, event):
-            log.append(("wait", self.name, event))
-
-        def __repr__(self):
-            return self.name
-
-    handle = [7]
-    made = []
-
-    def current_stream(device=None):
-        made.append(device)
-        return Stream(f"s{handle[0]}", device)
-
-    def set_stream(stream):
-        current["device"] = stream.device_index
-        log.append(("current", stream.name))
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: current.__setitem__("device", device))
-    monkeypatch.setattr(launch, "_raw_stream", lambda device: handle[0])
-    order = fused_all_gather._SideOrder(torch.device("cuda", 3))
-    side = Stream("side")
-    for _ in range(2):
-        log.clear()
-        entered = order.enter(side)
-        main = entered[0]
-        order.leave(entered)
-        order.rejoin(side)
-        assert main.name == "s7" and current["device"] == 3
-        assert log == [("record", order.fork, main), ("wait", "side", order.fork), ("current", "side"),
-                       ("current", "s7"), ("record", order.join, side), ("wait", "s7", order.join)]
-    assert made == [3]  # one stream object for the handle, on the plan's device
-    handle[0] = 9  # the caller moved to another stream
-    assert order.enter(side)[0].name == "s9" and made == [3, 3]
-    assert isinstance(order.fork, Event) and isinstance(order.join, Event)
-    current["device"] = 0  # the caller's current device is not the plan's
-    entered = order.enter(side)
-    assert current["device"] == 3  # (the side stream's device made current)
-    order.leave(entered)
-    assert current["device"] == 0
+    # each call: the side stream after the caller's before the pushes, the caller's stream after
+    # the side stream's once the kernel is queued
+    assert _Side.log == [("side", "waits for", "main"), ("main", "waits for", "side")] * 2
 
 
 def test_the_all_gathers_pushes_rejoin_the_callers_stream_when_a_launch_fails(monkeypatch):
     """A copy-engine call whose kernel launch raises still has the caller's stream wait for the
-    side stream (its copies read the shard, which the caller may free), and leaves the caller's
-    stream current."""
+    side stream (its copies read the shard, which the caller may free)."""
     pytest.importorskip("triton.tools.tensor_descriptor")
     pytest.importorskip("iris")
     import torch
@@ -383,7 +306,7 @@ def test_the_all_gathers_pushes_rejoin_the_callers_stream_when_a_launch_fails(mo
                                   side=_Side())
     with pytest.raises(RuntimeError, match="launch refused"):
         go(1, 1)
-    assert _LoggedOrder.log == ["enter", ("leave", "entered"), "rejoin"]
+    assert _Side.log == [("side", "waits for", "main"), ("main", "waits for", "side")]
 
 
 def test_each_input_of_the_all_gathers_plan_makes_a_plan_of_its_own(monkeypatch):

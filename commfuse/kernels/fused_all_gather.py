@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from . import launch as launches
 from .launch import Bound
 from .sync import TRACE_SLOTS, FUSED_AG_OP, iris, now, require_iris, trace_tile, trace_time, wait_or_record
 from .tiles import claim, mma_tile, scale_tile, tile_coords, tile_epilogue
@@ -202,50 +201,6 @@ _PER_CALL = ("g_desc", "b_desc", "gathered", "bias", "out", "data", "stride_bm",
              "trace", "scale_a", "scale_b")
 
 
-class _SideOrder:
-    """The copy engines' side stream ordered after the caller's stream and back (``prepare``'s
-    push), with what a call would otherwise make anew kept here: the caller's stream object, told
-    by its handle (making one costs the host a device lookup), and the two events
-    (``Stream.wait_stream`` makes and frees one per wait). An event may be recorded again once
-    the waits queued on it are queued: a wait takes the record before it. (One thread at a time
-    per plan, as the workspace's epochs are.) Making a stream of another device current also
-    makes that device current: ``leave`` makes the caller's device current again."""
-
-    __slots__ = ("index", "raw", "main", "fork", "join")
-
-    def __init__(self, device: torch.device):
-        self.index, self.raw, self.main = device.index, None, None
-        self.fork, self.join = torch.cuda.Event(), torch.cuda.Event()
-
-    def current(self):
-        """The caller's current stream on the plan's device."""
-        raw = launches._raw_stream(self.index)  # (the launches' own query: tests stand in for it there)
-        if raw != self.raw or self.main is None:
-            self.main, self.raw = torch.cuda.current_stream(self.index), raw
-        return self.main
-
-    def enter(self, side) -> tuple:
-        """``side`` after the caller's stream, and current; returns what ``leave`` restores."""
-        main = self.current()
-        self.fork.record(main)
-        side.wait_event(self.fork)
-        device = torch.cuda.current_device()
-        torch.cuda.set_stream(side)
-        return main, device
-
-    def leave(self, entered: tuple) -> None:
-        """The caller's stream current again, and the caller's device (``enter``'s return)."""
-        main, device = entered
-        torch.cuda.set_stream(main)
-        if device != self.index:
-            torch.cuda.set_device(device)
-
-    def rejoin(self, side) -> None:
-        """The caller's stream after everything ``side`` holds."""
-        self.join.record(side)
-        self.current().wait_event(self.join)
-
-
 class _Plan:
     """What a call's launch depends on beyond its operands (``prepare``), worked out once per
     workspace, shapes, layout and options (``Workspace.kept``): the gathered rows of each parity
@@ -307,7 +262,6 @@ class _Plan:
         self.pushers = 0 if ce else max(1, min(pushers, tiles.cdiv(rows, CHUNK_ROWS), programs // 4))
         self.compute = max(1, min(count, programs - self.pushers))
         self.mine = slice(rank * rows, (rank + 1) * rows)
-        self.order = _SideOrder(device) if ce else None
         self.bound = Bound(all_gather_gemm_kernel, (self.pushers + self.compute,), _PER_CALL, pushers=self.pushers,
                            **fixed, **consts)
 
@@ -366,17 +320,16 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         flag written after it. Queued behind everything this rank's stream holds: its previous
         call has ended, so every peer has started that call and no longer reads this parity's
         half from two calls ago (the kernel's own argument, module docstring)."""
+        main = torch.cuda.current_stream(shard.device)
+        side.wait_stream(main)
         rank, world, flag_rows, flag_base = ws.rank, ws.world, plan.flag_rows, plan.flag_base
-        entered = plan.order.enter(side)
-        try:
+        with torch.cuda.stream(side):
             for c, lo in enumerate(range(0, rows, flag_rows)):
                 hi = min(lo + flag_rows, rows)
                 for q in plan.peers:
                     plan.peer_rows[(q, parity)][rank * rows + lo:rank * rows + hi].copy_(shard[lo:hi],
                                                                                          non_blocking=True)
                     plan.write_flag(plan.peer_flags[q], flag_base + c * world + rank, epoch)
-        finally:
-            plan.order.leave(entered)
 
     def launch(epoch: int, parity: int) -> None:
         base = ws.ticket_base
@@ -395,7 +348,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                 gathered.copy_(gathered_rows[parity])
         finally:  # also when something failed: the caller's stream never runs ahead of the pushes
             if ce:
-                plan.order.rejoin(side)
+                torch.cuda.current_stream(shard.device).wait_stream(side)
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + plan.count + plan.pushers + plan.compute
 
