@@ -28,9 +28,8 @@ caching allocator went to the device (``cudaMalloc``, ``cudaFree``, retries) per
 ``--sleep-ms 0`` leaves the GPU idle when each call starts, which separates a call slowed by a
 busy GPU from one slowed by what ran before it. In turn, the cases' order is shuffled from batch
 to batch (one fixed seed), so no case is always the first after the GPU sleep (the first call
-after it costs the host most) nor always follows the same case (a call after another that left
-the host's caches cold costs more: with the order only rotated, a case's neighbours never
-changed).
+after it costs the host most) nor always follows the same case (with the order only rotated a
+case's neighbours never changed, and a case could read twice its back-to-back time).
 """
 
 from __future__ import annotations
