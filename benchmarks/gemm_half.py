@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 
@@ -60,6 +59,11 @@ FP8_ALTERNATIVES = ("128x128x128s4w8g8r0", "128x256x128s4w8g8r0", "256x128x128s3
 def _flush_buffer() -> torch.Tensor:
     # larger than the H200's 60 MB L2, so each timed call reads its operands from HBM
     return torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``out``'s error against the fp32 reference, relative to the reference's norm."""
+    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def time_flushed(fn, flush: torch.Tensor, iters: int) -> float:
@@ -136,7 +140,7 @@ def _one_rank_group():
     dist.init_process_group("nccl", rank=0, world_size=1)
     name = dist.group.WORLD.group_name
     x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
-    torch.ops.commfuse.mm_all_reduce(x, x[:, :64].t().contiguous(), None, name)
+    torch.ops.commfuse.mm_all_reduce(x, x.t().contiguous(), None, name)
     group = groups.get(name)
     return lambda nbytes: groups.workspace(group, nbytes, torch.device("cuda", 0))
 
@@ -195,7 +199,7 @@ def _kernel_alternatives(op, m, k, n, args, a, b, out, ref, workspace, flush, re
             out.fill_(float("nan"))
             run, _ = fused_kernel(op, m, k, n, args.world, a, b, out, workspace, TileConfig.parse(text))
             run()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
+            err = _relative_error(out, ref)
             if not err < 1e-2:
                 rec.setdefault("alt_wrong", {})[text] = err
                 continue
@@ -235,7 +239,7 @@ def time_kernels(args, flush) -> tuple[list, dict]:
                 records.append(rec)
                 continue
             ref = a.float() @ b.float()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
+            err = _relative_error(out, ref)
             if not err < 1e-2:  # recorded, not timed; the run goes on and exits non-zero
                 rec["wrong"] = err
                 print(f"{op:18s} {m:6d} {k:6d} {n:6d}  WRONG: relative error {err:.3g} ({rec['tiling']})", flush=True)
@@ -265,12 +269,12 @@ def time_kernels(args, flush) -> tuple[list, dict]:
         big = timed if op == "split_k" else [r for r in timed if r["M"] >= 1024]
         if not big:
             continue
-        summary[op] = {key: math.exp(sum(math.log(r[ratio]) for r in big) / len(big))
+        summary[op] = {key: statistics.geometric_mean(r[ratio] for r in big)
                        for key, ratio in (("geomean_kernel_over_cublas", "ratio"),
                                           ("geomean_queued_kernel_over_cublas", "queued_ratio"))}
         if args.alternatives and op != "split_k":
-            summary[op]["geomean_queued_best_over_cublas"] = math.exp(
-                sum(math.log(r["best_queued_us"] / r["cublas_queued_us"]) for r in big) / len(big))
+            summary[op]["geomean_queued_best_over_cublas"] = statistics.geometric_mean(
+                r["best_queued_us"] / r["cublas_queued_us"] for r in big)
         summary[op].update(shapes=len(big), rows="all (at most SPLIT_K_ROWS)" if op == "split_k" else "M >= 1024")
         print(f"{op}: geomean kernel/cuBLAS over {len(big)} shapes ({summary[op]['rows']}): "
               f"{summary[op]['geomean_kernel_over_cublas']:.3f}; queued (device time alone): "
@@ -364,12 +368,12 @@ def main() -> int:
                 def ours(cfg, out=out):
                     tiles.matmul(a, b, None, cfg, out=out)
             ours(cfg)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
+            err = _relative_error(out, ref)
             if not err < 1e-2:
                 raise RuntimeError(f"gemm_half: the tile GEMM is wrong at {op} {m}x{k}x{n} ({cfg}): {err}")
             out.fill_(float("nan"))
             library()
-            lib_err = ((out.float() - ref).norm() / ref.norm()).item()
+            lib_err = _relative_error(out, ref)
             cublas = time_flushed(library, flush, args.iters)
             tile = time_flushed(lambda: ours(cfg), flush, args.iters)
             rec = dict(op=op, M=m, K=k, N=n, world=w, tiling=str(cfg), cublas_us=cublas, tile_us=tile,
@@ -400,14 +404,14 @@ def main() -> int:
     for op in args.ops.split(","):
         big = [r for r in records if r["op"] == op and r["M"] >= 1024]
         if big:
-            summary[op] = {"geomean_tile_over_cublas_M_ge_1024": math.exp(
-                sum(math.log(r["ratio"]) for r in big) / len(big)), "shapes": len(big)}
+            summary[op] = {"geomean_tile_over_cublas_M_ge_1024": statistics.geometric_mean(
+                r["ratio"] for r in big), "shapes": len(big)}
             if args.alternatives:
-                summary[op]["geomean_best_over_cublas_M_ge_1024"] = math.exp(
-                    sum(math.log(r["best_us"] / r["cublas_us"]) for r in big) / len(big))
+                summary[op]["geomean_best_over_cublas_M_ge_1024"] = statistics.geometric_mean(
+                    r["best_us"] / r["cublas_us"] for r in big)
             if args.queued:  # the device's time alone: the launch's host time left out
-                summary[op]["geomean_queued_tile_over_cublas_M_ge_1024"] = math.exp(
-                    sum(math.log(r["tile_queued_us"] / r["cublas_queued_us"]) for r in big) / len(big))
+                summary[op]["geomean_queued_tile_over_cublas_M_ge_1024"] = statistics.geometric_mean(
+                    r["tile_queued_us"] / r["cublas_queued_us"] for r in big)
             print(f"{op}: geomean tile/cuBLAS at M >= 1024: "
                   f"{summary[op]['geomean_tile_over_cublas_M_ge_1024']:.3f} over {len(big)} shapes"
                   + (f"; best tiling per shape: {summary[op]['geomean_best_over_cublas_M_ge_1024']:.3f}"

@@ -115,15 +115,17 @@ def _split_k_parts(cases: list, forced: dict, group: str) -> list:
         return []
     a, b = found[0]
 
+    def force():
+        forced.clear()
+        forced["mm_all_reduce"] = "split_k"
+
     def forcing(fn):
         def part():
-            forced.clear()
-            forced["mm_all_reduce"] = "split_k"
+            force()
             return fn()
         return part
 
-    forced.clear()
-    forced["mm_all_reduce"] = "split_k"
+    force()
     # (only the parts that pass through the entry decide a path; the others time no forcing)
     parts = [(f"part: split_k {name}", forcing(fn) if name in ("op", "call", "entry") else fn, a, b)
              for name, fn in split_k_parts(group, a, b).items()]
