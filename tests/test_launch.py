@@ -454,29 +454,3 @@ def test_an_encoded_launch_of_several_descriptors_keeps_every_argument_in_place(
     launch.run(k, (3,), _desc(x), 5, _desc(y), 6, _desc(z))
     assert k.log[-1][0] == "raw" and enc.calls == 3  # each descriptor encoded once
     assert list(k.log[-1][1]) == k.compiled.triton_args((3, 1, 1), (_desc(x), 5, _desc(y), 6, _desc(z), 7), 1234)
-
-
-def _checker_values():
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    x, y = torch.zeros(64, 64), torch.ones(64, 64, dtype=torch.float16)
-    kept = TensorDescriptor(x, [64, 64], [64, 1], [16, 16])
-    setattr(kept, launch.LAYOUT_ATTR, launch.descriptor_layout(kept))
-    return [0, 1, 2, 16, 48, 33, -16, 2 ** 31, 2 ** 40, 2 ** 63, True, False, None, 1.5, "s",
-            x, torch.ones(64, 64), y, x.view(-1)[1:], torch.nn.Parameter(torch.zeros(4)),
-            TensorDescriptor(x, [64, 64], [64, 1], [16, 16]), kept, TensorDescriptor(y, [64, 64], [64, 1], [16, 16]),
-            TensorDescriptor(x, [32, 64], [64, 1], [16, 16]), TensorDescriptor(x, [64, 64], [64, 1], [32, 16]),
-            TensorDescriptor(x.view(-1)[4:4 + 64 * 60].view(64, 60), [64, 60], [60, 1], [16, 16])]
-
-
-@pytest.mark.parametrize("loose", [False, True])
-def test_a_bound_arguments_test_accepts_only_what_specialises_alike(loose):
-    spec = launch._width if loose else launch._spec
-    values = _checker_values()
-    for first in values:
-        same = launch._checker(first, loose)
-        for later in values:
-            if same(later):  # never a value that Triton would compile otherwise
-                assert spec(later) == spec(first), (first, later)
-            elif type(later) is type(first):  # and it refuses no like value that specialises alike
-                assert spec(later) != spec(first), (first, later)

@@ -315,11 +315,12 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         call["gathered"] = out
     ce, gathered_rows, mine = plan.ce, plan.gathered_rows, plan.mine
 
-    def push(main: torch.cuda.Stream, epoch: int, parity: int) -> None:
+    def push(epoch: int, parity: int) -> None:
         """The copy engines store the shard into every peer's rows, chunk by chunk, each chunk's
-        flag written after it. Queued behind everything this rank's stream (``main``) holds: its
-        previous call has ended, so every peer has started that call and no longer reads this
-        parity's half from two calls ago (the kernel's own argument, module docstring)."""
+        flag written after it. Queued behind everything this rank's stream holds: its previous
+        call has ended, so every peer has started that call and no longer reads this parity's
+        half from two calls ago (the kernel's own argument, module docstring)."""
+        main = torch.cuda.current_stream(shard.device)
         side.wait_stream(main)
         rank, world, flag_rows, flag_base = ws.rank, ws.world, plan.flag_rows, plan.flag_base
         with torch.cuda.stream(side):
@@ -334,10 +335,9 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
         base = ws.ticket_base
         if traced:
             trace.fill_(-1)
-        main = torch.cuda.current_stream(shard.device) if ce else None
         try:
             if ce:
-                push(main, epoch, parity)
+                push(epoch, parity)
             gathered_rows[parity][mine].copy_(shard)
             if rowwise:  # this rank's rows' scales beside its rows; the pushers take them from there
                 row_scales = call["scale_a"] = plan.scale_areas[parity]
@@ -348,7 +348,7 @@ def prepare(ws, shard: torch.Tensor, b: torch.Tensor, bias, gathered: torch.Tens
                 gathered.copy_(gathered_rows[parity])
         finally:  # also when something failed: the caller's stream never runs ahead of the pushes
             if ce:
-                main.wait_stream(side)
+                torch.cuda.current_stream(shard.device).wait_stream(side)
         # every position claimed once, and one failed claim per program
         ws.ticket_base = base + plan.count + plan.pushers + plan.compute
 

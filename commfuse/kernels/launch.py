@@ -172,35 +172,6 @@ def _width(v):
     return ("int",) + spec[1:] if type(v) is int else spec
 
 
-def _checker(value, loose: bool):
-    """A test of a later value for an argument first bound as ``value``: true only where its
-    ``_spec`` (``_width`` where Triton leaves it unspecialised) would equal ``value``'s. It may
-    refuse more (a value of another type that specialises alike): a refused value binds again
-    through ``run``, never launches a kernel compiled for another specialisation. Cheaper than
-    computing and comparing both specialisations at each launch."""
-    t = type(value)
-    if t is int and loose and -(2 ** 31) <= value < 2 ** 31:
-        return lambda v: type(v) is int and -(2 ** 31) <= v < 2 ** 31
-    if isinstance(value, torch.Tensor):
-        dtype, aligned = value.dtype, value.data_ptr() % 16 == 0
-        return lambda v: type(v) is t and v.dtype is dtype and (v.data_ptr() % 16 == 0) is aligned
-    if t.__name__ == "TensorDescriptor":
-        base = value.base
-        dtype, aligned, layout = base.dtype, base.data_ptr() % 16 == 0, descriptor_layout(value)
-
-        def descriptor(v):
-            if type(v) is not t:
-                return False
-            base = v.base
-            return (base.dtype is dtype and (base.data_ptr() % 16 == 0) is aligned
-                    and (getattr(v, LAYOUT_ATTR, None) is layout or descriptor_layout(v) == layout))
-        return descriptor
-    spec = _width(value) if loose else _spec(value)
-    if loose:
-        return lambda v: _width(v) == spec
-    return lambda v: _spec(v) == spec
-
-
 def _unspecialised(kernel) -> list[bool]:
     """Per parameter: Triton does not specialise its value (``do_not_specialize``)."""
     return [bool(getattr(p, "do_not_specialize", False)) for p in kernel.params]
@@ -232,8 +203,8 @@ class Bound:
                 raise TypeError(f"commfuse: {wrong} of {getattr(kernel, '__name__', kernel)} cannot change "
                                 "between bound launches (constexprs and launch options are fixed)")
         self.kernel, self.grid, self.changing, self.fixed = kernel, grid, frozenset(changing), fixed
-        # (runner, every argument with the changing ones left None, [(name, index, a test that a
-        # value specialises as the bound one did)], device, Triton settings)
+        # (runner, every argument with the changing ones left None, [(name, index, specialisation,
+        # whether Triton leaves it unspecialised)], device, Triton settings)
         self._direct = None
 
     def __call__(self, **changes) -> None:
@@ -244,9 +215,9 @@ class Bound:
         if direct is not None and enabled():
             runner, template, slots, device, settings = direct
             values = list(template)
-            for name, i, same in slots:
+            for name, i, spec, loose in slots:
                 value = changes[name]
-                if not same(value):
+                if (_width(value) if loose else _spec(value)) != spec:
                     break
                 values[i] = value
             else:
@@ -266,8 +237,8 @@ class Bound:
                 compiled, values, key, device = done
                 names = _signatures[self.kernel][0]
                 loose = _unspecialised(self.kernel)
-                slots = [(name, i, _checker(values[i], loose[i])) for i, name in enumerate(names)
-                         if name in self.changing]
+                slots = [(name, i, _width(values[i]) if loose[i] else _spec(values[i]), loose[i])
+                         for i, name in enumerate(names) if name in self.changing]
                 template = [None if name in self.changing else v for name, v in zip(names, values)]
                 self._direct = (launcher_of(compiled, _grid3(self.grid)), template, slots, device, key[3])
             except Exception as exc:  # noqa: BLE001 - the next call binds again through ``run``
